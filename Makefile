@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: demo test lint typecheck pytest protos check-protos clean bench
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip==25.3
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/quayutec demo
+
+test: $(STAMP) lint typecheck check-protos pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+check-protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py --check
+
+pytest: $(STAMP)
+	$(BIN)/pytest
+
+protos: $(STAMP)
+	$(BIN)/python scripts/gen_protos.py
+
+bench: $(STAMP)
+	$(BIN)/pip install --quiet -e '.[dev,bench]'
+	$(BIN)/python bench/claims.py
+
+clean:
+	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,53 @@
+"""One asyncpg pool per process, on ``DATABASE_URL`` or an embedded PostgreSQL (pgserver)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import asyncpg
+
+from quayutec.config import DatabaseConfig
+
+_log = logging.getLogger("quayutec.db")
+
+# Unix sockets live in the data folder; their path must stay under the kernel's limit (108 bytes).
+_MAX_SOCKET_DIR = 90
+
+
+def embedded_database_url(data_dir: Path) -> str:
+    """Start (or reuse) the embedded PostgreSQL in ``data_dir/pgdata`` and return its URL.
+
+    The server outlives this process on purpose: every service of one machine shares it.
+    """
+    import pgserver  # imported lazily: only the embedded mode needs it
+
+    pgdata = data_dir / "pgdata"
+    if len(str(pgdata)) > _MAX_SOCKET_DIR:
+        raise ValueError(
+            f"the embedded PostgreSQL folder {pgdata} is too long for a Unix socket path; "
+            "set QUAYUTEC_DATA_DIR to a shorter folder or set DATABASE_URL"
+        )
+    pgdata.parent.mkdir(parents=True, exist_ok=True)
+    server = pgserver.get_server(str(pgdata), cleanup_mode=None)
+    return str(server.get_uri())
+
+
+async def resolve_database_url(config: DatabaseConfig) -> str:
+    if config.url:
+        return config.url
+    return await asyncio.to_thread(embedded_database_url, config.data_dir)
+
+
+async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
+    """An asyncpg pool; fails fast with a clear message when PostgreSQL is unreachable."""
+    pool = await asyncpg.create_pool(url, min_size=min_size, max_size=max_size, command_timeout=30)
+    if pool is None:  # pragma: no cover - asyncpg returns None only without await
+        raise RuntimeError("asyncpg.create_pool returned no pool")
+    return pool
+
+
+async def open_pool(config: DatabaseConfig) -> asyncpg.Pool:
+    url = await resolve_database_url(config)
+    return await create_pool(url, min_size=config.pool_min, max_size=config.pool_max)

@@ -1,0 +1,132 @@
+"""Errors every service raises, and the one table that maps them to gRPC status codes."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+import grpc
+
+_log = logging.getLogger("quayutec.errors")
+
+# PostgreSQL SQLSTATE classes that mean "the database is not reachable right now".
+CONNECTION_SQLSTATE_CLASSES = ("08", "53", "57")
+
+
+class ServiceError(Exception):
+    """A failure with a gRPC status code and a message that says what to fix."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(ServiceError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class NotFound(ServiceError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(ServiceError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class FailedPrecondition(ServiceError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class PermissionDenied(ServiceError):
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Unauthenticated(ServiceError):
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class ResourceExhausted(ServiceError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, *, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_ms = retry_after_ms
+
+
+class Unavailable(ServiceError):
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+# Codes of a downstream service's answer that pass through unchanged to our caller.
+_PASS_THROUGH = frozenset(
+    {
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.UNAVAILABLE,
+    }
+)
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    """True when ``exc`` means PostgreSQL could not be reached (retryable, UNAVAILABLE)."""
+    if isinstance(exc, asyncpg.PostgresError):
+        sqlstate = getattr(exc, "sqlstate", None) or ""
+        return sqlstate[:2] in CONNECTION_SQLSTATE_CLASSES
+    return isinstance(exc, (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionDoesNotExistError))
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status code and message our caller sees for ``exc``."""
+    if isinstance(exc, ServiceError):
+        return exc.code, exc.message
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code = exc.code()
+        if code in _PASS_THROUGH:
+            return code, exc.details() or code.name
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            return grpc.StatusCode.UNAVAILABLE, f"a backend did not answer in time: {exc.details()}"
+        return grpc.StatusCode.INTERNAL, f"a backend failed: {code.name}"
+    if is_connection_error(exc) or isinstance(exc, TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, "the database is unavailable; retry later"
+    return grpc.StatusCode.INTERNAL, "internal error"
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Turns exceptions raised by unary handlers into the status codes of ``status_for``."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        inner = handler.unary_unary
+
+        async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            try:
+                return await inner(request, context)
+            except grpc.aio.AbortError:
+                raise
+            except Exception as exc:
+                code, message = status_for(exc)
+                if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
+                    _log.warning("%s failed: %s", handler_call_details.method, message, exc_info=exc)
+                if isinstance(exc, ResourceExhausted) and exc.retry_after_ms is not None:
+                    context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+                await context.abort(code, message)
+
+        return grpc.unary_unary_rpc_method_handler(
+            guarded,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )

@@ -1,0 +1,127 @@
+"""Schema migrations: numbered SQL files per component, a version table, one transaction each.
+
+Each component (a service that owns tables) keeps ``sql/schema.sql`` (the whole schema as it now
+stands) and ``sql/migrations/NNNN_name.sql``. ``python -m quayutec.migrate`` applies every
+component's pending migrations; services also apply their own on start unless told not to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import asyncpg
+
+from quayutec.config import DatabaseConfig
+from quayutec.db import open_pool
+
+ROOT = Path(__file__).resolve().parent.parent
+_MIGRATION_NAME = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
+_LOCK_KEY = 0x51_75_61_79  # one advisory lock for all migrations of this database
+
+VERSION_TABLE_SQL = """
+CREATE TABLE IF NOT EXISTS quayutec_schema_migrations (
+    component text NOT NULL,
+    version integer NOT NULL,
+    name text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (component, version)
+)
+"""
+
+
+@dataclass(frozen=True)
+class Migration:
+    component: str
+    version: int
+    name: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class Component:
+    """A service that owns tables, and the folder of its SQL."""
+
+    name: str
+    sql_dir: Path
+
+    @property
+    def schema_path(self) -> Path:
+        return self.sql_dir / "schema.sql"
+
+    def migrations(self) -> list[Migration]:
+        found: list[Migration] = []
+        for path in sorted((self.sql_dir / "migrations").glob("*.sql")):
+            match = _MIGRATION_NAME.match(path.name)
+            if match is None:
+                raise ValueError(f"{path}: migration files are named NNNN_name.sql")
+            found.append(Migration(self.name, int(match["version"]), match["name"], path))
+        versions = [m.version for m in found]
+        if versions != list(range(1, len(found) + 1)):
+            raise ValueError(f"{self.sql_dir}/migrations: versions must run 1, 2, 3... without gaps, got {versions}")
+        return found
+
+
+CLAIMS = Component("claims", ROOT / "services" / "claims" / "sql")
+ROOM = Component("room", ROOT / "services" / "room" / "sql")
+GATEWAY = Component("gateway", ROOT / "services" / "gateway" / "sql")
+COMPONENTS: tuple[Component, ...] = (CLAIMS, ROOM, GATEWAY)
+
+
+async def applied_versions(conn: asyncpg.Connection, component: str) -> set[int]:
+    rows = await conn.fetch("SELECT version FROM quayutec_schema_migrations WHERE component = $1", component)
+    return {int(r["version"]) for r in rows}
+
+
+async def migrate(pool: asyncpg.Pool, components: tuple[Component, ...] = COMPONENTS) -> list[Migration]:
+    """Apply pending migrations, each in its own transaction; safe to run from many processes at once."""
+    applied: list[Migration] = []
+    async with pool.acquire() as conn:
+        await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
+        try:
+            await conn.execute(VERSION_TABLE_SQL)
+            for component in components:
+                done = await applied_versions(conn, component.name)
+                for migration in component.migrations():
+                    if migration.version in done:
+                        continue
+                    async with conn.transaction():
+                        await conn.execute(migration.path.read_text(encoding="utf-8"))
+                        await conn.execute(
+                            "INSERT INTO quayutec_schema_migrations (component, version, name) VALUES ($1, $2, $3)",
+                            migration.component,
+                            migration.version,
+                            migration.name,
+                        )
+                    applied.append(migration)
+        finally:
+            await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_KEY)
+    return applied
+
+
+async def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m quayutec.migrate", description="Apply schema migrations.")
+    parser.add_argument("--component", choices=[c.name for c in COMPONENTS], action="append")
+    opts = parser.parse_args(argv)
+    chosen = tuple(c for c in COMPONENTS if not opts.component or c.name in opts.component)
+    pool = await open_pool(DatabaseConfig.from_env())
+    try:
+        applied = await migrate(pool, chosen)
+    finally:
+        await pool.close()
+    for m in applied:
+        print(f"applied {m.component} {m.version:04d}_{m.name}")
+    print(f"schema up to date ({len(applied)} applied)")
+    return 0
+
+
+def main() -> None:
+    raise SystemExit(asyncio.run(_main(sys.argv[1:])))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Server lifecycle shared by the four services.
+
+Start-up order: the caller opens its pool and builds its servicer, then ``GrpcServer.start()``
+binds the server with our interceptors, health and reflection, and marks health SERVING.
+``stop()`` marks NOT_SERVING, drains with ``server.stop(grace)``, then runs the service's own
+clean-up (closing its pool); it is safe to call twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from quayutec.config import ServerConfig
+from quayutec.errors import ErrorMappingInterceptor
+
+_log = logging.getLogger("quayutec.server")
+
+# Bounded resources on every server: message size and concurrent streams.
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+MAX_CONCURRENT_RPCS = 1024
+
+
+class GrpcServer:
+    """One gRPC server with health checking, reflection and error mapping."""
+
+    def __init__(
+        self,
+        *,
+        service_names: Sequence[str],
+        config: ServerConfig,
+        register: Callable[[grpc.aio.Server], None],
+        on_stop: Callable[[], Awaitable[None]] | None = None,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+        credentials: grpc.ServerCredentials | None = None,
+    ) -> None:
+        self._service_names = tuple(service_names)
+        self._config = config
+        self._register = register
+        self._on_stop = on_stop
+        self._interceptors = (*interceptors, ErrorMappingInterceptor())
+        self._credentials = credentials
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._stopping: asyncio.Task[None] | None = None
+        self.port = 0
+
+    async def start(self) -> int:
+        """Bind and start serving; returns the bound port (useful with port 0)."""
+        server = grpc.aio.server(
+            interceptors=self._interceptors,
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_concurrent_streams", MAX_CONCURRENT_RPCS),
+            ],
+            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
+        )
+        self._register(server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            (*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+        )
+        if self._credentials is not None:
+            port = server.add_secure_port(self._config.listen, self._credentials)
+        else:
+            port = server.add_insecure_port(self._config.listen)
+        if port == 0:
+            raise OSError(f"could not listen on {self._config.listen}")
+        await server.start()
+        for name in ("", *self._service_names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._server = server
+        self.port = int(port)
+        _log.info("%s listening on port %d", ", ".join(self._service_names), port)
+        return self.port
+
+    async def stop(self, grace: float | None = None) -> None:
+        """Stop serving and clean up; concurrent and repeated calls wait for the same stop."""
+        if self._stopping is None:
+            self._stopping = asyncio.ensure_future(self._stop(self._config.grace_seconds if grace is None else grace))
+        await asyncio.shield(self._stopping)
+
+    async def _stop(self, grace: float) -> None:
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(grace)
+        if self._on_stop is not None:
+            await self._on_stop()
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def serve_until_signal(self) -> None:
+        """Serve until SIGTERM or SIGINT, then stop gracefully."""
+        loop = asyncio.get_running_loop()
+        stop_requested = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop_requested.set)
+        if self._server is None:
+            await self.start()
+        await stop_requested.wait()
+        _log.info("stopping %s", ", ".join(self._service_names))
+        await self.stop()
+
+
+def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """The ``python -m services.<name>`` entry: logging, uvloop when present, then ``main``."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
+        asyncio.run(main())
+    else:
+        uvloop.run(main())

@@ -1,0 +1,186 @@
+"""The one retry loop for model calls: send, classify, record, wait, at most `max_requests` times."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import httpx
+from opentelemetry import trace
+from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
+
+from . import anthropic, openai
+from .classify import Verdict, classify_exception, classify_response, sanitize
+from .policy import Clock, RetryPolicy
+from .types import Attempt, BadReply, ModelOutcome, ModelReply, ModelRequest, ModelTarget
+
+TRACER_NAME = "quayutec.runtime.model"
+RETRY_WAIT_EVENT = "quayutec.model.retry_wait"
+
+OnAttempt = Callable[[Attempt], Awaitable[None]]
+
+
+def make_http_client(
+    timeout_seconds: float,
+    transport: httpx.AsyncBaseTransport | None = None,
+    *,
+    trust_env: bool = True,
+) -> httpx.AsyncClient:
+    """The process's one shared client: explicit timeout, no redirects, no retries of its own."""
+    if timeout_seconds <= 0:
+        raise ValueError("timeout_seconds must be positive")
+    return httpx.AsyncClient(
+        timeout=httpx.Timeout(timeout_seconds),
+        transport=transport,
+        follow_redirects=False,
+        trust_env=trust_env,
+    )
+
+
+async def call_model(
+    http: httpx.AsyncClient,
+    target: ModelTarget,
+    request: ModelRequest,
+    *,
+    policy: RetryPolicy,
+    clock: Clock,
+    on_attempt: OnAttempt | None = None,
+    tracer: Tracer | None = None,
+) -> ModelOutcome:
+    """Call the model with bounded retries; every attempt is traced and handed to `on_attempt`
+    (awaited before any wait, so the ledger has it even if the run dies while waiting)."""
+    tracer = tracer or trace.get_tracer(TRACER_NAME)
+    budget = 1 if target.owner_supplied else policy.max_requests
+    attempts: list[Attempt] = []
+    for number in range(1, budget + 1):
+        with tracer.start_as_current_span(
+            f"chat {target.model}",
+            kind=SpanKind.CLIENT,
+            attributes=_request_attributes(target, number),
+            record_exception=False,
+        ) as span:
+            started = clock.monotonic()
+            status, reply, verdict = await _send_once(http, target, request)
+            duration_ms = max(0.0, (clock.monotonic() - started) * 1000.0)
+            error_class, retryable, wait = _decide(verdict, number, budget, policy)
+            _annotate(span, status, reply, error_class, retryable, wait)
+        attempt = Attempt(
+            number=number,
+            status_code=status,
+            error_class=error_class,
+            retryable=retryable,
+            wait_seconds=wait or 0.0,
+            detail=verdict.detail,
+            duration_ms=duration_ms,
+        )
+        attempts.append(attempt)
+        if on_attempt is not None:
+            await on_attempt(attempt)
+        if reply is not None:
+            return ModelOutcome(reply=reply, attempts=tuple(attempts), error_class=None, error=None)
+        if wait is None:
+            break
+        await clock.sleep(wait)
+    last = attempts[-1]
+    plural = "request" if len(attempts) == 1 else "requests"
+    return ModelOutcome(
+        reply=None,
+        attempts=tuple(attempts),
+        error_class=last.error_class,
+        error=sanitize(f"{last.error_class} after {len(attempts)} {plural}: {last.detail}", target.api_key),
+    )
+
+
+@dataclass(frozen=True)
+class _Wire:
+    build: Callable[
+        [ModelTarget, ModelRequest], tuple[str, dict[str, str], dict[str, object]]
+    ]
+    parse: Callable[[bytes], ModelReply]
+    name: str
+
+
+_ANTHROPIC = _Wire(anthropic.build, anthropic.parse, "anthropic")
+_OPENAI = _Wire(openai.build, openai.parse, "openai")
+
+
+def _wire(target: ModelTarget) -> _Wire:
+    return _ANTHROPIC if target.provider == "anthropic" else _OPENAI
+
+
+async def _send_once(
+    http: httpx.AsyncClient, target: ModelTarget, request: ModelRequest
+) -> tuple[int | None, ModelReply | None, Verdict]:
+    """One request. Returns (status, reply or None, verdict)."""
+    wire = _wire(target)
+    url, headers, body = wire.build(target, request)
+    try:
+        response = await http.post(url, headers=headers, json=body)
+    except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:
+        return None, None, classify_exception(exc, target.api_key)
+    status = response.status_code
+    if 200 <= status < 300:
+        try:
+            reply = wire.parse(response.content)
+        except BadReply as exc:
+            detail = sanitize(f"{status} bad_reply: {exc}", target.api_key)
+            return status, None, Verdict("bad_reply", False, None, detail)
+        return status, reply, Verdict("ok", False, None, f"{status} ok")
+    verdict = classify_response(
+        "anthropic" if wire is _ANTHROPIC else "openai",
+        status,
+        response.headers,
+        response.content,
+        target.api_key,
+    )
+    return status, None, verdict
+
+
+def _decide(
+    verdict: Verdict, number: int, budget: int, policy: RetryPolicy
+) -> tuple[str, bool, float | None]:
+    """(error class, retryable, wait before the next request or None to stop)."""
+    if not verdict.retryable or number >= budget:
+        return verdict.error_class, verdict.retryable, None
+    if verdict.named_wait is not None:
+        if verdict.named_wait > policy.max_named_wait_seconds:
+            return "retry_after_too_long", False, None
+        return verdict.error_class, True, verdict.named_wait
+    return verdict.error_class, True, policy.default_waits[number - 1]
+
+
+def _request_attributes(target: ModelTarget, number: int) -> dict[str, str | int | bool]:
+    return {
+        "gen_ai.operation.name": "chat",
+        "gen_ai.provider.name": "anthropic" if target.provider == "anthropic" else "openai",
+        "gen_ai.request.model": target.model,
+        "quayutec.model.attempt": number,
+        "quayutec.model.owner_supplied": target.owner_supplied,
+    }
+
+
+def _annotate(
+    span: Span,
+    status: int | None,
+    reply: ModelReply | None,
+    error_class: str,
+    retryable: bool,
+    wait: float | None,
+) -> None:
+    """Outcome attributes only: never the key, the prompt or the reply text."""
+    if status is not None:
+        span.set_attribute("http.response.status_code", status)
+    span.set_attribute("quayutec.model.error_class", error_class)
+    if reply is not None:
+        if reply.response_model:
+            span.set_attribute("gen_ai.response.model", reply.response_model)
+        span.set_attribute("gen_ai.usage.input_tokens", reply.input_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", reply.output_tokens)
+        if reply.stop_reason:
+            span.set_attribute("gen_ai.response.finish_reasons", (reply.stop_reason,))
+        return
+    span.set_attribute("error.type", error_class)
+    span.set_attribute("quayutec.model.retryable", retryable)
+    span.set_status(Status(StatusCode.ERROR, error_class))
+    if wait is not None:
+        span.add_event(RETRY_WAIT_EVENT, {"quayutec.model.wait_seconds": wait})

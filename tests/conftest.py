@@ -1,0 +1,104 @@
+"""Shared fixtures: a real PostgreSQL (DATABASE_URL or embedded), one fresh database per test.
+
+A template database with every migration applied is made once per session; each test gets a
+clone of it (``CREATE DATABASE ... TEMPLATE``), which takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from quayutec.db import create_pool, embedded_database_url
+from quayutec.migrate import migrate
+
+TEMPLATE_DB = "quayutec_test_template"
+
+
+def with_database(url: str, dbname: str) -> str:
+    """``url`` pointed at database ``dbname`` (keeps host, socket and credentials)."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{dbname}", parts.query, parts.fragment))
+
+
+@pytest.fixture(scope="session")
+def pg_server_url() -> Iterator[str]:
+    """The admin URL of the PostgreSQL server the tests use."""
+    url = os.environ.get("DATABASE_URL", "").strip()
+    if url:
+        yield url
+        return
+    # A short folder: the server's Unix socket lives in it.
+    data_dir = Path(tempfile.gettempdir()) / f"qy-test-{os.getuid()}"
+    yield embedded_database_url(data_dir)
+
+
+async def _make_template(admin_url: str) -> None:
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB} WITH (FORCE)")
+        await conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
+    finally:
+        await conn.close()
+    pool = await create_pool(with_database(admin_url, TEMPLATE_DB), min_size=1, max_size=2)
+    try:
+        await migrate(pool)
+    finally:
+        await pool.close()
+
+
+@pytest.fixture(scope="session")
+def template_ready(pg_server_url: str) -> str:
+    asyncio.run(_make_template(pg_server_url))
+    return pg_server_url
+
+
+async def create_test_database(admin_url: str, *, template: str | None = TEMPLATE_DB) -> str:
+    name = f"qt_{uuid.uuid4().hex[:16]}"
+    conn = await asyncpg.connect(admin_url)
+    try:
+        clause = f" TEMPLATE {template}" if template else ""
+        await conn.execute(f"CREATE DATABASE {name}{clause}")
+    finally:
+        await conn.close()
+    return with_database(admin_url, name)
+
+
+async def drop_test_database(admin_url: str, url: str) -> None:
+    name = urlsplit(url).path.lstrip("/")
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
+@pytest.fixture
+async def database_url(template_ready: str) -> AsyncIterator[str]:
+    """A fresh, fully migrated database for one test."""
+    url = await create_test_database(template_ready)
+    yield url
+    await drop_test_database(template_ready, url)
+
+
+@pytest.fixture
+async def empty_database_url(template_ready: str) -> AsyncIterator[str]:
+    """A fresh database with no schema at all."""
+    url = await create_test_database(template_ready, template=None)
+    yield url
+    await drop_test_database(template_ready, url)
+
+
+@pytest.fixture
+async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
+    p = await create_pool(database_url, min_size=1, max_size=10)
+    yield p
+    await p.close()
