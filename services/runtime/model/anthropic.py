@@ -28,8 +28,7 @@ def build(target: ModelTarget, request: ModelRequest) -> tuple[str, dict[str, st
         body["system"] = request.system
     if request.tools:
         body["tools"] = [
-            {"name": t.name, "description": t.description, "input_schema": dict(t.json_schema)}
-            for t in request.tools
+            {"name": t.name, "description": t.description, "input_schema": dict(t.json_schema)} for t in request.tools
         ]
     return f"{base}/v1/messages", headers, body
 

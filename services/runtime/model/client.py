@@ -93,9 +93,7 @@ async def call_model(
 
 @dataclass(frozen=True)
 class _Wire:
-    build: Callable[
-        [ModelTarget, ModelRequest], tuple[str, dict[str, str], dict[str, object]]
-    ]
+    build: Callable[[ModelTarget, ModelRequest], tuple[str, dict[str, str], dict[str, object]]]
     parse: Callable[[bytes], ModelReply]
     name: str
 
@@ -136,9 +134,7 @@ async def _send_once(
     return status, None, verdict
 
 
-def _decide(
-    verdict: Verdict, number: int, budget: int, policy: RetryPolicy
-) -> tuple[str, bool, float | None]:
+def _decide(verdict: Verdict, number: int, budget: int, policy: RetryPolicy) -> tuple[str, bool, float | None]:
     """(error class, retryable, wait before the next request or None to stop)."""
     if not verdict.retryable or number >= budget:
         return verdict.error_class, verdict.retryable, None

@@ -1,0 +1,4 @@
+from quayutec.server import run_service
+from services.runtime.server import main
+
+run_service(main)

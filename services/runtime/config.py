@@ -1,0 +1,59 @@
+"""Runtime settings, read once from ``QUAYUTEC_RUNTIME_*``."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from quayutec.config import CLAIMS, ROOM, RUNTIME, ConfigError, ServerConfig, env_float, env_int, env_str, service_addr
+
+P = RUNTIME.prefix
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """How the Runtime listens, whom it calls, and the bounds on its runs."""
+
+    server: ServerConfig
+    claims_addr: str
+    room_addr: str
+    # Runs executing at once in this process; over that StartRun answers RESOURCE_EXHAUSTED.
+    max_runs: int = 32
+    # Active time of one run (time parked on a waitpoint does not count).
+    run_seconds: float = 300.0
+    # Timeout of one model request (connect, read, write, pool).
+    model_timeout_seconds: float = 60.0
+    # Deadline of one call to Claims or Room.
+    backend_timeout_seconds: float = 10.0
+    # Our own provider addresses (not owner supplied: retried per the policy), e.g. the stand-in.
+    anthropic_base_url: str = "https://api.anthropic.com"
+    openai_base_url: str = "https://api.openai.com"
+    recent_messages: int = 20
+    # Comma-separated step boundaries at which a run pauses forever (crash tests only).
+    failpoints: frozenset[str] = frozenset()
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeConfig:
+        env = os.environ if env is None else env
+        failpoints = frozenset(p.strip() for p in env.get(f"{P}FAILPOINTS", "").split(",") if p.strip())
+        unknown = failpoints - FAILPOINTS
+        if unknown:
+            raise ConfigError(f"{P}FAILPOINTS names unknown points {sorted(unknown)}; known: {sorted(FAILPOINTS)}")
+        return cls(
+            server=ServerConfig.from_env(RUNTIME, env),
+            claims_addr=service_addr(CLAIMS, env),
+            room_addr=service_addr(ROOM, env),
+            max_runs=env_int(env, f"{P}MAX_RUNS", 32, minimum=1),
+            run_seconds=env_float(env, f"{P}RUN_SECONDS", 300.0, minimum=0.001),
+            model_timeout_seconds=env_float(env, f"{P}MODEL_TIMEOUT_SECONDS", 60.0, minimum=0.001),
+            backend_timeout_seconds=env_float(env, f"{P}BACKEND_TIMEOUT_SECONDS", 10.0, minimum=0.001),
+            anthropic_base_url=env_str(env, f"{P}ANTHROPIC_BASE_URL", "https://api.anthropic.com").rstrip("/"),
+            openai_base_url=env_str(env, f"{P}OPENAI_BASE_URL", "https://api.openai.com").rstrip("/"),
+            recent_messages=env_int(env, f"{P}RECENT_MESSAGES", 20, minimum=1),
+            failpoints=failpoints,
+        )
+
+
+# The step boundaries a crash test can stop a run at.
+FAILPOINTS = frozenset({"claimed", "room_read", "model_called", "reply_posted", "action_written"})

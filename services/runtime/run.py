@@ -1,0 +1,572 @@
+"""A run, step by step, in the order DESIGN.md gives: claim, read, call, decide, post, write, end.
+
+The claim comes first and is never undone: whatever happens after it (an error, the time limit,
+a crash), the wake is not acted on again. The ledger row is written whole at every step, so after
+a crash it shows what was posted, what was written and what was not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import httpx
+from opentelemetry import trace
+
+from quayutec.errors import InvalidArgument, ResourceExhausted
+from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
+from services.runtime.config import RuntimeConfig
+from services.runtime.model import (
+    DECLARED_ACTIONS,
+    Attempt,
+    ChatMessage,
+    Clock,
+    ModelReply,
+    ModelRequest,
+    ModelTarget,
+    RetryPolicy,
+    ToolCall,
+    call_model,
+)
+
+_log = logging.getLogger("quayutec.runtime")
+
+# Run ids are derived from (agent, wake): a redelivered wake names the same ledger row.
+RUN_NAMESPACE = uuid.UUID("6f1c8a52-3d0e-4c1b-9a57-0d3c2f1e9b41")
+MAX_ID_BYTES = 200
+MAX_MEMORY_BYTES = 16 * 1024
+MAX_TITLE_BYTES = 500
+MAX_BODY_BYTES = 64 * 1024
+
+ACTION_KINDS: dict[str, common_pb2.ActionKind.ValueType] = {
+    "remember": common_pb2.ACTION_KIND_REMEMBER,
+    "create_task": common_pb2.ACTION_KIND_CREATE_TASK,
+    "update_task": common_pb2.ACTION_KIND_UPDATE_TASK,
+    "close_task": common_pb2.ACTION_KIND_CLOSE_TASK,
+}
+PROVIDERS: dict[common_pb2.Provider.ValueType, str] = {
+    common_pb2.PROVIDER_ANTHROPIC: "anthropic",
+    common_pb2.PROVIDER_OPENAI: "openai",
+    common_pb2.PROVIDER_OPENAI_COMPATIBLE: "openai_compatible",
+}
+
+
+def run_id_for(agent_id: str, wake_id: str) -> str:
+    return str(uuid.uuid5(RUN_NAMESPACE, f"{agent_id}\x00{wake_id}"))
+
+
+@dataclass(frozen=True)
+class Wake:
+    """What StartRun was asked to act on."""
+
+    agent_id: str
+    wake_id: str
+    room_id: str
+    kind: common_pb2.WakeKind.ValueType
+    source_id: str
+
+    @classmethod
+    def from_request(cls, request: runtime_pb2.StartRunRequest) -> Wake:
+        for name in ("agent_id", "wake_id", "room_id"):
+            value: str = getattr(request, name)
+            if not value:
+                raise InvalidArgument(f"{name} is required")
+            if len(value.encode()) > MAX_ID_BYTES:
+                raise InvalidArgument(f"{name} is over {MAX_ID_BYTES} bytes")
+        return cls(request.agent_id, request.wake_id, request.room_id, request.wake_kind, request.wake_source_id)
+
+
+class DecisionError(Exception):
+    """A declared action that cannot be decided: the run ends with nothing posted or written."""
+
+
+class RunTimedOut(Exception):
+    """The run used up its active time."""
+
+
+@dataclass
+class RoomView:
+    """What the agent sees of the room when its run starts."""
+
+    agent: common_pb2.Agent
+    provider_key: str
+    wake_text: str
+    messages: list[common_pb2.Message]
+    tasks: list[common_pb2.Task]
+    memory: list[common_pb2.MemoryLine]
+    passages: list[common_pb2.Passage]
+
+
+@dataclass
+class Ledger:
+    """The run's ledger row, written whole to Room at every step."""
+
+    room: Any  # RoomServiceStub
+    run: common_pb2.Run
+    timeout: float
+    started: float = field(default_factory=time.monotonic)
+
+    async def save(self) -> None:
+        self.run.active_ms = int((time.monotonic() - self.started) * 1000)
+        self.run.updated_at.GetCurrentTime()
+        await self.room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=self.run), timeout=self.timeout)
+
+    async def step(self, step: common_pb2.RunStep.ValueType) -> None:
+        self.run.step = step
+        await self.save()
+
+    async def add_attempt(self, attempt: Attempt) -> None:
+        self.run.model_attempts.append(
+            common_pb2.ModelAttempt(
+                number=attempt.number,
+                status_code=attempt.status_code or 0,
+                error_class=attempt.error_class,
+                retryable=attempt.retryable,
+                wait_seconds=attempt.wait_seconds,
+                detail=attempt.detail,
+                duration_ms=int(attempt.duration_ms),
+            )
+        )
+        await self.save()
+
+    def mark_undone(self, detail: str) -> None:
+        for action in self.run.actions:
+            if action.outcome in (common_pb2.ACTION_OUTCOME_PENDING, common_pb2.ACTION_OUTCOME_UNSPECIFIED):
+                action.outcome = common_pb2.ACTION_OUTCOME_NOT_DONE
+                action.detail = detail
+
+    async def end(self, status: common_pb2.RunStatus.ValueType, error: str = "") -> None:
+        self.run.status = status
+        self.run.error = error
+        if status != common_pb2.RUN_STATUS_SUCCEEDED:
+            self.mark_undone(error or "the run ended first")
+        self.run.step = common_pb2.RUN_STEP_ENDED
+        self.run.ended_at.GetCurrentTime()
+        await self.save()
+
+
+class RunExecutor:
+    """Starts runs (claim first) and executes them in the background, a bounded number at once."""
+
+    def __init__(
+        self,
+        *,
+        config: RuntimeConfig,
+        claims: Any,  # ClaimsServiceStub
+        room: Any,  # RoomServiceStub
+        http: httpx.AsyncClient,
+        policy: RetryPolicy,
+        clock: Clock,
+    ) -> None:
+        self._config = config
+        self._claims = claims
+        self._room = room
+        self._http = http
+        self._policy = policy
+        self._clock = clock
+        self._active = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def active_runs(self) -> int:
+        return self._active
+
+    async def start(self, wake: Wake) -> tuple[runtime_pb2.StartRunResult.ValueType, str]:
+        """Claim the wake and run it in the background; refuse before claiming when full."""
+        run_id = run_id_for(wake.agent_id, wake.wake_id)
+        if self._active >= self._config.max_runs:
+            raise ResourceExhausted(
+                f"{self._active} runs are executing (limit {self._config.max_runs}); deliver the wake again later",
+                retry_after_ms=1000,
+            )
+        self._active += 1
+        handed_off = False
+        try:
+            claim = await self._claims.ClaimOnce(
+                claims_pb2.ClaimOnceRequest(agent_id=wake.agent_id, wake_id=wake.wake_id),
+                timeout=self._config.backend_timeout_seconds,
+            )
+            if not claim.claimed:
+                return runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED, run_id
+            task = asyncio.create_task(self._run_and_release(wake, run_id), name=f"run {run_id}")
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            handed_off = True
+            return runtime_pb2.START_RUN_RESULT_ACCEPTED, run_id
+        finally:
+            if not handed_off:
+                self._active -= 1
+
+    async def _run_and_release(self, wake: Wake, run_id: str) -> None:
+        try:
+            await self.run(wake, run_id)
+        except Exception:
+            _log.exception("run %s failed outside its ledger", run_id)
+        finally:
+            self._active -= 1
+
+    async def run(self, wake: Wake, run_id: str) -> None:
+        """One claimed run, in DESIGN.md's order. Nothing here is ever redone."""
+        ledger = Ledger(self._room, self._new_run_row(wake, run_id), self._config.backend_timeout_seconds)
+        await ledger.step(common_pb2.RUN_STEP_CLAIMED)  # 1. claimed (by start) before anything else
+        await self._failpoint("claimed", run_id)
+        try:
+            async with asyncio.timeout(self._config.run_seconds) as active_time:
+                try:
+                    view = await self.read_room(wake)  # 2. read the room
+                    ledger.run.company_id = view.agent.company_id
+                    await ledger.step(common_pb2.RUN_STEP_ROOM_READ)
+                    await self._failpoint("room_read", run_id)
+
+                    reply = await self.call_model(view, ledger)  # 3. call the model
+                    if reply is None:
+                        return
+                    await ledger.step(common_pb2.RUN_STEP_MODEL_CALLED)
+                    await self._failpoint("model_called", run_id)
+
+                    try:  # 4. decide each declared action
+                        ledger.run.actions.extend(decide_actions(reply.tool_calls))
+                    except DecisionError as exc:
+                        await ledger.end(common_pb2.RUN_STATUS_FAILED, f"declared actions refused: {exc}")
+                        return
+                    await ledger.step(common_pb2.RUN_STEP_ACTIONS_DECIDED)
+
+                    await self.post_reply(wake, view, reply, ledger)  # 5. post the reply first
+                    await self._failpoint("reply_posted", run_id)
+
+                    await self.write_actions(wake, view, ledger)  # 6. then the writes
+                    await ledger.step(common_pb2.RUN_STEP_WRITES_DONE)
+                except TimeoutError:
+                    if active_time.expired():
+                        raise RunTimedOut from None
+                    raise
+        except RunTimedOut:
+            seconds = self._config.run_seconds
+            await ledger.end(common_pb2.RUN_STATUS_TIMED_OUT, f"stopped after {seconds:g} s of active time")
+            return
+        except asyncio.CancelledError:
+            await asyncio.shield(ledger.end(common_pb2.RUN_STATUS_FAILED, "the runtime shut down during the run"))
+            raise
+        except grpc.aio.AioRpcError as exc:
+            await ledger.end(common_pb2.RUN_STATUS_FAILED, f"room call failed: {exc.code().name}: {exc.details()}")
+            return
+        if ledger.run.status == common_pb2.RUN_STATUS_RUNNING:
+            await ledger.end(common_pb2.RUN_STATUS_SUCCEEDED)  # 7. end
+
+    def _new_run_row(self, wake: Wake, run_id: str) -> common_pb2.Run:
+        run = common_pb2.Run(
+            run_id=run_id,
+            agent_id=wake.agent_id,
+            room_id=wake.room_id,
+            wake_id=wake.wake_id,
+            wake_kind=wake.kind,
+            wake_source_id=wake.source_id,
+            status=common_pb2.RUN_STATUS_RUNNING,
+            trace_id=current_trace_id(),
+        )
+        run.started_at.GetCurrentTime()
+        return run
+
+    async def _failpoint(self, name: str, run_id: str) -> None:
+        """Crash tests name step boundaries at which a run stops forever, to be killed there."""
+        if name in self._config.failpoints:
+            print(f"failpoint {name} reached by run {run_id}", file=sys.stderr, flush=True)
+            await asyncio.Event().wait()
+
+    async def read_room(self, wake: Wake) -> RoomView:
+        t = self._config.backend_timeout_seconds
+        creds = await self._room.GetAgentCredentials(
+            room_pb2.RoomServiceGetAgentCredentialsRequest(agent_id=wake.agent_id), timeout=t
+        )
+        agent = creds.agent
+        messages_call = self._room.ListMessages(
+            room_pb2.RoomServiceListMessagesRequest(
+                room_id=wake.room_id, page_size=self._config.recent_messages, newest_first=True
+            ),
+            timeout=t,
+        )
+        tasks_call = self._room.ListTasks(
+            room_pb2.RoomServiceListTasksRequest(
+                room_id=wake.room_id, to_agent_id=wake.agent_id, status=common_pb2.TASK_STATUS_OPEN, page_size=50
+            ),
+            timeout=t,
+        )
+        memory_call = self._room.ListMemory(
+            room_pb2.RoomServiceListMemoryRequest(
+                room_id=wake.room_id, reader_company_id=agent.company_id, page_size=50
+            ),
+            timeout=t,
+        )
+        messages, tasks, memory = await asyncio.gather(messages_call, tasks_call, memory_call)
+        recent = list(reversed(messages.messages))
+        wake_text = await self._wake_text(wake, recent, list(tasks.tasks))
+        passages: list[common_pb2.Passage] = []
+        if wake_text.strip():
+            found = await self._room.SearchPassages(
+                room_pb2.RoomServiceSearchPassagesRequest(room_id=wake.room_id, query=wake_text[:2000], limit=5),
+                timeout=t,
+            )
+            passages = list(found.passages)
+        return RoomView(agent, creds.provider_key, wake_text, recent, list(tasks.tasks), list(memory.lines), passages)
+
+    async def _wake_text(self, wake: Wake, recent: list[common_pb2.Message], tasks: list[common_pb2.Task]) -> str:
+        if wake.kind == common_pb2.WAKE_KIND_TASK and wake.source_id:
+            task = next((t for t in tasks if t.task_id == wake.source_id), None)
+            if task is None:
+                found = await self._room.GetTask(
+                    room_pb2.RoomServiceGetTaskRequest(task_id=wake.source_id, room_id=wake.room_id),
+                    timeout=self._config.backend_timeout_seconds,
+                )
+                task = found.task
+            return f"{task.title}\n{task.body}"
+        message = next((m for m in recent if m.message_id == wake.source_id), None)
+        return message.body if message is not None else ""
+
+    async def call_model(self, view: RoomView, ledger: Ledger) -> ModelReply | None:
+        """The model call with bounded retries; a final failure ends the run with nothing posted."""
+        agent = view.agent
+        provider = PROVIDERS.get(agent.provider)
+        if provider is None:
+            await ledger.end(common_pb2.RUN_STATUS_FAILED, f"agent {agent.agent_id} has no known provider")
+            return None
+        owner_supplied = bool(agent.base_url)
+        base_url = agent.base_url or (
+            self._config.anthropic_base_url if provider == "anthropic" else self._config.openai_base_url
+        )
+        target = ModelTarget(
+            provider=provider,  # type: ignore[arg-type]
+            model=agent.model,
+            api_key=view.provider_key,
+            base_url=base_url,
+            owner_supplied=owner_supplied,
+        )
+        outcome = await call_model(
+            self._http,
+            target,
+            build_request(view),
+            policy=self._policy,
+            clock=self._clock,
+            on_attempt=ledger.add_attempt,
+        )
+        if outcome.reply is None:
+            await ledger.end(common_pb2.RUN_STATUS_FAILED, f"model call failed: {outcome.error}")
+            return None
+        return outcome.reply
+
+    async def post_reply(self, wake: Wake, view: RoomView, reply: ModelReply, ledger: Ledger) -> None:
+        if reply.text.strip():
+            posted = await self._room.PostMessage(
+                room_pb2.RoomServicePostMessageRequest(
+                    room_id=wake.room_id,
+                    author=agent_author(view.agent),
+                    body=clip(reply.text, MAX_BODY_BYTES),
+                    run_id=ledger.run.run_id,
+                    dedupe_key=f"run:{ledger.run.run_id}:reply",
+                ),
+                timeout=self._config.backend_timeout_seconds,
+            )
+            ledger.run.posted_message_id = posted.message.message_id
+        await ledger.step(common_pb2.RUN_STEP_REPLY_POSTED)
+
+    async def write_actions(self, wake: Wake, view: RoomView, ledger: Ledger) -> None:
+        """Do each decided action once (dedupe keys make a retried call harmless)."""
+        for action in ledger.run.actions:
+            if action.outcome != common_pb2.ACTION_OUTCOME_PENDING:
+                continue
+            write = self._writer(action.kind)
+            args = json.loads(action.arguments_json)
+            dedupe_key = f"run:{ledger.run.run_id}:action:{action.index}"
+            try:
+                action.result_id = await write(wake, view.agent, args, ledger.run.run_id, dedupe_key)
+                action.outcome = common_pb2.ACTION_OUTCOME_DONE
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+                    raise
+                action.outcome = common_pb2.ACTION_OUTCOME_FAILED
+                action.detail = f"{exc.code().name}: {exc.details()}"
+            await ledger.save()
+            await self._failpoint("action_written", ledger.run.run_id)
+
+    def _writer(
+        self, kind: common_pb2.ActionKind.ValueType
+    ) -> Callable[[Wake, common_pb2.Agent, dict[str, Any], str, str], Awaitable[str]]:
+        return {
+            common_pb2.ACTION_KIND_REMEMBER: self._remember,
+            common_pb2.ACTION_KIND_CREATE_TASK: self._create_task,
+            common_pb2.ACTION_KIND_UPDATE_TASK: self._update_task,
+            common_pb2.ACTION_KIND_CLOSE_TASK: self._update_task,
+        }[kind]
+
+    async def _remember(self, wake: Wake, agent: common_pb2.Agent, args: dict[str, Any], run_id: str, key: str) -> str:
+        visibility = common_pb2.MEMORY_VISIBILITY_COMPANY if args["private"] else common_pb2.MEMORY_VISIBILITY_ROOM
+        written = await self._room.WriteMemory(
+            room_pb2.RoomServiceWriteMemoryRequest(
+                room_id=wake.room_id,
+                author=agent_author(agent),
+                text=args["text"],
+                visibility=visibility,
+                run_id=run_id,
+                dedupe_key=key,
+            ),
+            timeout=self._config.backend_timeout_seconds,
+        )
+        return str(written.line.memory_id)
+
+    async def _create_task(
+        self, wake: Wake, agent: common_pb2.Agent, args: dict[str, Any], run_id: str, key: str
+    ) -> str:
+        request = room_pb2.RoomServiceCreateTaskRequest(
+            room_id=wake.room_id,
+            to_agent_id=args["to_agent_id"],
+            title=args["title"],
+            body=args["body"],
+            run_id=run_id,
+            dedupe_key=key,
+        )
+        getattr(request, "from").CopyFrom(agent_author(agent))  # `from` is a Python keyword
+        created = await self._room.CreateTask(request, timeout=self._config.backend_timeout_seconds)
+        return str(created.task.task_id)
+
+    async def _update_task(
+        self, wake: Wake, agent: common_pb2.Agent, args: dict[str, Any], run_id: str, key: str
+    ) -> str:
+        status = {
+            "done": common_pb2.TASK_STATUS_DONE,
+            "cancelled": common_pb2.TASK_STATUS_CANCELLED,
+        }.get(args.get("status", ""), common_pb2.TASK_STATUS_UNSPECIFIED)
+        updated = await self._room.UpdateTask(
+            room_pb2.RoomServiceUpdateTaskRequest(
+                task_id=args["task_id"],
+                room_id=wake.room_id,
+                author=agent_author(agent),
+                note=args.get("note", ""),
+                status=status,
+                run_id=run_id,
+                dedupe_key=key,
+            ),
+            timeout=self._config.backend_timeout_seconds,
+        )
+        return str(updated.update.update_id)
+
+    async def shutdown(self, grace: float) -> None:
+        """Let running runs finish within ``grace`` seconds, then stop them (the ledger says so)."""
+        if not self._tasks:
+            return
+        _, pending = await asyncio.wait(set(self._tasks), timeout=grace)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.gather(*pending, return_exceptions=True)
+
+
+def agent_author(agent: common_pb2.Agent) -> common_pb2.Author:
+    return common_pb2.Author(kind=common_pb2.AUTHOR_KIND_AGENT, company_id=agent.company_id, agent_id=agent.agent_id)
+
+
+def clip(text: str, max_bytes: int) -> str:
+    data = text.encode()
+    return text if len(data) <= max_bytes else data[:max_bytes].decode(errors="ignore")
+
+
+def current_trace_id() -> str:
+    ctx = trace.get_current_span().get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+
+
+def _require_str(call: ToolCall, name: str, max_bytes: int, *, allow_empty: bool = False) -> str:
+    value = call.arguments.get(name)
+    if not isinstance(value, str):
+        raise DecisionError(f"{call.name} #{call.id}: {name} must be a string")
+    if not allow_empty and not value.strip():
+        raise DecisionError(f"{call.name} #{call.id}: {name} must not be empty")
+    if len(value.encode()) > max_bytes:
+        raise DecisionError(f"{call.name} #{call.id}: {name} is over {max_bytes} bytes")
+    return value
+
+
+def decide_actions(calls: tuple[ToolCall, ...]) -> list[common_pb2.DeclaredAction]:
+    """Validate every declared action and decide it. Any error refuses them all (nothing posted)."""
+    decided: list[common_pb2.DeclaredAction] = []
+    for index, call in enumerate(calls):
+        kind = ACTION_KINDS.get(call.name)
+        if kind is None:
+            raise DecisionError(f"unknown action {call.name!r}")
+        args: dict[str, Any]
+        if call.name == "remember":
+            private = call.arguments.get("private", False)
+            if not isinstance(private, bool):
+                raise DecisionError(f"remember #{call.id}: private must be true or false")
+            args = {"text": _require_str(call, "text", MAX_MEMORY_BYTES), "private": private}
+        elif call.name == "create_task":
+            args = {
+                "to_agent_id": _require_str(call, "to_agent_id", MAX_ID_BYTES),
+                "title": _require_str(call, "title", MAX_TITLE_BYTES),
+                "body": _require_str(call, "body", MAX_BODY_BYTES, allow_empty=True),
+            }
+        elif call.name == "update_task":
+            args = {
+                "task_id": _require_str(call, "task_id", MAX_ID_BYTES),
+                "note": _require_str(call, "note", MAX_BODY_BYTES),
+            }
+        else:
+            status = call.arguments.get("status")
+            if status not in ("done", "cancelled"):
+                raise DecisionError(f"close_task #{call.id}: status must be 'done' or 'cancelled'")
+            args = {
+                "task_id": _require_str(call, "task_id", MAX_ID_BYTES),
+                "status": status,
+                "note": _require_str(call, "note", MAX_BODY_BYTES, allow_empty=True),
+            }
+        decided.append(
+            common_pb2.DeclaredAction(
+                index=index,
+                kind=kind,
+                arguments_json=json.dumps(args, sort_keys=True),
+                outcome=common_pb2.ACTION_OUTCOME_PENDING,
+            )
+        )
+    return decided
+
+
+def build_request(view: RoomView) -> ModelRequest:
+    """The prompt: the agent's own system prompt, then the room as it stands."""
+    agent = view.agent
+    system = (
+        f"{agent.system_prompt}\n\n"
+        f"You are agent {agent.name} (id {agent.agent_id}) of company {agent.company_id} in a shared room. "
+        "Reply in plain text; use the tools to remember a line or to create, update or close tasks."
+    ).strip()
+    parts: list[str] = []
+    if view.messages:
+        parts.append("Recent messages:")
+        parts.extend(f"- [{_author_label(m.author)}] {m.body}" for m in view.messages)
+    if view.tasks:
+        parts.append("Open tasks for you:")
+        parts.extend(f"- task {t.task_id}: {t.title}: {t.body}" for t in view.tasks)
+    if view.memory:
+        parts.append("Shared memory:")
+        parts.extend(f"- {line.text}" for line in view.memory)
+    if view.passages:
+        parts.append("Passages from the room's files:")
+        parts.extend(f"- ({p.file_name} #{p.ordinal}) {p.text}" for p in view.passages)
+    parts.append(f"You were woken by: {view.wake_text}" if view.wake_text else "You were woken.")
+    return ModelRequest(
+        system=system,
+        messages=(ChatMessage(role="user", content="\n".join(parts)),),
+        tools=DECLARED_ACTIONS,
+        max_tokens=1024,
+    )
+
+
+def _author_label(author: common_pb2.Author) -> str:
+    if author.kind == common_pb2.AUTHOR_KIND_AGENT:
+        return f"agent {author.agent_id}"
+    return f"{author.person} ({author.company_id})"

@@ -1,0 +1,54 @@
+"""Runtime wiring and lifecycle: channels and HTTP client, executor, servicer, server."""
+
+from __future__ import annotations
+
+import grpc
+import httpx
+
+from quayutec.channels import internal_channel
+from quayutec.config import RUNTIME
+from quayutec.server import GrpcServer
+from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
+from services.runtime.config import RuntimeConfig
+from services.runtime.model import Clock, RealClock, RetryPolicy, make_http_client
+from services.runtime.run import RunExecutor
+from services.runtime.servicer import RuntimeServicer
+
+
+async def create_server(
+    config: RuntimeConfig,
+    *,
+    http: httpx.AsyncClient | None = None,
+    clock: Clock | None = None,
+    policy: RetryPolicy | None = None,
+) -> GrpcServer:
+    """The Runtime server; it owns (and closes) its channels and, unless given one, its HTTP client."""
+    own_http = http is None
+    http_client = http or make_http_client(config.model_timeout_seconds)
+    claims_channel = internal_channel(config.claims_addr)
+    room_channel = internal_channel(config.room_addr)
+    executor = RunExecutor(
+        config=config,
+        claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
+        room=room_pb2_grpc.RoomServiceStub(room_channel),
+        http=http_client,
+        policy=policy or RetryPolicy(),
+        clock=clock or RealClock(),
+    )
+
+    def register(server: grpc.aio.Server) -> None:
+        runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(executor), server)
+
+    async def on_stop() -> None:
+        await executor.shutdown(config.server.grace_seconds)
+        await claims_channel.close()
+        await room_channel.close()
+        if own_http:
+            await http_client.aclose()
+
+    return GrpcServer(service_names=[RUNTIME.grpc_service], config=config.server, register=register, on_stop=on_stop)
+
+
+async def main() -> None:
+    server = await create_server(RuntimeConfig.from_env())
+    await server.serve_until_signal()

@@ -1,0 +1,112 @@
+"""Start a real Runtime for tests, in this process or as a separate one (for crash tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from quayutec.config import ServerConfig
+from services.runtime.config import RuntimeConfig
+from services.runtime.model import Clock, RetryPolicy
+from services.runtime.server import create_server
+
+REPO = Path(__file__).resolve().parent.parent.parent
+
+
+def runtime_config(claims_addr: str, room_addr: str, standin_url: str | None = None, **overrides: Any) -> RuntimeConfig:
+    config = RuntimeConfig(
+        server=ServerConfig(listen="127.0.0.1:0", grace_seconds=1.0),
+        claims_addr=claims_addr,
+        room_addr=room_addr,
+        model_timeout_seconds=5.0,
+    )
+    if standin_url:
+        config = replace(config, anthropic_base_url=standin_url, openai_base_url=standin_url)
+    return replace(config, **overrides)
+
+
+@asynccontextmanager
+async def running_runtime(
+    claims_addr: str,
+    room_addr: str,
+    *,
+    standin_url: str | None = None,
+    clock: Clock | None = None,
+    policy: RetryPolicy | None = None,
+    **overrides: Any,
+) -> AsyncIterator[str]:
+    """Yields "127.0.0.1:PORT" of a Runtime started in this process."""
+    server = await create_server(
+        runtime_config(claims_addr, room_addr, standin_url, **overrides), clock=clock, policy=policy
+    )
+    port = await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RuntimeProcess:
+    """``python -m services.runtime`` as a child process, to be killed with SIGKILL."""
+
+    def __init__(self, claims_addr: str, room_addr: str, standin_url: str, failpoints: str = "") -> None:
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        env = {
+            **os.environ,
+            "QUAYUTEC_RUNTIME_LISTEN": self.addr,
+            "QUAYUTEC_CLAIMS_ADDR": claims_addr,
+            "QUAYUTEC_ROOM_ADDR": room_addr,
+            "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin_url,
+            "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin_url,
+            "QUAYUTEC_RUNTIME_FAILPOINTS": failpoints,
+            "PYTHONPATH": str(REPO),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.runtime"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.stderr_lines: list[str] = []
+
+    async def wait_ready(self, timeout: float = 30.0) -> None:
+        await self.wait_for_line("listening on port", timeout)
+
+    async def wait_for_line(self, needle: str, timeout: float = 30.0) -> str:
+        """Read the child's stderr until a line containing ``needle`` (or fail after ``timeout``)."""
+        assert self.proc.stderr is not None
+        stream = self.proc.stderr
+
+        def scan() -> str:
+            for line in stream:
+                self.stderr_lines.append(line)
+                if needle in line:
+                    return line
+            raise AssertionError(f"runtime exited before {needle!r}:\n{''.join(self.stderr_lines[-30:])}")
+
+        return await asyncio.wait_for(asyncio.to_thread(scan), timeout)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()

@@ -1,0 +1,138 @@
+"""A small world for run tests: two companies, a room, an agent each, on real servers."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from quayutec.v1 import claims_pb2_grpc, common_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+
+ENDED = (
+    common_pb2.RUN_STATUS_SUCCEEDED,
+    common_pb2.RUN_STATUS_FAILED,
+    common_pb2.RUN_STATUS_TIMED_OUT,
+)
+
+
+@dataclass
+class World:
+    room: Any  # RoomServiceStub
+    claims: Any  # ClaimsServiceStub
+    company_a: str
+    company_b: str
+    room_id: str
+    agent_a: common_pb2.Agent
+    agent_b: common_pb2.Agent
+
+    @property
+    def model_a(self) -> str:
+        return self.agent_a.model
+
+    async def post(self, body: str, mention: list[str], person: str = "ana") -> room_pb2.RoomServicePostMessageResponse:
+        author = common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=self.company_a, person=person)
+        return await self.room.PostMessage(
+            room_pb2.RoomServicePostMessageRequest(
+                room_id=self.room_id, author=author, body=body, mention_agent_ids=mention
+            )
+        )
+
+    async def messages_by(self, agent_id: str) -> list[common_pb2.Message]:
+        got = await self.room.ListMessages(room_pb2.RoomServiceListMessagesRequest(room_id=self.room_id, page_size=500))
+        return [m for m in got.messages if m.author.agent_id == agent_id]
+
+    async def memory(self, company_id: str) -> list[common_pb2.MemoryLine]:
+        got = await self.room.ListMemory(
+            room_pb2.RoomServiceListMemoryRequest(room_id=self.room_id, reader_company_id=company_id, page_size=500)
+        )
+        return list(got.lines)
+
+    async def tasks_for(self, agent_id: str) -> list[common_pb2.Task]:
+        got = await self.room.ListTasks(
+            room_pb2.RoomServiceListTasksRequest(room_id=self.room_id, to_agent_id=agent_id, page_size=500)
+        )
+        return list(got.tasks)
+
+    async def run(self, run_id: str) -> common_pb2.Run:
+        got = await self.room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=run_id))
+        return got.run
+
+    async def wait_for_run(self, run_id: str, statuses: tuple[int, ...] = ENDED, limit: float = 60.0) -> common_pb2.Run:
+        """Poll the ledger until the run reaches one of ``statuses`` (bounded; not a timing assertion)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + limit
+        while True:
+            try:
+                run = await self.run(run_id)
+                if run.status in statuses:
+                    return run
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+            if loop.time() > deadline:
+                raise AssertionError(f"run {run_id} did not reach {statuses} within {limit} s")
+            await asyncio.sleep(0.05)
+
+
+async def make_world(room_addr: str, claims_addr: str, channels: list[grpc.aio.Channel]) -> World:
+    room_channel = grpc.aio.insecure_channel(room_addr)
+    claims_channel = grpc.aio.insecure_channel(claims_addr)
+    channels.extend([room_channel, claims_channel])
+    room = room_pb2_grpc.RoomServiceStub(room_channel)
+    tag = uuid.uuid4().hex[:8]
+    a = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Acme {tag}"))).company
+    b = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Bolt {tag}"))).company
+    r = (await room.CreateRoom(room_pb2.RoomServiceCreateRoomRequest(company_id=a.company_id, name="launch"))).room
+    await room.AddMember(room_pb2.RoomServiceAddMemberRequest(room_id=r.room_id, company_id=b.company_id))
+    agent_a = (
+        await room.RegisterAgent(
+            room_pb2.RoomServiceRegisterAgentRequest(
+                company_id=a.company_id,
+                name="planner",
+                provider=common_pb2.PROVIDER_ANTHROPIC,
+                model=f"claude-test-{tag}",
+                provider_key=f"sk-ant-secret-{tag}",
+                system_prompt="You plan launches.",
+            )
+        )
+    ).agent
+    agent_b = (
+        await room.RegisterAgent(
+            room_pb2.RoomServiceRegisterAgentRequest(
+                company_id=b.company_id,
+                name="writer",
+                provider=common_pb2.PROVIDER_OPENAI,
+                model=f"gpt-test-{tag}",
+                provider_key=f"sk-openai-secret-{tag}",
+                system_prompt="You write copy.",
+            )
+        )
+    ).agent
+    return World(
+        room=room,
+        claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
+        company_a=a.company_id,
+        company_b=b.company_id,
+        room_id=r.room_id,
+        agent_a=agent_a,
+        agent_b=agent_b,
+    )
+
+
+def start_request(wake: common_pb2.Wake) -> runtime_pb2.StartRunRequest:
+    return runtime_pb2.StartRunRequest(
+        agent_id=wake.agent_id,
+        wake_id=wake.wake_id,
+        room_id=wake.room_id,
+        wake_kind=wake.kind,
+        wake_source_id=wake.source_id,
+    )
+
+
+def runtime_stub(addr: str, channels: list[grpc.aio.Channel]) -> Any:
+    channel = grpc.aio.insecure_channel(addr)
+    channels.append(channel)
+    return runtime_pb2_grpc.RuntimeServiceStub(channel)
