@@ -1,0 +1,221 @@
+"""The `quayutec` command: run everything locally, the demo, admin commands and a small client."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import grpc
+
+from quayutec.config import GATEWAY, ROOM, DatabaseConfig, service_addr
+from quayutec.db import open_pool
+from quayutec.migrate import migrate
+from quayutec.v1 import gateway_pb2, room_pb2, room_pb2_grpc
+from services.client import API_KEY_ENV, GatewayClient, format_run
+
+Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
+
+
+async def cmd_up(opts: argparse.Namespace) -> int:
+    """Embedded PostgreSQL and all four services on this machine until Ctrl-C."""
+    from services.stack import LocalStack
+
+    extra: dict[str, str] = {}
+    standin = None
+    if opts.standin:
+        from services.runtime.standin import StandinProvider
+
+        standin = StandinProvider()
+        url = standin.start()
+        extra = {"QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": url, "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": url}
+    stack = LocalStack.with_ports(ephemeral=False, extra_env=extra)
+    print("starting PostgreSQL and applying migrations ...", flush=True)
+    await stack.prepare_database()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        print("starting services ...", flush=True)
+        await stack.start_all()
+        for name in stack.ports:
+            print(f"  {name:8s} {stack.addr(name)}", flush=True)
+        if standin is not None:
+            print(f"  standin  {standin.base_url} (stand-in model provider)", flush=True)
+        print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
+        await stop.wait()
+        print("\nstopping ...", flush=True)
+    finally:
+        stack.stop_all()
+        if standin is not None:
+            standin.stop()
+    print("stopped", flush=True)
+    return 0
+
+
+async def cmd_demo(opts: argparse.Namespace) -> int:
+    from services.demo import run_demo
+
+    return await run_demo()
+
+
+async def cmd_migrate(opts: argparse.Namespace) -> int:
+    pool = await open_pool(DatabaseConfig.from_env())
+    try:
+        applied = await migrate(pool)
+    finally:
+        await pool.close()
+    for m in applied:
+        print(f"applied {m.component} {m.version:04d}_{m.name}")
+    print(f"schema up to date ({len(applied)} applied)")
+    return 0
+
+
+async def cmd_company_create(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(ROOM)) as channel:
+        room = room_pb2_grpc.RoomServiceStub(channel)
+        company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=opts.name))).company
+    print(f"company {company.company_id} {company.name}")
+    return 0
+
+
+async def _with_pool(action: Callable[[Any], Awaitable[int]]) -> int:
+    pool = await open_pool(DatabaseConfig.from_env())
+    try:
+        return await action(pool)
+    finally:
+        await pool.close()
+
+
+async def cmd_keys_create(opts: argparse.Namespace) -> int:
+    from services.gateway.auth import create_api_key
+
+    async def act(pool: Any) -> int:
+        key_id, secret = await create_api_key(pool, opts.company, opts.label)
+        print(f"key {key_id}\n{secret}\n(shown once; store it now — only its hash is kept)")
+        return 0
+
+    return await _with_pool(act)
+
+
+async def cmd_keys_revoke(opts: argparse.Namespace) -> int:
+    from services.gateway.auth import revoke_api_key
+
+    async def act(pool: Any) -> int:
+        if await revoke_api_key(pool, opts.key_id):
+            print(f"key {opts.key_id} revoked; it stops working at once")
+            return 0
+        print(f"no key {opts.key_id}", file=sys.stderr)
+        return 1
+
+    return await _with_pool(act)
+
+
+async def cmd_keys_list(opts: argparse.Namespace) -> int:
+    from services.gateway.auth import list_api_keys
+
+    async def act(pool: Any) -> int:
+        for key in await list_api_keys(pool, opts.company):
+            print(key)
+        return 0
+
+    return await _with_pool(act)
+
+
+def _client(channel: grpc.aio.Channel) -> GatewayClient:
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    if not key:
+        raise SystemExit(f"set {API_KEY_ENV} to your company's API key (made with `quayutec keys create`)")
+    return GatewayClient(channel, key)
+
+
+async def cmd_post(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        posted = await _client(channel).PostMessage(
+            gateway_pb2.PostMessageRequest(
+                room_id=opts.room, person=opts.person, body=opts.body, mention_agent_ids=opts.mention or []
+            )
+        )
+    print(f"message {posted.message.message_id} #{posted.message.seq}; wakes {list(posted.wake_ids)}")
+    return 0
+
+
+async def cmd_runs(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        runs = await _client(channel).ListRuns(
+            gateway_pb2.ListRunsRequest(agent_id=opts.agent or "", page_size=opts.limit)
+        )
+    for run in runs.runs:
+        print(format_run(run).splitlines()[0] + f"  trace {run.trace_id or '-'}")
+    return 0
+
+
+async def cmd_run(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        run = (await _client(channel).GetRun(gateway_pb2.GetRunRequest(run_id=opts.run_id))).run
+    print(format_run(run))
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="quayutec", description="Quayutec rooms: run, demo and administer.")
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="embedded PostgreSQL and all four services here; Ctrl-C stops them")
+    up.add_argument("--standin", action="store_true", help="point Runtime at a local stand-in model provider")
+    up.set_defaults(handler=cmd_up)
+    sub.add_parser("demo", help="the two-company demo, with a Runtime crash").set_defaults(handler=cmd_demo)
+    sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
+
+    company = sub.add_parser("company", help="companies (admin)").add_subparsers(dest="action", required=True)
+    create = company.add_parser("create", help="create a company")
+    create.add_argument("name")
+    create.set_defaults(handler=cmd_company_create)
+
+    keys = sub.add_parser("keys", help="API keys (admin)").add_subparsers(dest="action", required=True)
+    kc = keys.add_parser("create", help="make an API key for a company")
+    kc.add_argument("--company", required=True)
+    kc.add_argument("--label", default="")
+    kc.set_defaults(handler=cmd_keys_create)
+    kr = keys.add_parser("revoke", help="revoke a key at once")
+    kr.add_argument("key_id")
+    kr.set_defaults(handler=cmd_keys_revoke)
+    kl = keys.add_parser("list", help="list a company's keys")
+    kl.add_argument("--company", required=True)
+    kl.set_defaults(handler=cmd_keys_list)
+
+    post = sub.add_parser("post", help=f"post a message as a person of your company (needs {API_KEY_ENV})")
+    post.add_argument("--room", required=True)
+    post.add_argument("--person", required=True)
+    post.add_argument("--mention", action="append", help="an agent id to wake (repeatable)")
+    post.add_argument("body")
+    post.set_defaults(handler=cmd_post)
+    runs = sub.add_parser("runs", help="your agents' runs, newest first, with trace ids")
+    runs.add_argument("--agent")
+    runs.add_argument("--limit", type=int, default=20)
+    runs.set_defaults(handler=cmd_runs)
+    run = sub.add_parser("run", help="one run's full ledger record")
+    run.add_argument("run_id")
+    run.set_defaults(handler=cmd_run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    opts = parser().parse_args(argv)
+    handler: Handler = opts.handler
+    try:
+        code: int = asyncio.run(handler(opts))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        code = 2
+    except KeyboardInterrupt:
+        code = 130
+    raise SystemExit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,258 @@
+"""`quayutec demo`: two companies' agents work in one room; Runtime is killed mid-run and the wake
+is redelivered, and the ledger shows it was not acted on twice.
+
+Everything runs on this machine: an embedded PostgreSQL, the four services as processes and the
+stand-in model provider (no real provider key is needed or used).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import grpc
+
+from quayutec.config import RUNTIME
+from quayutec.db import create_pool
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from services.client import STATUS_NAMES, GatewayClient, format_run
+from services.gateway.auth import create_api_key
+from services.runtime.run import run_id_for
+from services.runtime.standin import ScriptedReply, StandinProvider
+from services.stack import LocalStack
+
+ENDED = (common_pb2.RUN_STATUS_SUCCEEDED, common_pb2.RUN_STATUS_FAILED, common_pb2.RUN_STATUS_TIMED_OUT)
+_TASK_LINE = re.compile(r"- task ([0-9a-f-]{36}): ")
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _prompt(body: Mapping[str, Any]) -> str:
+    parts = []
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        parts.append(content if isinstance(content, str) else str(content))
+    return "\n".join(parts)
+
+
+def planner_script(writer_id: str) -> Callable[[Mapping[str, Any]], ScriptedReply]:
+    def respond(body: Mapping[str, Any]) -> ScriptedReply:
+        prompt = _prompt(body)
+        if "pick up" in prompt:
+            seen = "I see Bolt's copy in the room" if "Copy:" in prompt else "no copy yet"
+            return ScriptedReply(f"Picking up where the last run stopped: {seen}; the launch stays on Friday.")
+        return ScriptedReply(
+            "Plan: launch on Friday. Asking Bolt's writer for two lines of copy.",
+            (
+                {"name": "remember", "arguments": {"text": "Launch is on Friday", "private": False}},
+                {
+                    "name": "create_task",
+                    "arguments": {"to_agent_id": writer_id, "title": "Write launch copy", "body": "Two lines."},
+                },
+            ),
+        )
+
+    return respond
+
+
+def writer_script(body: Mapping[str, Any]) -> ScriptedReply:
+    match = _TASK_LINE.search(_prompt(body))
+    if match is None:
+        return ScriptedReply("Nothing assigned to me.")
+    return ScriptedReply(
+        "Copy: 'Rooms where agents keep their word.' Task done.",
+        (
+            {"name": "close_task", "arguments": {"task_id": match.group(1), "status": "done", "note": "copy posted"}},
+            {"name": "remember", "arguments": {"text": "Bolt's day rate is confidential", "private": True}},
+        ),
+    )
+
+
+async def wait_for(check: Callable[[], Awaitable[Any]], what: str, limit: float = 30.0) -> Any:
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            found = await check()
+            if found:
+                return found
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"gave up waiting for {what} after {limit:g} s")
+        await asyncio.sleep(0.1)
+
+
+async def ended_run(client: GatewayClient, run_id: str) -> common_pb2.Run:
+    async def check() -> common_pb2.Run | None:
+        run = (await client.GetRun(gateway_pb2.GetRunRequest(run_id=run_id))).run
+        return run if run.status in ENDED else None
+
+    result: common_pb2.Run = await wait_for(check, f"run {run_id}")
+    return result
+
+
+async def demo(stack: LocalStack, standin: StandinProvider) -> None:
+    tag = uuid.uuid4().hex[:6]
+    async with (
+        grpc.aio.insecure_channel(stack.addr("room")) as room_channel,
+        grpc.aio.insecure_channel(stack.addr("gateway")) as gw_channel,
+        grpc.aio.insecure_channel(stack.addr("runtime")) as rt_channel,
+    ):
+        room = room_pb2_grpc.RoomServiceStub(room_channel)
+        say("\n== 1. Two companies, each with an API key (admin commands)")
+        acme = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Acme-{tag}"))).company
+        bolt = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Bolt-{tag}"))).company
+        pool = await create_pool(stack.database_url, min_size=1, max_size=2)
+        try:
+            _, key_a = await create_api_key(pool, acme.company_id, "demo")
+            _, key_b = await create_api_key(pool, bolt.company_id, "demo")
+        finally:
+            await pool.close()
+        a, b = GatewayClient(gw_channel, key_a), GatewayClient(gw_channel, key_b)
+        say(f"   {acme.name} = {acme.company_id}\n   {bolt.name} = {bolt.company_id}")
+
+        say("\n== 2. Acme opens a room and invites Bolt; each registers an always-on agent")
+        r = (await a.CreateRoom(gateway_pb2.CreateRoomRequest(name="friday-launch"))).room
+        await a.InviteCompany(gateway_pb2.InviteCompanyRequest(room_id=r.room_id, company_id=bolt.company_id))
+        planner = (
+            await a.RegisterAgent(
+                gateway_pb2.RegisterAgentRequest(
+                    name="planner",
+                    provider=common_pb2.PROVIDER_ANTHROPIC,
+                    model=f"demo-planner-{tag}",
+                    provider_key="sk-ant-demo-not-a-real-key",
+                    system_prompt="You plan launches with other companies.",
+                )
+            )
+        ).agent
+        writer = (
+            await b.RegisterAgent(
+                gateway_pb2.RegisterAgentRequest(
+                    name="writer",
+                    provider=common_pb2.PROVIDER_OPENAI,
+                    model=f"demo-writer-{tag}",
+                    provider_key="sk-openai-demo-not-a-real-key",
+                    system_prompt="You write launch copy.",
+                )
+            )
+        ).agent
+        standin.set_responder(planner.model, planner_script(writer.agent_id))
+        standin.set_responder(writer.model, writer_script)
+        say(f"   room {r.room_id}\n   Acme's planner {planner.agent_id}\n   Bolt's writer  {writer.agent_id}")
+
+        say("\n== 3. Ana (Acme) asks the planner; it tasks Bolt's writer, who answers")
+        posted = await a.PostMessage(
+            gateway_pb2.PostMessageRequest(
+                room_id=r.room_id,
+                person="ana",
+                body="@planner plan Friday's launch with Bolt",
+                mention_agent_ids=[planner.agent_id],
+            )
+        )
+        first_wake = posted.wake_ids[0]
+        run1 = await ended_run(a, run_id_for(planner.agent_id, first_wake))
+        say(format_run(run1))
+
+        async def writer_done() -> common_pb2.Run | None:
+            runs = (await b.ListRuns(gateway_pb2.ListRunsRequest(agent_id=writer.agent_id))).runs
+            return next((x for x in runs if x.status in ENDED), None)
+
+        run2: common_pb2.Run = await wait_for(writer_done, "the writer's run")
+        say(format_run(run2))
+        tasks = (await a.ListTasks(gateway_pb2.ListTasksRequest(room_id=r.room_id))).tasks
+        for t in tasks:
+            say(f"   task '{t.title}': {common_pb2.TaskStatus.Name(t.status)}")
+        seen_a = [m.text for m in (await a.ListMemory(gateway_pb2.ListMemoryRequest(room_id=r.room_id))).lines]
+        seen_b = [m.text for m in (await b.ListMemory(gateway_pb2.ListMemoryRequest(room_id=r.room_id))).lines]
+        say(f"   memory Acme can read: {seen_a}\n   memory Bolt can read: {seen_b}")
+
+        say("\n== 4. Runtime is killed (SIGKILL) in the middle of a run")
+        standin.enqueue_reply("this answer never arrives", model=planner.model, delay_seconds=60.0)
+        before = len(standin.requests(planner.model))
+        posted = await a.PostMessage(
+            gateway_pb2.PostMessageRequest(
+                room_id=r.room_id, person="ana", body="@planner status?", mention_agent_ids=[planner.agent_id]
+            )
+        )
+        crash_wake = posted.wake_ids[0]
+
+        async def model_called() -> bool:
+            return len(standin.requests(planner.model)) > before
+
+        await wait_for(model_called, "the planner's model call")
+        stack.kill("runtime")
+        say("   runtime killed while the model was answering")
+        stack.start("runtime")
+        await stack.wait_serving(RUNTIME)
+        say("   runtime restarted; the same wake is delivered again, 5 times at once:")
+        runtime = runtime_pb2_grpc.RuntimeServiceStub(rt_channel)
+        again = await asyncio.gather(
+            *(
+                runtime.StartRun(
+                    runtime_pb2.StartRunRequest(
+                        agent_id=planner.agent_id,
+                        wake_id=crash_wake,
+                        room_id=r.room_id,
+                        wake_kind=common_pb2.WAKE_KIND_MESSAGE,
+                    )
+                )
+                for _ in range(5)
+            )
+        )
+        say(f"   answers: {sorted({runtime_pb2.StartRunResult.Name(x.result) for x in again})}")
+        dead = (await a.GetRun(gateway_pb2.GetRunRequest(run_id=run_id_for(planner.agent_id, crash_wake)))).run
+        say(format_run(dead))
+        say(f"   -> the killed run stays {STATUS_NAMES[dead.status]} at its last step; nothing posted, not redone")
+
+        say("\n== 5. The next message starts a fresh run that reads the room as it stands")
+        posted = await a.PostMessage(
+            gateway_pb2.PostMessageRequest(
+                room_id=r.room_id,
+                person="ana",
+                body="@planner pick up where you left off",
+                mention_agent_ids=[planner.agent_id],
+            )
+        )
+        run3 = await ended_run(a, run_id_for(planner.agent_id, posted.wake_ids[0]))
+        say(format_run(run3))
+        messages = (await a.ListMessages(gateway_pb2.ListMessagesRequest(room_id=r.room_id, page_size=100))).messages
+        say("\n== The room")
+        for m in messages:
+            who = (
+                f"{m.author.person}@{m.author.company_id[:8]}" if m.author.person else f"agent {m.author.agent_id[:8]}"
+            )
+            say(f"   #{m.seq} {who}: {m.body}")
+        planner_replies = [m for m in messages if m.author.agent_id == planner.agent_id]
+        say(f"\n   planner replies: {len(planner_replies)} for 3 wakes, one of which died mid-run (never twice)")
+
+
+async def run_demo() -> int:
+    started = time.monotonic()
+    with StandinProvider() as standin:
+        stack = LocalStack.with_ports(
+            ephemeral=True,
+            extra_env={
+                "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin.base_url,
+                "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin.base_url,
+                "QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.1",
+            },
+        )
+        say("starting the embedded PostgreSQL and applying migrations ...")
+        await stack.prepare_database()
+        say("starting gateway, room, claims and runtime ...")
+        try:
+            await stack.start_all()
+            for name in stack.ports:
+                say(f"   {name:8s} {stack.addr(name)}")
+            await demo(stack, standin)
+        finally:
+            stack.stop_all()
+    say(f"\ndemo finished in {time.monotonic() - started:.1f} s (service logs in {stack.log_dir})")
+    return 0

@@ -1,0 +1,141 @@
+"""All four services on this machine, each as its own process, on one embedded PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from quayutec.config import SERVICES, DatabaseConfig, ServiceSpec
+from quayutec.db import create_pool, resolve_database_url
+from quayutec.migrate import migrate
+
+REPO = Path(__file__).resolve().parent.parent
+STOP_SECONDS = 15.0
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LocalStack:
+    """Starts, restarts and stops the services as child processes; the parent owns the database."""
+
+    ports: dict[str, int]
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    database_url: str = ""
+    procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    log_dir: Path = field(default_factory=lambda: Path(".quayutec") / "logs")
+
+    @classmethod
+    def with_ports(cls, *, ephemeral: bool, extra_env: Mapping[str, str] | None = None) -> LocalStack:
+        ports = {s.name: (free_port() if ephemeral else s.port) for s in SERVICES}
+        if not ephemeral:
+            taken = [f"{name} ({port})" for name, port in ports.items() if not port_is_free(port)]
+            if taken:
+                raise SystemExit(f"ports in use: {', '.join(taken)}; stop what holds them or set the ports free")
+        return cls(ports=ports, extra_env=dict(extra_env or {}))
+
+    def addr(self, name: str) -> str:
+        return f"127.0.0.1:{self.ports[name]}"
+
+    def env(self) -> dict[str, str]:
+        env = {**os.environ, **self.extra_env, "DATABASE_URL": self.database_url}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
+        for spec in SERVICES:
+            env[spec.listen_env] = self.addr(spec.name)
+            env[spec.addr_env] = self.addr(spec.name)
+            # The parent migrated already; replicas need not race for it.
+            env[f"{spec.prefix}MIGRATE_ON_START"] = "false"
+        return env
+
+    async def prepare_database(self) -> str:
+        config = DatabaseConfig.from_env()
+        self.database_url = await resolve_database_url(config)
+        pool = await create_pool(self.database_url, min_size=1, max_size=2)
+        try:
+            await migrate(pool)
+        finally:
+            await pool.close()
+        return self.database_url
+
+    def start(self, name: str) -> None:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.log_dir / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", f"services.{name}"],
+            cwd=REPO,
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+
+    async def wait_serving(self, spec: ServiceSpec, limit: float = 60.0) -> None:
+        deadline = time.monotonic() + limit
+        async with grpc.aio.insecure_channel(self.addr(spec.name)) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                proc = self.procs.get(spec.name)
+                if proc is not None and proc.poll() is not None:
+                    raise RuntimeError(f"{spec.name} exited with {proc.returncode}; see {self.log_dir}/{spec.name}.log")
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=spec.grpc_service), timeout=1)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{spec.name} did not become SERVING in {limit:g} s")
+                await asyncio.sleep(0.1)
+
+    async def start_all(self) -> None:
+        for spec in SERVICES:
+            self.start(spec.name)
+        for spec in SERVICES:
+            await self.wait_serving(spec)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL, as a crash would."""
+        proc = self.procs.pop(name, None)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+
+    def stop_all(self) -> None:
+        """SIGTERM to every service, SIGKILL to any still running after ``STOP_SECONDS``; safe twice."""
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_SECONDS
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
