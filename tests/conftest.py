@@ -20,7 +20,8 @@ import pytest
 from quayutec.db import create_pool, embedded_database_url
 from quayutec.migrate import migrate
 
-TEMPLATE_DB = "quayutec_test_template"
+# One template per test session, so sessions running side by side never drop each other's.
+TEMPLATE_DB = f"quayutec_test_template_{os.getpid()}"
 
 
 def with_database(url: str, dbname: str) -> str:
@@ -55,10 +56,19 @@ async def _make_template(admin_url: str) -> None:
         await pool.close()
 
 
+async def _drop_template(admin_url: str) -> None:
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
 @pytest.fixture(scope="session")
-def template_ready(pg_server_url: str) -> str:
+def template_ready(pg_server_url: str) -> Iterator[str]:
     asyncio.run(_make_template(pg_server_url))
-    return pg_server_url
+    yield pg_server_url
+    asyncio.run(_drop_template(pg_server_url))
 
 
 async def create_test_database(admin_url: str, *, template: str | None = TEMPLATE_DB) -> str:

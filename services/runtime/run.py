@@ -88,10 +88,6 @@ class DecisionError(Exception):
     """A declared action that cannot be decided: the run ends with nothing posted or written."""
 
 
-class RunTimedOut(Exception):
-    """The run used up its active time."""
-
-
 @dataclass
 class RoomView:
     """What the agent sees of the room when its run starts."""
@@ -218,37 +214,35 @@ class RunExecutor:
         ledger = Ledger(self._room, self._new_run_row(wake, run_id), self._config.backend_timeout_seconds)
         await ledger.step(common_pb2.RUN_STEP_CLAIMED)  # 1. claimed (by start) before anything else
         await self._failpoint("claimed", run_id)
+        active_time = asyncio.timeout(self._config.run_seconds)
         try:
-            async with asyncio.timeout(self._config.run_seconds) as active_time:
-                try:
-                    view = await self.read_room(wake)  # 2. read the room
-                    ledger.run.company_id = view.agent.company_id
-                    await ledger.step(common_pb2.RUN_STEP_ROOM_READ)
-                    await self._failpoint("room_read", run_id)
+            async with active_time:
+                view = await self.read_room(wake)  # 2. read the room
+                ledger.run.company_id = view.agent.company_id
+                await ledger.step(common_pb2.RUN_STEP_ROOM_READ)
+                await self._failpoint("room_read", run_id)
 
-                    reply = await self.call_model(view, ledger)  # 3. call the model
-                    if reply is None:
-                        return
-                    await ledger.step(common_pb2.RUN_STEP_MODEL_CALLED)
-                    await self._failpoint("model_called", run_id)
+                reply = await self.call_model(view, ledger)  # 3. call the model
+                if reply is None:
+                    return
+                await ledger.step(common_pb2.RUN_STEP_MODEL_CALLED)
+                await self._failpoint("model_called", run_id)
 
-                    try:  # 4. decide each declared action
-                        ledger.run.actions.extend(decide_actions(reply.tool_calls))
-                    except DecisionError as exc:
-                        await ledger.end(common_pb2.RUN_STATUS_FAILED, f"declared actions refused: {exc}")
-                        return
-                    await ledger.step(common_pb2.RUN_STEP_ACTIONS_DECIDED)
+                try:  # 4. decide each declared action
+                    ledger.run.actions.extend(decide_actions(reply.tool_calls))
+                except DecisionError as exc:
+                    await ledger.end(common_pb2.RUN_STATUS_FAILED, f"declared actions refused: {exc}")
+                    return
+                await ledger.step(common_pb2.RUN_STEP_ACTIONS_DECIDED)
 
-                    await self.post_reply(wake, view, reply, ledger)  # 5. post the reply first
-                    await self._failpoint("reply_posted", run_id)
+                await self.post_reply(wake, view, reply, ledger)  # 5. post the reply first
+                await self._failpoint("reply_posted", run_id)
 
-                    await self.write_actions(wake, view, ledger)  # 6. then the writes
-                    await ledger.step(common_pb2.RUN_STEP_WRITES_DONE)
-                except TimeoutError:
-                    if active_time.expired():
-                        raise RunTimedOut from None
-                    raise
-        except RunTimedOut:
+                await self.write_actions(wake, view, ledger)  # 6. then the writes
+                await ledger.step(common_pb2.RUN_STEP_WRITES_DONE)
+        except TimeoutError:
+            if not active_time.expired():
+                raise
             seconds = self._config.run_seconds
             await ledger.end(common_pb2.RUN_STATUS_TIMED_OUT, f"stopped after {seconds:g} s of active time")
             return

@@ -100,6 +100,7 @@ async def test_killed_run_is_never_redone(case: Case, backends: tuple[str, str],
         assert await counts(w) == (case.replies, case.memory, case.tasks)
         assert (await w.run(run_id)).step == case.step
 
+        standin.reset()  # a run killed before its model call leaves its scripted reply queued
         standin.enqueue_reply("Second run: picking up.", model=w.model_a)
         nxt = (await w.post("@planner where are we?", [w.agent_a.agent_id])).wakes[0]
         assert (await fresh.StartRun(start_request(nxt))).result == runtime_pb2.START_RUN_RESULT_ACCEPTED
