@@ -1,0 +1,301 @@
+"""Claims throughput: gRPC ClaimOnce against a real Claims server vs raw asyncpg inserts, same database.
+
+``python bench/claims.py [--seconds 5] [--concurrency 1,64] [--experiments]``. The database is
+``DATABASE_URL`` (a scratch database is created on it and dropped) or an embedded PostgreSQL in a
+tmp folder. The server runs as a separate process (``python -m services.claims``), so client load
+and server do not share an event loop. Every claim is a distinct pair; every one must be claimed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # run as a script from a checkout: make quayutec and services importable
+
+import asyncpg  # noqa: E402
+import grpc  # noqa: E402
+from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
+
+from quayutec.db import create_pool  # noqa: E402
+from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT  # noqa: E402
+from quayutec.migrate import migrate  # noqa: E402
+from quayutec.v1 import claims_pb2, claims_pb2_grpc  # noqa: E402
+
+RAW_INSERT = (
+    "INSERT INTO agent_run_locks (agent_id, wake_id) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING claimed_at"
+)
+CHANNELS = 4
+RAW_POOL_MAX = 10
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to run the Claims server: its environment and whether it runs on uvloop."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    uvloop: bool = True
+    # Server processes sharing the port (gRPC sets SO_REUSEPORT on Linux), like replicas.
+    processes: int = 1
+
+
+DEFAULT_VARIANTS = (
+    Variant("default (batched)"),
+    Variant("batch off", {"QUAYUTEC_CLAIMS_BATCH_MAX": "1"}),
+)
+EXPERIMENT_VARIANTS = (
+    Variant("batched, asyncio loop", uvloop=False),
+    Variant("batch off, asyncio loop", {"QUAYUTEC_CLAIMS_BATCH_MAX": "1"}, uvloop=False),
+    Variant("batched, pool 2", {"QUAYUTEC_CLAIMS_DB_POOL_MAX": "2"}),
+    Variant("batched, pool 20", {"QUAYUTEC_CLAIMS_DB_POOL_MAX": "20"}),
+    Variant("batched, 4 in flight", {"QUAYUTEC_CLAIMS_BATCH_IN_FLIGHT": "4"}),
+    Variant("batched, 2 in flight", {"QUAYUTEC_CLAIMS_BATCH_IN_FLIGHT": "2"}),
+    Variant("batched, 10 in flight", {"QUAYUTEC_CLAIMS_BATCH_IN_FLIGHT": "10"}),
+    Variant("batched, max 16", {"QUAYUTEC_CLAIMS_BATCH_MAX": "16"}),
+    Variant("batched, 2 processes", processes=2),
+    Variant("batch off, 2 processes", {"QUAYUTEC_CLAIMS_BATCH_MAX": "1"}, processes=2),
+    Variant("batch off, pool 20", {"QUAYUTEC_CLAIMS_BATCH_MAX": "1", "QUAYUTEC_CLAIMS_DB_POOL_MAX": "20"}),
+)
+
+
+def with_database(url: str, dbname: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{dbname}", parts.query, parts.fragment))
+
+
+# Run in a child Python that never imports gRPC: forking a process with gRPC threads to run
+# PostgreSQL's tools as another user (pgserver does so as root) crashes the child.
+_PG_CTL = """
+import os, sys
+from pathlib import Path
+import pgserver
+from pgserver import _commands
+pgdata = Path(sys.argv[2])
+if sys.argv[1] == "start":
+    print(pgserver.get_server(pgdata, cleanup_mode=None).get_uri())
+else:
+    _commands.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user="pgserver" if os.geteuid() == 0 else None)
+"""
+
+
+def _pg_ctl(action: str, pgdata: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", _PG_CTL, action, str(pgdata)], check=True, capture_output=True, text=True, timeout=120
+    )
+    return done.stdout.strip()
+
+
+@contextmanager
+def postgres_server() -> Iterator[str]:
+    """The admin URL of ``DATABASE_URL``, or of an embedded PostgreSQL removed afterwards."""
+    url = os.environ.get("DATABASE_URL", "").strip()
+    if url:
+        yield url
+        return
+    root = Path(tempfile.mkdtemp(prefix="qy-bench-", dir="/tmp"))
+    root.chmod(0o755)  # as root, pgserver runs PostgreSQL as its own user
+    try:
+        yield _pg_ctl("start", root / "pg")
+    finally:
+        try:
+            _pg_ctl("stop", root / "pg")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+async def create_scratch_database(admin_url: str) -> str:
+    name = f"qy_bench_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f"CREATE DATABASE {name}")
+    finally:
+        await conn.close()
+    url = with_database(admin_url, name)
+    pool = await create_pool(url, min_size=1, max_size=1)
+    try:
+        await migrate(pool, (CLAIMS_COMPONENT,))
+    finally:
+        await pool.close()
+    return url
+
+
+async def drop_database(admin_url: str, url: str) -> None:
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {urlsplit(url).path.lstrip('/')} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
+async def run_workers(concurrency: int, seconds: float, work: Callable[[str, int], Awaitable[bool]]) -> float:
+    """Runs ``concurrency`` loops of ``work(worker, n)`` for ``seconds``; returns successful calls/s."""
+    prefix = uuid.uuid4().hex[:8]
+    deadline = time.perf_counter() + seconds
+
+    async def loop(worker: int) -> int:
+        done = 0
+        key = f"bench-{prefix}-{worker}"
+        while time.perf_counter() < deadline:
+            if not await work(key, done):
+                raise RuntimeError(f"{key}/{done} was not claimed: pairs are distinct, every claim must win")
+            done += 1
+        return done
+
+    start = time.perf_counter()
+    counts = await asyncio.gather(*(loop(w) for w in range(concurrency)))
+    return sum(counts) / (time.perf_counter() - start)
+
+
+async def raw_rate(url: str, concurrency: int, seconds: float, *, statement_cache_size: int = 100) -> float:
+    pool = await asyncpg.create_pool(url, min_size=1, max_size=RAW_POOL_MAX, statement_cache_size=statement_cache_size)
+    try:
+
+        async def insert(agent_id: str, n: int) -> bool:
+            return await pool.fetchval(RAW_INSERT, agent_id, f"raw-{n}") is not None
+
+        return await run_workers(concurrency, seconds, insert)
+    finally:
+        await pool.close()
+
+
+async def grpc_rate(addr: str, concurrency: int, seconds: float) -> float:
+    channels = [
+        grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(CHANNELS)
+    ]
+    try:
+        stubs = [claims_pb2_grpc.ClaimsServiceStub(c) for c in channels]
+
+        async def claim(agent_id: str, n: int) -> bool:
+            stub = stubs[hash(agent_id) % CHANNELS]
+            request = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=f"grpc-{n}")
+            answer = await stub.ClaimOnce(request, timeout=30)
+            return bool(answer.claimed)
+
+        await run_workers(concurrency, min(0.5, seconds), claim)  # warm up channels and the server's pool
+        return await run_workers(concurrency, seconds, claim)
+    finally:
+        for c in channels:
+            await c.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def claims_process(url: str, variant: Variant) -> Iterator[str]:
+    """A Claims server in its own process, with ``variant``'s settings; yields its address."""
+    port = free_port()
+    env = {**os.environ, **variant.env, "DATABASE_URL": url, "QUAYUTEC_CLAIMS_LISTEN": f"127.0.0.1:{port}"}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    if os.environ.get("QY_BENCH_PROFILE"):
+        command = [sys.executable, "-m", "cProfile", "-o", os.environ["QY_BENCH_PROFILE"], "-m", "services.claims"]
+    elif variant.uvloop:
+        command = [sys.executable, "-m", "services.claims"]
+    else:
+        command = [sys.executable, "-c", "import asyncio; from services.claims.server import main; asyncio.run(main())"]
+    log = tempfile.TemporaryFile("w+")
+    processes = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=log) for _ in range(variant.processes)]
+    try:
+        yield f"127.0.0.1:{port}"
+    except BaseException:
+        log.seek(0)
+        print(f"Claims server log ({variant.name}):\n{log.read()[-4000:]}", file=sys.stderr)
+        raise
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        log.close()
+
+
+async def wait_serving(addr: str, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            try:
+                answer = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Claims server at {addr} did not start in {within:.0f} s")
+            await asyncio.sleep(0.1)
+
+
+async def bench(url: str, concurrencies: list[int], seconds: float, variants: tuple[Variant, ...]) -> None:
+    # The machine may be shared: each gRPC figure is set beside a raw figure measured just before it.
+    caches: list[tuple[int, float, float]] = []
+    for c in concurrencies:
+        caches.append((c, await raw_rate(url, c, seconds), await raw_rate(url, c, seconds, statement_cache_size=0)))
+    rows: list[tuple[str, int, float, float]] = []
+    for variant in variants:
+        with claims_process(url, variant) as addr:
+            await wait_serving(addr)
+            for c in concurrencies:
+                raw = await raw_rate(url, c, seconds)
+                rows.append((variant.name, c, await grpc_rate(addr, c, seconds), raw))
+        print(f"  measured {variant.name}", file=sys.stderr, flush=True)
+
+    print(f"\nClaims bench: {seconds:g} s per measurement, distinct pairs, {os.cpu_count()} CPUs")
+    print(
+        f"{'raw asyncpg INSERT ... ON CONFLICT':<36} {'conc':>5} {'cache on/s':>10} {'cache off/s':>11} {'off/on':>7}"
+    )
+    for c, on, off in caches:
+        print(f"{'  statement_cache_size 100 vs 0':<36} {c:>5} {on:>10.0f} {off:>11.0f} {off / on:>7.2f}")
+    print(f"\n{'gRPC ClaimOnce, server variant':<36} {'conc':>5} {'claims/s':>10} {'raw/s':>11} {'gRPC/raw':>8}")
+    for name, c, rate, raw in rows:
+        print(f"{name:<36} {c:>5} {rate:>10.0f} {raw:>11.0f} {rate / raw:>8.2f}")
+
+
+async def amain(opts: argparse.Namespace) -> None:
+    concurrencies = [int(c) for c in opts.concurrency.split(",") if c.strip()]
+    variants = DEFAULT_VARIANTS + (EXPERIMENT_VARIANTS if opts.experiments else ())
+    with postgres_server() as admin_url:
+        url = await create_scratch_database(admin_url)
+        try:
+            await bench(url, concurrencies, opts.seconds, variants)
+        finally:
+            await drop_database(admin_url, url)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--seconds", type=float, default=3.0, help="length of each measurement (default 3)")
+    parser.add_argument("--concurrency", default="1,64", help="comma-separated concurrency levels (default 1,64)")
+    parser.add_argument("--experiments", action="store_true", help="also measure loop, pool and batch variants")
+    opts = parser.parse_args()
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
+        asyncio.run(amain(opts))
+    else:
+        uvloop.run(amain(opts))
+
+
+if __name__ == "__main__":
+    main()

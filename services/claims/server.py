@@ -1,0 +1,52 @@
+"""Wiring and lifecycle of the Claims service: pool, migrations, store, servicer, gRPC server."""
+
+from __future__ import annotations
+
+import asyncpg
+
+from quayutec.config import CLAIMS
+from quayutec.db import open_pool
+from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT
+from quayutec.migrate import migrate
+from quayutec.server import GrpcServer
+from quayutec.v1 import claims_pb2_grpc
+from services.claims.config import ClaimsConfig
+from services.claims.servicer import ClaimsServicer
+from services.claims.store import ClaimStore
+
+
+async def create_server(config: ClaimsConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
+    """A Claims server, not yet started; it opens (and on stop closes) its own pool unless given one."""
+    owned = pool is None
+    if pool is None:
+        pool = await open_pool(config.database)
+    try:
+        if config.migrate_on_start:
+            await migrate(pool, (CLAIMS_COMPONENT,))
+    except BaseException:
+        if owned:
+            await pool.close()
+        raise
+    store = ClaimStore(
+        pool,
+        batch_max=config.batch_max,
+        max_batches_in_flight=config.batch_in_flight,
+        acquire_timeout_seconds=config.acquire_timeout_seconds,
+    )
+    servicer = ClaimsServicer(store)
+
+    async def close_pool() -> None:
+        if owned:
+            await pool.close()
+
+    return GrpcServer(
+        service_names=(CLAIMS.grpc_service,),
+        config=config.server,
+        register=lambda server: claims_pb2_grpc.add_ClaimsServiceServicer_to_server(servicer, server),
+        on_stop=close_pool,
+    )
+
+
+async def main() -> None:
+    server = await create_server(ClaimsConfig.from_env())
+    await server.serve_until_signal()
