@@ -1,0 +1,43 @@
+"""Settings of the Room service, read once from the environment (prefix ``QUAYUTEC_ROOM_``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from quayutec.config import ROOM, ConfigError, DatabaseConfig, ServerConfig, env_str
+from quayutec.crypto import MultiFernet, load_fernet
+
+
+@dataclass(frozen=True)
+class RoomConfig:
+    """Where Room listens, its database, and the cipher of provider keys (never printed)."""
+
+    server: ServerConfig
+    database: DatabaseConfig
+    cipher: MultiFernet = field(repr=False, compare=False)
+    migrate_on_start: bool = True
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> RoomConfig:
+        env = os.environ if env is None else env
+        prefix = ROOM.prefix
+        database = DatabaseConfig.from_env(env, prefix=prefix)
+        return cls(
+            server=ServerConfig.from_env(ROOM, env),
+            database=database,
+            cipher=load_fernet(env, database.data_dir),
+            migrate_on_start=env_bool(env, f"{prefix}MIGRATE_ON_START", True),
+        )
+
+
+def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env_str(env, name, "").lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {raw!r}")

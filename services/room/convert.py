@@ -1,0 +1,207 @@
+"""Rows to protos and back: enum names as stored in the database, timestamps, authors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from quayutec.v1 import common_pb2
+
+Row = Mapping[str, Any]
+
+PROVIDER_PREFIX = "PROVIDER_"
+AUTHOR_KIND_PREFIX = "AUTHOR_KIND_"
+TASK_STATUS_PREFIX = "TASK_STATUS_"
+VISIBILITY_PREFIX = "MEMORY_VISIBILITY_"
+WAKE_KIND_PREFIX = "WAKE_KIND_"
+RUN_STATUS_PREFIX = "RUN_STATUS_"
+RUN_STEP_PREFIX = "RUN_STEP_"
+
+
+def enum_to_text(enum: Any, value: int, prefix: str) -> str:
+    """``PROVIDER_OPENAI`` -> ``openai``: the name a row stores."""
+    return str(enum.Name(value)).removeprefix(prefix).lower()
+
+
+def text_to_enum(enum: Any, text: str, prefix: str) -> Any:
+    """``openai`` -> ``PROVIDER_OPENAI`` (the enum's value type)."""
+    return enum.Value(prefix + text.upper())
+
+
+def timestamp(dt: datetime | None) -> Timestamp | None:
+    if dt is None:
+        return None
+    ts = Timestamp()
+    ts.FromDatetime(dt)
+    return ts
+
+
+def _s(value: Any) -> str:
+    return "" if value is None else str(value)
+
+
+def author(row: Row, prefix: str = "author_") -> common_pb2.Author:
+    return common_pb2.Author(
+        kind=text_to_enum(common_pb2.AuthorKind, row[f"{prefix}kind"], AUTHOR_KIND_PREFIX),
+        company_id=_s(row[f"{prefix}company_id"]),
+        person=_s(row[f"{prefix}person"]),
+        agent_id=_s(row[f"{prefix}agent_id"]),
+    )
+
+
+def company(row: Row) -> common_pb2.Company:
+    return common_pb2.Company(
+        company_id=str(row["company_id"]), name=row["name"], created_at=timestamp(row["created_at"])
+    )
+
+
+def room(row: Row) -> common_pb2.Room:
+    return common_pb2.Room(
+        room_id=str(row["room_id"]),
+        name=row["name"],
+        created_by_company_id=str(row["created_by_company_id"]),
+        created_at=timestamp(row["created_at"]),
+    )
+
+
+def member(row: Row) -> common_pb2.RoomMember:
+    return common_pb2.RoomMember(
+        room_id=str(row["room_id"]), company_id=str(row["company_id"]), joined_at=timestamp(row["joined_at"])
+    )
+
+
+def agent(row: Row) -> common_pb2.Agent:
+    return common_pb2.Agent(
+        agent_id=str(row["agent_id"]),
+        company_id=str(row["company_id"]),
+        name=row["name"],
+        provider=text_to_enum(common_pb2.Provider, row["provider"], PROVIDER_PREFIX),
+        model=row["model"],
+        base_url=_s(row["base_url"]),
+        system_prompt=row["system_prompt"],
+        has_provider_key=bool(row["has_provider_key"]),
+        created_at=timestamp(row["created_at"]),
+    )
+
+
+def message(row: Row) -> common_pb2.Message:
+    return common_pb2.Message(
+        message_id=str(row["message_id"]),
+        room_id=str(row["room_id"]),
+        seq=row["seq"],
+        author=author(row),
+        body=row["body"],
+        mention_agent_ids=[str(a) for a in row["mention_agent_ids"]],
+        run_id=_s(row["run_id"]),
+        created_at=timestamp(row["created_at"]),
+    )
+
+
+def wake(row: Row) -> common_pb2.Wake:
+    return common_pb2.Wake(
+        wake_id=str(row["wake_id"]),
+        agent_id=str(row["agent_id"]),
+        room_id=str(row["room_id"]),
+        kind=text_to_enum(common_pb2.WakeKind, row["kind"], WAKE_KIND_PREFIX),
+        source_id=row["source_id"],
+        delivery_attempts=row["delivery_attempts"],
+        created_at=timestamp(row["created_at"]),
+    )
+
+
+def task_update(row: Row) -> common_pb2.TaskUpdate:
+    return common_pb2.TaskUpdate(
+        update_id=str(row["update_id"]),
+        task_id=str(row["task_id"]),
+        author=author(row),
+        note=row["note"],
+        status=text_to_enum(common_pb2.TaskStatus, row["status"], TASK_STATUS_PREFIX),
+        run_id=_s(row["run_id"]),
+        created_at=timestamp(row["created_at"]),
+    )
+
+
+def task(row: Row, updates: Sequence[Row] = ()) -> common_pb2.Task:
+    fields: dict[str, Any] = {
+        "task_id": str(row["task_id"]),
+        "room_id": str(row["room_id"]),
+        "from": author(row, "from_"),
+        "to_agent_id": str(row["to_agent_id"]),
+        "title": row["title"],
+        "body": row["body"],
+        "status": text_to_enum(common_pb2.TaskStatus, row["status"], TASK_STATUS_PREFIX),
+        "updates": [task_update(u) for u in updates],
+        "run_id": _s(row["run_id"]),
+        "created_at": timestamp(row["created_at"]),
+        "updated_at": timestamp(row["updated_at"]),
+    }
+    return common_pb2.Task(**fields)
+
+
+def memory_line(row: Row) -> common_pb2.MemoryLine:
+    return common_pb2.MemoryLine(
+        memory_id=str(row["memory_id"]),
+        room_id=str(row["room_id"]),
+        author=author(row),
+        text=row["text"],
+        visibility=text_to_enum(common_pb2.MemoryVisibility, row["visibility"], VISIBILITY_PREFIX),
+        run_id=_s(row["run_id"]),
+        created_at=timestamp(row["created_at"]),
+    )
+
+
+def file(row: Row) -> common_pb2.File:
+    return common_pb2.File(
+        file_id=str(row["file_id"]),
+        room_id=str(row["room_id"]),
+        author=author(row),
+        name=row["name"],
+        content_type=row["content_type"],
+        size_bytes=row["size_bytes"],
+        passage_count=row["passage_count"],
+        created_at=timestamp(row["created_at"]),
+    )
+
+
+def passage(row: Row) -> common_pb2.Passage:
+    return common_pb2.Passage(
+        passage_id=str(row["passage_id"]),
+        file_id=str(row["file_id"]),
+        file_name=row["file_name"],
+        ordinal=row["ordinal"],
+        text=row["text"],
+        rank=float(row["rank"]),
+    )
+
+
+def run(row: Row) -> common_pb2.Run:
+    return common_pb2.Run(
+        run_id=row["run_id"],
+        agent_id=str(row["agent_id"]),
+        company_id=_s(row["company_id"]),
+        room_id=str(row["room_id"]),
+        wake_id=row["wake_id"],
+        wake_kind=text_to_enum(common_pb2.WakeKind, row["wake_kind"], WAKE_KIND_PREFIX),
+        wake_source_id=row["wake_source_id"],
+        status=text_to_enum(common_pb2.RunStatus, row["status"], RUN_STATUS_PREFIX),
+        step=text_to_enum(common_pb2.RunStep, row["step"], RUN_STEP_PREFIX),
+        posted_message_id=row["posted_message_id"],
+        actions=[json_format.ParseDict(a, common_pb2.DeclaredAction()) for a in json.loads(row["actions"])],
+        model_attempts=[json_format.ParseDict(a, common_pb2.ModelAttempt()) for a in json.loads(row["model_attempts"])],
+        error=row["error"],
+        trace_id=row["trace_id"],
+        active_ms=row["active_ms"],
+        started_at=timestamp(row["started_at"]),
+        updated_at=timestamp(row["updated_at"]),
+        ended_at=timestamp(row["ended_at"]),
+    )
+
+
+def messages_json(items: Any) -> str:
+    """Repeated proto messages as the jsonb array a runs row stores (field names as in the proto)."""
+    return json.dumps([json_format.MessageToDict(m, preserving_proto_field_name=True) for m in items])

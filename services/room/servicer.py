@@ -1,0 +1,408 @@
+"""gRPC adapter of RoomService: validate the request, call the store, answer with protos."""
+
+from __future__ import annotations
+
+from typing import TypeAlias
+
+import grpc
+
+from quayutec.errors import InvalidArgument
+from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
+from services.room import convert
+from services.room import validate as v
+from services.room.passages import split_passages
+from services.room.store import RoomStore
+
+Ctx: TypeAlias = grpc.aio.ServicerContext
+
+_PROVIDERS = {
+    common_pb2.PROVIDER_ANTHROPIC: "anthropic",
+    common_pb2.PROVIDER_OPENAI: "openai",
+    common_pb2.PROVIDER_OPENAI_COMPATIBLE: "openai_compatible",
+}
+_CLOSING = {common_pb2.TASK_STATUS_DONE: "done", common_pb2.TASK_STATUS_CANCELLED: "cancelled"}
+_TASK_FILTER = {common_pb2.TASK_STATUS_OPEN: "open", **_CLOSING}
+_VISIBILITY = {common_pb2.MEMORY_VISIBILITY_ROOM: "room", common_pb2.MEMORY_VISIBILITY_COMPANY: "company"}
+
+
+class RoomServicer(room_pb2_grpc.RoomServiceServicer):
+    """Every RoomService RPC over a ``RoomStore``; error codes come from quayutec.errors."""
+
+    def __init__(self, store: RoomStore) -> None:
+        self._store = store
+
+    # -- companies, rooms, members --------------------------------------------------------------------------
+
+    async def CreateCompany(
+        self, request: room_pb2.RoomServiceCreateCompanyRequest, context: Ctx
+    ) -> room_pb2.RoomServiceCreateCompanyResponse:
+        row = await self._store.create_company(v.text(request.name, "name", v.MAX_NAME_BYTES))
+        return room_pb2.RoomServiceCreateCompanyResponse(company=convert.company(row))
+
+    async def GetCompany(
+        self, request: room_pb2.RoomServiceGetCompanyRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetCompanyResponse:
+        row = await self._store.get_company(v.required_id(request.company_id, "company_id"))
+        return room_pb2.RoomServiceGetCompanyResponse(company=convert.company(row))
+
+    async def CreateRoom(
+        self, request: room_pb2.RoomServiceCreateRoomRequest, context: Ctx
+    ) -> room_pb2.RoomServiceCreateRoomResponse:
+        company_id = v.required_id(request.company_id, "company_id")
+        row = await self._store.create_room(company_id, v.text(request.name, "name", v.MAX_NAME_BYTES))
+        return room_pb2.RoomServiceCreateRoomResponse(room=convert.room(row))
+
+    async def GetRoom(
+        self, request: room_pb2.RoomServiceGetRoomRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetRoomResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        member = v.optional_id(request.member_company_id, "member_company_id")
+        return room_pb2.RoomServiceGetRoomResponse(room=convert.room(await self._store.get_room(room_id, member)))
+
+    async def ListRooms(
+        self, request: room_pb2.RoomServiceListRoomsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListRoomsResponse:
+        company_id = v.required_id(request.company_id, "company_id")
+        page = await self._store.list_rooms(
+            company_id, v.decode_page_token(request.page_token, "rooms"), v.page_size(request.page_size)
+        )
+        return room_pb2.RoomServiceListRoomsResponse(
+            rooms=[convert.room(r) for r in page.rows], next_page_token=v.encode_page_token("rooms", page.next_key)
+        )
+
+    async def AddMember(
+        self, request: room_pb2.RoomServiceAddMemberRequest, context: Ctx
+    ) -> room_pb2.RoomServiceAddMemberResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        row = await self._store.add_member(room_id, v.required_id(request.company_id, "company_id"))
+        return room_pb2.RoomServiceAddMemberResponse(member=convert.member(row))
+
+    async def ListMembers(
+        self, request: room_pb2.RoomServiceListMembersRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListMembersResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        page = await self._store.list_members(
+            room_id, v.decode_page_token(request.page_token, "members"), v.page_size(request.page_size)
+        )
+        return room_pb2.RoomServiceListMembersResponse(
+            members=[convert.member(r) for r in page.rows],
+            next_page_token=v.encode_page_token("members", page.next_key),
+        )
+
+    # -- agents ---------------------------------------------------------------------------------------------
+
+    async def RegisterAgent(
+        self, request: room_pb2.RoomServiceRegisterAgentRequest, context: Ctx
+    ) -> room_pb2.RoomServiceRegisterAgentResponse:
+        company_id = v.required_id(request.company_id, "company_id")
+        provider = _PROVIDERS.get(request.provider)
+        if provider is None:
+            raise InvalidArgument("provider must be PROVIDER_ANTHROPIC, PROVIDER_OPENAI or PROVIDER_OPENAI_COMPATIBLE")
+        base_url = v.base_url(request.base_url)
+        if request.provider == common_pb2.PROVIDER_OPENAI_COMPATIBLE and base_url is None:
+            raise InvalidArgument("base_url is required for PROVIDER_OPENAI_COMPATIBLE")
+        row = await self._store.register_agent(
+            company_id=company_id,
+            name=v.text(request.name, "name", v.MAX_NAME_BYTES),
+            provider=provider,
+            model=v.text(request.model, "model", v.MAX_NAME_BYTES),
+            base_url=base_url,
+            provider_key=v.text(request.provider_key, "provider_key", v.MAX_PROVIDER_KEY_BYTES, required=False) or None,
+            system_prompt=v.text(request.system_prompt, "system_prompt", v.MAX_BODY_BYTES, required=False),
+        )
+        return room_pb2.RoomServiceRegisterAgentResponse(agent=convert.agent(row))
+
+    async def GetAgent(
+        self, request: room_pb2.RoomServiceGetAgentRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetAgentResponse:
+        row = await self._store.get_agent(v.required_id(request.agent_id, "agent_id"))
+        return room_pb2.RoomServiceGetAgentResponse(agent=convert.agent(row))
+
+    async def ListAgents(
+        self, request: room_pb2.RoomServiceListAgentsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListAgentsResponse:
+        company_id = v.required_id(request.company_id, "company_id")
+        page = await self._store.list_agents(
+            company_id, v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
+        )
+        return room_pb2.RoomServiceListAgentsResponse(
+            agents=[convert.agent(r) for r in page.rows], next_page_token=v.encode_page_token("agents", page.next_key)
+        )
+
+    async def GetAgentCredentials(
+        self, request: room_pb2.RoomServiceGetAgentCredentialsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetAgentCredentialsResponse:
+        row, key = await self._store.get_agent_credentials(v.required_id(request.agent_id, "agent_id"))
+        return room_pb2.RoomServiceGetAgentCredentialsResponse(agent=convert.agent(row), provider_key=key)
+
+    # -- messages -------------------------------------------------------------------------------------------
+
+    async def PostMessage(
+        self, request: room_pb2.RoomServicePostMessageRequest, context: Ctx
+    ) -> room_pb2.RoomServicePostMessageResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        author = v.author(request.author)
+        body = v.text(request.body, "body", v.MAX_BODY_BYTES)
+        if len(request.mention_agent_ids) > v.MAX_MENTIONS:
+            raise InvalidArgument(
+                f"at most {v.MAX_MENTIONS} mentions are allowed, got {len(request.mention_agent_ids)}"
+            )
+        mentions = list(dict.fromkeys(v.required_id(a, "mention_agent_ids") for a in request.mention_agent_ids))
+        posted = await self._store.post_message(
+            room_id=room_id,
+            author=author,
+            body=body,
+            mention_agent_ids=mentions,
+            run_id=v.optional_key(request.run_id, "run_id"),
+            dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+        )
+        return room_pb2.RoomServicePostMessageResponse(
+            message=convert.message(posted.row),
+            wakes=[convert.wake(w) for w in posted.wakes],
+            deduplicated=posted.deduplicated,
+        )
+
+    async def ListMessages(
+        self, request: room_pb2.RoomServiceListMessagesRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListMessagesResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        scope = "messages-newest" if request.newest_first else "messages-oldest"
+        page = await self._store.list_messages(
+            room_id,
+            v.decode_page_token(request.page_token, scope),
+            v.page_size(request.page_size),
+            newest_first=request.newest_first,
+        )
+        return room_pb2.RoomServiceListMessagesResponse(
+            messages=[convert.message(r) for r in page.rows], next_page_token=v.encode_page_token(scope, page.next_key)
+        )
+
+    # -- tasks ----------------------------------------------------------------------------------------------
+
+    async def CreateTask(
+        self, request: room_pb2.RoomServiceCreateTaskRequest, context: Ctx
+    ) -> room_pb2.RoomServiceCreateTaskResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        posted = await self._store.create_task(
+            room_id=room_id,
+            author=v.author(getattr(request, "from"), "from"),
+            to_agent_id=v.required_id(request.to_agent_id, "to_agent_id"),
+            title=v.text(request.title, "title", v.MAX_TITLE_BYTES),
+            body=v.text(request.body, "body", v.MAX_BODY_BYTES, required=False),
+            run_id=v.optional_key(request.run_id, "run_id"),
+            dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+        )
+        return room_pb2.RoomServiceCreateTaskResponse(
+            task=convert.task(posted.row),
+            wakes=[convert.wake(w) for w in posted.wakes],
+            deduplicated=posted.deduplicated,
+        )
+
+    async def UpdateTask(
+        self, request: room_pb2.RoomServiceUpdateTaskRequest, context: Ctx
+    ) -> room_pb2.RoomServiceUpdateTaskResponse:
+        task_id = v.required_id(request.task_id, "task_id")
+        room_id = v.optional_id(request.room_id, "room_id")
+        author = v.author(request.author)
+        note = v.text(request.note, "note", v.MAX_BODY_BYTES, required=False)
+        if request.status not in common_pb2.TaskStatus.values():
+            raise InvalidArgument(f"status {request.status} is not a TaskStatus")
+        closing = _CLOSING.get(request.status)
+        if not note.strip() and closing is None:
+            raise InvalidArgument("an update needs a note or a closing status (DONE or CANCELLED)")
+        result = await self._store.update_task(
+            task_id=task_id,
+            room_id=room_id,
+            author=author,
+            note=note,
+            status=closing,
+            run_id=v.optional_key(request.run_id, "run_id"),
+            dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+        )
+        return room_pb2.RoomServiceUpdateTaskResponse(
+            task=convert.task(result.task, result.updates),
+            update=convert.task_update(result.update),
+            deduplicated=result.deduplicated,
+        )
+
+    async def GetTask(
+        self, request: room_pb2.RoomServiceGetTaskRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetTaskResponse:
+        task_id = v.required_id(request.task_id, "task_id")
+        task, updates = await self._store.get_task(task_id, v.optional_id(request.room_id, "room_id"))
+        return room_pb2.RoomServiceGetTaskResponse(task=convert.task(task, updates))
+
+    async def ListTasks(
+        self, request: room_pb2.RoomServiceListTasksRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListTasksResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        if request.status != common_pb2.TASK_STATUS_UNSPECIFIED and request.status not in _TASK_FILTER:
+            raise InvalidArgument(f"status {request.status} is not a TaskStatus")
+        page, updates = await self._store.list_tasks(
+            room_id,
+            v.optional_id(request.to_agent_id, "to_agent_id"),
+            _TASK_FILTER.get(request.status),
+            v.decode_page_token(request.page_token, "tasks"),
+            v.page_size(request.page_size),
+        )
+        return room_pb2.RoomServiceListTasksResponse(
+            tasks=[convert.task(r, updates[str(r["task_id"])]) for r in page.rows],
+            next_page_token=v.encode_page_token("tasks", page.next_key),
+        )
+
+    # -- memory ---------------------------------------------------------------------------------------------
+
+    async def WriteMemory(
+        self, request: room_pb2.RoomServiceWriteMemoryRequest, context: Ctx
+    ) -> room_pb2.RoomServiceWriteMemoryResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        visibility = _VISIBILITY.get(request.visibility)
+        if visibility is None:
+            raise InvalidArgument("visibility must be MEMORY_VISIBILITY_ROOM or MEMORY_VISIBILITY_COMPANY")
+        row, deduplicated = await self._store.write_memory(
+            room_id=room_id,
+            author=v.author(request.author),
+            text=v.text(request.text, "text", v.MAX_MEMORY_BYTES),
+            visibility=visibility,
+            run_id=v.optional_key(request.run_id, "run_id"),
+            dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+        )
+        return room_pb2.RoomServiceWriteMemoryResponse(line=convert.memory_line(row), deduplicated=deduplicated)
+
+    async def ListMemory(
+        self, request: room_pb2.RoomServiceListMemoryRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListMemoryResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        reader = v.required_id(request.reader_company_id, "reader_company_id")
+        query = v.text(request.query, "query", v.MAX_QUERY_BYTES, required=False).strip() or None
+        page = await self._store.list_memory(
+            room_id, reader, query, v.decode_page_token(request.page_token, "memory"), v.page_size(request.page_size)
+        )
+        return room_pb2.RoomServiceListMemoryResponse(
+            lines=[convert.memory_line(r) for r in page.rows],
+            next_page_token=v.encode_page_token("memory", page.next_key),
+        )
+
+    # -- files and passages ---------------------------------------------------------------------------------
+
+    async def UploadFile(
+        self, request: room_pb2.RoomServiceUploadFileRequest, context: Ctx
+    ) -> room_pb2.RoomServiceUploadFileResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        author = v.author(request.author)
+        name = v.text(request.name, "name", v.MAX_NAME_BYTES)
+        content_type = v.text(request.content_type, "content_type", v.MAX_NAME_BYTES, required=False)
+        content = bytes(request.content)
+        if len(content) > v.MAX_FILE_BYTES:
+            raise InvalidArgument(f"the file is {len(content)} bytes; at most {v.MAX_FILE_BYTES} (10 MiB) are allowed")
+        try:
+            decoded = content.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"the file is not UTF-8 text (invalid byte at offset {exc.start})") from None
+        if "\x00" in decoded:
+            raise InvalidArgument("the file is not text: it contains NUL characters")
+        row = await self._store.upload_file(
+            room_id=room_id,
+            author=author,
+            name=name,
+            content_type=content_type,
+            content=content,
+            passages=split_passages(decoded),
+        )
+        return room_pb2.RoomServiceUploadFileResponse(file=convert.file(row))
+
+    async def ListFiles(
+        self, request: room_pb2.RoomServiceListFilesRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListFilesResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        page = await self._store.list_files(
+            room_id, v.decode_page_token(request.page_token, "files"), v.page_size(request.page_size)
+        )
+        return room_pb2.RoomServiceListFilesResponse(
+            files=[convert.file(r) for r in page.rows], next_page_token=v.encode_page_token("files", page.next_key)
+        )
+
+    async def SearchPassages(
+        self, request: room_pb2.RoomServiceSearchPassagesRequest, context: Ctx
+    ) -> room_pb2.RoomServiceSearchPassagesResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        query = v.text(request.query, "query", v.MAX_QUERY_BYTES)
+        limit = v.in_range(request.limit or 5, "limit", 1, 50)
+        rows = await self._store.search_passages(room_id, query, limit)
+        return room_pb2.RoomServiceSearchPassagesResponse(passages=[convert.passage(r) for r in rows])
+
+    # -- the run ledger -------------------------------------------------------------------------------------
+
+    async def RecordRun(
+        self, request: room_pb2.RoomServiceRecordRunRequest, context: Ctx
+    ) -> room_pb2.RoomServiceRecordRunResponse:
+        run = common_pb2.Run()
+        run.CopyFrom(request.run)
+        v.text(run.run_id, "run.run_id", v.MAX_KEY_BYTES)
+        run.agent_id = v.required_id(run.agent_id, "run.agent_id")
+        run.room_id = v.required_id(run.room_id, "run.room_id")
+        run.company_id = v.optional_id(run.company_id, "run.company_id") or ""
+        for field in ("wake_id", "wake_source_id", "posted_message_id", "trace_id"):
+            v.text(getattr(run, field), f"run.{field}", v.MAX_KEY_BYTES, required=False)
+        v.text(run.error, "run.error", v.MAX_BODY_BYTES, required=False)
+        if run.ByteSize() > v.MAX_RUN_BYTES:
+            raise InvalidArgument(f"the run is {run.ByteSize()} bytes; at most {v.MAX_RUN_BYTES} are allowed")
+        row = await self._store.record_run(run)
+        return room_pb2.RoomServiceRecordRunResponse(run=convert.run(row))
+
+    async def GetRun(
+        self, request: room_pb2.RoomServiceGetRunRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetRunResponse:
+        row = await self._store.get_run(v.text(request.run_id, "run_id", v.MAX_KEY_BYTES))
+        return room_pb2.RoomServiceGetRunResponse(run=convert.run(row))
+
+    async def ListRuns(
+        self, request: room_pb2.RoomServiceListRunsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListRunsResponse:
+        agent_id = v.optional_id(request.agent_id, "agent_id")
+        company_id = v.optional_id(request.company_id, "company_id")
+        if agent_id is None and company_id is None:
+            raise InvalidArgument("set agent_id or company_id")
+        page = await self._store.list_runs(
+            agent_id, company_id, v.decode_page_token(request.page_token, "runs"), v.page_size(request.page_size)
+        )
+        return room_pb2.RoomServiceListRunsResponse(
+            runs=[convert.run(r) for r in page.rows], next_page_token=v.encode_page_token("runs", page.next_key)
+        )
+
+    # -- the wake outbox ------------------------------------------------------------------------------------
+
+    async def LeaseWakes(
+        self, request: room_pb2.RoomServiceLeaseWakesRequest, context: Ctx
+    ) -> room_pb2.RoomServiceLeaseWakesResponse:
+        rows = await self._store.lease_wakes(
+            v.text(request.lease_owner, "lease_owner", v.MAX_KEY_BYTES),
+            v.in_range(request.max_wakes, "max_wakes", 1, 500),
+            v.in_range(request.lease_seconds, "lease_seconds", 1, 3600),
+        )
+        return room_pb2.RoomServiceLeaseWakesResponse(wakes=[convert.wake(r) for r in rows])
+
+    async def SettleWake(
+        self, request: room_pb2.RoomServiceSettleWakeRequest, context: Ctx
+    ) -> room_pb2.RoomServiceSettleWakeResponse:
+        wake_id = v.required_id(request.wake_id, "wake_id")
+        owner = v.text(request.lease_owner, "lease_owner", v.MAX_KEY_BYTES)
+        if request.settlement == room_pb2.WAKE_SETTLEMENT_DELIVERED:
+            settled = await self._store.settle_wake(wake_id, owner, delivered=True, retry_after_ms=0, last_error="")
+        elif request.settlement == room_pb2.WAKE_SETTLEMENT_RETRY:
+            retry_after_ms = v.in_range(request.retry_after_ms, "retry_after_ms", 0, v.MAX_RETRY_AFTER_MS)
+            last_error = request.last_error.replace("\x00", "")[: v.MAX_LAST_ERROR_CHARS]
+            settled = await self._store.settle_wake(
+                wake_id, owner, delivered=False, retry_after_ms=retry_after_ms, last_error=last_error
+            )
+        else:
+            raise InvalidArgument("settlement must be WAKE_SETTLEMENT_DELIVERED or WAKE_SETTLEMENT_RETRY")
+        return room_pb2.RoomServiceSettleWakeResponse(settled_at=convert.timestamp(settled))
+
+    async def CountPendingWakes(
+        self, request: room_pb2.RoomServiceCountPendingWakesRequest, context: Ctx
+    ) -> room_pb2.RoomServiceCountPendingWakesResponse:
+        row = await self._store.count_pending_wakes()
+        return room_pb2.RoomServiceCountPendingWakesResponse(
+            pending=row["pending"], oldest_pending_age_ms=row["oldest_pending_age_ms"]
+        )

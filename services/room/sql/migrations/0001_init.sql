@@ -1,0 +1,198 @@
+-- 0001: the Room schema: companies, rooms, members, agents, messages, tasks, memory, files,
+-- passages, the run ledger and the wake outbox.
+
+CREATE TABLE companies (
+    company_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    name text NOT NULL CONSTRAINT companies_name_key UNIQUE,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE rooms (
+    room_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    name text NOT NULL,
+    created_by_company_id uuid NOT NULL REFERENCES companies (company_id),
+    -- The seq of the room's newest message; bumped in the posting transaction.
+    last_seq bigint NOT NULL DEFAULT 0,
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE room_members (
+    room_id uuid NOT NULL REFERENCES rooms (room_id),
+    company_id uuid NOT NULL REFERENCES companies (company_id),
+    pos bigint GENERATED ALWAYS AS IDENTITY,
+    joined_at timestamptz NOT NULL DEFAULT now(),
+    PRIMARY KEY (room_id, company_id)
+);
+CREATE INDEX room_members_room_pos ON room_members (room_id, pos);
+CREATE INDEX room_members_company_pos ON room_members (company_id, pos);
+
+CREATE TABLE agents (
+    agent_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    company_id uuid NOT NULL REFERENCES companies (company_id),
+    pos bigint GENERATED ALWAYS AS IDENTITY,
+    name text NOT NULL,
+    provider text NOT NULL CHECK (provider IN ('anthropic', 'openai', 'openai_compatible')),
+    model text NOT NULL,
+    base_url text,
+    -- Fernet token of the company's provider key (quayutec.crypto); never the plaintext.
+    provider_key_encrypted bytea,
+    system_prompt text NOT NULL DEFAULT '',
+    created_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX agents_company_pos ON agents (company_id, pos);
+
+CREATE TABLE messages (
+    message_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    room_id uuid NOT NULL REFERENCES rooms (room_id),
+    seq bigint NOT NULL,
+    author_kind text NOT NULL CHECK (author_kind IN ('person', 'agent')),
+    author_company_id uuid NOT NULL REFERENCES companies (company_id),
+    author_person text,
+    author_agent_id uuid REFERENCES agents (agent_id),
+    body text NOT NULL,
+    mention_agent_ids uuid[] NOT NULL DEFAULT '{}',
+    run_id text,
+    dedupe_key text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT messages_room_seq_key UNIQUE (room_id, seq),
+    CONSTRAINT messages_room_dedupe_key UNIQUE (room_id, dedupe_key),
+    CONSTRAINT messages_author_check CHECK ((author_kind = 'agent') = (author_agent_id IS NOT NULL))
+);
+
+CREATE TABLE tasks (
+    task_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    room_id uuid NOT NULL REFERENCES rooms (room_id),
+    pos bigint GENERATED ALWAYS AS IDENTITY,
+    from_kind text NOT NULL CHECK (from_kind IN ('person', 'agent')),
+    from_company_id uuid NOT NULL REFERENCES companies (company_id),
+    from_person text,
+    from_agent_id uuid REFERENCES agents (agent_id),
+    to_agent_id uuid NOT NULL REFERENCES agents (agent_id),
+    title text NOT NULL,
+    body text NOT NULL DEFAULT '',
+    -- A task stays open until an update closes it.
+    status text NOT NULL DEFAULT 'open' CHECK (status IN ('open', 'done', 'cancelled')),
+    run_id text,
+    dedupe_key text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT tasks_room_dedupe_key UNIQUE (room_id, dedupe_key),
+    CONSTRAINT tasks_from_check CHECK ((from_kind = 'agent') = (from_agent_id IS NOT NULL))
+);
+CREATE INDEX tasks_room_pos ON tasks (room_id, pos);
+CREATE INDEX tasks_to_agent_pos ON tasks (to_agent_id, pos);
+
+CREATE TABLE task_updates (
+    update_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    task_id uuid NOT NULL REFERENCES tasks (task_id),
+    pos bigint GENERATED ALWAYS AS IDENTITY,
+    author_kind text NOT NULL CHECK (author_kind IN ('person', 'agent')),
+    author_company_id uuid NOT NULL REFERENCES companies (company_id),
+    author_person text,
+    author_agent_id uuid REFERENCES agents (agent_id),
+    note text NOT NULL DEFAULT '',
+    -- The task's status after this update.
+    status text NOT NULL CHECK (status IN ('open', 'done', 'cancelled')),
+    run_id text,
+    dedupe_key text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT task_updates_task_dedupe_key UNIQUE (task_id, dedupe_key),
+    CONSTRAINT task_updates_author_check CHECK ((author_kind = 'agent') = (author_agent_id IS NOT NULL))
+);
+CREATE INDEX task_updates_task_pos ON task_updates (task_id, pos);
+
+CREATE TABLE memory_lines (
+    memory_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    room_id uuid NOT NULL REFERENCES rooms (room_id),
+    pos bigint GENERATED ALWAYS AS IDENTITY,
+    author_kind text NOT NULL CHECK (author_kind IN ('person', 'agent')),
+    author_company_id uuid NOT NULL REFERENCES companies (company_id),
+    author_person text,
+    author_agent_id uuid REFERENCES agents (agent_id),
+    text text NOT NULL,
+    -- 'room': every member company reads it; 'company': only author_company_id and its agents.
+    visibility text NOT NULL CHECK (visibility IN ('room', 'company')),
+    run_id text,
+    dedupe_key text,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    tsv tsvector GENERATED ALWAYS AS (to_tsvector('english'::regconfig, text)) STORED,
+    CONSTRAINT memory_lines_room_dedupe_key UNIQUE (room_id, dedupe_key),
+    CONSTRAINT memory_lines_author_check CHECK ((author_kind = 'agent') = (author_agent_id IS NOT NULL))
+);
+CREATE INDEX memory_lines_room_pos ON memory_lines (room_id, pos);
+CREATE INDEX memory_lines_tsv ON memory_lines USING gin (tsv);
+
+CREATE TABLE files (
+    file_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    room_id uuid NOT NULL REFERENCES rooms (room_id),
+    pos bigint GENERATED ALWAYS AS IDENTITY,
+    author_kind text NOT NULL CHECK (author_kind IN ('person', 'agent')),
+    author_company_id uuid NOT NULL REFERENCES companies (company_id),
+    author_person text,
+    author_agent_id uuid REFERENCES agents (agent_id),
+    name text NOT NULL,
+    content_type text NOT NULL DEFAULT '',
+    content bytea NOT NULL,
+    size_bytes bigint NOT NULL,
+    passage_count integer NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT files_author_check CHECK ((author_kind = 'agent') = (author_agent_id IS NOT NULL))
+);
+CREATE INDEX files_room_pos ON files (room_id, pos);
+
+CREATE TABLE passages (
+    passage_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    file_id uuid NOT NULL REFERENCES files (file_id),
+    room_id uuid NOT NULL REFERENCES rooms (room_id),
+    ordinal integer NOT NULL,
+    text text NOT NULL,
+    tsv tsvector GENERATED ALWAYS AS (to_tsvector('english'::regconfig, text)) STORED,
+    CONSTRAINT passages_file_ordinal_key UNIQUE (file_id, ordinal)
+);
+CREATE INDEX passages_room ON passages (room_id);
+CREATE INDEX passages_tsv ON passages USING gin (tsv);
+
+-- The run ledger: one row per run, rewritten whole by RecordRun until it has ended.
+CREATE TABLE runs (
+    run_id text PRIMARY KEY,
+    pos bigint GENERATED ALWAYS AS IDENTITY,
+    agent_id uuid NOT NULL,
+    company_id uuid,
+    room_id uuid NOT NULL,
+    wake_id text NOT NULL DEFAULT '',
+    wake_kind text NOT NULL DEFAULT 'unspecified',
+    wake_source_id text NOT NULL DEFAULT '',
+    status text NOT NULL DEFAULT 'unspecified',
+    step text NOT NULL DEFAULT 'unspecified',
+    posted_message_id text NOT NULL DEFAULT '',
+    actions jsonb NOT NULL DEFAULT '[]',
+    model_attempts jsonb NOT NULL DEFAULT '[]',
+    error text NOT NULL DEFAULT '',
+    trace_id text NOT NULL DEFAULT '',
+    active_ms bigint NOT NULL DEFAULT 0,
+    started_at timestamptz NOT NULL DEFAULT now(),
+    updated_at timestamptz NOT NULL DEFAULT now(),
+    ended_at timestamptz
+);
+CREATE INDEX runs_agent_pos ON runs (agent_id, pos);
+CREATE INDEX runs_company_pos ON runs (company_id, pos);
+
+-- The outbox: a wake per agent a message or task is meant for, written in the posting transaction
+-- and leased by Gateway's delivery loop (FOR UPDATE SKIP LOCKED).
+CREATE TABLE wake_outbox (
+    wake_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    agent_id uuid NOT NULL REFERENCES agents (agent_id),
+    room_id uuid NOT NULL REFERENCES rooms (room_id),
+    kind text NOT NULL CHECK (kind IN ('message', 'task', 'decision')),
+    source_id text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now(),
+    due_at timestamptz NOT NULL DEFAULT now(),
+    lease_owner text,
+    lease_expires_at timestamptz,
+    delivery_attempts integer NOT NULL DEFAULT 0,
+    delivered_at timestamptz,
+    last_error text,
+    CONSTRAINT wake_outbox_source_key UNIQUE (agent_id, kind, source_id)
+);
+CREATE INDEX wake_outbox_pending_due ON wake_outbox (due_at) WHERE delivered_at IS NULL;
+CREATE INDEX wake_outbox_source ON wake_outbox (source_id);

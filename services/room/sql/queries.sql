@@ -1,0 +1,348 @@
+-- All SQL of the Room service, loaded once by services.room.store (quayutec.sql.Queries).
+-- Keyset pages: every list query takes the last key of the previous page and a row limit.
+
+-- name: create_company
+INSERT INTO companies (name) VALUES ($1)
+RETURNING company_id, name, created_at;
+
+-- name: get_company
+SELECT company_id, name, created_at FROM companies WHERE company_id = $1;
+
+-- name: company_exists
+SELECT EXISTS (SELECT 1 FROM companies WHERE company_id = $1);
+
+-- name: create_room
+-- The room and its first member (the creating company) in one statement; no row when the company is unknown.
+WITH room AS (
+    INSERT INTO rooms (name, created_by_company_id)
+    SELECT $2, company_id FROM companies WHERE company_id = $1
+    RETURNING room_id, name, created_by_company_id, created_at
+), member AS (
+    INSERT INTO room_members (room_id, company_id)
+    SELECT room_id, created_by_company_id FROM room
+)
+SELECT room_id, name, created_by_company_id, created_at FROM room;
+
+-- name: get_room
+SELECT room_id, name, created_by_company_id, created_at FROM rooms WHERE room_id = $1;
+
+-- name: room_exists
+SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $1);
+
+-- name: is_member
+SELECT EXISTS (SELECT 1 FROM room_members WHERE room_id = $1 AND company_id = $2);
+
+-- name: list_rooms
+SELECT r.room_id, r.name, r.created_by_company_id, r.created_at, m.pos
+FROM room_members m
+JOIN rooms r ON r.room_id = m.room_id
+WHERE m.company_id = $1 AND m.pos > $2
+ORDER BY m.pos
+LIMIT $3;
+
+-- name: add_member
+INSERT INTO room_members (room_id, company_id)
+SELECT r.room_id, c.company_id FROM rooms r, companies c WHERE r.room_id = $1 AND c.company_id = $2
+ON CONFLICT (room_id, company_id) DO NOTHING
+RETURNING room_id, company_id, joined_at;
+
+-- name: get_member
+SELECT room_id, company_id, joined_at FROM room_members WHERE room_id = $1 AND company_id = $2;
+
+-- name: list_members
+SELECT room_id, company_id, joined_at, pos
+FROM room_members
+WHERE room_id = $1 AND pos > $2
+ORDER BY pos
+LIMIT $3;
+
+-- name: register_agent
+INSERT INTO agents (company_id, name, provider, model, base_url, provider_key_encrypted, system_prompt)
+SELECT company_id, $2, $3, $4, $5, $6, $7 FROM companies WHERE company_id = $1
+RETURNING agent_id, company_id, name, provider, model, base_url, system_prompt,
+    provider_key_encrypted IS NOT NULL AS has_provider_key, created_at;
+
+-- name: get_agent
+SELECT agent_id, company_id, name, provider, model, base_url, system_prompt,
+    provider_key_encrypted IS NOT NULL AS has_provider_key, created_at
+FROM agents WHERE agent_id = $1;
+
+-- name: get_agent_credentials
+SELECT agent_id, company_id, name, provider, model, base_url, system_prompt,
+    provider_key_encrypted IS NOT NULL AS has_provider_key, created_at, provider_key_encrypted
+FROM agents WHERE agent_id = $1;
+
+-- name: list_agents
+SELECT agent_id, company_id, name, provider, model, base_url, system_prompt,
+    provider_key_encrypted IS NOT NULL AS has_provider_key, created_at, pos
+FROM agents
+WHERE company_id = $1 AND pos > $2
+ORDER BY pos
+LIMIT $3;
+
+-- name: agents_in_room
+-- Each of the given agents with whether its company is a member of room $2.
+SELECT a.agent_id, a.company_id,
+    EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $2 AND m.company_id = a.company_id) AS member
+FROM agents a
+WHERE a.agent_id = ANY ($1::uuid[]);
+
+-- name: agent_company
+SELECT company_id FROM agents WHERE agent_id = $1;
+
+-- name: lock_room_for_post
+-- Serializes posts in one room so seq order is commit order (NO KEY UPDATE leaves FK checks unblocked).
+SELECT last_seq FROM rooms WHERE room_id = $1 FOR NO KEY UPDATE;
+
+-- name: find_message_by_dedupe
+SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
+    mention_agent_ids, run_id, created_at
+FROM messages WHERE room_id = $1 AND dedupe_key = $2;
+
+-- name: insert_message
+WITH next AS (
+    UPDATE rooms SET last_seq = last_seq + 1 WHERE room_id = $1 RETURNING last_seq
+)
+INSERT INTO messages (room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
+    mention_agent_ids, run_id, dedupe_key)
+SELECT $1, next.last_seq, $2, $3, $4, $5, $6, $7::uuid[], $8, $9 FROM next
+RETURNING message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
+    mention_agent_ids, run_id, created_at;
+
+-- name: list_messages_oldest_first
+SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
+    mention_agent_ids, run_id, created_at
+FROM messages
+WHERE room_id = $1 AND seq > $2
+ORDER BY seq
+LIMIT $3;
+
+-- name: list_messages_newest_first
+SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
+    mention_agent_ids, run_id, created_at
+FROM messages
+WHERE room_id = $1 AND seq < $2
+ORDER BY seq DESC
+LIMIT $3;
+
+-- name: insert_wakes
+INSERT INTO wake_outbox (agent_id, room_id, kind, source_id)
+SELECT agent_id, $2, $3, $4 FROM unnest($1::uuid[]) AS a (agent_id)
+ON CONFLICT (agent_id, kind, source_id) DO NOTHING
+RETURNING wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at;
+
+-- name: wakes_of_source
+SELECT wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at
+FROM wake_outbox
+WHERE source_id = $1 AND kind = $2
+ORDER BY created_at, wake_id;
+
+-- name: find_task_by_dedupe
+SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+    status, run_id, created_at, updated_at, pos
+FROM tasks WHERE room_id = $1 AND dedupe_key = $2;
+
+-- name: insert_task
+INSERT INTO tasks (room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+    run_id, dedupe_key)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+ON CONFLICT (room_id, dedupe_key) DO NOTHING
+RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+    status, run_id, created_at, updated_at, pos;
+
+-- name: get_task
+SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+    status, run_id, created_at, updated_at, pos
+FROM tasks WHERE task_id = $1;
+
+-- name: lock_task
+SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+    status, run_id, created_at, updated_at, pos
+FROM tasks WHERE task_id = $1
+FOR NO KEY UPDATE;
+
+-- name: set_task_status
+UPDATE tasks SET status = $2, updated_at = now() WHERE task_id = $1
+RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+    status, run_id, created_at, updated_at, pos;
+
+-- name: list_tasks
+SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+    status, run_id, created_at, updated_at, pos
+FROM tasks
+WHERE room_id = $1 AND ($2::uuid IS NULL OR to_agent_id = $2) AND ($3::text IS NULL OR status = $3) AND pos > $4
+ORDER BY pos
+LIMIT $5;
+
+-- name: find_task_update_by_dedupe
+SELECT update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,
+    created_at
+FROM task_updates WHERE task_id = $1 AND dedupe_key = $2;
+
+-- name: insert_task_update
+INSERT INTO task_updates (task_id, author_kind, author_company_id, author_person, author_agent_id, note, status,
+    run_id, dedupe_key)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+RETURNING update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,
+    created_at;
+
+-- name: updates_of_tasks
+SELECT update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,
+    created_at
+FROM task_updates
+WHERE task_id = ANY ($1::uuid[])
+ORDER BY pos;
+
+-- name: find_memory_by_dedupe
+SELECT memory_id, room_id, author_kind, author_company_id, author_person, author_agent_id, text, visibility,
+    run_id, created_at, pos
+FROM memory_lines WHERE room_id = $1 AND dedupe_key = $2;
+
+-- name: insert_memory
+INSERT INTO memory_lines (room_id, author_kind, author_company_id, author_person, author_agent_id, text,
+    visibility, run_id, dedupe_key)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+ON CONFLICT (room_id, dedupe_key) DO NOTHING
+RETURNING memory_id, room_id, author_kind, author_company_id, author_person, author_agent_id, text, visibility,
+    run_id, created_at, pos;
+
+-- name: list_memory
+-- Newest first; lines private to another company are never selected.
+SELECT memory_id, room_id, author_kind, author_company_id, author_person, author_agent_id, text, visibility,
+    run_id, created_at, pos
+FROM memory_lines
+WHERE room_id = $1 AND (visibility = 'room' OR author_company_id = $2) AND pos < $3
+ORDER BY pos DESC
+LIMIT $4;
+
+-- name: search_memory
+SELECT memory_id, room_id, author_kind, author_company_id, author_person, author_agent_id, text, visibility,
+    run_id, created_at, pos
+FROM memory_lines
+WHERE room_id = $1 AND (visibility = 'room' OR author_company_id = $2) AND pos < $3
+    AND tsv @@ websearch_to_tsquery('english', $5)
+ORDER BY pos DESC
+LIMIT $4;
+
+-- name: insert_file
+INSERT INTO files (room_id, author_kind, author_company_id, author_person, author_agent_id, name, content_type,
+    content, size_bytes, passage_count)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+RETURNING file_id, room_id, author_kind, author_company_id, author_person, author_agent_id, name, content_type,
+    size_bytes, passage_count, created_at, pos;
+
+-- name: insert_passages
+INSERT INTO passages (file_id, room_id, ordinal, text)
+SELECT $1, $2, p.ordinal, p.text FROM unnest($3::integer[], $4::text[]) AS p (ordinal, text);
+
+-- name: list_files
+SELECT file_id, room_id, author_kind, author_company_id, author_person, author_agent_id, name, content_type,
+    size_bytes, passage_count, created_at, pos
+FROM files
+WHERE room_id = $1 AND pos > $2
+ORDER BY pos
+LIMIT $3;
+
+-- name: search_passages_all_terms
+-- websearch syntax ("phrases", or, -not); every term must match.
+SELECT p.passage_id, p.file_id, f.name AS file_name, p.ordinal, p.text, ts_rank(p.tsv, q.query) AS rank
+FROM passages p
+JOIN files f ON f.file_id = p.file_id
+CROSS JOIN websearch_to_tsquery('english', $2) AS q (query)
+WHERE p.room_id = $1 AND p.tsv @@ q.query
+ORDER BY rank DESC, f.pos, p.ordinal
+LIMIT $3;
+
+-- name: search_passages_any_term
+-- The fallback for long natural-language queries (a wake's message): any term matches, more is better.
+SELECT p.passage_id, p.file_id, f.name AS file_name, p.ordinal, p.text, ts_rank(p.tsv, q.query) AS rank
+FROM passages p
+JOIN files f ON f.file_id = p.file_id
+CROSS JOIN LATERAL (SELECT replace(plainto_tsquery('english', $2)::text, ' & ', ' | ')::tsquery) AS q (query)
+WHERE p.room_id = $1 AND p.tsv @@ q.query
+ORDER BY rank DESC, f.pos, p.ordinal
+LIMIT $3;
+
+-- name: upsert_run
+-- The whole ledger row as it now stands; an ended row is left alone (no row returned).
+INSERT INTO runs (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at)
+VALUES ($1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8, $9,
+    $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17)
+ON CONFLICT (run_id) DO UPDATE SET
+    agent_id = EXCLUDED.agent_id,
+    company_id = EXCLUDED.company_id,
+    room_id = EXCLUDED.room_id,
+    wake_id = EXCLUDED.wake_id,
+    wake_kind = EXCLUDED.wake_kind,
+    wake_source_id = EXCLUDED.wake_source_id,
+    status = EXCLUDED.status,
+    step = EXCLUDED.step,
+    posted_message_id = EXCLUDED.posted_message_id,
+    actions = EXCLUDED.actions,
+    model_attempts = EXCLUDED.model_attempts,
+    error = EXCLUDED.error,
+    trace_id = EXCLUDED.trace_id,
+    active_ms = EXCLUDED.active_ms,
+    started_at = COALESCE($16::timestamptz, runs.started_at),
+    updated_at = now(),
+    ended_at = EXCLUDED.ended_at
+WHERE runs.ended_at IS NULL
+RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos;
+
+-- name: get_run
+SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+FROM runs WHERE run_id = $1;
+
+-- name: list_runs_of_agent
+SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+FROM runs
+WHERE agent_id = $1 AND ($2::uuid IS NULL OR company_id = $2) AND pos < $3
+ORDER BY pos DESC
+LIMIT $4;
+
+-- name: list_runs_of_company
+SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+FROM runs
+WHERE company_id = $1 AND pos < $2
+ORDER BY pos DESC
+LIMIT $3;
+
+-- name: lease_wakes
+UPDATE wake_outbox
+SET lease_owner = $1,
+    lease_expires_at = now() + $3::integer * interval '1 second',
+    delivery_attempts = delivery_attempts + 1
+WHERE wake_id IN (
+    SELECT wake_id FROM wake_outbox
+    WHERE delivered_at IS NULL AND due_at <= now() AND (lease_expires_at IS NULL OR lease_expires_at < now())
+    ORDER BY due_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+RETURNING wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, due_at;
+
+-- name: settle_wake_delivered
+UPDATE wake_outbox SET delivered_at = now(), lease_expires_at = NULL, last_error = NULL
+WHERE wake_id = $1 AND lease_owner = $2 AND delivered_at IS NULL
+RETURNING delivered_at AS settled_at;
+
+-- name: settle_wake_retry
+UPDATE wake_outbox
+SET due_at = now() + $3::bigint * interval '1 millisecond', lease_owner = NULL, lease_expires_at = NULL,
+    last_error = $4
+WHERE wake_id = $1 AND lease_owner = $2 AND delivered_at IS NULL
+RETURNING now() AS settled_at;
+
+-- name: get_wake_lease
+SELECT lease_owner, delivered_at FROM wake_outbox WHERE wake_id = $1;
+
+-- name: count_pending_wakes
+SELECT count(*) AS pending,
+    COALESCE((extract(epoch FROM now() - min(created_at)) * 1000)::bigint, 0) AS oldest_pending_age_ms
+FROM wake_outbox
+WHERE delivered_at IS NULL;

@@ -1,0 +1,539 @@
+"""The Room's PostgreSQL store: every write is one transaction; posts record their wakes in it (outbox)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+
+from quayutec.crypto import InvalidToken, MultiFernet
+from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from quayutec.sql import Queries
+from quayutec.v1 import common_pb2
+from services.room import convert
+
+QUERIES_PATH = Path(__file__).resolve().parent / "sql" / "queries.sql"
+
+# The largest bigint: the "before" key of a newest-first listing's first page.
+_MAX_KEY = 2**63 - 1
+
+Record = Any  # asyncpg.Record; asyncpg is untyped here
+# Called inside a posting transaction between its writes; tests use it to interrupt the transaction.
+TransactionHook = Callable[[asyncpg.Connection], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class AuthorRef:
+    """Who writes: kind 'person' or 'agent'; an agent author's company may be left empty (it is looked up)."""
+
+    kind: str
+    company_id: str
+    person: str | None = None
+    agent_id: str | None = None
+
+    def columns(self) -> tuple[str, str, str | None, str | None]:
+        return self.kind, self.company_id, self.person, self.agent_id
+
+
+@dataclass(frozen=True)
+class Page:
+    """One page of rows and the key to continue after, or None on the last page."""
+
+    rows: list[Record]
+    next_key: int | None
+
+
+@dataclass(frozen=True)
+class Posted:
+    """The result of a deduplicated write: the row, its wakes, and whether it was an earlier one."""
+
+    row: Record
+    wakes: list[Record]
+    deduplicated: bool
+
+
+@dataclass(frozen=True)
+class TaskUpdated:
+    """The task as it now stands, the update written (or the earlier one), and all its updates."""
+
+    task: Record
+    update: Record
+    updates: list[Record]
+    deduplicated: bool
+
+
+def _page(rows: Sequence[Record], limit: int, key: str) -> Page:
+    if len(rows) > limit:
+        kept = list(rows[:limit])
+        return Page(kept, int(kept[-1][key]))
+    return Page(list(rows), None)
+
+
+class RoomStore:
+    """Rooms, members, agents, messages, tasks, memory, files, the run ledger and the wake outbox."""
+
+    def __init__(self, pool: asyncpg.Pool, cipher: MultiFernet, queries: Queries | None = None) -> None:
+        self._pool = pool
+        self._cipher = cipher
+        self._q = queries if queries is not None else Queries(QUERIES_PATH)
+
+    # -- companies, rooms, members --------------------------------------------------------------------------
+
+    async def create_company(self, name: str) -> Record:
+        try:
+            return await self._pool.fetchrow(self._q["create_company"], name)
+        except asyncpg.UniqueViolationError:
+            raise AlreadyExists(f"a company named {name!r} already exists") from None
+
+    async def get_company(self, company_id: str) -> Record:
+        row = await self._pool.fetchrow(self._q["get_company"], company_id)
+        if row is None:
+            raise NotFound(f"company {company_id} not found")
+        return row
+
+    async def create_room(self, company_id: str, name: str) -> Record:
+        row = await self._pool.fetchrow(self._q["create_room"], company_id, name)
+        if row is None:
+            raise NotFound(f"company {company_id} not found")
+        return row
+
+    async def get_room(self, room_id: str, member_company_id: str | None = None) -> Record:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(self._q["get_room"], room_id)
+            if row is None or (
+                member_company_id is not None
+                and not await conn.fetchval(self._q["is_member"], room_id, member_company_id)
+            ):
+                raise NotFound(f"room {room_id} not found")
+            return row
+
+    async def list_rooms(self, company_id: str, after: int | None, limit: int) -> Page:
+        rows = await self._pool.fetch(self._q["list_rooms"], company_id, after or 0, limit + 1)
+        return _page(rows, limit, "pos")
+
+    async def add_member(self, room_id: str, company_id: str) -> Record:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(self._q["add_member"], room_id, company_id)
+            if row is None:
+                row = await conn.fetchrow(self._q["get_member"], room_id, company_id)
+            if row is None:
+                if not await conn.fetchval(self._q["room_exists"], room_id):
+                    raise NotFound(f"room {room_id} not found")
+                raise NotFound(f"company {company_id} not found")
+            return row
+
+    async def list_members(self, room_id: str, after: int | None, limit: int) -> Page:
+        async with self._pool.acquire() as conn:
+            await self._require_room(conn, room_id)
+            rows = await conn.fetch(self._q["list_members"], room_id, after or 0, limit + 1)
+        return _page(rows, limit, "pos")
+
+    # -- agents ---------------------------------------------------------------------------------------------
+
+    async def register_agent(
+        self,
+        *,
+        company_id: str,
+        name: str,
+        provider: str,
+        model: str,
+        base_url: str | None,
+        provider_key: str | None,
+        system_prompt: str,
+    ) -> Record:
+        """Stores the agent with its provider key encrypted (Fernet); the plaintext never reaches the database."""
+        encrypted = self._cipher.encrypt(provider_key.encode("utf-8")) if provider_key else None
+        row = await self._pool.fetchrow(
+            self._q["register_agent"], company_id, name, provider, model, base_url, encrypted, system_prompt
+        )
+        if row is None:
+            raise NotFound(f"company {company_id} not found")
+        return row
+
+    async def get_agent(self, agent_id: str) -> Record:
+        row = await self._pool.fetchrow(self._q["get_agent"], agent_id)
+        if row is None:
+            raise NotFound(f"agent {agent_id} not found")
+        return row
+
+    async def get_agent_credentials(self, agent_id: str) -> tuple[Record, str]:
+        """The agent and its decrypted provider key ("" when none is stored)."""
+        row = await self._pool.fetchrow(self._q["get_agent_credentials"], agent_id)
+        if row is None:
+            raise NotFound(f"agent {agent_id} not found")
+        token = row["provider_key_encrypted"]
+        if token is None:
+            return row, ""
+        try:
+            return row, self._cipher.decrypt(bytes(token)).decode("utf-8")
+        except InvalidToken:
+            raise FailedPrecondition(
+                f"the provider key of agent {agent_id} cannot be decrypted with the configured QUAYUTEC_ENCRYPTION_KEY"
+            ) from None
+
+    async def list_agents(self, company_id: str, after: int | None, limit: int) -> Page:
+        rows = await self._pool.fetch(self._q["list_agents"], company_id, after or 0, limit + 1)
+        return _page(rows, limit, "pos")
+
+    # -- messages -------------------------------------------------------------------------------------------
+
+    async def post_message(
+        self,
+        *,
+        room_id: str,
+        author: AuthorRef,
+        body: str,
+        mention_agent_ids: Sequence[str],
+        run_id: str | None,
+        dedupe_key: str | None,
+        between_writes: TransactionHook | None = None,
+    ) -> Posted:
+        """Appends a message and, in the same transaction, a wake for each mentioned agent but the author."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            if await conn.fetchval(self._q["lock_room_for_post"], room_id) is None:
+                raise NotFound(f"room {room_id} not found")
+            if dedupe_key is not None:
+                earlier = await conn.fetchrow(self._q["find_message_by_dedupe"], room_id, dedupe_key)
+                if earlier is not None:
+                    wakes = await conn.fetch(self._q["wakes_of_source"], str(earlier["message_id"]), "message")
+                    return Posted(earlier, list(wakes), True)
+            author = await self._admit_author(conn, room_id, author)
+            await self._require_agents_in_room(conn, room_id, mention_agent_ids, "mentioned agent")
+            row = await conn.fetchrow(
+                self._q["insert_message"], room_id, *author.columns(), body, list(mention_agent_ids), run_id, dedupe_key
+            )
+            if between_writes is not None:
+                await between_writes(conn)
+            woken = [a for a in mention_agent_ids if a != author.agent_id]
+            wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "message", str(row["message_id"]))
+            return Posted(row, list(wakes), False)
+
+    async def list_messages(self, room_id: str, after: int | None, limit: int, *, newest_first: bool) -> Page:
+        async with self._pool.acquire() as conn:
+            await self._require_room(conn, room_id)
+            if newest_first:
+                rows = await conn.fetch(
+                    self._q["list_messages_newest_first"], room_id, _MAX_KEY if after is None else after, limit + 1
+                )
+            else:
+                rows = await conn.fetch(self._q["list_messages_oldest_first"], room_id, after or 0, limit + 1)
+        return _page(rows, limit, "seq")
+
+    # -- tasks ----------------------------------------------------------------------------------------------
+
+    async def create_task(
+        self,
+        *,
+        room_id: str,
+        author: AuthorRef,
+        to_agent_id: str,
+        title: str,
+        body: str,
+        run_id: str | None,
+        dedupe_key: str | None,
+        between_writes: TransactionHook | None = None,
+    ) -> Posted:
+        """Records a task and, in the same transaction, the assignee's wake (none when it assigned itself)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._require_room(conn, room_id)
+            if dedupe_key is not None:
+                earlier = await self._earlier_task(conn, room_id, dedupe_key)
+                if earlier is not None:
+                    return earlier
+            author = await self._admit_author(conn, room_id, author)
+            await self._require_agents_in_room(conn, room_id, [to_agent_id], "agent")
+            row = await conn.fetchrow(
+                self._q["insert_task"], room_id, *author.columns(), to_agent_id, title, body, run_id, dedupe_key
+            )
+            if row is None:  # a concurrent create with the same dedupe_key committed first
+                earlier = await self._earlier_task(conn, room_id, dedupe_key)
+                if earlier is None:  # pragma: no cover - the conflict row cannot vanish
+                    raise AlreadyExists(f"a task with dedupe_key {dedupe_key!r} already exists")
+                return earlier
+            if between_writes is not None:
+                await between_writes(conn)
+            woken = [to_agent_id] if to_agent_id != author.agent_id else []
+            wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]))
+            return Posted(row, list(wakes), False)
+
+    async def _earlier_task(self, conn: asyncpg.Connection, room_id: str, dedupe_key: str | None) -> Posted | None:
+        row = await conn.fetchrow(self._q["find_task_by_dedupe"], room_id, dedupe_key)
+        if row is None:
+            return None
+        wakes = await conn.fetch(self._q["wakes_of_source"], str(row["task_id"]), "task")
+        return Posted(row, list(wakes), True)
+
+    async def update_task(
+        self,
+        *,
+        task_id: str,
+        room_id: str | None,
+        author: AuthorRef,
+        note: str,
+        status: str | None,
+        run_id: str | None,
+        dedupe_key: str | None,
+    ) -> TaskUpdated:
+        """Adds a note and optionally closes the task; a closed task stays closed."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            task = await conn.fetchrow(self._q["lock_task"], task_id)
+            if task is None or (room_id is not None and str(task["room_id"]) != room_id):
+                raise NotFound(f"task {task_id} not found")
+            if dedupe_key is not None:
+                earlier = await conn.fetchrow(self._q["find_task_update_by_dedupe"], task_id, dedupe_key)
+                if earlier is not None:
+                    updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+                    return TaskUpdated(task, earlier, list(updates), True)
+            if task["status"] != "open":
+                raise FailedPrecondition(f"task {task_id} is already {task['status']}")
+            author = await self._admit_author(conn, str(task["room_id"]), author)
+            new_status = status or "open"
+            update = await conn.fetchrow(
+                self._q["insert_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
+            )
+            task = await conn.fetchrow(self._q["set_task_status"], task_id, new_status)
+            updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+            return TaskUpdated(task, update, list(updates), False)
+
+    async def get_task(self, task_id: str, room_id: str | None) -> tuple[Record, list[Record]]:
+        async with self._pool.acquire() as conn:
+            task = await conn.fetchrow(self._q["get_task"], task_id)
+            if task is None or (room_id is not None and str(task["room_id"]) != room_id):
+                raise NotFound(f"task {task_id} not found")
+            updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+        return task, list(updates)
+
+    async def list_tasks(
+        self, room_id: str, to_agent_id: str | None, status: str | None, after: int | None, limit: int
+    ) -> tuple[Page, dict[str, list[Record]]]:
+        """A page of tasks and the updates of each, keyed by task_id."""
+        async with self._pool.acquire() as conn:
+            await self._require_room(conn, room_id)
+            rows = await conn.fetch(self._q["list_tasks"], room_id, to_agent_id, status, after or 0, limit + 1)
+            page = _page(rows, limit, "pos")
+            updates: dict[str, list[Record]] = {str(r["task_id"]): [] for r in page.rows}
+            if updates:
+                for u in await conn.fetch(self._q["updates_of_tasks"], list(updates)):
+                    updates[str(u["task_id"])].append(u)
+        return page, updates
+
+    # -- memory ---------------------------------------------------------------------------------------------
+
+    async def write_memory(
+        self,
+        *,
+        room_id: str,
+        author: AuthorRef,
+        text: str,
+        visibility: str,
+        run_id: str | None,
+        dedupe_key: str | None,
+    ) -> tuple[Record, bool]:
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._require_room(conn, room_id)
+            if dedupe_key is not None:
+                earlier = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
+                if earlier is not None:
+                    return earlier, True
+            author = await self._admit_author(conn, room_id, author)
+            row = await conn.fetchrow(
+                self._q["insert_memory"], room_id, *author.columns(), text, visibility, run_id, dedupe_key
+            )
+            if row is None:  # a concurrent write with the same dedupe_key committed first
+                return await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key), True
+            return row, False
+
+    async def list_memory(
+        self, room_id: str, reader_company_id: str, query: str | None, before: int | None, limit: int
+    ) -> Page:
+        """Lines the reader company may read (room-wide, or private to it), newest first."""
+        async with self._pool.acquire() as conn:
+            if not await conn.fetchval(self._q["is_member"], room_id, reader_company_id):
+                raise NotFound(f"room {room_id} not found")
+            key = _MAX_KEY if before is None else before
+            if query:
+                rows = await conn.fetch(self._q["search_memory"], room_id, reader_company_id, key, limit + 1, query)
+            else:
+                rows = await conn.fetch(self._q["list_memory"], room_id, reader_company_id, key, limit + 1)
+        return _page(rows, limit, "pos")
+
+    # -- files and passages ---------------------------------------------------------------------------------
+
+    async def upload_file(
+        self,
+        *,
+        room_id: str,
+        author: AuthorRef,
+        name: str,
+        content_type: str,
+        content: bytes,
+        passages: Sequence[str],
+    ) -> Record:
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._require_room(conn, room_id)
+            author = await self._admit_author(conn, room_id, author)
+            row = await conn.fetchrow(
+                self._q["insert_file"],
+                room_id,
+                *author.columns(),
+                name,
+                content_type,
+                content,
+                len(content),
+                len(passages),
+            )
+            await conn.execute(
+                self._q["insert_passages"], row["file_id"], room_id, list(range(len(passages))), list(passages)
+            )
+            return row
+
+    async def list_files(self, room_id: str, after: int | None, limit: int) -> Page:
+        async with self._pool.acquire() as conn:
+            await self._require_room(conn, room_id)
+            rows = await conn.fetch(self._q["list_files"], room_id, after or 0, limit + 1)
+        return _page(rows, limit, "pos")
+
+    async def search_passages(self, room_id: str, query: str, limit: int) -> list[Record]:
+        """Best first; when no passage has every term, those with any term, ranked by how well they match."""
+        async with self._pool.acquire() as conn:
+            await self._require_room(conn, room_id)
+            rows = await conn.fetch(self._q["search_passages_all_terms"], room_id, query, limit)
+            if not rows:
+                rows = await conn.fetch(self._q["search_passages_any_term"], room_id, query, limit)
+        return list(rows)
+
+    # -- the run ledger -------------------------------------------------------------------------------------
+
+    async def record_run(self, run: common_pb2.Run) -> Record:
+        """Upserts the run's row in one statement; an ended row may only be rewritten unchanged."""
+        started = run.started_at.ToDatetime(tzinfo=UTC) if run.HasField("started_at") else None
+        ended = run.ended_at.ToDatetime(tzinfo=UTC) if run.HasField("ended_at") else None
+        args = (
+            run.run_id,
+            run.agent_id,
+            run.company_id or None,
+            run.room_id,
+            run.wake_id,
+            convert.enum_to_text(common_pb2.WakeKind, run.wake_kind, convert.WAKE_KIND_PREFIX),
+            run.wake_source_id,
+            convert.enum_to_text(common_pb2.RunStatus, run.status, convert.RUN_STATUS_PREFIX),
+            convert.enum_to_text(common_pb2.RunStep, run.step, convert.RUN_STEP_PREFIX),
+            run.posted_message_id,
+            convert.messages_json(run.actions),
+            convert.messages_json(run.model_attempts),
+            run.error,
+            run.trace_id,
+            run.active_ms,
+            started,
+            ended,
+        )
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(self._q["upsert_run"], *args)
+            if row is not None:
+                return row
+            stored = await conn.fetchrow(self._q["get_run"], run.run_id)
+        if stored is None or not _same_run(convert.run(stored), run):
+            raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
+        return stored
+
+    async def get_run(self, run_id: str) -> Record:
+        row = await self._pool.fetchrow(self._q["get_run"], run_id)
+        if row is None:
+            raise NotFound(f"run {run_id} not found")
+        return row
+
+    async def list_runs(self, agent_id: str | None, company_id: str | None, before: int | None, limit: int) -> Page:
+        key = _MAX_KEY if before is None else before
+        if agent_id is not None:
+            rows = await self._pool.fetch(self._q["list_runs_of_agent"], agent_id, company_id, key, limit + 1)
+        else:
+            rows = await self._pool.fetch(self._q["list_runs_of_company"], company_id, key, limit + 1)
+        return _page(rows, limit, "pos")
+
+    # -- the wake outbox ------------------------------------------------------------------------------------
+
+    async def lease_wakes(self, lease_owner: str, max_wakes: int, lease_seconds: int) -> list[Record]:
+        """Leases due pending wakes not leased (or lease expired), oldest due first; no two owners get one."""
+        rows = await self._pool.fetch(self._q["lease_wakes"], lease_owner, max_wakes, lease_seconds)
+        return sorted(rows, key=lambda r: (r["due_at"], r["created_at"], str(r["wake_id"])))
+
+    async def settle_wake(
+        self, wake_id: str, lease_owner: str, *, delivered: bool, retry_after_ms: int, last_error: str
+    ) -> Any:
+        """Ends the lease: delivered, or due again after ``retry_after_ms``. Returns when it was settled."""
+        async with self._pool.acquire() as conn:
+            if delivered:
+                settled = await conn.fetchval(self._q["settle_wake_delivered"], wake_id, lease_owner)
+            else:
+                settled = await conn.fetchval(
+                    self._q["settle_wake_retry"], wake_id, lease_owner, retry_after_ms, last_error
+                )
+            if settled is not None:
+                return settled
+            state = await conn.fetchrow(self._q["get_wake_lease"], wake_id)
+        if state is None:
+            raise NotFound(f"wake {wake_id} not found")
+        if state["delivered_at"] is not None and state["lease_owner"] == lease_owner and delivered:
+            return state["delivered_at"]  # a repeated DELIVERED from the same owner
+        if state["delivered_at"] is not None:
+            raise FailedPrecondition(f"wake {wake_id} was already delivered")
+        raise FailedPrecondition(f"the lease on wake {wake_id} is no longer held by {lease_owner!r}")
+
+    async def count_pending_wakes(self) -> Record:
+        return await self._pool.fetchrow(self._q["count_pending_wakes"])
+
+    # -- shared checks --------------------------------------------------------------------------------------
+
+    async def _require_room(self, conn: asyncpg.Connection, room_id: str) -> None:
+        if not await conn.fetchval(self._q["room_exists"], room_id):
+            raise NotFound(f"room {room_id} not found")
+
+    async def _admit_author(self, conn: asyncpg.Connection, room_id: str, author: AuthorRef) -> AuthorRef:
+        """The author with its company filled in; its company must be a member of the room."""
+        if author.kind == "agent":
+            company = await conn.fetchval(self._q["agent_company"], author.agent_id)
+            if company is None:
+                raise NotFound(f"author agent {author.agent_id} not found")
+            if author.company_id and author.company_id != str(company):
+                raise InvalidArgument(f"author agent {author.agent_id} does not belong to company {author.company_id}")
+            author = replace(author, company_id=str(company))
+        if not await conn.fetchval(self._q["is_member"], room_id, author.company_id):
+            raise PermissionDenied(f"company {author.company_id} is not a member of room {room_id}")
+        return author
+
+    async def _require_agents_in_room(
+        self, conn: asyncpg.Connection, room_id: str, agent_ids: Sequence[str], what: str
+    ) -> None:
+        if not agent_ids:
+            return
+        found = {
+            str(r["agent_id"]): r["member"] for r in await conn.fetch(self._q["agents_in_room"], agent_ids, room_id)
+        }
+        for agent_id in agent_ids:
+            if agent_id not in found:
+                raise NotFound(f"{what} {agent_id} not found")
+            if not found[agent_id]:
+                raise NotFound(f"{what} {agent_id} is not in room {room_id} (its company is not a member)")
+
+
+def _same_run(stored: common_pb2.Run, incoming: common_pb2.Run) -> bool:
+    """Whether ``incoming`` would leave the stored row as it is (ignoring updated_at and defaults filled in)."""
+    candidate = common_pb2.Run()
+    candidate.CopyFrom(incoming)
+    candidate.ClearField("updated_at")
+    if not candidate.company_id:
+        candidate.company_id = stored.company_id
+    if not candidate.HasField("started_at"):
+        candidate.started_at.CopyFrom(stored.started_at)
+    for ts in (candidate.started_at, candidate.ended_at):
+        ts.nanos -= ts.nanos % 1000  # PostgreSQL keeps microseconds
+    if not incoming.HasField("ended_at"):
+        candidate.ClearField("ended_at")
+    current = common_pb2.Run()
+    current.CopyFrom(stored)
+    current.ClearField("updated_at")
+    return candidate == current

@@ -1,0 +1,44 @@
+"""Start a real Room server for tests: ``async with running_room(database_url) as addr: ...``.
+
+The server reads its config through ``RoomConfig.from_env`` from a fixed environment, so
+``env_overrides`` take the variable names (``QUAYUTEC_ENCRYPTION_KEY="..."``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import asyncpg
+
+from services.room.config import RoomConfig
+from services.room.server import create_server
+
+# A fixed key, so servers restarted on one database can read each other's provider keys.
+TEST_ENCRYPTION_KEY = "dGVzdC1vbmx5LWtleS1xdWF5dXRlYy1yb29tcy0wMDA="
+
+
+def room_config(database_url: str, **env_overrides: str) -> RoomConfig:
+    """A Room config on 127.0.0.1:0 against ``database_url``."""
+    return RoomConfig.from_env(
+        {
+            "DATABASE_URL": database_url,
+            "QUAYUTEC_ROOM_LISTEN": "127.0.0.1:0",
+            "QUAYUTEC_ROOM_GRACE_SECONDS": "1",
+            "QUAYUTEC_ENCRYPTION_KEY": TEST_ENCRYPTION_KEY,
+            **env_overrides,
+        }
+    )
+
+
+@asynccontextmanager
+async def running_room(
+    database_url: str, *, pool: asyncpg.Pool | None = None, **env_overrides: str
+) -> AsyncIterator[str]:
+    """Yields "127.0.0.1:PORT" of a started Room server; stops it on exit."""
+    server = await create_server(room_config(database_url, **env_overrides), pool=pool)
+    port = await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop()
