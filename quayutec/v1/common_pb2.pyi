@@ -244,6 +244,80 @@ RUN_STEP_PARKED: RunStep.ValueType  # 7
 RUN_STEP_ENDED: RunStep.ValueType  # 8
 Global___RunStep: _TypeAlias = RunStep  # noqa: Y015
 
+class _ActionRight:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ActionRightEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionRight.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ACTION_RIGHT_UNSPECIFIED: _ActionRight.ValueType  # 0
+    """Not set here: the company default applies, then the built-in default (auto)."""
+    ACTION_RIGHT_AUTO: _ActionRight.ValueType  # 1
+    """Goes ahead on its own."""
+    ACTION_RIGHT_HOLD: _ActionRight.ValueType  # 2
+    """Waits for the owning company's yes."""
+    ACTION_RIGHT_DENY: _ActionRight.ValueType  # 3
+    """Refused."""
+
+class ActionRight(_ActionRight, metaclass=_ActionRightEnumTypeWrapper):
+    """ActionRight is what happens to one kind of declared action of an agent."""
+
+ACTION_RIGHT_UNSPECIFIED: ActionRight.ValueType  # 0
+"""Not set here: the company default applies, then the built-in default (auto)."""
+ACTION_RIGHT_AUTO: ActionRight.ValueType  # 1
+"""Goes ahead on its own."""
+ACTION_RIGHT_HOLD: ActionRight.ValueType  # 2
+"""Waits for the owning company's yes."""
+ACTION_RIGHT_DENY: ActionRight.ValueType  # 3
+"""Refused."""
+Global___ActionRight: _TypeAlias = ActionRight  # noqa: Y015
+
+class _Decision:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _DecisionEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Decision.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    DECISION_UNSPECIFIED: _Decision.ValueType  # 0
+    DECISION_PENDING: _Decision.ValueType  # 1
+    """Not decided yet."""
+    DECISION_APPROVED: _Decision.ValueType  # 2
+    DECISION_DENIED: _Decision.ValueType  # 3
+
+class Decision(_Decision, metaclass=_DecisionEnumTypeWrapper): ...
+
+DECISION_UNSPECIFIED: Decision.ValueType  # 0
+DECISION_PENDING: Decision.ValueType  # 1
+"""Not decided yet."""
+DECISION_APPROVED: Decision.ValueType  # 2
+DECISION_DENIED: Decision.ValueType  # 3
+Global___Decision: _TypeAlias = Decision  # noqa: Y015
+
+class _WaitpointStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WaitpointStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WaitpointStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WAITPOINT_STATUS_UNSPECIFIED: _WaitpointStatus.ValueType  # 0
+    WAITPOINT_STATUS_PENDING: _WaitpointStatus.ValueType  # 1
+    """Some held action is not decided yet."""
+    WAITPOINT_STATUS_COMPLETED: _WaitpointStatus.ValueType  # 2
+    """Every held action is decided; the run continues once."""
+    WAITPOINT_STATUS_EXPIRED: _WaitpointStatus.ValueType  # 3
+    """Not decided in time: the held actions end undone."""
+
+class WaitpointStatus(_WaitpointStatus, metaclass=_WaitpointStatusEnumTypeWrapper): ...
+
+WAITPOINT_STATUS_UNSPECIFIED: WaitpointStatus.ValueType  # 0
+WAITPOINT_STATUS_PENDING: WaitpointStatus.ValueType  # 1
+"""Some held action is not decided yet."""
+WAITPOINT_STATUS_COMPLETED: WaitpointStatus.ValueType  # 2
+"""Every held action is decided; the run continues once."""
+WAITPOINT_STATUS_EXPIRED: WaitpointStatus.ValueType  # 3
+"""Not decided in time: the held actions end undone."""
+Global___WaitpointStatus: _TypeAlias = WaitpointStatus  # noqa: Y015
+
 @_typing.final
 class Author(_message.Message):
     """Author is who wrote a message, task, task update, memory line or file."""
@@ -855,3 +929,134 @@ class Run(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Run: _TypeAlias = Run  # noqa: Y015
+
+@_typing.final
+class AgentRights(_message.Message):
+    """AgentRights are a company's rules for its agents' declared actions: the company default
+    (agent_id empty) or one agent's own rules (fields left unspecified fall back to the default).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    REMEMBER_FIELD_NUMBER: _builtins.int
+    CREATE_TASK_FIELD_NUMBER: _builtins.int
+    UPDATE_TASK_FIELD_NUMBER: _builtins.int
+    CLOSE_TASK_FIELD_NUMBER: _builtins.int
+    CROSS_COMPANY_TASK_FIELD_NUMBER: _builtins.int
+    company_id: _builtins.str
+    agent_id: _builtins.str
+    """Empty: the default for all the company's agents."""
+    remember: Global___ActionRight.ValueType
+    create_task: Global___ActionRight.ValueType
+    update_task: Global___ActionRight.ValueType
+    close_task: Global___ActionRight.ValueType
+    cross_company_task: Global___ActionRight.ValueType
+    """A task sent to an agent of another company (applies on top of create_task: the stricter wins)."""
+    def __init__(
+        self,
+        *,
+        company_id: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        remember: Global___ActionRight.ValueType = ...,
+        create_task: Global___ActionRight.ValueType = ...,
+        update_task: Global___ActionRight.ValueType = ...,
+        close_task: Global___ActionRight.ValueType = ...,
+        cross_company_task: Global___ActionRight.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "close_task", b"close_task", "company_id", b"company_id", "create_task", b"create_task", "cross_company_task", b"cross_company_task", "remember", b"remember", "update_task", b"update_task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AgentRights: _TypeAlias = AgentRights  # noqa: Y015
+
+@_typing.final
+class HeldAction(_message.Message):
+    """HeldAction is one declared action waiting for (or given) its company's decision."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_JSON_FIELD_NUMBER: _builtins.int
+    DECISION_FIELD_NUMBER: _builtins.int
+    DECIDED_BY_FIELD_NUMBER: _builtins.int
+    DECIDED_AT_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The action's index in the run's ledger row."""
+    kind: Global___ActionKind.ValueType
+    arguments_json: _builtins.str
+    decision: Global___Decision.ValueType
+    decided_by: _builtins.str
+    """Who decided (a person of the owning company)."""
+    @_builtins.property
+    def decided_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        kind: Global___ActionKind.ValueType = ...,
+        arguments_json: _builtins.str = ...,
+        decision: Global___Decision.ValueType = ...,
+        decided_by: _builtins.str = ...,
+        decided_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["decided_at", b"decided_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "decided_at", b"decided_at", "decided_by", b"decided_by", "decision", b"decision", "index", b"index", "kind", b"kind"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HeldAction: _TypeAlias = HeldAction  # noqa: Y015
+
+@_typing.final
+class Waitpoint(_message.Message):
+    """Waitpoint is a parked run: stored in PostgreSQL, no process waits on it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    run_id: _builtins.str
+    agent_id: _builtins.str
+    company_id: _builtins.str
+    """The agent's owning company: the only one that decides."""
+    room_id: _builtins.str
+    status: Global___WaitpointStatus.ValueType
+    @_builtins.property
+    def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldAction]: ...
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        run_id: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        room_id: _builtins.str = ...,
+        held: _abc.Iterable[Global___HeldAction] | None = ...,
+        status: Global___WaitpointStatus.ValueType = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id", "created_at", b"created_at", "expires_at", b"expires_at", "held", b"held", "room_id", b"room_id", "run_id", b"run_id", "status", b"status", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Waitpoint: _TypeAlias = Waitpoint  # noqa: Y015

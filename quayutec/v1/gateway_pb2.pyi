@@ -932,3 +932,209 @@ class GetRunResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetRunResponse: _TypeAlias = GetRunResponse  # noqa: Y015
+
+@_typing.final
+class SetAgentRightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    REMEMBER_FIELD_NUMBER: _builtins.int
+    CREATE_TASK_FIELD_NUMBER: _builtins.int
+    UPDATE_TASK_FIELD_NUMBER: _builtins.int
+    CLOSE_TASK_FIELD_NUMBER: _builtins.int
+    CROSS_COMPANY_TASK_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    """Empty: the default for all the caller's agents."""
+    remember: _common_pb2.ActionRight.ValueType
+    create_task: _common_pb2.ActionRight.ValueType
+    update_task: _common_pb2.ActionRight.ValueType
+    close_task: _common_pb2.ActionRight.ValueType
+    cross_company_task: _common_pb2.ActionRight.ValueType
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        remember: _common_pb2.ActionRight.ValueType = ...,
+        create_task: _common_pb2.ActionRight.ValueType = ...,
+        update_task: _common_pb2.ActionRight.ValueType = ...,
+        close_task: _common_pb2.ActionRight.ValueType = ...,
+        cross_company_task: _common_pb2.ActionRight.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "close_task", b"close_task", "create_task", b"create_task", "cross_company_task", b"cross_company_task", "remember", b"remember", "update_task", b"update_task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetAgentRightsRequest: _TypeAlias = SetAgentRightsRequest  # noqa: Y015
+
+@_typing.final
+class SetAgentRightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RIGHTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rights(self) -> _common_pb2.AgentRights: ...
+    def __init__(
+        self,
+        *,
+        rights: _common_pb2.AgentRights | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetAgentRightsResponse: _TypeAlias = SetAgentRightsResponse  # noqa: Y015
+
+@_typing.final
+class GetAgentRightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetAgentRightsRequest: _TypeAlias = GetAgentRightsRequest  # noqa: Y015
+
+@_typing.final
+class GetAgentRightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPANY_DEFAULT_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    EFFECTIVE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def company_default(self) -> _common_pb2.AgentRights: ...
+    @_builtins.property
+    def agent(self) -> _common_pb2.AgentRights: ...
+    @_builtins.property
+    def effective(self) -> _common_pb2.AgentRights: ...
+    def __init__(
+        self,
+        *,
+        company_default: _common_pb2.AgentRights | None = ...,
+        agent: _common_pb2.AgentRights | None = ...,
+        effective: _common_pb2.AgentRights | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "company_default", b"company_default", "effective", b"effective"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "company_default", b"company_default", "effective", b"effective"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetAgentRightsResponse: _TypeAlias = GetAgentRightsResponse  # noqa: Y015
+
+@_typing.final
+class ListApprovalsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    status: _common_pb2.WaitpointStatus.ValueType
+    """Unspecified: pending ones."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        status: _common_pb2.WaitpointStatus.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListApprovalsRequest: _TypeAlias = ListApprovalsRequest  # noqa: Y015
+
+@_typing.final
+class ListApprovalsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAITPOINTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def waitpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Waitpoint]: ...
+    def __init__(
+        self,
+        *,
+        waitpoints: _abc.Iterable[_common_pb2.Waitpoint] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "waitpoints", b"waitpoints"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListApprovalsResponse: _TypeAlias = ListApprovalsResponse  # noqa: Y015
+
+@_typing.final
+class DecideApprovalRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    PERSON_FIELD_NUMBER: _builtins.int
+    APPROVE_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    index: _builtins.int
+    person: _builtins.str
+    """The person of the caller's company who decides."""
+    approve: _builtins.bool
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        index: _builtins.int = ...,
+        person: _builtins.str = ...,
+        approve: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approve", b"approve", "index", b"index", "person", b"person", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecideApprovalRequest: _TypeAlias = DecideApprovalRequest  # noqa: Y015
+
+@_typing.final
+class DecideApprovalResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAITPOINT_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    ALREADY_DECIDED_FIELD_NUMBER: _builtins.int
+    completed: _builtins.bool
+    already_decided: _builtins.bool
+    @_builtins.property
+    def waitpoint(self) -> _common_pb2.Waitpoint: ...
+    def __init__(
+        self,
+        *,
+        waitpoint: _common_pb2.Waitpoint | None = ...,
+        completed: _builtins.bool = ...,
+        already_decided: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["waitpoint", b"waitpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_decided", b"already_decided", "completed", b"completed", "waitpoint", b"waitpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DecideApprovalResponse: _TypeAlias = DecideApprovalResponse  # noqa: Y015

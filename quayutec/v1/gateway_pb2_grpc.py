@@ -136,6 +136,26 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.GetRunRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.GetRunResponse.FromString,
                 _registered_method=True)
+        self.SetAgentRights = channel.unary_unary(
+                '/quayutec.v1.GatewayService/SetAgentRights',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.SetAgentRightsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.SetAgentRightsResponse.FromString,
+                _registered_method=True)
+        self.GetAgentRights = channel.unary_unary(
+                '/quayutec.v1.GatewayService/GetAgentRights',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.GetAgentRightsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.GetAgentRightsResponse.FromString,
+                _registered_method=True)
+        self.ListApprovals = channel.unary_unary(
+                '/quayutec.v1.GatewayService/ListApprovals',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.ListApprovalsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListApprovalsResponse.FromString,
+                _registered_method=True)
+        self.DecideApproval = channel.unary_unary(
+                '/quayutec.v1.GatewayService/DecideApproval',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.DecideApprovalRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.DecideApprovalResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -290,6 +310,40 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetAgentRights(self, request, context):
+        """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
+        agents' rights. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not the caller's).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAgentRights(self, request, context):
+        """GetAgentRights: stored and effective rights of the caller's default or one of its agents.
+        Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListApprovals(self, request, context):
+        """ListApprovals: the caller's parked runs with held actions awaiting its decision.
+        Errors: INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecideApproval(self, request, context):
+        """DecideApproval approves or denies one held action; when the last one is decided the run
+        continues once, whoever decides and however often.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
+        another company), FAILED_PRECONDITION (expired, or already decided the other way).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -387,6 +441,26 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.GetRun,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.GetRunRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.GetRunResponse.SerializeToString,
+            ),
+            'SetAgentRights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAgentRights,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.SetAgentRightsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.SetAgentRightsResponse.SerializeToString,
+            ),
+            'GetAgentRights': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAgentRights,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.GetAgentRightsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.GetAgentRightsResponse.SerializeToString,
+            ),
+            'ListApprovals': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApprovals,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListApprovalsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.ListApprovalsResponse.SerializeToString,
+            ),
+            'DecideApproval': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecideApproval,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.DecideApprovalRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.DecideApprovalResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -909,6 +983,114 @@ class GatewayService:
             '/quayutec.v1.GatewayService/GetRun',
             quayutec_dot_v1_dot_gateway__pb2.GetRunRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.GetRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAgentRights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/SetAgentRights',
+            quayutec_dot_v1_dot_gateway__pb2.SetAgentRightsRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.SetAgentRightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAgentRights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/GetAgentRights',
+            quayutec_dot_v1_dot_gateway__pb2.GetAgentRightsRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.GetAgentRightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApprovals(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/ListApprovals',
+            quayutec_dot_v1_dot_gateway__pb2.ListApprovalsRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.ListApprovalsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecideApproval(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/DecideApproval',
+            quayutec_dot_v1_dot_gateway__pb2.DecideApprovalRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.DecideApprovalResponse.FromString,
             options,
             channel_credentials,
             insecure,

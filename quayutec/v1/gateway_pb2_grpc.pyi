@@ -94,6 +94,24 @@ class GatewayServiceStub:
     """
     GetRun: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetRunRequest, _gateway_pb2.GetRunResponse]
     """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    SetAgentRights: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SetAgentRightsRequest, _gateway_pb2.SetAgentRightsResponse]
+    """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
+    agents' rights. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not the caller's).
+    """
+    GetAgentRights: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetAgentRightsRequest, _gateway_pb2.GetAgentRightsResponse]
+    """GetAgentRights: stored and effective rights of the caller's default or one of its agents.
+    Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
+    ListApprovals: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListApprovalsRequest, _gateway_pb2.ListApprovalsResponse]
+    """ListApprovals: the caller's parked runs with held actions awaiting its decision.
+    Errors: INVALID_ARGUMENT.
+    """
+    DecideApproval: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.DecideApprovalRequest, _gateway_pb2.DecideApprovalResponse]
+    """DecideApproval approves or denies one held action; when the last one is decided the run
+    continues once, whoever decides and however often.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
+    another company), FAILED_PRECONDITION (expired, or already decided the other way).
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -161,6 +179,24 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """
     GetRun: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetRunRequest, _gateway_pb2.GetRunResponse]  # type: ignore[assignment]
     """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    SetAgentRights: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SetAgentRightsRequest, _gateway_pb2.SetAgentRightsResponse]  # type: ignore[assignment]
+    """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
+    agents' rights. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not the caller's).
+    """
+    GetAgentRights: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetAgentRightsRequest, _gateway_pb2.GetAgentRightsResponse]  # type: ignore[assignment]
+    """GetAgentRights: stored and effective rights of the caller's default or one of its agents.
+    Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
+    ListApprovals: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListApprovalsRequest, _gateway_pb2.ListApprovalsResponse]  # type: ignore[assignment]
+    """ListApprovals: the caller's parked runs with held actions awaiting its decision.
+    Errors: INVALID_ARGUMENT.
+    """
+    DecideApproval: _aio.UnaryUnaryMultiCallable[_gateway_pb2.DecideApprovalRequest, _gateway_pb2.DecideApprovalResponse]  # type: ignore[assignment]
+    """DecideApproval approves or denies one held action; when the last one is decided the run
+    continues once, whoever decides and however often.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
+    another company), FAILED_PRECONDITION (expired, or already decided the other way).
+    """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """GatewayService is the only public door. Every call carries `authorization: Bearer <api key>`
@@ -339,5 +375,47 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.GetRunResponse, _abc.Awaitable[_gateway_pb2.GetRunResponse]]:
         """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+
+    @_abc_1.abstractmethod
+    def SetAgentRights(
+        self,
+        request: _gateway_pb2.SetAgentRightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.SetAgentRightsResponse, _abc.Awaitable[_gateway_pb2.SetAgentRightsResponse]]:
+        """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
+        agents' rights. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not the caller's).
+        """
+
+    @_abc_1.abstractmethod
+    def GetAgentRights(
+        self,
+        request: _gateway_pb2.GetAgentRightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.GetAgentRightsResponse, _abc.Awaitable[_gateway_pb2.GetAgentRightsResponse]]:
+        """GetAgentRights: stored and effective rights of the caller's default or one of its agents.
+        Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def ListApprovals(
+        self,
+        request: _gateway_pb2.ListApprovalsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ListApprovalsResponse, _abc.Awaitable[_gateway_pb2.ListApprovalsResponse]]:
+        """ListApprovals: the caller's parked runs with held actions awaiting its decision.
+        Errors: INVALID_ARGUMENT.
+        """
+
+    @_abc_1.abstractmethod
+    def DecideApproval(
+        self,
+        request: _gateway_pb2.DecideApprovalRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.DecideApprovalResponse, _abc.Awaitable[_gateway_pb2.DecideApprovalResponse]]:
+        """DecideApproval approves or denies one held action; when the last one is decided the run
+        continues once, whoever decides and however often.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
+        another company), FAILED_PRECONDITION (expired, or already decided the other way).
+        """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

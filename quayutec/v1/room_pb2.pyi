@@ -1400,3 +1400,344 @@ class RoomServiceCountPendingWakesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoomServiceCountPendingWakesResponse: _TypeAlias = RoomServiceCountPendingWakesResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceSetAgentRightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RIGHTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rights(self) -> _common_pb2.AgentRights: ...
+    def __init__(
+        self,
+        *,
+        rights: _common_pb2.AgentRights | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceSetAgentRightsRequest: _TypeAlias = RoomServiceSetAgentRightsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceSetAgentRightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RIGHTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rights(self) -> _common_pb2.AgentRights: ...
+    def __init__(
+        self,
+        *,
+        rights: _common_pb2.AgentRights | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceSetAgentRightsResponse: _TypeAlias = RoomServiceSetAgentRightsResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceGetAgentRightsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    company_id: _builtins.str
+    agent_id: _builtins.str
+    """Empty: the company default."""
+    def __init__(
+        self,
+        *,
+        company_id: _builtins.str = ...,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceGetAgentRightsRequest: _TypeAlias = RoomServiceGetAgentRightsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceGetAgentRightsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPANY_DEFAULT_FIELD_NUMBER: _builtins.int
+    AGENT_FIELD_NUMBER: _builtins.int
+    EFFECTIVE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def company_default(self) -> _common_pb2.AgentRights:
+        """The company default as stored (unspecified fields: built-in default)."""
+
+    @_builtins.property
+    def agent(self) -> _common_pb2.AgentRights:
+        """The agent's own rules as stored (empty when agent_id was empty or none are set)."""
+
+    @_builtins.property
+    def effective(self) -> _common_pb2.AgentRights:
+        """What applies: every field resolved to AUTO, HOLD or DENY."""
+
+    def __init__(
+        self,
+        *,
+        company_default: _common_pb2.AgentRights | None = ...,
+        agent: _common_pb2.AgentRights | None = ...,
+        effective: _common_pb2.AgentRights | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "company_default", b"company_default", "effective", b"effective"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "company_default", b"company_default", "effective", b"effective"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceGetAgentRightsResponse: _TypeAlias = RoomServiceGetAgentRightsResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceCreateWaitpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RUN_ID_FIELD_NUMBER: _builtins.int
+    HELD_FIELD_NUMBER: _builtins.int
+    EXPIRES_IN_SECONDS_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    run_id: _builtins.str
+    expires_in_seconds: _builtins.int
+    """1..2592000 (30 days)."""
+    @_builtins.property
+    def held(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.HeldAction]: ...
+    @_builtins.property
+    def run(self) -> _common_pb2.Run:
+        """The ledger row as it stands at parking time (status PARKED, step PARKED)."""
+
+    def __init__(
+        self,
+        *,
+        run_id: _builtins.str = ...,
+        held: _abc.Iterable[_common_pb2.HeldAction] | None = ...,
+        expires_in_seconds: _builtins.int = ...,
+        run: _common_pb2.Run | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_in_seconds", b"expires_in_seconds", "held", b"held", "run", b"run", "run_id", b"run_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceCreateWaitpointRequest: _TypeAlias = RoomServiceCreateWaitpointRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceCreateWaitpointResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAITPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def waitpoint(self) -> _common_pb2.Waitpoint: ...
+    def __init__(
+        self,
+        *,
+        waitpoint: _common_pb2.Waitpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["waitpoint", b"waitpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["waitpoint", b"waitpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceCreateWaitpointResponse: _TypeAlias = RoomServiceCreateWaitpointResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceGetWaitpointRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceGetWaitpointRequest: _TypeAlias = RoomServiceGetWaitpointRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceGetWaitpointResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAITPOINT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def waitpoint(self) -> _common_pb2.Waitpoint: ...
+    def __init__(
+        self,
+        *,
+        waitpoint: _common_pb2.Waitpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["waitpoint", b"waitpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["waitpoint", b"waitpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceGetWaitpointResponse: _TypeAlias = RoomServiceGetWaitpointResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceListWaitpointsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    company_id: _builtins.str
+    status: _common_pb2.WaitpointStatus.ValueType
+    """Unspecified: PENDING."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        company_id: _builtins.str = ...,
+        status: _common_pb2.WaitpointStatus.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceListWaitpointsRequest: _TypeAlias = RoomServiceListWaitpointsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceListWaitpointsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAITPOINTS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def waitpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Waitpoint]: ...
+    def __init__(
+        self,
+        *,
+        waitpoints: _abc.Iterable[_common_pb2.Waitpoint] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "waitpoints", b"waitpoints"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceListWaitpointsResponse: _TypeAlias = RoomServiceListWaitpointsResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceDecideHeldActionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    DECIDED_BY_FIELD_NUMBER: _builtins.int
+    APPROVE_FIELD_NUMBER: _builtins.int
+    token: _builtins.str
+    index: _builtins.int
+    company_id: _builtins.str
+    """The deciding company; must own the waitpoint's agent."""
+    decided_by: _builtins.str
+    """Who decided (a person's name)."""
+    approve: _builtins.bool
+    def __init__(
+        self,
+        *,
+        token: _builtins.str = ...,
+        index: _builtins.int = ...,
+        company_id: _builtins.str = ...,
+        decided_by: _builtins.str = ...,
+        approve: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approve", b"approve", "company_id", b"company_id", "decided_by", b"decided_by", "index", b"index", "token", b"token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceDecideHeldActionRequest: _TypeAlias = RoomServiceDecideHeldActionRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceDecideHeldActionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAITPOINT_FIELD_NUMBER: _builtins.int
+    COMPLETED_FIELD_NUMBER: _builtins.int
+    ALREADY_DECIDED_FIELD_NUMBER: _builtins.int
+    completed: _builtins.bool
+    """True when this call completed the token (and recorded the continuation wake)."""
+    already_decided: _builtins.bool
+    """True when the action had already been decided the same way (nothing changed)."""
+    @_builtins.property
+    def waitpoint(self) -> _common_pb2.Waitpoint: ...
+    def __init__(
+        self,
+        *,
+        waitpoint: _common_pb2.Waitpoint | None = ...,
+        completed: _builtins.bool = ...,
+        already_decided: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["waitpoint", b"waitpoint"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["already_decided", b"already_decided", "completed", b"completed", "waitpoint", b"waitpoint"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceDecideHeldActionResponse: _TypeAlias = RoomServiceDecideHeldActionResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceExpireWaitpointsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LIMIT_FIELD_NUMBER: _builtins.int
+    limit: _builtins.int
+    """1..1000, default 100."""
+    def __init__(
+        self,
+        *,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceExpireWaitpointsRequest: _TypeAlias = RoomServiceExpireWaitpointsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceExpireWaitpointsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPIRED_FIELD_NUMBER: _builtins.int
+    expired: _builtins.int
+    def __init__(
+        self,
+        *,
+        expired: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expired", b"expired"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceExpireWaitpointsResponse: _TypeAlias = RoomServiceExpireWaitpointsResponse  # noqa: Y015

@@ -178,6 +178,41 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCountPendingWakesRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCountPendingWakesResponse.FromString,
                 _registered_method=True)
+        self.SetAgentRights = channel.unary_unary(
+                '/quayutec.v1.RoomService/SetAgentRights',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSetAgentRightsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSetAgentRightsResponse.FromString,
+                _registered_method=True)
+        self.GetAgentRights = channel.unary_unary(
+                '/quayutec.v1.RoomService/GetAgentRights',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRightsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRightsResponse.FromString,
+                _registered_method=True)
+        self.CreateWaitpoint = channel.unary_unary(
+                '/quayutec.v1.RoomService/CreateWaitpoint',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateWaitpointRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateWaitpointResponse.FromString,
+                _registered_method=True)
+        self.GetWaitpoint = channel.unary_unary(
+                '/quayutec.v1.RoomService/GetWaitpoint',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetWaitpointRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetWaitpointResponse.FromString,
+                _registered_method=True)
+        self.ListWaitpoints = channel.unary_unary(
+                '/quayutec.v1.RoomService/ListWaitpoints',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListWaitpointsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListWaitpointsResponse.FromString,
+                _registered_method=True)
+        self.DecideHeldAction = channel.unary_unary(
+                '/quayutec.v1.RoomService/DecideHeldAction',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDecideHeldActionRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDecideHeldActionResponse.FromString,
+                _registered_method=True)
+        self.ExpireWaitpoints = channel.unary_unary(
+                '/quayutec.v1.RoomService/ExpireWaitpoints',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsResponse.FromString,
+                _registered_method=True)
 
 
 class RoomServiceServicer:
@@ -402,6 +437,65 @@ class RoomServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetAgentRights(self, request, context):
+        """SetAgentRights stores a company's default rights (agent_id empty) or one agent's.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (company, or agent not owned by the company).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetAgentRights(self, request, context):
+        """GetAgentRights returns the stored rules and the effective rights of one agent (or the default).
+        Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateWaitpoint(self, request, context):
+        """CreateWaitpoint parks a run on a new token holding its held actions; the run's ledger row is
+        marked PARKED in the same transaction. A repeated run_id returns the existing waitpoint.
+        Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetWaitpoint(self, request, context):
+        """GetWaitpoint. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListWaitpoints(self, request, context):
+        """ListWaitpoints of one company's agents (its pending approvals by default), oldest first.
+        Errors: INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DecideHeldAction(self, request, context):
+        """DecideHeldAction records the owning company's decision on one held action. The decision that
+        completes the token records, in the same transaction, one DECISION wake for the run's agent;
+        a repeated or concurrent decision changes nothing and records no second wake.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (not the owning company),
+        FAILED_PRECONDITION (the token expired, or the action was already decided the other way).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExpireWaitpoints(self, request, context):
+        """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
+        each, so the run ends its held actions undone. Errors: INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoomServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -544,6 +638,41 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.CountPendingWakes,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCountPendingWakesRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCountPendingWakesResponse.SerializeToString,
+            ),
+            'SetAgentRights': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetAgentRights,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSetAgentRightsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSetAgentRightsResponse.SerializeToString,
+            ),
+            'GetAgentRights': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetAgentRights,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRightsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRightsResponse.SerializeToString,
+            ),
+            'CreateWaitpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateWaitpoint,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateWaitpointRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateWaitpointResponse.SerializeToString,
+            ),
+            'GetWaitpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetWaitpoint,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetWaitpointRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetWaitpointResponse.SerializeToString,
+            ),
+            'ListWaitpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListWaitpoints,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListWaitpointsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListWaitpointsResponse.SerializeToString,
+            ),
+            'DecideHeldAction': grpc.unary_unary_rpc_method_handler(
+                    servicer.DecideHeldAction,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDecideHeldActionRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDecideHeldActionResponse.SerializeToString,
+            ),
+            'ExpireWaitpoints': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExpireWaitpoints,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1306,6 +1435,195 @@ class RoomService:
             '/quayutec.v1.RoomService/CountPendingWakes',
             quayutec_dot_v1_dot_room__pb2.RoomServiceCountPendingWakesRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceCountPendingWakesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetAgentRights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/SetAgentRights',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceSetAgentRightsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceSetAgentRightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetAgentRights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/GetAgentRights',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRightsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateWaitpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/CreateWaitpoint',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceCreateWaitpointRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceCreateWaitpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetWaitpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/GetWaitpoint',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceGetWaitpointRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceGetWaitpointResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListWaitpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/ListWaitpoints',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceListWaitpointsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceListWaitpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecideHeldAction(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/DecideHeldAction',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceDecideHeldActionRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceDecideHeldActionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExpireWaitpoints(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/ExpireWaitpoints',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsResponse.FromString,
             options,
             channel_credentials,
             insecure,

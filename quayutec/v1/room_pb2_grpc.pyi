@@ -126,6 +126,36 @@ class RoomServiceStub:
     """
     CountPendingWakes: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCountPendingWakesRequest, _room_pb2.RoomServiceCountPendingWakesResponse]
     """CountPendingWakes for metrics and tests. Errors: none beyond UNAVAILABLE."""
+    SetAgentRights: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSetAgentRightsRequest, _room_pb2.RoomServiceSetAgentRightsResponse]
+    """SetAgentRights stores a company's default rights (agent_id empty) or one agent's.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (company, or agent not owned by the company).
+    """
+    GetAgentRights: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRightsRequest, _room_pb2.RoomServiceGetAgentRightsResponse]
+    """GetAgentRights returns the stored rules and the effective rights of one agent (or the default).
+    Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
+    CreateWaitpoint: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateWaitpointRequest, _room_pb2.RoomServiceCreateWaitpointResponse]
+    """CreateWaitpoint parks a run on a new token holding its held actions; the run's ledger row is
+    marked PARKED in the same transaction. A repeated run_id returns the existing waitpoint.
+    Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run).
+    """
+    GetWaitpoint: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetWaitpointRequest, _room_pb2.RoomServiceGetWaitpointResponse]
+    """GetWaitpoint. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    ListWaitpoints: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListWaitpointsRequest, _room_pb2.RoomServiceListWaitpointsResponse]
+    """ListWaitpoints of one company's agents (its pending approvals by default), oldest first.
+    Errors: INVALID_ARGUMENT.
+    """
+    DecideHeldAction: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceDecideHeldActionRequest, _room_pb2.RoomServiceDecideHeldActionResponse]
+    """DecideHeldAction records the owning company's decision on one held action. The decision that
+    completes the token records, in the same transaction, one DECISION wake for the run's agent;
+    a repeated or concurrent decision changes nothing and records no second wake.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (not the owning company),
+    FAILED_PRECONDITION (the token expired, or the action was already decided the other way).
+    """
+    ExpireWaitpoints: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceExpireWaitpointsRequest, _room_pb2.RoomServiceExpireWaitpointsResponse]
+    """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
+    each, so the run ends its held actions undone. Errors: INVALID_ARGUMENT.
+    """
 
 @_typing.type_check_only
 class RoomServiceAsyncStub(RoomServiceStub):
@@ -225,6 +255,36 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """
     CountPendingWakes: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCountPendingWakesRequest, _room_pb2.RoomServiceCountPendingWakesResponse]  # type: ignore[assignment]
     """CountPendingWakes for metrics and tests. Errors: none beyond UNAVAILABLE."""
+    SetAgentRights: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSetAgentRightsRequest, _room_pb2.RoomServiceSetAgentRightsResponse]  # type: ignore[assignment]
+    """SetAgentRights stores a company's default rights (agent_id empty) or one agent's.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (company, or agent not owned by the company).
+    """
+    GetAgentRights: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRightsRequest, _room_pb2.RoomServiceGetAgentRightsResponse]  # type: ignore[assignment]
+    """GetAgentRights returns the stored rules and the effective rights of one agent (or the default).
+    Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
+    CreateWaitpoint: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateWaitpointRequest, _room_pb2.RoomServiceCreateWaitpointResponse]  # type: ignore[assignment]
+    """CreateWaitpoint parks a run on a new token holding its held actions; the run's ledger row is
+    marked PARKED in the same transaction. A repeated run_id returns the existing waitpoint.
+    Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run).
+    """
+    GetWaitpoint: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetWaitpointRequest, _room_pb2.RoomServiceGetWaitpointResponse]  # type: ignore[assignment]
+    """GetWaitpoint. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    ListWaitpoints: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListWaitpointsRequest, _room_pb2.RoomServiceListWaitpointsResponse]  # type: ignore[assignment]
+    """ListWaitpoints of one company's agents (its pending approvals by default), oldest first.
+    Errors: INVALID_ARGUMENT.
+    """
+    DecideHeldAction: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceDecideHeldActionRequest, _room_pb2.RoomServiceDecideHeldActionResponse]  # type: ignore[assignment]
+    """DecideHeldAction records the owning company's decision on one held action. The decision that
+    completes the token records, in the same transaction, one DECISION wake for the run's agent;
+    a repeated or concurrent decision changes nothing and records no second wake.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (not the owning company),
+    FAILED_PRECONDITION (the token expired, or the action was already decided the other way).
+    """
+    ExpireWaitpoints: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceExpireWaitpointsRequest, _room_pb2.RoomServiceExpireWaitpointsResponse]  # type: ignore[assignment]
+    """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
+    each, so the run ends its held actions undone. Errors: INVALID_ARGUMENT.
+    """
 
 class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
     """RoomService owns the shared state of rooms in PostgreSQL. Internal only: it trusts its callers
@@ -489,5 +549,77 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceCountPendingWakesResponse, _abc.Awaitable[_room_pb2.RoomServiceCountPendingWakesResponse]]:
         """CountPendingWakes for metrics and tests. Errors: none beyond UNAVAILABLE."""
+
+    @_abc_1.abstractmethod
+    def SetAgentRights(
+        self,
+        request: _room_pb2.RoomServiceSetAgentRightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceSetAgentRightsResponse, _abc.Awaitable[_room_pb2.RoomServiceSetAgentRightsResponse]]:
+        """SetAgentRights stores a company's default rights (agent_id empty) or one agent's.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (company, or agent not owned by the company).
+        """
+
+    @_abc_1.abstractmethod
+    def GetAgentRights(
+        self,
+        request: _room_pb2.RoomServiceGetAgentRightsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceGetAgentRightsResponse, _abc.Awaitable[_room_pb2.RoomServiceGetAgentRightsResponse]]:
+        """GetAgentRights returns the stored rules and the effective rights of one agent (or the default).
+        Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
+
+    @_abc_1.abstractmethod
+    def CreateWaitpoint(
+        self,
+        request: _room_pb2.RoomServiceCreateWaitpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceCreateWaitpointResponse, _abc.Awaitable[_room_pb2.RoomServiceCreateWaitpointResponse]]:
+        """CreateWaitpoint parks a run on a new token holding its held actions; the run's ledger row is
+        marked PARKED in the same transaction. A repeated run_id returns the existing waitpoint.
+        Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run).
+        """
+
+    @_abc_1.abstractmethod
+    def GetWaitpoint(
+        self,
+        request: _room_pb2.RoomServiceGetWaitpointRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceGetWaitpointResponse, _abc.Awaitable[_room_pb2.RoomServiceGetWaitpointResponse]]:
+        """GetWaitpoint. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+
+    @_abc_1.abstractmethod
+    def ListWaitpoints(
+        self,
+        request: _room_pb2.RoomServiceListWaitpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceListWaitpointsResponse, _abc.Awaitable[_room_pb2.RoomServiceListWaitpointsResponse]]:
+        """ListWaitpoints of one company's agents (its pending approvals by default), oldest first.
+        Errors: INVALID_ARGUMENT.
+        """
+
+    @_abc_1.abstractmethod
+    def DecideHeldAction(
+        self,
+        request: _room_pb2.RoomServiceDecideHeldActionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceDecideHeldActionResponse, _abc.Awaitable[_room_pb2.RoomServiceDecideHeldActionResponse]]:
+        """DecideHeldAction records the owning company's decision on one held action. The decision that
+        completes the token records, in the same transaction, one DECISION wake for the run's agent;
+        a repeated or concurrent decision changes nothing and records no second wake.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (not the owning company),
+        FAILED_PRECONDITION (the token expired, or the action was already decided the other way).
+        """
+
+    @_abc_1.abstractmethod
+    def ExpireWaitpoints(
+        self,
+        request: _room_pb2.RoomServiceExpireWaitpointsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceExpireWaitpointsResponse, _abc.Awaitable[_room_pb2.RoomServiceExpireWaitpointsResponse]]:
+        """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
+        each, so the run ends its held actions undone. Errors: INVALID_ARGUMENT.
+        """
 
 def add_RoomServiceServicer_to_server(servicer: RoomServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
