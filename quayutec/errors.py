@@ -94,6 +94,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         if code == grpc.StatusCode.DEADLINE_EXCEEDED:
             return grpc.StatusCode.UNAVAILABLE, f"a backend did not answer in time: {exc.details()}"
         return grpc.StatusCode.INTERNAL, f"a backend failed: {code.name}"
+    if isinstance(exc, NotImplementedError):
+        return grpc.StatusCode.UNIMPLEMENTED, "this method is not implemented by this server version"
     if is_connection_error(exc) or isinstance(exc, TimeoutError):
         return grpc.StatusCode.UNAVAILABLE, "the database is unavailable; retry later"
     return grpc.StatusCode.INTERNAL, "internal error"

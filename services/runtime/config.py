@@ -30,6 +30,8 @@ class RuntimeConfig:
     anthropic_base_url: str = "https://api.anthropic.com"
     openai_base_url: str = "https://api.openai.com"
     recent_messages: int = 20
+    # How long held actions wait for their company's decision before they end undone.
+    waitpoint_ttl_seconds: int = 86_400
     # Comma-separated step boundaries at which a run pauses forever (crash tests only).
     failpoints: frozenset[str] = frozenset()
 
@@ -51,9 +53,10 @@ class RuntimeConfig:
             anthropic_base_url=env_str(env, f"{P}ANTHROPIC_BASE_URL", "https://api.anthropic.com").rstrip("/"),
             openai_base_url=env_str(env, f"{P}OPENAI_BASE_URL", "https://api.openai.com").rstrip("/"),
             recent_messages=env_int(env, f"{P}RECENT_MESSAGES", 20, minimum=1),
+            waitpoint_ttl_seconds=env_int(env, f"{P}WAITPOINT_TTL_SECONDS", 86_400, minimum=1),
             failpoints=failpoints,
         )
 
 
 # The step boundaries a crash test can stop a run at.
-FAILPOINTS = frozenset({"claimed", "room_read", "model_called", "reply_posted", "action_written"})
+FAILPOINTS = frozenset({"claimed", "room_read", "model_called", "reply_posted", "action_written", "continued"})

@@ -13,7 +13,7 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,20 @@ ACTION_KINDS: dict[str, common_pb2.ActionKind.ValueType] = {
     "update_task": common_pb2.ACTION_KIND_UPDATE_TASK,
     "close_task": common_pb2.ACTION_KIND_CLOSE_TASK,
 }
+# Which right governs each kind of declared action, and what each right makes of it.
+RIGHT_FIELDS: dict[common_pb2.ActionKind.ValueType, str] = {
+    common_pb2.ACTION_KIND_REMEMBER: "remember",
+    common_pb2.ACTION_KIND_CREATE_TASK: "create_task",
+    common_pb2.ACTION_KIND_UPDATE_TASK: "update_task",
+    common_pb2.ACTION_KIND_CLOSE_TASK: "close_task",
+}
+RIGHT_ORDER = [common_pb2.ACTION_RIGHT_AUTO, common_pb2.ACTION_RIGHT_HOLD, common_pb2.ACTION_RIGHT_DENY]
+RIGHT_OUTCOMES: dict[common_pb2.ActionRight.ValueType, common_pb2.ActionOutcome.ValueType] = {
+    common_pb2.ACTION_RIGHT_UNSPECIFIED: common_pb2.ACTION_OUTCOME_PENDING,
+    common_pb2.ACTION_RIGHT_AUTO: common_pb2.ACTION_OUTCOME_PENDING,
+    common_pb2.ACTION_RIGHT_HOLD: common_pb2.ACTION_OUTCOME_HELD,
+    common_pb2.ACTION_RIGHT_DENY: common_pb2.ACTION_OUTCOME_DENIED,
+}
 PROVIDERS: dict[common_pb2.Provider.ValueType, str] = {
     common_pb2.PROVIDER_ANTHROPIC: "anthropic",
     common_pb2.PROVIDER_OPENAI: "openai",
@@ -61,6 +75,11 @@ PROVIDERS: dict[common_pb2.Provider.ValueType, str] = {
 
 def run_id_for(agent_id: str, wake_id: str) -> str:
     return str(uuid.uuid5(RUN_NAMESPACE, f"{agent_id}\x00{wake_id}"))
+
+
+def continuation_claim(token: str) -> str:
+    """The claim key of a parked run's continuation (claimed like a wake, once)."""
+    return f"continue:{token}"
 
 
 @dataclass(frozen=True)
@@ -103,23 +122,29 @@ class RoomView:
 
 @dataclass
 class Ledger:
-    """The run's ledger row, written whole to Room at every step."""
+    """The run's ledger row, written whole to Room at each step that a crash must not hide."""
 
     room: Any  # RoomServiceStub
     run: common_pb2.Run
     timeout: float
+    # Monotonic start of the run's active time (time parked on a waitpoint is not counted).
     started: float = field(default_factory=time.monotonic)
 
-    async def save(self) -> None:
+    def snapshot(self) -> common_pb2.Run:
         self.run.active_ms = int((time.monotonic() - self.started) * 1000)
         self.run.updated_at.GetCurrentTime()
-        await self.room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=self.run), timeout=self.timeout)
+        return self.run
+
+    async def save(self) -> None:
+        await self.room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=self.snapshot()), timeout=self.timeout)
 
     async def step(self, step: common_pb2.RunStep.ValueType) -> None:
         self.run.step = step
         await self.save()
 
     async def add_attempt(self, attempt: Attempt) -> None:
+        """Each attempt joins the row; it is written at once only when a wait follows it, so a run
+        that dies while waiting still shows every request it made."""
         self.run.model_attempts.append(
             common_pb2.ModelAttempt(
                 number=attempt.number,
@@ -131,22 +156,29 @@ class Ledger:
                 duration_ms=int(attempt.duration_ms),
             )
         )
-        await self.save()
+        if attempt.wait_seconds > 0:
+            await self.save()
 
     def mark_undone(self, detail: str) -> None:
         for action in self.run.actions:
-            if action.outcome in (common_pb2.ACTION_OUTCOME_PENDING, common_pb2.ACTION_OUTCOME_UNSPECIFIED):
+            if action.outcome in UNFINISHED:
                 action.outcome = common_pb2.ACTION_OUTCOME_NOT_DONE
                 action.detail = detail
 
     async def end(self, status: common_pb2.RunStatus.ValueType, error: str = "") -> None:
         self.run.status = status
         self.run.error = error
-        if status != common_pb2.RUN_STATUS_SUCCEEDED:
-            self.mark_undone(error or "the run ended first")
+        self.mark_undone(error or "the run ended first")
         self.run.step = common_pb2.RUN_STEP_ENDED
         self.run.ended_at.GetCurrentTime()
         await self.save()
+
+
+UNFINISHED = (
+    common_pb2.ACTION_OUTCOME_UNSPECIFIED,
+    common_pb2.ACTION_OUTCOME_PENDING,
+    common_pb2.ACTION_OUTCOME_HELD,
+)
 
 
 class RunExecutor:
@@ -177,7 +209,10 @@ class RunExecutor:
 
     async def start(self, wake: Wake) -> tuple[runtime_pb2.StartRunResult.ValueType, str]:
         """Claim the wake and run it in the background; refuse before claiming when full."""
-        run_id = run_id_for(wake.agent_id, wake.wake_id)
+        continuation = wake.kind == common_pb2.WAKE_KIND_DECISION
+        if continuation and not wake.source_id:
+            raise InvalidArgument("a DECISION wake needs wake_source_id (the waitpoint token)")
+        run_id = "" if continuation else run_id_for(wake.agent_id, wake.wake_id)
         if self._active >= self._config.max_runs:
             raise ResourceExhausted(
                 f"{self._active} runs are executing (limit {self._config.max_runs}); deliver the wake again later",
@@ -186,13 +221,20 @@ class RunExecutor:
         self._active += 1
         handed_off = False
         try:
+            # A decision continues its run once, however many wakes or replicas deliver it.
+            claim_key = continuation_claim(wake.source_id) if continuation else wake.wake_id
             claim = await self._claims.ClaimOnce(
-                claims_pb2.ClaimOnceRequest(agent_id=wake.agent_id, wake_id=wake.wake_id),
+                claims_pb2.ClaimOnceRequest(agent_id=wake.agent_id, wake_id=claim_key),
                 timeout=self._config.backend_timeout_seconds,
             )
+            waitpoint = None
+            if continuation:
+                waitpoint = await self._get_waitpoint(wake.source_id)
+                run_id = waitpoint.run_id
             if not claim.claimed:
                 return runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED, run_id
-            task = asyncio.create_task(self._run_and_release(wake, run_id), name=f"run {run_id}")
+            work = self.run(wake, run_id) if waitpoint is None else self.continue_run(waitpoint)
+            task = asyncio.create_task(self._run_and_release(work, run_id), name=f"run {run_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             handed_off = True
@@ -201,9 +243,9 @@ class RunExecutor:
             if not handed_off:
                 self._active -= 1
 
-    async def _run_and_release(self, wake: Wake, run_id: str) -> None:
+    async def _run_and_release(self, work: Coroutine[Any, Any, None], run_id: str) -> None:
         try:
-            await self.run(wake, run_id)
+            await work
         except Exception:
             _log.exception("run %s failed outside its ledger", run_id)
         finally:
@@ -219,27 +261,31 @@ class RunExecutor:
             async with active_time:
                 view = await self.read_room(wake)  # 2. read the room
                 ledger.run.company_id = view.agent.company_id
-                await ledger.step(common_pb2.RUN_STEP_ROOM_READ)
+                ledger.run.step = common_pb2.RUN_STEP_ROOM_READ
                 await self._failpoint("room_read", run_id)
 
                 reply = await self.call_model(view, ledger)  # 3. call the model
                 if reply is None:
                     return
-                await ledger.step(common_pb2.RUN_STEP_MODEL_CALLED)
+                ledger.run.step = common_pb2.RUN_STEP_MODEL_CALLED
                 await self._failpoint("model_called", run_id)
 
-                try:  # 4. decide each declared action
-                    ledger.run.actions.extend(decide_actions(reply.tool_calls))
+                try:  # 4. decide each declared action by the owning company's rights
+                    ledger.run.actions.extend(await self.decide(view.agent, reply.tool_calls))
                 except DecisionError as exc:
                     await ledger.end(common_pb2.RUN_STATUS_FAILED, f"declared actions refused: {exc}")
                     return
                 await ledger.step(common_pb2.RUN_STEP_ACTIONS_DECIDED)
 
-                await self.post_reply(wake, view, reply, ledger)  # 5. post the reply first
+                await self.post_reply(wake.room_id, view.agent, reply, ledger)  # 5. post the reply first
                 await self._failpoint("reply_posted", run_id)
 
-                await self.write_actions(wake, view, ledger)  # 6. then the writes
-                await ledger.step(common_pb2.RUN_STEP_WRITES_DONE)
+                await self.write_actions(wake.room_id, agent_author(view.agent), ledger)  # 6. then the writes
+                ledger.run.step = common_pb2.RUN_STEP_WRITES_DONE
+
+                if any(a.outcome == common_pb2.ACTION_OUTCOME_HELD for a in ledger.run.actions):
+                    await self.park(ledger)  # held actions wait on a waitpoint; nothing stays in memory
+                    return
         except TimeoutError:
             if not active_time.expired():
                 raise
@@ -254,6 +300,108 @@ class RunExecutor:
             return
         if ledger.run.status == common_pb2.RUN_STATUS_RUNNING:
             await ledger.end(common_pb2.RUN_STATUS_SUCCEEDED)  # 7. end
+
+    async def park(self, ledger: Ledger) -> None:
+        """Store the held actions on a waitpoint token (and the PARKED row, in one transaction)."""
+        ledger.run.status = common_pb2.RUN_STATUS_PARKED
+        ledger.run.step = common_pb2.RUN_STEP_PARKED
+        held = [
+            common_pb2.HeldAction(
+                index=a.index, kind=a.kind, arguments_json=a.arguments_json, decision=common_pb2.DECISION_PENDING
+            )
+            for a in ledger.run.actions
+            if a.outcome == common_pb2.ACTION_OUTCOME_HELD
+        ]
+        await self._room.CreateWaitpoint(
+            room_pb2.RoomServiceCreateWaitpointRequest(
+                run_id=ledger.run.run_id,
+                held=held,
+                expires_in_seconds=self._config.waitpoint_ttl_seconds,
+                run=ledger.snapshot(),
+            ),
+            timeout=self._config.backend_timeout_seconds,
+        )
+
+    async def continue_run(self, waitpoint: common_pb2.Waitpoint) -> None:
+        """The decided continuation of a parked run: approved held actions are done, denied ones
+        recorded, undecided ones (expired token) end undone. Claimed once, like a wake."""
+        t = self._config.backend_timeout_seconds
+        run = (await self._room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=waitpoint.run_id), timeout=t)).run
+        if run.status != common_pb2.RUN_STATUS_PARKED:
+            _log.warning("run %s is %s, not parked; its decision is not acted on", run.run_id, run.status)
+            return
+        ledger = Ledger(self._room, run, t, started=time.monotonic() - run.active_ms / 1000)
+        run.status = common_pb2.RUN_STATUS_RUNNING
+        decisions = {h.index: h for h in waitpoint.held}
+        for action in run.actions:
+            if action.outcome != common_pb2.ACTION_OUTCOME_HELD:
+                continue
+            held = decisions.get(action.index)
+            if held is None or held.decision not in (common_pb2.DECISION_APPROVED, common_pb2.DECISION_DENIED):
+                action.outcome = common_pb2.ACTION_OUTCOME_NOT_DONE
+                action.detail = "the approval expired before a decision"
+            elif held.decision == common_pb2.DECISION_APPROVED:
+                action.outcome = common_pb2.ACTION_OUTCOME_PENDING
+                action.detail = f"approved by {held.decided_by}"
+            else:
+                action.outcome = common_pb2.ACTION_OUTCOME_DENIED
+                action.detail = f"denied by {held.decided_by}"
+        remaining = self._config.run_seconds - run.active_ms / 1000
+        active_time = asyncio.timeout(max(0.0, remaining))
+        author = common_pb2.Author(kind=common_pb2.AUTHOR_KIND_AGENT, company_id=run.company_id, agent_id=run.agent_id)
+        try:
+            async with active_time:
+                await self._failpoint("continued", run.run_id)
+                await self.write_actions(run.room_id, author, ledger)
+        except TimeoutError:
+            if not active_time.expired():
+                raise
+            seconds = self._config.run_seconds
+            await ledger.end(common_pb2.RUN_STATUS_TIMED_OUT, f"stopped after {seconds:g} s of active time")
+            return
+        except grpc.aio.AioRpcError as exc:
+            await ledger.end(common_pb2.RUN_STATUS_FAILED, f"room call failed: {exc.code().name}: {exc.details()}")
+            return
+        await ledger.end(common_pb2.RUN_STATUS_SUCCEEDED)
+
+    async def _get_waitpoint(self, token: str) -> common_pb2.Waitpoint:
+        got: room_pb2.RoomServiceGetWaitpointResponse = await self._room.GetWaitpoint(
+            room_pb2.RoomServiceGetWaitpointRequest(token=token), timeout=self._config.backend_timeout_seconds
+        )
+        return got.waitpoint
+
+    async def decide(self, agent: common_pb2.Agent, calls: tuple[ToolCall, ...]) -> list[common_pb2.DeclaredAction]:
+        """Validate each declared action and apply the owning company's rights to it."""
+        actions = validate_actions(calls)
+        if not actions:
+            return actions
+        t = self._config.backend_timeout_seconds
+        got = await self._room.GetAgentRights(
+            room_pb2.RoomServiceGetAgentRightsRequest(company_id=agent.company_id, agent_id=agent.agent_id), timeout=t
+        )
+        rights = got.effective
+        companies: dict[str, str] = {}
+        for action in actions:
+            right = getattr(rights, RIGHT_FIELDS[action.kind]) or common_pb2.ACTION_RIGHT_AUTO
+            if action.kind == common_pb2.ACTION_KIND_CREATE_TASK:
+                target = json.loads(action.arguments_json)["to_agent_id"]
+                if target not in companies:
+                    try:
+                        found = await self._room.GetAgent(
+                            room_pb2.RoomServiceGetAgentRequest(agent_id=target), timeout=t
+                        )
+                    except grpc.aio.AioRpcError as exc:
+                        if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                            raise DecisionError(f"create_task names unknown agent {target!r}") from None
+                        raise
+                    companies[target] = found.agent.company_id
+                if companies[target] != agent.company_id:
+                    cross = rights.cross_company_task or common_pb2.ACTION_RIGHT_AUTO
+                    right = max(right, cross, key=RIGHT_ORDER.index)
+            action.outcome = RIGHT_OUTCOMES[right]
+            if right == common_pb2.ACTION_RIGHT_DENY:
+                action.detail = "denied by the company's agent rights"
+        return actions
 
     def _new_run_row(self, wake: Wake, run_id: str) -> common_pb2.Run:
         run = common_pb2.Run(
@@ -355,12 +503,12 @@ class RunExecutor:
             return None
         return outcome.reply
 
-    async def post_reply(self, wake: Wake, view: RoomView, reply: ModelReply, ledger: Ledger) -> None:
+    async def post_reply(self, room_id: str, agent: common_pb2.Agent, reply: ModelReply, ledger: Ledger) -> None:
         if reply.text.strip():
             posted = await self._room.PostMessage(
                 room_pb2.RoomServicePostMessageRequest(
-                    room_id=wake.room_id,
-                    author=agent_author(view.agent),
+                    room_id=room_id,
+                    author=agent_author(agent),
                     body=clip(reply.text, MAX_BODY_BYTES),
                     run_id=ledger.run.run_id,
                     dedupe_key=f"run:{ledger.run.run_id}:reply",
@@ -370,16 +518,15 @@ class RunExecutor:
             ledger.run.posted_message_id = posted.message.message_id
         await ledger.step(common_pb2.RUN_STEP_REPLY_POSTED)
 
-    async def write_actions(self, wake: Wake, view: RoomView, ledger: Ledger) -> None:
+    async def write_actions(self, room_id: str, author: common_pb2.Author, ledger: Ledger) -> None:
         """Do each decided action once (dedupe keys make a retried call harmless)."""
         for action in ledger.run.actions:
             if action.outcome != common_pb2.ACTION_OUTCOME_PENDING:
                 continue
-            write = self._writer(action.kind)
             args = json.loads(action.arguments_json)
             dedupe_key = f"run:{ledger.run.run_id}:action:{action.index}"
             try:
-                action.result_id = await write(wake, view.agent, args, ledger.run.run_id, dedupe_key)
+                action.result_id = await self._write(action.kind, room_id, author, args, ledger.run.run_id, dedupe_key)
                 action.outcome = common_pb2.ACTION_OUTCOME_DONE
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
@@ -389,49 +536,43 @@ class RunExecutor:
             await ledger.save()
             await self._failpoint("action_written", ledger.run.run_id)
 
-    def _writer(
-        self, kind: common_pb2.ActionKind.ValueType
-    ) -> Callable[[Wake, common_pb2.Agent, dict[str, Any], str, str], Awaitable[str]]:
-        return {
-            common_pb2.ACTION_KIND_REMEMBER: self._remember,
-            common_pb2.ACTION_KIND_CREATE_TASK: self._create_task,
-            common_pb2.ACTION_KIND_UPDATE_TASK: self._update_task,
-            common_pb2.ACTION_KIND_CLOSE_TASK: self._update_task,
-        }[kind]
-
-    async def _remember(self, wake: Wake, agent: common_pb2.Agent, args: dict[str, Any], run_id: str, key: str) -> str:
-        visibility = common_pb2.MEMORY_VISIBILITY_COMPANY if args["private"] else common_pb2.MEMORY_VISIBILITY_ROOM
-        written = await self._room.WriteMemory(
-            room_pb2.RoomServiceWriteMemoryRequest(
-                room_id=wake.room_id,
-                author=agent_author(agent),
-                text=args["text"],
-                visibility=visibility,
+    async def _write(
+        self,
+        kind: common_pb2.ActionKind.ValueType,
+        room_id: str,
+        author: common_pb2.Author,
+        args: dict[str, Any],
+        run_id: str,
+        key: str,
+    ) -> str:
+        """One declared action's write; returns the id of what was written."""
+        t = self._config.backend_timeout_seconds
+        if kind == common_pb2.ACTION_KIND_REMEMBER:
+            visibility = common_pb2.MEMORY_VISIBILITY_COMPANY if args["private"] else common_pb2.MEMORY_VISIBILITY_ROOM
+            written = await self._room.WriteMemory(
+                room_pb2.RoomServiceWriteMemoryRequest(
+                    room_id=room_id,
+                    author=author,
+                    text=args["text"],
+                    visibility=visibility,
+                    run_id=run_id,
+                    dedupe_key=key,
+                ),
+                timeout=t,
+            )
+            return str(written.line.memory_id)
+        if kind == common_pb2.ACTION_KIND_CREATE_TASK:
+            request = room_pb2.RoomServiceCreateTaskRequest(
+                room_id=room_id,
+                to_agent_id=args["to_agent_id"],
+                title=args["title"],
+                body=args["body"],
                 run_id=run_id,
                 dedupe_key=key,
-            ),
-            timeout=self._config.backend_timeout_seconds,
-        )
-        return str(written.line.memory_id)
-
-    async def _create_task(
-        self, wake: Wake, agent: common_pb2.Agent, args: dict[str, Any], run_id: str, key: str
-    ) -> str:
-        request = room_pb2.RoomServiceCreateTaskRequest(
-            room_id=wake.room_id,
-            to_agent_id=args["to_agent_id"],
-            title=args["title"],
-            body=args["body"],
-            run_id=run_id,
-            dedupe_key=key,
-        )
-        getattr(request, "from").CopyFrom(agent_author(agent))  # `from` is a Python keyword
-        created = await self._room.CreateTask(request, timeout=self._config.backend_timeout_seconds)
-        return str(created.task.task_id)
-
-    async def _update_task(
-        self, wake: Wake, agent: common_pb2.Agent, args: dict[str, Any], run_id: str, key: str
-    ) -> str:
+            )
+            getattr(request, "from").CopyFrom(author)  # `from` is a Python keyword
+            created = await self._room.CreateTask(request, timeout=t)
+            return str(created.task.task_id)
         status = {
             "done": common_pb2.TASK_STATUS_DONE,
             "cancelled": common_pb2.TASK_STATUS_CANCELLED,
@@ -439,14 +580,14 @@ class RunExecutor:
         updated = await self._room.UpdateTask(
             room_pb2.RoomServiceUpdateTaskRequest(
                 task_id=args["task_id"],
-                room_id=wake.room_id,
-                author=agent_author(agent),
+                room_id=room_id,
+                author=author,
                 note=args.get("note", ""),
                 status=status,
                 run_id=run_id,
                 dedupe_key=key,
             ),
-            timeout=self._config.backend_timeout_seconds,
+            timeout=t,
         )
         return str(updated.update.update_id)
 
@@ -486,8 +627,8 @@ def _require_str(call: ToolCall, name: str, max_bytes: int, *, allow_empty: bool
     return value
 
 
-def decide_actions(calls: tuple[ToolCall, ...]) -> list[common_pb2.DeclaredAction]:
-    """Validate every declared action and decide it. Any error refuses them all (nothing posted)."""
+def validate_actions(calls: tuple[ToolCall, ...]) -> list[common_pb2.DeclaredAction]:
+    """Validate every declared action. Any error refuses them all (nothing posted)."""
     decided: list[common_pb2.DeclaredAction] = []
     for index, call in enumerate(calls):
         kind = ACTION_KINDS.get(call.name)

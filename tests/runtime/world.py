@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import grpc
 
@@ -20,8 +20,8 @@ ENDED = (
 
 @dataclass
 class World:
-    room: Any  # RoomServiceStub
-    claims: Any  # ClaimsServiceStub
+    room: room_pb2_grpc.RoomServiceAsyncStub
+    claims: claims_pb2_grpc.ClaimsServiceAsyncStub
     company_a: str
     company_b: str
     room_id: str
@@ -34,11 +34,12 @@ class World:
 
     async def post(self, body: str, mention: list[str], person: str = "ana") -> room_pb2.RoomServicePostMessageResponse:
         author = common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=self.company_a, person=person)
-        return await self.room.PostMessage(
+        posted: room_pb2.RoomServicePostMessageResponse = await self.room.PostMessage(
             room_pb2.RoomServicePostMessageRequest(
                 room_id=self.room_id, author=author, body=body, mention_agent_ids=mention
             )
         )
+        return posted
 
     async def messages_by(self, agent_id: str) -> list[common_pb2.Message]:
         got = await self.room.ListMessages(room_pb2.RoomServiceListMessagesRequest(room_id=self.room_id, page_size=500))
@@ -57,7 +58,9 @@ class World:
         return list(got.tasks)
 
     async def run(self, run_id: str) -> common_pb2.Run:
-        got = await self.room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=run_id))
+        got: room_pb2.RoomServiceGetRunResponse = await self.room.GetRun(
+            room_pb2.RoomServiceGetRunRequest(run_id=run_id)
+        )
         return got.run
 
     async def wait_for_run(self, run_id: str, statuses: tuple[int, ...] = ENDED, limit: float = 60.0) -> common_pb2.Run:
@@ -81,7 +84,7 @@ async def make_world(room_addr: str, claims_addr: str, channels: list[grpc.aio.C
     room_channel = grpc.aio.insecure_channel(room_addr)
     claims_channel = grpc.aio.insecure_channel(claims_addr)
     channels.extend([room_channel, claims_channel])
-    room = room_pb2_grpc.RoomServiceStub(room_channel)
+    room = cast("room_pb2_grpc.RoomServiceAsyncStub", room_pb2_grpc.RoomServiceStub(room_channel))
     tag = uuid.uuid4().hex[:8]
     a = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Acme {tag}"))).company
     b = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Bolt {tag}"))).company
@@ -113,7 +116,7 @@ async def make_world(room_addr: str, claims_addr: str, channels: list[grpc.aio.C
     ).agent
     return World(
         room=room,
-        claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
+        claims=cast("claims_pb2_grpc.ClaimsServiceAsyncStub", claims_pb2_grpc.ClaimsServiceStub(claims_channel)),
         company_a=a.company_id,
         company_b=b.company_id,
         room_id=r.room_id,
