@@ -1,0 +1,428 @@
+"""Shared pieces of the benches: a PostgreSQL server, scratch databases, the services as processes,
+the stand-in model provider as a process, a world made through RoomService, a ledger watcher,
+percentiles and a plain table.
+
+Every bench runs as a script from the checkout (``python bench/<name>.py``); nothing here is
+imported by the services or by tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import asyncpg  # noqa: E402
+import grpc  # noqa: E402
+import httpx  # noqa: E402
+from cryptography.fernet import Fernet  # noqa: E402
+
+from quayutec.config import SERVICES  # noqa: E402
+from quayutec.db import create_pool  # noqa: E402
+from quayutec.migrate import migrate  # noqa: E402
+from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc  # noqa: E402
+from services.stack import LocalStack, free_port  # noqa: E402
+
+ENDED_STATUSES = ("succeeded", "failed", "timed_out")
+
+
+class BenchError(RuntimeError):
+    """A bench could not measure what it set out to; the message says why."""
+
+
+# -- PostgreSQL ---------------------------------------------------------------------------------------
+
+# Run in a child Python that never imports gRPC: forking a process with gRPC threads to run
+# PostgreSQL's tools as another user (pgserver does so as root) can crash the child.
+_PG_CTL = """
+import os, sys
+from pathlib import Path
+import pgserver
+from pgserver import _commands
+pgdata = Path(sys.argv[2])
+if sys.argv[1] == "start":
+    print(pgserver.get_server(pgdata, cleanup_mode=None).get_uri())
+else:
+    _commands.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user="pgserver" if os.geteuid() == 0 else None)
+"""
+
+
+def _pg_ctl(action: str, pgdata: Path) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", _PG_CTL, action, str(pgdata)], check=True, capture_output=True, text=True, timeout=120
+    )
+    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
+
+
+@contextmanager
+def postgres_server() -> Iterator[str]:
+    """The admin URL of ``DATABASE_URL``, or of an embedded PostgreSQL removed afterwards."""
+    url = os.environ.get("DATABASE_URL", "").strip()
+    if url:
+        yield url
+        return
+    root = Path(tempfile.mkdtemp(prefix="qy-bench-", dir="/tmp"))
+    root.chmod(0o755)  # as root, pgserver runs PostgreSQL as its own user
+    try:
+        yield _pg_ctl("start", root / "pg")
+    finally:
+        try:
+            _pg_ctl("stop", root / "pg")
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def with_database(url: str, dbname: str) -> str:
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{dbname}", parts.query, parts.fragment))
+
+
+async def create_database(admin_url: str, prefix: str = "qy_bench") -> str:
+    """A new empty database on the server of ``admin_url``; returns its URL."""
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f"CREATE DATABASE {name}")
+    finally:
+        await conn.close()
+    return with_database(admin_url, name)
+
+
+async def create_migrated_database(admin_url: str) -> str:
+    """A new database with every component's schema applied."""
+    url = await create_database(admin_url)
+    pool = await create_pool(url, min_size=1, max_size=1)
+    try:
+        await migrate(pool)
+    finally:
+        await pool.close()
+    return url
+
+
+async def drop_database(admin_url: str, url: str) -> None:
+    conn = await asyncpg.connect(admin_url)
+    try:
+        await conn.execute(f"DROP DATABASE IF EXISTS {urlsplit(url).path.lstrip('/')} WITH (FORCE)")
+    finally:
+        await conn.close()
+
+
+# -- processes ------------------------------------------------------------------------------------------
+
+
+@contextmanager
+def standin_process() -> Iterator[str]:
+    """The stand-in model provider in its own process (answers at once); yields its base URL."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.runtime.standin", "--port", str(port)],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            if proc.poll() is not None:
+                raise BenchError(f"the stand-in provider exited with {proc.returncode}")
+            try:
+                if httpx.get(f"{url}/_standin/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise BenchError("the stand-in provider did not answer its health check in 20 s")
+            time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextmanager
+def scratch_dir(prefix: str) -> Iterator[Path]:
+    """A tmp folder for service logs and keys; kept (and named) when profiling, else removed."""
+    path = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    try:
+        yield path
+    finally:
+        if _profiled():
+            print(f"service logs and profiles kept in {path / 'logs'}", file=sys.stderr)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def base_env(standin_url: str, data_dir: Path) -> dict[str, str]:
+    """Settings every bench gives the services: the stand-in as provider, one shared encryption key."""
+    return {
+        "QUAYUTEC_DATA_DIR": str(data_dir),
+        "QUAYUTEC_ENCRYPTION_KEY": Fernet.generate_key().decode(),
+        "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin_url,
+        "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin_url,
+        "QUAYUTEC_LOG_LEVEL": "WARNING",
+    }
+
+
+class ProfiledStack(LocalStack):
+    """A LocalStack whose services named in ``QY_BENCH_PROFILE`` (e.g. ``runtime,room``) run under
+    cProfile, writing ``<log_dir>/<name>.prof`` when they stop."""
+
+    def start(self, name: str) -> None:
+        if name not in _profiled():
+            super().start(name)
+            return
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = (self.log_dir / f"{name}.log").open("ab")
+        prof = self.log_dir / f"{name}.prof"
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "cProfile", "-o", str(prof), "-m", f"services.{name}"],
+            cwd=ROOT,
+            env=self.env(),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        log.close()
+        print(f"profiling {name} into {prof}", file=sys.stderr)
+
+
+def _profiled() -> set[str]:
+    return {n.strip() for n in os.environ.get("QY_BENCH_PROFILE", "").split(",") if n.strip()}
+
+
+@asynccontextmanager
+async def running_stack(
+    database_url: str, names: Sequence[str], extra_env: Mapping[str, str], log_dir: Path
+) -> AsyncIterator[LocalStack]:
+    """The named services as child processes on ``database_url`` (already migrated)."""
+    ports = {s.name: free_port() for s in SERVICES}
+    stack = ProfiledStack(ports=ports, extra_env=dict(extra_env))
+    stack.database_url = database_url
+    stack.log_dir = log_dir
+    specs = [s for s in SERVICES if s.name in names]
+    try:
+        for spec in specs:
+            stack.start(spec.name)
+        for spec in specs:
+            await stack.wait_serving(spec)
+        yield stack
+    except BaseException:
+        for spec in specs:
+            log = log_dir / f"{spec.name}.log"
+            if log.exists():
+                tail = log.read_text(errors="replace")[-2000:]
+                print(f"--- {spec.name} log (tail) ---\n{tail}", file=sys.stderr)
+        raise
+    finally:
+        stack.stop_all()
+
+
+async def wait_for_room(addr: str, limit: float) -> None:
+    """Poll until the Room service answers a smoke call (it may still be being finished)."""
+    deadline = time.monotonic() + limit
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = room_pb2_grpc.RoomServiceStub(channel)
+        while True:
+            try:
+                await stub.CountPendingWakes(room_pb2.RoomServiceCountPendingWakesRequest(), timeout=2)
+                return
+            except grpc.aio.AioRpcError as exc:
+                if time.monotonic() > deadline:
+                    raise BenchError(f"Room at {addr} does not answer: {exc.code().name}: {exc.details()}") from exc
+            await asyncio.sleep(0.2)
+
+
+# -- a world through RoomService --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class World:
+    company_id: str
+    room_id: str
+    agent_id: str
+
+
+async def make_room_world(room: Any, tag: str, *, model: str = "bench-model") -> World:
+    """A company, its room and one agent on the stand-in, made through RoomService directly."""
+    company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"bench-{tag}"))).company
+    made = await room.CreateRoom(room_pb2.RoomServiceCreateRoomRequest(company_id=company.company_id, name=tag))
+    agent = (
+        await room.RegisterAgent(
+            room_pb2.RoomServiceRegisterAgentRequest(
+                company_id=company.company_id,
+                name=f"agent-{tag}",
+                provider=common_pb2.PROVIDER_ANTHROPIC,
+                model=model,
+                provider_key="sk-bench-not-a-real-key",
+                system_prompt="You answer briefly.",
+            )
+        )
+    ).agent
+    return World(company.company_id, made.room.room_id, agent.agent_id)
+
+
+@dataclass(frozen=True)
+class PostedWake:
+    wake_id: str
+    message_id: str
+
+
+async def post_wakes(room: Any, world: World, count: int, *, parallel: int = 16) -> list[PostedWake]:
+    """``count`` messages mentioning the world's agent, posted through RoomService; their wakes."""
+    author = common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=world.company_id, person="bench")
+    out: list[PostedWake] = []
+    sem = asyncio.Semaphore(parallel)
+
+    async def one(i: int) -> None:
+        async with sem:
+            posted = await room.PostMessage(
+                room_pb2.RoomServicePostMessageRequest(
+                    room_id=world.room_id,
+                    author=author,
+                    body=f"@agent please answer question {i} about the launch plan",
+                    mention_agent_ids=[world.agent_id],
+                ),
+                timeout=30,
+            )
+        if len(posted.wakes) != 1:
+            raise BenchError(f"a message mentioning one agent recorded {len(posted.wakes)} wakes")
+        out.append(PostedWake(posted.wakes[0].wake_id, posted.message.message_id))
+
+    await asyncio.gather(*(one(i) for i in range(count)))
+    return out
+
+
+# -- watching the database ------------------------------------------------------------------------------
+
+
+class BatchWatcher:
+    """Resolves waiters when a row for their key appears, polling one query for all keys in batches."""
+
+    def __init__(self, pool: asyncpg.Pool, query: str, *, interval: float = 0.001) -> None:
+        self._pool = pool
+        self._query = query  # $1 = text[] of keys; returns rows whose first column is the key
+        self._interval = interval
+        self._waiting: dict[str, asyncio.Future[asyncpg.Record]] = {}
+        self._task: asyncio.Task[None] | None = None
+        self.polls = 0
+
+    def __enter__(self) -> BatchWatcher:
+        self._task = asyncio.create_task(self._loop())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    def wait(self, key: str) -> asyncio.Future[asyncpg.Record]:
+        fut = self._waiting.get(key)
+        if fut is None:
+            fut = asyncio.get_running_loop().create_future()
+            self._waiting[key] = fut
+        return fut
+
+    async def _loop(self) -> None:
+        try:
+            while True:
+                if self._waiting:
+                    rows = await self._pool.fetch(self._query, list(self._waiting))
+                    self.polls += 1
+                    for row in rows:
+                        fut = self._waiting.pop(row[0], None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(row)
+                await asyncio.sleep(self._interval)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # surface a broken watcher to every waiter instead of hanging
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(exc)
+            raise
+
+
+ENDED_RUNS_QUERY = (
+    "SELECT run_id, status, started_at, ended_at, model_attempts FROM runs "
+    "WHERE run_id = ANY($1::text[]) AND ended_at IS NOT NULL"
+)
+
+
+def model_ms(model_attempts_json: str) -> float:
+    """Total duration_ms of a ledger row's model attempts (whole milliseconds, as the ledger keeps them)."""
+    return float(sum(int(a.get("duration_ms", 0)) for a in json.loads(model_attempts_json)))
+
+
+# -- figures --------------------------------------------------------------------------------------------
+
+
+def percentile(values: Iterable[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of ``values``; NaN when empty."""
+    data = sorted(values)
+    if not data:
+        return float("nan")
+    rank = max(1, min(len(data), int(-(-q * len(data) // 100))))
+    return data[rank - 1]
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> None:
+    """A plain left/right-aligned text table (text left, numbers right)."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    numeric = [bool(rows) and all(isinstance(r[i], (int, float)) for r in rows) for i in range(len(headers))]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if n else v.ljust(w) for v, w, n in zip(values, widths, numeric, strict=True))
+
+    print(line(list(headers)))
+    print("  ".join("-" * w for w in widths))
+    for r in cells:
+        print(line(r))
+
+
+def _cell(value: object) -> str:
+    if isinstance(value, float):
+        if value != value:  # NaN
+            return "-"
+        return f"{value:.1f}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value)
+
+
+def run_main(amain: Any, opts: Any) -> int:
+    """Run ``amain(opts)`` on uvloop (as the services do); a BenchError prints one clear line, exit 1."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
+        runner: Any = asyncio.run
+    else:
+        runner = uvloop.run
+    try:
+        runner(amain(opts))
+    except BenchError as exc:
+        print(f"bench failed: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0

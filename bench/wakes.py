@@ -1,0 +1,221 @@
+"""Wakes per second from a posted message to a posted reply, end to end through the Gateway (the
+stand-in answering at once), beside the Gateway's post-only rate at the same concurrency.
+
+``python bench/wakes.py [--wakes 200] [--warmup 10] [--concurrency 1,32] [--poll-interval 0.05]``
+
+All four services run as processes on one PostgreSQL (``DATABASE_URL``'s server or an embedded
+one). P posters each post a message mentioning the agent through Gateway PostMessage and wait for
+its reply (closed loop: P wakes in flight). Latency per wake = the reply's created_at minus the
+posted message's created_at (both stamped by PostgreSQL); the reply is found by its run_id
+(run_id_for(agent, wake)) with one batched query on the messages table every 2 ms.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
+
+import asyncpg
+import grpc
+
+from bench.common import (
+    BatchWatcher,
+    BenchError,
+    base_env,
+    create_migrated_database,
+    drop_database,
+    percentile,
+    postgres_server,
+    print_table,
+    run_main,
+    running_stack,
+    scratch_dir,
+    standin_process,
+    wait_for_room,
+)
+from quayutec.db import create_pool
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
+from services.client import GatewayClient
+from services.gateway.auth import create_api_key
+from services.runtime.run import run_id_for
+
+REPLIES_QUERY = "SELECT run_id, created_at FROM messages WHERE run_id = ANY($1::text[])"
+ROOM_WAIT_SECONDS = 600.0
+
+
+@dataclass
+class Measured:
+    kind: str
+    concurrency: int
+    count: int
+    seconds: float
+    latency_ms: list[float] = field(default_factory=list)
+
+    @property
+    def rate(self) -> float:
+        return self.count / self.seconds if self.seconds > 0 else float("nan")
+
+
+@dataclass(frozen=True)
+class GatewayWorld:
+    client: GatewayClient
+    room_id: str
+    agent_id: str
+
+
+async def make_gateway_world(room: Any, pool: asyncpg.Pool, channel: grpc.aio.Channel, tag: str) -> GatewayWorld:
+    """A company with an API key (admin path), then its room and agent through the Gateway."""
+    company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"bench-{tag}"))).company
+    _, key = await create_api_key(pool, company.company_id, "bench")
+    client = GatewayClient(channel, key)
+    made = (await client.CreateRoom(gateway_pb2.CreateRoomRequest(name=f"wakes-{tag}"))).room
+    agent = (
+        await client.RegisterAgent(
+            gateway_pb2.RegisterAgentRequest(
+                name="bench-agent",
+                provider=common_pb2.PROVIDER_ANTHROPIC,
+                model="bench-model",
+                provider_key="sk-bench-not-a-real-key",
+                system_prompt="You answer briefly.",
+            )
+        )
+    ).agent
+    return GatewayWorld(client, made.room_id, agent.agent_id)
+
+
+async def closed_loop(count: int, concurrency: int, one: Callable[[int], Awaitable[float | None]]) -> Measured:
+    """``concurrency`` posters share ``count`` jobs; ``one(i)`` returns a latency in ms or None."""
+    jobs = iter(range(count))
+    latencies: list[float] = []
+
+    async def poster() -> None:
+        for i in jobs:
+            latency = await one(i)
+            if latency is not None:
+                latencies.append(latency)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(poster() for _ in range(concurrency)))
+    return Measured("", concurrency, count, time.perf_counter() - start, latencies)
+
+
+async def post_only(world: GatewayWorld, count: int, concurrency: int) -> Measured:
+    async def one(i: int) -> float:
+        t0 = time.perf_counter()
+        await world.client.PostMessage(
+            gateway_pb2.PostMessageRequest(room_id=world.room_id, person="bench", body=f"status note {i}"),
+            timeout=30,
+        )
+        return (time.perf_counter() - t0) * 1000
+
+    measured = await closed_loop(count, concurrency, one)
+    measured.kind = "post only (no mention)"
+    return measured
+
+
+async def end_to_end(world: GatewayWorld, watcher: BatchWatcher, count: int, concurrency: int) -> Measured:
+    async def one(i: int) -> float:
+        posted = await world.client.PostMessage(
+            gateway_pb2.PostMessageRequest(
+                room_id=world.room_id,
+                person="bench",
+                body=f"@bench-agent what is the plan for item {i}?",
+                mention_agent_ids=[world.agent_id],
+            ),
+            timeout=30,
+        )
+        if len(posted.wake_ids) != 1:
+            raise BenchError(f"a post mentioning one agent answered {len(posted.wake_ids)} wakes")
+        reply = await asyncio.wait_for(watcher.wait(run_id_for(world.agent_id, posted.wake_ids[0])), timeout=60)
+        sent = posted.message.created_at.ToDatetime(tzinfo=UTC)
+        return float((reply["created_at"] - sent).total_seconds() * 1000)
+
+    measured = await closed_loop(count, concurrency, one)
+    measured.kind = "end to end (post -> reply)"
+    return measured
+
+
+async def amain(opts: argparse.Namespace) -> None:
+    concurrencies = [int(c) for c in opts.concurrency.split(",") if c.strip()]
+    if not concurrencies or min(concurrencies) < 1:
+        raise BenchError("--concurrency needs positive integers, e.g. 1,32")
+    started = time.monotonic()
+    results: list[Measured] = []
+    with scratch_dir("qy-bench-wakes-") as data_dir, standin_process() as standin_url, postgres_server() as admin_url:
+        url = await create_migrated_database(admin_url)
+        env = base_env(standin_url, data_dir)
+        env.update(
+            {
+                "QUAYUTEC_GATEWAY_POST_RATE": "1000000",
+                "QUAYUTEC_GATEWAY_POST_BURST": "1000000",
+                "QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": str(opts.poll_interval),
+                "QUAYUTEC_RUNTIME_MAX_RUNS": str(2 * max(concurrencies) + 16),
+            }
+        )
+        pool = await create_pool(url, min_size=2, max_size=4)
+        try:
+            names = ("claims", "room", "runtime", "gateway")
+            async with running_stack(url, names, env, data_dir / "logs") as stack:
+                await wait_for_room(stack.addr("room"), ROOM_WAIT_SECONDS)
+                async with (
+                    grpc.aio.insecure_channel(stack.addr("room")) as room_channel,
+                    grpc.aio.insecure_channel(stack.addr("gateway")) as gateway_channel,
+                ):
+                    room = room_pb2_grpc.RoomServiceStub(room_channel)
+                    tag = uuid.uuid4().hex[:6]
+                    with BatchWatcher(pool, REPLIES_QUERY, interval=0.002) as watcher:
+                        for c in concurrencies:
+                            # A fresh room per level, so every level starts from the same room size.
+                            world = await make_gateway_world(room, pool, gateway_channel, f"{tag}-{c}")
+                            await end_to_end(world, watcher, opts.warmup, c)
+                            e2e = await end_to_end(world, watcher, opts.wakes, c)
+                            base = await post_only(world, opts.wakes, c)
+                            results += [e2e, base]
+                            print(f"  c={c}: {e2e.rate:.0f} wakes/s, {base.rate:.0f} posts/s", file=sys.stderr)
+        finally:
+            await pool.close()
+            await drop_database(admin_url, url)
+    report(results, concurrencies, opts.poll_interval, time.monotonic() - started)
+
+
+def report(results: Sequence[Measured], concurrencies: list[int], poll: float, seconds: float) -> None:
+    print(
+        f"\nWakes through the Gateway (stand-in answering at once; Gateway delivery polls every {poll:g} s)."
+        "\nEnd to end: latency = reply created_at - posted created_at; post only: PostMessage round trip.\n"
+    )
+    print_table(
+        ["measurement", "posters", "count", "per s", "p50 ms", "p99 ms"],
+        [
+            [m.kind, m.concurrency, m.count, m.rate, percentile(m.latency_ms, 50), percentile(m.latency_ms, 99)]
+            for m in results
+        ],
+    )
+    pairs = {(m.kind.split(" ")[0], m.concurrency): m for m in results}
+    ratios = [f"c={c}: {pairs[('end', c)].rate / pairs[('post', c)].rate:.2f}" for c in concurrencies]
+    print(f"\nend-to-end / post-only: {', '.join(ratios)}")
+    print(f"bench took {seconds:.0f} s")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--wakes", type=int, default=200, help="measured wakes (and posts) per level (default 200)")
+    parser.add_argument("--warmup", type=int, default=10, help="unmeasured wakes before each level (default 10)")
+    parser.add_argument("--concurrency", default="1,32", help="comma-separated numbers of posters (default 1,32)")
+    parser.add_argument(
+        "--poll-interval", type=float, default=0.05, help="Gateway delivery poll interval in s (default 0.05)"
+    )
+    return run_main(amain, parser.parse_args())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

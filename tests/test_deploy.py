@@ -1,0 +1,558 @@
+"""The Kubernetes manifests under deploy/k8s agree with quayutec.config and with the design.
+
+Each overlay is rendered with ``kubectl kustomize``, validated against the Kubernetes
+OpenAPI schemas with ``kubernetes-validate --strict``, then read back and checked against
+``quayutec.config.SERVICES``: ports, probes, Services, addresses, env wiring, pod security,
+and a small NetworkPolicy evaluator that proves only the Gateway is reachable from outside.
+"""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from quayutec.config import (
+    DATA_DIR_ENV,
+    DATABASE_URL_ENV,
+    ENCRYPTION_KEY_ENV,
+    GATEWAY,
+    RUNTIME,
+    SERVICES,
+    ServiceSpec,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "deploy" / "k8s"
+OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+# Kubernetes versions to validate against (schemas shipped by kubernetes-validate).
+K8S_VERSIONS = ("1.34.0",)
+APP_LABEL = ("app.kubernetes.io/part-of", "quayutec")
+NAME_LABEL = "app.kubernetes.io/name"
+APP_UID = 10001
+
+# Which service needs which secret, and whom it dials (DESIGN.md; the brief's wiring).
+NEEDS_DATABASE = {"gateway", "room", "claims", "migrate"}
+NEEDS_ENCRYPTION_KEY = {"room", "runtime"}
+DIALS = {"gateway": {"room", "runtime"}, "runtime": {"claims", "room"}, "room": set(), "claims": set()}
+SPECS = {spec.name: spec for spec in SERVICES}
+# (workload, port) pairs that may be reached from outside the app. Nothing else.
+EXTERNALLY_REACHABLE = {("gateway", GATEWAY.port), ("jaeger", 16686)}
+# Secrets the prod overlay expects the operator to create (documented in deploy/k8s/README.md).
+Obj = dict[str, Any]  # one parsed Kubernetes object (or part of one)
+PROD_EXTERNAL_SECRETS = {"quayutec-database", "quayutec-secrets", "quayutec-gateway-tls"}
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def _kubectl() -> str:
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not on PATH: cannot render the kustomize overlays")
+    return kubectl
+
+
+def _validator() -> list[str]:
+    script = Path(sys.executable).with_name("kubernetes-validate")
+    if script.exists():
+        return [str(script)]
+    return [sys.executable, "-m", "kubernetes_validate"]
+
+
+_RENDERED: dict[str, str] = {}
+
+
+def render(overlay: str) -> str:
+    if overlay not in _RENDERED:
+        kubectl = _kubectl()
+        result = subprocess.run(
+            [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, f"kubectl kustomize {overlay} failed:\n{result.stderr}"
+        _RENDERED[overlay] = result.stdout
+    return _RENDERED[overlay]
+
+
+class Rendered:
+    def __init__(self, text: str) -> None:
+        self.docs = [d for d in yaml.safe_load_all(text) if d]
+
+    def of(self, kind: str) -> list[Obj]:
+        return [d for d in self.docs if d["kind"] == kind]
+
+    def get(self, kind: str, name: str) -> Obj:
+        found = [d for d in self.of(kind) if d["metadata"]["name"] == name]
+        assert len(found) == 1, f"expected exactly one {kind}/{name}, found {len(found)}"
+        return found[0]
+
+    def find(self, kind: str, name: str) -> Obj | None:
+        found = [d for d in self.of(kind) if d["metadata"]["name"] == name]
+        return found[0] if found else None
+
+    def workloads(self) -> list[Obj]:
+        return [d for d in self.docs if d["kind"] in ("Deployment", "StatefulSet", "DaemonSet", "Job")]
+
+    def pod_spec(self, workload: Obj) -> Obj:
+        spec: Obj = workload["spec"]["template"]["spec"]
+        return spec
+
+    def pod_labels(self, workload: Obj) -> Obj:
+        labels: Obj = workload["spec"]["template"]["metadata"].get("labels", {})
+        return labels
+
+    def configmap(self, name: str) -> Obj:
+        data: Obj = self.get("ConfigMap", name).get("data", {})
+        return data
+
+    def secret_names(self) -> set[str]:
+        return {d["metadata"]["name"] for d in self.of("Secret")}
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def overlay(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="module")
+def rendered(overlay: str) -> Rendered:
+    return Rendered(render(overlay))
+
+
+def app_container(r: Rendered, name: str) -> Obj:
+    deploy = r.get("Deployment", name)
+    containers = [c for c in r.pod_spec(deploy)["containers"] if c["name"] == name]
+    assert len(containers) == 1, f"Deployment {name} has no container named {name}"
+    container: Obj = containers[0]
+    return container
+
+
+def effective_env(r: Rendered, container: Obj) -> dict[str, Any]:
+    """Env as the container sees it: envFrom ConfigMaps first, then env (which wins).
+
+    Literal values stay strings; valueFrom entries become the dict that describes them.
+    """
+    env: dict[str, Any] = {}
+    for source in container.get("envFrom", []):
+        if "configMapRef" in source:
+            data = r.configmap(source["configMapRef"]["name"])
+            prefix = source.get("prefix", "")
+            env.update({prefix + k: v for k, v in data.items()})
+        elif "secretRef" in source:
+            secret = r.find("Secret", source["secretRef"]["name"])
+            for key in (secret or {}).get("data", {}):
+                env[source.get("prefix", "") + key] = {"secretRef": source["secretRef"]["name"]}
+    for item in container.get("env", []):
+        env[item["name"]] = item["value"] if "value" in item else item.get("valueFrom", {})
+    return env
+
+
+# ---------------------------------------------------------------- (a) schema validation
+
+
+def test_overlays_present() -> None:
+    assert {"dev", "prod"} <= set(OVERLAYS), f"overlays found: {OVERLAYS}"
+
+
+@pytest.mark.parametrize("k8s_version", K8S_VERSIONS)
+def test_overlay_validates_strict(overlay: str, k8s_version: str, tmp_path: Path) -> None:
+    manifest = tmp_path / f"{overlay}.yaml"
+    manifest.write_text(render(overlay))
+    result = subprocess.run(
+        [*_validator(), "--strict", "-k", k8s_version, "--quiet", str(manifest)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, (
+        f"kubernetes-validate --strict -k {k8s_version} failed for {overlay}:\n{result.stdout}\n{result.stderr}"
+    )
+
+
+def test_validator_rejects_a_bad_manifest(tmp_path: Path) -> None:
+    """Guard against a validator that passes everything (wrong flags, no schemas)."""
+    _kubectl()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: v1\nkind: Service\nmetadata:\n  name: x\nspec:\n  bogus: 1\n")
+    result = subprocess.run(
+        [*_validator(), "--strict", "-k", K8S_VERSIONS[0], "--quiet", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0
+
+
+# ---------------------------------------------------------------- (b) agreement with config
+
+
+def _probe_port(probe: Obj, container: Obj) -> int:
+    handler = probe.get("grpc") or probe.get("tcpSocket")
+    assert handler is not None, f"probe is neither grpc nor tcpSocket: {probe}"
+    port = handler["port"]
+    if isinstance(port, str):
+        named = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
+        port = named[port]
+    return int(port)
+
+
+@pytest.mark.parametrize("spec", SERVICES, ids=lambda s: s.name)
+def test_deployment_ports_and_probes(rendered: Rendered, spec: ServiceSpec) -> None:
+    container = app_container(rendered, spec.name)
+    assert container["command"] == ["python", "-m", f"services.{spec.name}"]
+    grpc_ports = [p for p in container["ports"] if p.get("name") == "grpc"]
+    assert len(grpc_ports) == 1 and grpc_ports[0]["containerPort"] == spec.port
+    env = effective_env(rendered, container)
+    tls = bool(env.get(f"{spec.prefix}TLS_CERT"))
+    for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+        probe = container.get(kind)
+        assert probe, f"{spec.name}: no {kind}"
+        assert _probe_port(probe, container) == spec.port, f"{spec.name} {kind} port"
+        if tls:
+            # The kubelet's gRPC probe speaks plaintext only; TLS pods get TCP probes.
+            assert spec is GATEWAY and "tcpSocket" in probe, f"{spec.name} {kind} with TLS"
+        else:
+            assert "grpc" in probe, f"{spec.name} {kind} must be a native gRPC probe"
+            assert probe["grpc"].get("service", "") in ("", spec.grpc_service)
+    if not tls:
+        assert container["readinessProbe"]["grpc"].get("service") == spec.grpc_service
+
+
+@pytest.mark.parametrize("spec", SERVICES, ids=lambda s: s.name)
+def test_service_targets_grpc_port(rendered: Rendered, spec: ServiceSpec) -> None:
+    deploy = rendered.get("Deployment", spec.name)
+    service = rendered.get("Service", spec.name)
+    ports = [p for p in service["spec"]["ports"] if p.get("name") == "grpc"]
+    assert len(ports) == 1
+    port = ports[0]
+    assert port["port"] == spec.port
+    assert port.get("appProtocol") == "grpc"
+    assert port.get("targetPort") in ("grpc", spec.port)
+    selector = service["spec"]["selector"]
+    labels = rendered.pod_labels(deploy)
+    assert selector.items() <= labels.items(), f"Service {spec.name} does not select its pods"
+    for other in rendered.workloads():
+        if other is not deploy:
+            assert not selector.items() <= rendered.pod_labels(other).items(), (
+                f"Service {spec.name} also selects {other['kind']}/{other['metadata']['name']}"
+            )
+
+
+def test_configmap_addresses(rendered: Rendered) -> None:
+    data = rendered.configmap("quayutec-config")
+    services = {s["metadata"]["name"]: s for s in rendered.of("Service")}
+    for spec in SERVICES:
+        if spec.addr_env not in data:
+            continue
+        host, _, port = data[spec.addr_env].rpartition(":")
+        assert int(port) == spec.port, f"{spec.addr_env}={data[spec.addr_env]}"
+        assert host.split(".")[0] == spec.name and host.split(".")[0] in services, (
+            f"{spec.addr_env} host {host!r} is not the {spec.name} Service"
+        )
+    for name, needed in DIALS.items():
+        env = effective_env(rendered, app_container(rendered, name))
+        for target in needed:
+            assert SPECS[target].addr_env in env, f"{name} lacks {SPECS[target].addr_env}"
+    assert int(data.get(f"{RUNTIME.prefix}MAX_RUNS", "32")) >= 1
+
+
+@pytest.mark.parametrize("spec", SERVICES, ids=lambda s: s.name)
+def test_listen_and_otel_env(rendered: Rendered, spec: ServiceSpec) -> None:
+    env = effective_env(rendered, app_container(rendered, spec.name))
+    if spec.listen_env in env:
+        assert env[spec.listen_env].rpartition(":")[2] == str(spec.port)
+    for name in env:
+        if name.endswith("_LISTEN") and name.startswith("QUAYUTEC_"):
+            assert name == spec.listen_env, f"{spec.name} sets another service's {name}"
+    endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    assert endpoint, f"{spec.name}: OTEL_EXPORTER_OTLP_ENDPOINT unset"
+    parsed = urlsplit(endpoint)
+    assert parsed.hostname == "jaeger" and parsed.port == 4317
+    jaeger = rendered.get("Service", "jaeger")
+    assert 4317 in {p["port"] for p in jaeger["spec"]["ports"]}
+    assert env.get("OTEL_SERVICE_NAME") == f"quayutec-{spec.name}"
+    assert env.get("OTEL_TRACES_EXPORTER") == "otlp"
+
+
+def test_secret_wiring(rendered: Rendered, overlay: str) -> None:
+    workloads = {name: app_container(rendered, name) for name in SPECS}
+    job = rendered.get("Job", "quayutec-migrate")
+    (migrate,) = rendered.pod_spec(job)["containers"]
+    assert migrate["command"] == ["python", "-m", "quayutec.migrate"]
+    workloads["migrate"] = migrate
+    present = rendered.secret_names()
+    for name, container in workloads.items():
+        env = effective_env(rendered, container)
+        for var, needers in ((DATABASE_URL_ENV, NEEDS_DATABASE), (ENCRYPTION_KEY_ENV, NEEDS_ENCRYPTION_KEY)):
+            if name not in needers:
+                assert var not in env, f"{name} must not receive {var}"
+                continue
+            ref = env.get(var)
+            assert isinstance(ref, dict) and "secretKeyRef" in ref, f"{name}: {var} must come from a Secret"
+            secret = ref["secretKeyRef"]["name"]
+            if secret in present:
+                data = rendered.get("Secret", secret).get("data", {})
+                assert ref["secretKeyRef"]["key"] in data, f"{name}: {secret} lacks {ref['secretKeyRef']['key']}"
+            else:
+                assert overlay == "prod" and secret in PROD_EXTERNAL_SECRETS, (
+                    f"{name}: Secret {secret} is neither rendered nor a documented prod Secret"
+                )
+        data_dir = env.get(DATA_DIR_ENV)
+        assert data_dir, f"{name}: {DATA_DIR_ENV} unset"
+        pod = rendered.pod_spec(job if name == "migrate" else rendered.get("Deployment", name))
+        empty_dirs = {v["name"] for v in pod.get("volumes", []) if "emptyDir" in v}
+        mounts = [m["mountPath"] for m in container.get("volumeMounts", []) if m["name"] in empty_dirs]
+        assert any(data_dir == m or data_dir.startswith(m.rstrip("/") + "/") for m in mounts), (
+            f"{name}: {DATA_DIR_ENV}={data_dir} is not on a writable emptyDir"
+        )
+
+
+def test_dev_secrets_point_at_dev_postgres() -> None:
+    r = Rendered(render("dev"))
+    (secret,) = [s for s in r.of("Secret") if s["metadata"]["name"].startswith("quayutec-secrets")]
+    data = {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
+    url = urlsplit(data[DATABASE_URL_ENV])
+    assert url.scheme.startswith("postgres") and url.hostname == "postgres" and url.port == 5432
+    assert 5432 in {p["port"] for p in r.get("Service", "postgres")["spec"]["ports"]}
+    (pg,) = r.pod_spec(r.get("StatefulSet", "postgres"))["containers"]
+    assert pg["image"].startswith("postgres:16.")
+    assert len(base64.urlsafe_b64decode(data[ENCRYPTION_KEY_ENV])) == 32, "not a Fernet key"
+
+
+# ---------------------------------------------------------------- pod security
+
+
+def test_every_container_is_non_root_read_only(rendered: Rendered) -> None:
+    for workload in rendered.workloads():
+        pod = rendered.pod_spec(workload)
+        pod_sc = pod.get("securityContext", {})
+        where = f"{workload['kind']}/{workload['metadata']['name']}"
+        assert pod.get("hostNetwork") is not True and pod.get("hostPID") is not True, where
+        for c in pod.get("initContainers", []) + pod["containers"]:
+            sc = c.get("securityContext", {})
+            eff = {**pod_sc, **sc}
+            label = f"{where} container {c['name']}"
+            assert eff.get("runAsNonRoot") is True, f"{label}: runAsNonRoot"
+            assert eff.get("runAsUser", 0) != 0, f"{label}: runAsUser must be set and non-zero"
+            assert sc.get("readOnlyRootFilesystem") is True, f"{label}: readOnlyRootFilesystem"
+            assert sc.get("allowPrivilegeEscalation") is False, f"{label}: allowPrivilegeEscalation"
+            assert sc.get("privileged") is not True, label
+            assert sc.get("capabilities", {}).get("drop") == ["ALL"], f"{label}: drop ALL"
+            assert not sc.get("capabilities", {}).get("add"), f"{label}: adds capabilities"
+            assert eff.get("seccompProfile", {}).get("type") == "RuntimeDefault", f"{label}: seccomp"
+            assert c.get("resources", {}).get("requests") and c["resources"].get("limits"), f"{label}: resources"
+            assert "/tmp" in {m["mountPath"] for m in c.get("volumeMounts", [])}, f"{label}: no /tmp mount"
+    for spec in SERVICES:
+        deploy = rendered.get("Deployment", spec.name)
+        pod = rendered.pod_spec(deploy)
+        assert pod.get("terminationGracePeriodSeconds") == 30
+        assert pod["securityContext"]["runAsUser"] == APP_UID
+        assert app_container(rendered, spec.name)["securityContext"]["runAsUser"] == APP_UID
+        assert deploy["spec"]["replicas"] >= 2
+        assert rendered.pod_labels(deploy).get(APP_LABEL[0]) == APP_LABEL[1]
+
+
+def test_pdbs_and_hpas(rendered: Rendered) -> None:
+    for spec in SERVICES:
+        pdb = rendered.get("PodDisruptionBudget", spec.name)
+        assert pdb["spec"]["minAvailable"] == 1
+        labels = rendered.pod_labels(rendered.get("Deployment", spec.name))
+        assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    for name in ("gateway", "runtime"):
+        hpa = rendered.get("HorizontalPodAutoscaler", name)
+        assert hpa["apiVersion"] == "autoscaling/v2"
+        target = hpa["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", name)
+        assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in hpa["spec"]["metrics"])
+        assert hpa["spec"]["minReplicas"] >= 2
+        assert "cpu" in app_container(rendered, name)["resources"]["requests"], "HPA on CPU needs a CPU request"
+
+
+def test_jaeger(rendered: Rendered) -> None:
+    deploy = rendered.get("Deployment", "jaeger")
+    (c,) = rendered.pod_spec(deploy)["containers"]
+    image, _, tag = c["image"].rpartition(":")
+    assert image == "jaegertracing/all-in-one" and tag and tag != "latest", "pin the Jaeger image"
+    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    assert env.get("COLLECTOR_OTLP_ENABLED") == "true"
+    assert {4317, 16686} <= {p["port"] for p in rendered.get("Service", "jaeger")["spec"]["ports"]}
+
+
+def test_gateway_tls_paths_are_mounted(rendered: Rendered) -> None:
+    container = app_container(rendered, "gateway")
+    env = effective_env(rendered, container)
+    paths = [env[v] for v in (f"{GATEWAY.prefix}TLS_CERT", f"{GATEWAY.prefix}TLS_KEY") if v in env]
+    if not paths:
+        return
+    assert len(paths) == 2, "set both QUAYUTEC_GATEWAY_TLS_CERT and QUAYUTEC_GATEWAY_TLS_KEY"
+    pod = rendered.pod_spec(rendered.get("Deployment", "gateway"))
+    secret_vols = {v["name"] for v in pod["volumes"] if "secret" in v}
+    mounts = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in secret_vols]
+    for path in paths:
+        assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), f"{path} is not on a Secret volume"
+
+
+# ---------------------------------------------------------------- network exposure
+
+
+def _matches(selector: Obj | None, labels: Obj | None) -> bool:
+    if selector is None or labels is None:
+        return False
+    unknown = set(selector) - {"matchLabels", "matchExpressions"}
+    assert not unknown, f"unsupported selector fields {unknown}"
+    if not all(labels.get(k) == v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        key, op, values = expr["key"], expr["operator"], expr.get("values", [])
+        ok = {
+            "In": key in labels and labels[key] in values,
+            "NotIn": key not in labels or labels[key] not in values,
+            "Exists": key in labels,
+            "DoesNotExist": key not in labels,
+        }[op]
+        if not ok:
+            return False
+    return True
+
+
+class Peer:
+    """A source of traffic: a pod in this namespace (labels), or anything outside it."""
+
+    def __init__(self, labels: Obj | None = None, same_namespace: bool = True) -> None:
+        self.labels = labels
+        self.same_namespace = same_namespace and labels is not None
+
+
+OUTSIDE = Peer(None, same_namespace=False)  # the internet, another cluster, a node IP
+OTHER_NAMESPACE_POD = Peer({"app": "intruder"}, same_namespace=False)
+UNLABELED_POD = Peer({}, same_namespace=True)
+
+
+def _peer_allowed(entry: Obj, peer: Peer) -> bool:
+    if "ipBlock" in entry:
+        # Conservative: any ipBlock may admit outside traffic (or pod IPs).
+        net = ipaddress.ip_network(entry["ipBlock"]["cidr"], strict=False)
+        return not peer.same_namespace or net.prefixlen == 0
+    if "namespaceSelector" in entry:
+        # Conservative: a namespace selector may select other namespaces and this one.
+        if peer.labels is None:
+            return False
+        return "podSelector" not in entry or _matches(entry["podSelector"], peer.labels)
+    if "podSelector" in entry:
+        return peer.same_namespace and _matches(entry["podSelector"], peer.labels)
+    return False
+
+
+def _port_allowed(rule: Obj, port: int, named: dict[str, int]) -> bool:
+    ports = rule.get("ports")
+    if not ports:
+        return True
+    for p in ports:
+        if "port" not in p:
+            return True
+        value = named.get(p["port"]) if isinstance(p["port"], str) else p["port"]
+        if value is not None and value <= port <= p.get("endPort", value):
+            return True
+    return False
+
+
+def ingress_allowed(r: Rendered, target_labels: Obj, port: int, named: dict[str, int], peer: Peer) -> bool:
+    policies = [
+        np
+        for np in r.of("NetworkPolicy")
+        if "Ingress" in np["spec"].get("policyTypes", ["Ingress"])
+        and (np["spec"].get("podSelector") in ({}, None) or _matches(np["spec"]["podSelector"], target_labels))
+    ]
+    if not policies:
+        return True  # not isolated
+    for np in policies:
+        for rule in np["spec"].get("ingress") or []:
+            sources = rule.get("from")
+            if (not sources or any(_peer_allowed(e, peer) for e in sources)) and _port_allowed(rule, port, named):
+                return True
+    return False
+
+
+def _ports(r: Rendered, workload: Obj) -> dict[str, int]:
+    named = {}
+    for c in r.pod_spec(workload)["containers"]:
+        for p in c.get("ports", []):
+            named[p.get("name", str(p["containerPort"]))] = p["containerPort"]
+    return named
+
+
+def test_default_deny_ingress(rendered: Rendered) -> None:
+    deny = [
+        np
+        for np in rendered.of("NetworkPolicy")
+        if np["spec"].get("podSelector") in ({}, None)
+        and "Ingress" in np["spec"].get("policyTypes", [])
+        and not np["spec"].get("ingress")
+    ]
+    assert deny, "no default-deny ingress NetworkPolicy"
+
+
+def test_only_gateway_is_reachable_from_outside(rendered: Rendered) -> None:
+    reachable = set()
+    for workload in rendered.workloads():
+        name = workload["metadata"]["name"]
+        labels = rendered.pod_labels(workload)
+        named = _ports(rendered, workload)
+        for port in set(named.values()) | {12345}:
+            for peer in (OUTSIDE, OTHER_NAMESPACE_POD, UNLABELED_POD):
+                if ingress_allowed(rendered, labels, port, named, peer):
+                    reachable.add((name, port))
+    assert reachable == EXTERNALLY_REACHABLE, f"reachable from outside the app: {sorted(reachable)}"
+    for svc in rendered.of("Service"):
+        if svc["spec"].get("type", "ClusterIP") in ("LoadBalancer", "NodePort"):
+            assert svc["metadata"]["name"] == "gateway", f"Service {svc['metadata']['name']} is exposed"
+    assert not rendered.of("Ingress"), "no Ingress objects besides what the README documents"
+
+
+def test_internal_services_admit_only_their_callers(rendered: Rendered) -> None:
+    pods = {w["metadata"]["name"]: w for w in rendered.workloads()}
+
+    def allowed(target: str, source: str) -> bool:
+        w = pods[target]
+        return ingress_allowed(
+            rendered,
+            rendered.pod_labels(w),
+            SPECS[target].port,
+            _ports(rendered, w),
+            Peer(rendered.pod_labels(pods[source])),
+        )
+
+    for target in ("room", "claims"):
+        for source in ("gateway", "runtime"):
+            assert allowed(target, source), f"{source} cannot reach {target}"
+    assert allowed("runtime", "gateway")
+    for source in ("room", "claims", "runtime", "jaeger"):
+        assert not allowed("runtime", source), f"{source} may reach runtime; only the gateway may"
+    # The app's pods can export traces.
+    jaeger = pods["jaeger"]
+    for source in SPECS:
+        assert ingress_allowed(
+            rendered,
+            rendered.pod_labels(jaeger),
+            4317,
+            _ports(rendered, jaeger),
+            Peer(rendered.pod_labels(pods[source])),
+        )
+    if "postgres" in pods:
+        pg = pods["postgres"]
+        for source in ("gateway", "room", "claims", "quayutec-migrate"):
+            assert ingress_allowed(
+                rendered, rendered.pod_labels(pg), 5432, _ports(rendered, pg), Peer(rendered.pod_labels(pods[source]))
+            ), f"{source} cannot reach postgres"
