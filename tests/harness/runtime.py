@@ -87,11 +87,11 @@ class RuntimeProcess:
         )
         self.stderr_lines: list[str] = []
 
-    async def wait_ready(self, timeout: float = 30.0) -> None:
-        await self.wait_for_line("listening on port", timeout)
+    async def wait_ready(self, limit: float = 30.0) -> None:
+        await self.wait_for_line("listening on port", limit)
 
-    async def wait_for_line(self, needle: str, timeout: float = 30.0) -> str:
-        """Read the child's stderr until a line containing ``needle`` (or fail after ``timeout``)."""
+    async def wait_for_line(self, needle: str, limit: float = 30.0) -> str:
+        """Read the child's stderr until a line containing ``needle`` (or fail after ``limit`` s)."""
         assert self.proc.stderr is not None
         stream = self.proc.stderr
 
@@ -102,7 +102,7 @@ class RuntimeProcess:
                     return line
             raise AssertionError(f"runtime exited before {needle!r}:\n{''.join(self.stderr_lines[-30:])}")
 
-        return await asyncio.wait_for(asyncio.to_thread(scan), timeout)
+        return await asyncio.wait_for(asyncio.to_thread(scan), limit)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
