@@ -1,0 +1,142 @@
+"""Settings of the Gateway, read once from the environment (prefix ``QUAYUTEC_GATEWAY_``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from quayutec.config import (
+    GATEWAY,
+    ROOM,
+    RUNTIME,
+    ConfigError,
+    DatabaseConfig,
+    ServerConfig,
+    env_float,
+    env_int,
+    env_str,
+    service_addr,
+)
+
+
+@dataclass(frozen=True)
+class DeliveryConfig:
+    """How the wake delivery loop leases, delivers and backs off."""
+
+    enabled: bool = True
+    # Most wakes leased by one LeaseWakes call.
+    batch_size: int = 100
+    lease_seconds: int = 30
+    # Sleep between polls that found less than a full batch.
+    poll_interval_seconds: float = 0.2
+    # Retry delay of a failed delivery: min(ceiling, base * 2**(attempts-1)), plus jitter.
+    backoff_base_seconds: float = 0.5
+    backoff_ceiling_seconds: float = 30.0
+    # Most StartRun calls in flight at once per replica.
+    concurrency: int = 64
+    # Deadline of one StartRun call; must be shorter than the lease.
+    start_run_timeout_seconds: float = 10.0
+    # On stop, how long in-flight deliveries may finish before they are cancelled (their leases expire).
+    stop_grace_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.start_run_timeout_seconds >= self.lease_seconds:
+            raise ConfigError(
+                f"{GATEWAY.prefix}START_RUN_TIMEOUT_SECONDS ({self.start_run_timeout_seconds}) must be shorter "
+                f"than {GATEWAY.prefix}LEASE_SECONDS ({self.lease_seconds})"
+            )
+        if self.backoff_base_seconds > self.backoff_ceiling_seconds:
+            raise ConfigError(f"{GATEWAY.prefix}BACKOFF_BASE_SECONDS exceeds {GATEWAY.prefix}BACKOFF_CEILING_SECONDS")
+
+    def retry_delay_seconds(self, attempts: int) -> float:
+        """The backoff before the next delivery of a wake that failed ``attempts`` times (no jitter)."""
+        exponent = min(max(attempts, 1) - 1, 62)
+        return min(self.backoff_ceiling_seconds, self.backoff_base_seconds * 2.0**exponent)
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    """Per-company token bucket on posting RPCs, in memory per replica; rate 0 disables it."""
+
+    rate_per_second: float = 20.0
+    burst: int = 40
+    # Most companies tracked at once; idle buckets are evicted first.
+    max_companies: int = 10_000
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Where the Gateway listens, whom it calls, its key database, TLS, rate limits and delivery."""
+
+    server: ServerConfig
+    database: DatabaseConfig
+    room_addr: str
+    runtime_addr: str
+    migrate_on_start: bool = True
+    tls_cert_path: Path | None = None
+    tls_key_path: Path | None = None
+    # Deadline of each call to the Room made while serving a request.
+    room_timeout_seconds: float = 10.0
+    # Ceiling of gRPC's reconnect backoff to Room and Runtime, so a backend that returns is used soon.
+    reconnect_backoff_max_ms: int = 5000
+    rate_limit: RateLimitConfig = RateLimitConfig()
+    delivery: DeliveryConfig = DeliveryConfig()
+
+    @property
+    def tls_enabled(self) -> bool:
+        return self.tls_cert_path is not None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> GatewayConfig:
+        env = os.environ if env is None else env
+        p = GATEWAY.prefix
+        cert = env_str(env, f"{p}TLS_CERT", "")
+        key = env_str(env, f"{p}TLS_KEY", "")
+        if bool(cert) != bool(key):
+            raise ConfigError(f"set both {p}TLS_CERT and {p}TLS_KEY (file paths) for TLS, or neither")
+        delivery = DeliveryConfig(
+            enabled=env_bool(env, f"{p}DELIVERY_ENABLED", True),
+            batch_size=env_int(env, f"{p}DELIVERY_BATCH_SIZE", 100, minimum=1),
+            lease_seconds=env_int(env, f"{p}LEASE_SECONDS", 30, minimum=1),
+            poll_interval_seconds=env_float(env, f"{p}POLL_INTERVAL_SECONDS", 0.2, minimum=0.001),
+            backoff_base_seconds=env_float(env, f"{p}BACKOFF_BASE_SECONDS", 0.5, minimum=0.001),
+            backoff_ceiling_seconds=env_float(env, f"{p}BACKOFF_CEILING_SECONDS", 30.0, minimum=0.001),
+            concurrency=env_int(env, f"{p}DELIVERY_CONCURRENCY", 64, minimum=1),
+            start_run_timeout_seconds=env_float(env, f"{p}START_RUN_TIMEOUT_SECONDS", 10.0, minimum=0.001),
+            stop_grace_seconds=env_float(env, f"{p}DELIVERY_STOP_GRACE_SECONDS", 5.0),
+        )
+        if delivery.batch_size > 500:
+            raise ConfigError(f"{p}DELIVERY_BATCH_SIZE must be at most 500, got {delivery.batch_size}")
+        if delivery.lease_seconds > 3600:
+            raise ConfigError(f"{p}LEASE_SECONDS must be at most 3600, got {delivery.lease_seconds}")
+        rate_limit = RateLimitConfig(
+            rate_per_second=env_float(env, f"{p}POST_RATE", 20.0),
+            burst=env_int(env, f"{p}POST_BURST", 40, minimum=1),
+            max_companies=env_int(env, f"{p}RATE_LIMIT_MAX_COMPANIES", 10_000, minimum=1),
+        )
+        return cls(
+            server=ServerConfig.from_env(GATEWAY, env),
+            database=DatabaseConfig.from_env(env, prefix=p),
+            room_addr=service_addr(ROOM, env),
+            runtime_addr=service_addr(RUNTIME, env),
+            migrate_on_start=env_bool(env, f"{p}MIGRATE_ON_START", True),
+            tls_cert_path=Path(cert) if cert else None,
+            tls_key_path=Path(key) if key else None,
+            room_timeout_seconds=env_float(env, f"{p}ROOM_TIMEOUT_SECONDS", 10.0, minimum=0.001),
+            reconnect_backoff_max_ms=env_int(env, f"{p}RECONNECT_BACKOFF_MAX_MS", 5000, minimum=100),
+            rate_limit=rate_limit,
+            delivery=delivery,
+        )
+
+
+def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env_str(env, name, "").lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {raw!r}")

@@ -1,0 +1,178 @@
+"""The wake delivery loop: lease pending wakes from the Room's outbox and start their runs in Runtime.
+
+At least once in, at most once acted on: a wake is marked delivered only when Runtime answers that
+it claimed or had already claimed it; anything else settles it for a later retry with backoff. A
+replica that dies holding leases loses nothing: the leases expire and another replica delivers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+
+from quayutec.v1 import common_pb2, room_pb2, runtime_pb2
+from services.gateway.config import DeliveryConfig
+
+_log = logging.getLogger("quayutec.gateway.delivery")
+
+_DELIVERED_RESULTS = frozenset({runtime_pb2.START_RUN_RESULT_ACCEPTED, runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED})
+# Longest wait for the Room during leasing and settling.
+_ROOM_TIMEOUT_SECONDS = 10.0
+# Jitter added to each retry delay, as a fraction of it.
+_JITTER_FRACTION = 0.1
+_MAX_ERROR_CHARS = 1000
+
+
+class WakeDelivery:
+    """Leases wakes (as this replica's ``lease_owner``) and delivers each with StartRun, concurrently."""
+
+    def __init__(
+        self,
+        room: Any,
+        runtime: Any,
+        config: DeliveryConfig,
+        *,
+        lease_owner: str | None = None,
+        random_fraction: Callable[[], float] = random.random,
+    ) -> None:
+        self._room = room
+        self._runtime = runtime
+        self._config = config
+        self.lease_owner = lease_owner or str(uuid.uuid4())
+        self._random = random_fraction
+        self._task: asyncio.Task[None] | None = None
+        self._stopping = asyncio.Event()
+        self._in_flight: set[asyncio.Task[None]] = set()
+        # Counters for tests and logs.
+        self.delivered = 0
+        self.retried = 0
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name=f"wake-delivery-{self.lease_owner}")
+
+    async def stop(self) -> None:
+        """Stop leasing; let in-flight deliveries finish within the grace, then cancel them. Idempotent."""
+        self._stopping.set()
+        if self._task is None:
+            return
+        task, self._task = self._task, None
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    async def _run(self) -> None:
+        try:
+            await self._poll_until_stopped()
+        finally:
+            await self._drain()
+
+    async def _poll_until_stopped(self) -> None:
+        room_failures = 0
+        while not self._stopping.is_set():
+            free = self._config.concurrency - len(self._in_flight)
+            if free <= 0:
+                stopping = asyncio.ensure_future(self._stopping.wait())
+                await asyncio.wait({*self._in_flight, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                stopping.cancel()
+                continue
+            want = min(self._config.batch_size, free)
+            try:
+                wakes = await self._lease(want)
+            except Exception as exc:
+                room_failures += 1
+                delay = self._config.retry_delay_seconds(room_failures)
+                _log.warning("leasing wakes failed (%s); retrying in %.2f s", _describe(exc), delay)
+                await self._sleep(delay)
+                continue
+            room_failures = 0
+            for wake in wakes:
+                task = asyncio.create_task(self._deliver(wake))
+                self._in_flight.add(task)
+                task.add_done_callback(self._in_flight.discard)
+            if len(wakes) < want:
+                await self._sleep(self._config.poll_interval_seconds)
+
+    async def _drain(self) -> None:
+        if not self._in_flight:
+            return
+        _, pending = await asyncio.wait(set(self._in_flight), timeout=self._config.stop_grace_seconds)
+        for task in pending:
+            task.cancel()
+        if pending:
+            _log.info("stopped with %d deliveries in flight; their leases will expire", len(pending))
+            await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+    async def _lease(self, max_wakes: int) -> list[common_pb2.Wake]:
+        response = await self._room.LeaseWakes(
+            room_pb2.RoomServiceLeaseWakesRequest(
+                lease_owner=self.lease_owner, max_wakes=max_wakes, lease_seconds=self._config.lease_seconds
+            ),
+            timeout=_ROOM_TIMEOUT_SECONDS,
+        )
+        return list(response.wakes)
+
+    async def _deliver(self, wake: common_pb2.Wake) -> None:
+        """Start the wake's run; settle DELIVERED on a claim (new or earlier), RETRY otherwise."""
+        request = runtime_pb2.StartRunRequest(
+            agent_id=wake.agent_id,
+            wake_id=wake.wake_id,
+            room_id=wake.room_id,
+            wake_kind=wake.kind,
+            wake_source_id=wake.source_id,
+        )
+        error: str
+        try:
+            response = await self._runtime.StartRun(request, timeout=self._config.start_run_timeout_seconds)
+        except Exception as exc:
+            error = _describe(exc)
+        else:
+            if response.result in _DELIVERED_RESULTS:
+                await self._settle(wake, room_pb2.WAKE_SETTLEMENT_DELIVERED)
+                return
+            error = f"unexpected StartRun result {response.result}"
+        await self._settle(wake, room_pb2.WAKE_SETTLEMENT_RETRY, error=error)
+
+    async def _settle(
+        self, wake: common_pb2.Wake, settlement: room_pb2.WakeSettlement.ValueType, *, error: str = ""
+    ) -> None:
+        retry_after_ms = 0
+        if settlement == room_pb2.WAKE_SETTLEMENT_RETRY:
+            delay = self._config.retry_delay_seconds(wake.delivery_attempts)
+            retry_after_ms = int(delay * (1.0 + _JITTER_FRACTION * self._random()) * 1000)
+        try:
+            await self._room.SettleWake(
+                room_pb2.RoomServiceSettleWakeRequest(
+                    wake_id=wake.wake_id,
+                    lease_owner=self.lease_owner,
+                    settlement=settlement,
+                    retry_after_ms=retry_after_ms,
+                    last_error=error[:_MAX_ERROR_CHARS],
+                ),
+                timeout=_ROOM_TIMEOUT_SECONDS,
+            )
+        except Exception as exc:
+            # The lease will expire and the wake be delivered again; the claim makes that harmless.
+            _log.warning("settling wake %s failed: %s", wake.wake_id, _describe(exc))
+            return
+        if settlement == room_pb2.WAKE_SETTLEMENT_DELIVERED:
+            self.delivered += 1
+        else:
+            self.retried += 1
+            _log.info("wake %s not delivered (%s); retry in %d ms", wake.wake_id, error, retry_after_ms)
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return f"{type(exc).__name__}: {exc}"

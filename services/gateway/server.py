@@ -1,0 +1,103 @@
+"""Wiring and lifecycle of the Gateway: key pool, Room and Runtime channels, auth, servicer, delivery loop."""
+
+from __future__ import annotations
+
+import asyncpg
+import grpc
+
+from quayutec.config import GATEWAY, ConfigError
+from quayutec.db import open_pool
+from quayutec.migrate import GATEWAY as GATEWAY_COMPONENT
+from quayutec.migrate import migrate
+from quayutec.server import GrpcServer
+from quayutec.v1 import gateway_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
+from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
+from services.gateway.config import GatewayConfig
+from services.gateway.delivery import WakeDelivery
+from services.gateway.ratelimit import PostRateLimiter
+from services.gateway.servicer import GatewayServicer
+from services.gateway.store import ApiKeyStore
+
+# Files and messages up to 10 MiB pass through to the Room.
+_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
+    """TLS credentials from the configured PEM files, or None for plaintext."""
+    if config.tls_cert_path is None or config.tls_key_path is None:
+        return None
+    try:
+        cert = config.tls_cert_path.read_bytes()
+        key = config.tls_key_path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot read {GATEWAY.prefix}TLS_CERT / {GATEWAY.prefix}TLS_KEY ({exc.filename}): {exc.strerror}"
+        ) from exc
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def backend_channel(addr: str, config: GatewayConfig) -> grpc.aio.Channel:
+    """One shared channel to an internal service, reconnecting soon after it comes back."""
+    return grpc.aio.insecure_channel(
+        addr,
+        options=[
+            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
+            ("grpc.initial_reconnect_backoff_ms", min(1000, config.reconnect_backoff_max_ms)),
+            ("grpc.min_reconnect_backoff_ms", min(1000, config.reconnect_backoff_max_ms)),
+            ("grpc.max_reconnect_backoff_ms", config.reconnect_backoff_max_ms),
+            # This server's own connections, not shared with other channels of the process.
+            ("grpc.use_local_subchannel_pool", 1),
+        ],
+    )
+
+
+async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
+    """A Gateway server, not yet started; the delivery loop starts with the first call and stops on stop."""
+    credentials = server_credentials(config)
+    owned = pool is None
+    if pool is None:
+        pool = await open_pool(config.database)
+    try:
+        if config.migrate_on_start:
+            await migrate(pool, (GATEWAY_COMPONENT,))
+    except BaseException:
+        if owned:
+            await pool.close()
+        raise
+    room_channel = backend_channel(config.room_addr, config)
+    runtime_channel = backend_channel(config.runtime_addr, config)
+    room = room_pb2_grpc.RoomServiceStub(room_channel)
+    caller = CallerContext()
+    servicer = GatewayServicer(
+        room, caller, PostRateLimiter(config.rate_limit), room_timeout_seconds=config.room_timeout_seconds
+    )
+    delivery = WakeDelivery(room, runtime_pb2_grpc.RuntimeServiceStub(runtime_channel), config.delivery)
+
+    def register(server: grpc.aio.Server) -> None:
+        gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        if config.delivery.enabled:
+            delivery.start()
+
+    async def on_stop() -> None:
+        try:
+            await delivery.stop()
+            await room_channel.close()
+            await runtime_channel.close()
+        finally:
+            if owned:
+                await pool.close()
+
+    return GrpcServer(
+        service_names=(GATEWAY.grpc_service,),
+        config=config.server,
+        register=register,
+        on_stop=on_stop,
+        interceptors=(AuthInterceptor(Authenticator(ApiKeyStore(pool)), caller),),
+        credentials=credentials,
+    )
+
+
+async def main() -> None:
+    server = await create_server(GatewayConfig.from_env())
+    await server.serve_until_signal()

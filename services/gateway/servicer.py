@@ -1,0 +1,611 @@
+"""GatewayService: the public door. Validates, authorizes by the caller's company, then calls the Room.
+
+The calling company comes from the auth interceptor (CallerContext). A room the caller is not a
+member of answers NOT_FOUND, as if it did not exist, and so do malformed ids; nothing another
+company owns is ever returned.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+from urllib.parse import urlsplit
+
+import grpc
+
+from quayutec.errors import InvalidArgument, NotFound, PermissionDenied
+from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2
+from services.gateway.auth import CallerContext
+from services.gateway.ratelimit import PostRateLimiter
+
+MAX_NAME_BYTES = 200
+MAX_BODY_BYTES = 64 * 1024
+MAX_TITLE_BYTES = 500
+MAX_FILE_BYTES = 10 * 1024 * 1024
+MAX_FILE_NAME_BYTES = 255
+MAX_QUERY_BYTES = 1000
+MAX_IDEMPOTENCY_KEY_BYTES = 200
+MAX_MENTIONS = 50
+MAX_SYSTEM_PROMPT_BYTES = 64 * 1024
+MAX_PROVIDER_KEY_BYTES = 4096
+MAX_PAGE_SIZE = 500
+MAX_PASSAGES = 50
+
+_CLOSING_STATUSES = (common_pb2.TASK_STATUS_DONE, common_pb2.TASK_STATUS_CANCELLED)
+
+
+def _bytes(value: str) -> int:
+    return len(value.encode("utf-8"))
+
+
+def _required_text(value: str, field: str, max_bytes: int) -> str:
+    if not value.strip():
+        raise InvalidArgument(f"{field} is required")
+    if _bytes(value) > max_bytes:
+        raise InvalidArgument(f"{field} must be at most {max_bytes} bytes")
+    return value
+
+
+def _optional_text(value: str, field: str, max_bytes: int) -> str:
+    if _bytes(value) > max_bytes:
+        raise InvalidArgument(f"{field} must be at most {max_bytes} bytes")
+    return value
+
+
+def _page_size(value: int) -> int:
+    if value == 0:
+        return 0  # the Room's default (50)
+    if not 1 <= value <= MAX_PAGE_SIZE:
+        raise InvalidArgument(f"page_size must be between 1 and {MAX_PAGE_SIZE} (0 for the default 50), got {value}")
+    return value
+
+
+def _is_uuid(value: str) -> bool:
+    try:
+        return str(uuid.UUID(value)) == value.lower()
+    except ValueError:
+        return False
+
+
+def _required_id(value: str, field: str) -> str:
+    """An id the caller supplied for something that is not a room: missing or malformed is INVALID_ARGUMENT."""
+    if not value:
+        raise InvalidArgument(f"{field} is required")
+    if not _is_uuid(value):
+        raise InvalidArgument(f"{field} must be an id (uuid), got {value[:64]!r}")
+    return value
+
+
+def _idempotency_key(value: str) -> str:
+    return _optional_text(value, "idempotency_key", MAX_IDEMPOTENCY_KEY_BYTES)
+
+
+def _check_enum(enum: Any, value: int, field: str) -> None:
+    if value not in enum.values():
+        raise InvalidArgument(f"{field} has unknown value {value}")
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    """The public API over the Room, scoped to the calling company."""
+
+    def __init__(
+        self, room: Any, caller: CallerContext, limiter: PostRateLimiter, *, room_timeout_seconds: float
+    ) -> None:
+        self._room = room
+        self._caller = caller
+        self._limiter = limiter
+        self._timeout = room_timeout_seconds
+
+    # --- helpers -------------------------------------------------------------------------------
+
+    def _person(self, company_id: str, person: str) -> common_pb2.Author:
+        """The caller's person as an author; a company acts only through its own people."""
+        name = _required_text(person, "person", MAX_NAME_BYTES).strip()
+        return common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=company_id, person=name)
+
+    async def _member_room(self, room_id: str, company_id: str) -> common_pb2.Room:
+        """The room, when the caller's company is a member; NOT_FOUND otherwise (or when malformed)."""
+        if not room_id:
+            raise InvalidArgument("room_id is required")
+        not_found = NotFound(f"room {room_id[:64]!r} not found")
+        if not _is_uuid(room_id):
+            raise not_found
+        try:
+            response = await self._room.GetRoom(
+                room_pb2.RoomServiceGetRoomRequest(room_id=room_id, member_company_id=company_id),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise not_found from None
+            raise
+        room: common_pb2.Room = response.room
+        return room
+
+    async def _agent_company(self, agent_id: str) -> str | None:
+        try:
+            response = await self._room.GetAgent(
+                room_pb2.RoomServiceGetAgentRequest(agent_id=agent_id), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                return None
+            raise
+        return str(response.agent.company_id)
+
+    async def _post_to_room(self, call: Any, request: Any) -> Any:
+        """Post through the Room, the room's membership already checked: any NOT_FOUND is about an agent.
+
+        One message for an unknown agent and for one whose company is not a member, so agent ids
+        of other companies cannot be probed.
+        """
+        try:
+            return await call(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise NotFound("agent not found in this room (unknown, or its company is not a member)") from None
+            raise
+
+    @staticmethod
+    def _dedupe_key(company_id: str, key: str) -> str:
+        """Idempotency keys are namespaced by company so two companies' keys never collide."""
+        return f"gw:{company_id}:{key}" if key else ""
+
+    # --- companies and rooms -------------------------------------------------------------------
+
+    async def WhoAmI(self, request: gateway_pb2.WhoAmIRequest, context: Any) -> gateway_pb2.WhoAmIResponse:
+        company_id = self._caller.company_id()
+        response = await self._room.GetCompany(
+            room_pb2.RoomServiceGetCompanyRequest(company_id=company_id), timeout=self._timeout
+        )
+        return gateway_pb2.WhoAmIResponse(company=response.company)
+
+    async def CreateRoom(self, request: gateway_pb2.CreateRoomRequest, context: Any) -> gateway_pb2.CreateRoomResponse:
+        company_id = self._caller.company_id()
+        name = _required_text(request.name, "name", MAX_NAME_BYTES)
+        response = await self._room.CreateRoom(
+            room_pb2.RoomServiceCreateRoomRequest(company_id=company_id, name=name), timeout=self._timeout
+        )
+        return gateway_pb2.CreateRoomResponse(room=response.room)
+
+    async def ListRooms(self, request: gateway_pb2.ListRoomsRequest, context: Any) -> gateway_pb2.ListRoomsResponse:
+        company_id = self._caller.company_id()
+        response = await self._room.ListRooms(
+            room_pb2.RoomServiceListRoomsRequest(
+                company_id=company_id, page_size=_page_size(request.page_size), page_token=request.page_token
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.ListRoomsResponse(rooms=response.rooms, next_page_token=response.next_page_token)
+
+    async def InviteCompany(
+        self, request: gateway_pb2.InviteCompanyRequest, context: Any
+    ) -> gateway_pb2.InviteCompanyResponse:
+        company_id = self._caller.company_id()
+        invited = request.company_id
+        if not invited:
+            raise InvalidArgument("company_id is required")
+        await self._member_room(request.room_id, company_id)
+        if not _is_uuid(invited):
+            raise NotFound(f"company {invited[:64]!r} not found")
+        response = await self._room.AddMember(
+            room_pb2.RoomServiceAddMemberRequest(room_id=request.room_id, company_id=invited), timeout=self._timeout
+        )
+        return gateway_pb2.InviteCompanyResponse(member=response.member)
+
+    async def ListMembers(
+        self, request: gateway_pb2.ListMembersRequest, context: Any
+    ) -> gateway_pb2.ListMembersResponse:
+        company_id = self._caller.company_id()
+        page_size = _page_size(request.page_size)
+        await self._member_room(request.room_id, company_id)
+        response = await self._room.ListMembers(
+            room_pb2.RoomServiceListMembersRequest(
+                room_id=request.room_id, page_size=page_size, page_token=request.page_token
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.ListMembersResponse(members=response.members, next_page_token=response.next_page_token)
+
+    # --- agents --------------------------------------------------------------------------------
+
+    async def RegisterAgent(
+        self, request: gateway_pb2.RegisterAgentRequest, context: Any
+    ) -> gateway_pb2.RegisterAgentResponse:
+        company_id = self._caller.company_id()
+        name = _required_text(request.name, "name", MAX_NAME_BYTES)
+        if request.provider == common_pb2.PROVIDER_UNSPECIFIED:
+            raise InvalidArgument(
+                "provider is required (PROVIDER_ANTHROPIC, PROVIDER_OPENAI or PROVIDER_OPENAI_COMPATIBLE)"
+            )
+        _check_enum(common_pb2.Provider, request.provider, "provider")
+        model = _required_text(request.model, "model", MAX_NAME_BYTES)
+        base_url = request.base_url.strip()
+        if base_url:
+            parts = urlsplit(base_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc or len(base_url) > 2048:
+                raise InvalidArgument(f"base_url must be an http:// or https:// URL, got {base_url[:100]!r}")
+        elif request.provider == common_pb2.PROVIDER_OPENAI_COMPATIBLE:
+            raise InvalidArgument("base_url is required for PROVIDER_OPENAI_COMPATIBLE")
+        provider_key = _required_text(request.provider_key, "provider_key", MAX_PROVIDER_KEY_BYTES)
+        system_prompt = _optional_text(request.system_prompt, "system_prompt", MAX_SYSTEM_PROMPT_BYTES)
+        response = await self._room.RegisterAgent(
+            room_pb2.RoomServiceRegisterAgentRequest(
+                company_id=company_id,
+                name=name,
+                provider=request.provider,
+                model=model,
+                base_url=base_url,
+                provider_key=provider_key,
+                system_prompt=system_prompt,
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.RegisterAgentResponse(agent=response.agent)
+
+    async def ListAgents(self, request: gateway_pb2.ListAgentsRequest, context: Any) -> gateway_pb2.ListAgentsResponse:
+        company_id = self._caller.company_id()
+        response = await self._room.ListAgents(
+            room_pb2.RoomServiceListAgentsRequest(
+                company_id=company_id, page_size=_page_size(request.page_size), page_token=request.page_token
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.ListAgentsResponse(agents=response.agents, next_page_token=response.next_page_token)
+
+    # --- messages ------------------------------------------------------------------------------
+
+    async def PostMessage(
+        self, request: gateway_pb2.PostMessageRequest, context: Any
+    ) -> gateway_pb2.PostMessageResponse:
+        company_id = self._caller.company_id()
+        self._limiter.take(company_id)
+        author = self._person(company_id, request.person)
+        if not request.body.strip():
+            raise InvalidArgument("body is required")
+        if _bytes(request.body) > MAX_BODY_BYTES:
+            raise InvalidArgument(f"body must be at most {MAX_BODY_BYTES} bytes (64 KiB)")
+        if len(request.mention_agent_ids) > MAX_MENTIONS:
+            raise InvalidArgument(f"mention_agent_ids may name at most {MAX_MENTIONS} agents")
+        for agent_id in request.mention_agent_ids:
+            _required_id(agent_id, "mention_agent_ids")
+        key = _idempotency_key(request.idempotency_key)
+        await self._member_room(request.room_id, company_id)
+        response = await self._post_to_room(
+            self._room.PostMessage,
+            room_pb2.RoomServicePostMessageRequest(
+                room_id=request.room_id,
+                author=author,
+                body=request.body,
+                mention_agent_ids=request.mention_agent_ids,
+                dedupe_key=self._dedupe_key(company_id, key),
+            ),
+        )
+        return gateway_pb2.PostMessageResponse(message=response.message, wake_ids=[w.wake_id for w in response.wakes])
+
+    async def ListMessages(
+        self, request: gateway_pb2.ListMessagesRequest, context: Any
+    ) -> gateway_pb2.ListMessagesResponse:
+        company_id = self._caller.company_id()
+        page_size = _page_size(request.page_size)
+        await self._member_room(request.room_id, company_id)
+        response = await self._room.ListMessages(
+            room_pb2.RoomServiceListMessagesRequest(
+                room_id=request.room_id,
+                page_size=page_size,
+                page_token=request.page_token,
+                newest_first=request.newest_first,
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.ListMessagesResponse(messages=response.messages, next_page_token=response.next_page_token)
+
+    # --- tasks ---------------------------------------------------------------------------------
+
+    async def SendTask(self, request: gateway_pb2.SendTaskRequest, context: Any) -> gateway_pb2.SendTaskResponse:
+        company_id = self._caller.company_id()
+        self._limiter.take(company_id)
+        author = self._person(company_id, request.person)
+        to_agent_id = _required_id(request.to_agent_id, "to_agent_id")
+        title = _required_text(request.title, "title", MAX_TITLE_BYTES)
+        body = _optional_text(request.body, "body", MAX_BODY_BYTES)
+        key = _idempotency_key(request.idempotency_key)
+        await self._member_room(request.room_id, company_id)
+        create = room_pb2.RoomServiceCreateTaskRequest(
+            room_id=request.room_id,
+            to_agent_id=to_agent_id,
+            title=title,
+            body=body,
+            dedupe_key=self._dedupe_key(company_id, key),
+        )
+        getattr(create, "from").CopyFrom(author)  # `from` is a Python keyword
+        response = await self._post_to_room(self._room.CreateTask, create)
+        return gateway_pb2.SendTaskResponse(task=response.task, wake_ids=[w.wake_id for w in response.wakes])
+
+    async def _task_in_room(self, room_id: str, task_id: str) -> common_pb2.Task:
+        not_found = NotFound(f"task {task_id[:64]!r} not found in this room")
+        if not _is_uuid(task_id):
+            raise not_found
+        try:
+            response = await self._room.GetTask(
+                room_pb2.RoomServiceGetTaskRequest(task_id=task_id, room_id=room_id), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise not_found from None
+            raise
+        task: common_pb2.Task = response.task
+        return task
+
+    async def UpdateTask(self, request: gateway_pb2.UpdateTaskRequest, context: Any) -> gateway_pb2.UpdateTaskResponse:
+        company_id = self._caller.company_id()
+        self._limiter.take(company_id)
+        if not request.task_id:
+            raise InvalidArgument("task_id is required")
+        author = self._person(company_id, request.person)
+        note = _optional_text(request.note, "note", MAX_BODY_BYTES)
+        _check_enum(common_pb2.TaskStatus, request.status, "status")
+        status = request.status
+        if not note.strip() and status not in _CLOSING_STATUSES:
+            raise InvalidArgument("note is required unless status closes the task (DONE or CANCELLED)")
+        key = _idempotency_key(request.idempotency_key)
+        await self._member_room(request.room_id, company_id)
+        task = await self._task_in_room(request.room_id, request.task_id)
+        sender_company = getattr(task, "from").company_id
+        if company_id != sender_company and company_id != await self._agent_company(task.to_agent_id):
+            raise PermissionDenied("only the task's sender's company or its assignee's company may update it")
+        response = await self._room.UpdateTask(
+            room_pb2.RoomServiceUpdateTaskRequest(
+                task_id=request.task_id,
+                room_id=request.room_id,
+                author=author,
+                note=note,
+                status=status,
+                dedupe_key=self._dedupe_key(company_id, key),
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.UpdateTaskResponse(task=response.task)
+
+    async def ListTasks(self, request: gateway_pb2.ListTasksRequest, context: Any) -> gateway_pb2.ListTasksResponse:
+        company_id = self._caller.company_id()
+        page_size = _page_size(request.page_size)
+        if request.to_agent_id:
+            _required_id(request.to_agent_id, "to_agent_id")
+        _check_enum(common_pb2.TaskStatus, request.status, "status")
+        status = request.status
+        await self._member_room(request.room_id, company_id)
+        response = await self._room.ListTasks(
+            room_pb2.RoomServiceListTasksRequest(
+                room_id=request.room_id,
+                to_agent_id=request.to_agent_id,
+                status=status,
+                page_size=page_size,
+                page_token=request.page_token,
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.ListTasksResponse(tasks=response.tasks, next_page_token=response.next_page_token)
+
+    async def GetTask(self, request: gateway_pb2.GetTaskRequest, context: Any) -> gateway_pb2.GetTaskResponse:
+        company_id = self._caller.company_id()
+        if not request.task_id:
+            raise InvalidArgument("task_id is required")
+        await self._member_room(request.room_id, company_id)
+        return gateway_pb2.GetTaskResponse(task=await self._task_in_room(request.room_id, request.task_id))
+
+    # --- memory and files ----------------------------------------------------------------------
+
+    async def ListMemory(self, request: gateway_pb2.ListMemoryRequest, context: Any) -> gateway_pb2.ListMemoryResponse:
+        company_id = self._caller.company_id()
+        page_size = _page_size(request.page_size)
+        query = _optional_text(request.query, "query", MAX_QUERY_BYTES)
+        await self._member_room(request.room_id, company_id)
+        response = await self._room.ListMemory(
+            room_pb2.RoomServiceListMemoryRequest(
+                room_id=request.room_id,
+                reader_company_id=company_id,
+                query=query,
+                page_size=page_size,
+                page_token=request.page_token,
+            ),
+            timeout=self._timeout,
+        )
+        # Defence in depth: never hand out another company's private line, whatever the Room returns.
+        lines = [
+            line
+            for line in response.lines
+            if line.visibility != common_pb2.MEMORY_VISIBILITY_COMPANY or line.author.company_id == company_id
+        ]
+        return gateway_pb2.ListMemoryResponse(lines=lines, next_page_token=response.next_page_token)
+
+    async def UploadFile(self, request: gateway_pb2.UploadFileRequest, context: Any) -> gateway_pb2.UploadFileResponse:
+        company_id = self._caller.company_id()
+        self._limiter.take(company_id)
+        author = self._person(company_id, request.person)
+        name = _required_text(request.name, "name", MAX_FILE_NAME_BYTES)
+        content_type = _optional_text(request.content_type, "content_type", MAX_NAME_BYTES)
+        if len(request.content) > MAX_FILE_BYTES:
+            raise InvalidArgument(
+                f"content must be at most {MAX_FILE_BYTES} bytes (10 MiB), got {len(request.content)}"
+            )
+        try:
+            request.content.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidArgument(f"content must be UTF-8 text (invalid byte at offset {exc.start})") from None
+        await self._member_room(request.room_id, company_id)
+        response = await self._room.UploadFile(
+            room_pb2.RoomServiceUploadFileRequest(
+                room_id=request.room_id,
+                author=author,
+                name=name,
+                content_type=content_type or "text/plain",
+                content=request.content,
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.UploadFileResponse(file=response.file)
+
+    async def ListFiles(self, request: gateway_pb2.ListFilesRequest, context: Any) -> gateway_pb2.ListFilesResponse:
+        company_id = self._caller.company_id()
+        page_size = _page_size(request.page_size)
+        await self._member_room(request.room_id, company_id)
+        response = await self._room.ListFiles(
+            room_pb2.RoomServiceListFilesRequest(
+                room_id=request.room_id, page_size=page_size, page_token=request.page_token
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.ListFilesResponse(files=response.files, next_page_token=response.next_page_token)
+
+    async def SearchPassages(
+        self, request: gateway_pb2.SearchPassagesRequest, context: Any
+    ) -> gateway_pb2.SearchPassagesResponse:
+        company_id = self._caller.company_id()
+        query = _required_text(request.query, "query", MAX_QUERY_BYTES)
+        if not 0 <= request.limit <= MAX_PASSAGES:
+            raise InvalidArgument(
+                f"limit must be between 1 and {MAX_PASSAGES} (0 for the default 5), got {request.limit}"
+            )
+        await self._member_room(request.room_id, company_id)
+        response = await self._room.SearchPassages(
+            room_pb2.RoomServiceSearchPassagesRequest(room_id=request.room_id, query=query, limit=request.limit),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.SearchPassagesResponse(passages=response.passages)
+
+    # --- runs ----------------------------------------------------------------------------------
+
+    async def ListRuns(self, request: gateway_pb2.ListRunsRequest, context: Any) -> gateway_pb2.ListRunsResponse:
+        company_id = self._caller.company_id()
+        page_size = _page_size(request.page_size)
+        if request.agent_id:
+            if not _is_uuid(request.agent_id) or await self._agent_company(request.agent_id) != company_id:
+                raise NotFound(f"agent {request.agent_id[:64]!r} not found among your company's agents")
+            room_request = room_pb2.RoomServiceListRunsRequest(
+                agent_id=request.agent_id, page_size=page_size, page_token=request.page_token
+            )
+        else:
+            room_request = room_pb2.RoomServiceListRunsRequest(
+                company_id=company_id, page_size=page_size, page_token=request.page_token
+            )
+        response = await self._room.ListRuns(room_request, timeout=self._timeout)
+        runs = [run for run in response.runs if await self._run_is_callers(run, company_id)]
+        return gateway_pb2.ListRunsResponse(runs=runs, next_page_token=response.next_page_token)
+
+    async def GetRun(self, request: gateway_pb2.GetRunRequest, context: Any) -> gateway_pb2.GetRunResponse:
+        company_id = self._caller.company_id()
+        if not request.run_id:
+            raise InvalidArgument("run_id is required")
+        not_found = NotFound(f"run {request.run_id[:64]!r} not found among your company's agents' runs")
+        if len(request.run_id) > MAX_NAME_BYTES:
+            raise not_found
+        try:
+            response = await self._room.GetRun(
+                room_pb2.RoomServiceGetRunRequest(run_id=request.run_id), timeout=self._timeout
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+                raise not_found from None
+            raise
+        if not await self._run_is_callers(response.run, company_id):
+            raise not_found
+        return gateway_pb2.GetRunResponse(run=response.run)
+
+    async def _run_is_callers(self, run: common_pb2.Run, company_id: str) -> bool:
+        if run.company_id:
+            return bool(run.company_id == company_id)
+        return await self._agent_company(run.agent_id) == company_id
+
+    # --- agent rights and approvals ------------------------------------------------------------
+
+    async def _own_agent(self, agent_id: str, company_id: str) -> str:
+        """``agent_id`` when empty (the company default) or one of the caller's agents; NOT_FOUND otherwise."""
+        if agent_id and (not _is_uuid(agent_id) or await self._agent_company(agent_id) != company_id):
+            raise NotFound(f"agent {agent_id[:64]!r} not found among your company's agents")
+        return agent_id
+
+    async def SetAgentRights(
+        self, request: gateway_pb2.SetAgentRightsRequest, context: Any
+    ) -> gateway_pb2.SetAgentRightsResponse:
+        company_id = self._caller.company_id()
+        for field in ("remember", "create_task", "update_task", "close_task", "cross_company_task"):
+            _check_enum(common_pb2.ActionRight, getattr(request, field), field)
+        agent_id = await self._own_agent(request.agent_id, company_id)
+        rights = common_pb2.AgentRights(
+            company_id=company_id,
+            agent_id=agent_id,
+            remember=request.remember,
+            create_task=request.create_task,
+            update_task=request.update_task,
+            close_task=request.close_task,
+            cross_company_task=request.cross_company_task,
+        )
+        response = await self._room.SetAgentRights(
+            room_pb2.RoomServiceSetAgentRightsRequest(rights=rights), timeout=self._timeout
+        )
+        return gateway_pb2.SetAgentRightsResponse(rights=response.rights)
+
+    async def GetAgentRights(
+        self, request: gateway_pb2.GetAgentRightsRequest, context: Any
+    ) -> gateway_pb2.GetAgentRightsResponse:
+        company_id = self._caller.company_id()
+        agent_id = await self._own_agent(request.agent_id, company_id)
+        response = await self._room.GetAgentRights(
+            room_pb2.RoomServiceGetAgentRightsRequest(company_id=company_id, agent_id=agent_id), timeout=self._timeout
+        )
+        return gateway_pb2.GetAgentRightsResponse(
+            company_default=response.company_default, agent=response.agent, effective=response.effective
+        )
+
+    async def ListApprovals(
+        self, request: gateway_pb2.ListApprovalsRequest, context: Any
+    ) -> gateway_pb2.ListApprovalsResponse:
+        company_id = self._caller.company_id()
+        page_size = _page_size(request.page_size)
+        _check_enum(common_pb2.WaitpointStatus, request.status, "status")
+        response = await self._room.ListWaitpoints(
+            room_pb2.RoomServiceListWaitpointsRequest(
+                company_id=company_id, status=request.status, page_size=page_size, page_token=request.page_token
+            ),
+            timeout=self._timeout,
+        )
+        # Only the owning company's approvals, whatever the Room returns.
+        waitpoints = [w for w in response.waitpoints if w.company_id == company_id]
+        return gateway_pb2.ListApprovalsResponse(waitpoints=waitpoints, next_page_token=response.next_page_token)
+
+    async def DecideApproval(
+        self, request: gateway_pb2.DecideApprovalRequest, context: Any
+    ) -> gateway_pb2.DecideApprovalResponse:
+        company_id = self._caller.company_id()
+        if not request.token:
+            raise InvalidArgument("token is required")
+        if request.index < 0:
+            raise InvalidArgument(f"index must be 0 or more, got {request.index}")
+        person = _required_text(request.person, "person", MAX_NAME_BYTES).strip()
+        not_found = NotFound(f"approval {request.token[:64]!r} (index {request.index}) not found")
+        if not _is_uuid(request.token):
+            raise not_found
+        try:
+            response = await self._room.DecideHeldAction(
+                room_pb2.RoomServiceDecideHeldActionRequest(
+                    token=request.token,
+                    index=request.index,
+                    company_id=company_id,
+                    decided_by=person,
+                    approve=request.approve,
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise not_found from None
+            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
+                # Say no more than that: the Room's message may name the owning company.
+                raise PermissionDenied(
+                    "this approval belongs to another company; only its agent's company decides"
+                ) from None
+            raise
+        return gateway_pb2.DecideApprovalResponse(
+            waitpoint=response.waitpoint, completed=response.completed, already_decided=response.already_decided
+        )

@@ -1,0 +1,96 @@
+"""A real grpc.aio RuntimeService standing in for the Runtime (a downstream) in delivery tests.
+
+It claims each wake through a real Claims server (ACCEPTED when this call claimed it,
+ALREADY_CLAIMED otherwise) and runs nothing. A script per wake can first answer errors, or hang,
+so tests can drive the delivery loop's retries, leases and shutdown. Every call is recorded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter, defaultdict
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from quayutec.v1 import claims_pb2, claims_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+
+ACCEPTED = runtime_pb2.START_RUN_RESULT_ACCEPTED
+ALREADY_CLAIMED = runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED
+
+
+@dataclass(frozen=True)
+class Call:
+    """One StartRun the stand-in received, and what it answered ("ACCEPTED", "UNAVAILABLE", ...)."""
+
+    request: runtime_pb2.StartRunRequest
+    answer: str
+    peer: str
+
+
+class StandinRuntime(runtime_pb2_grpc.RuntimeServiceServicer):
+    """Answers StartRun by claiming through Claims, after any scripted failures for the wake."""
+
+    def __init__(self, claims: claims_pb2_grpc.ClaimsServiceStub) -> None:
+        self._claims = claims
+        self.calls: list[Call] = []
+        # Steps per wake, one used per call, before the normal claim-and-answer:
+        # "UNAVAILABLE" or "RESOURCE_EXHAUSTED" (answered without claiming), "HANG" (never answers,
+        # claims nothing), "CLAIM_THEN_HANG" (claims, then never answers: a Runtime stopped mid-call).
+        self._scripts: defaultdict[str, list[str]] = defaultdict(list)
+        self.changed = asyncio.Event()
+
+    def script(self, wake_id: str, *answers: str) -> None:
+        self._scripts[wake_id].extend(answers)
+
+    def _record(self, request: runtime_pb2.StartRunRequest, answer: str, context: Any) -> None:
+        self.calls.append(Call(request=request, answer=answer, peer=context.peer()))
+        self.changed.set()
+
+    def answers(self, answer: str) -> Counter[str]:
+        """How many times each wake got ``answer``."""
+        return Counter(c.request.wake_id for c in self.calls if c.answer == answer)
+
+    async def StartRun(self, request: runtime_pb2.StartRunRequest, context: Any) -> runtime_pb2.StartRunResponse:
+        scripted = self._scripts[request.wake_id]
+        step = scripted.pop(0) if scripted else ""
+        if step == "HANG":
+            self._record(request, "HANG", context)
+            await asyncio.Event().wait()
+        if step in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
+            self._record(request, step, context)
+            await context.abort(getattr(grpc.StatusCode, step), f"stand-in runtime scripted {step}")
+        claim = await self._claims.ClaimOnce(
+            claims_pb2.ClaimOnceRequest(agent_id=request.agent_id, wake_id=request.wake_id), timeout=10
+        )
+        if step == "CLAIM_THEN_HANG":
+            self._record(request, "CLAIMED_THEN_HANG" if claim.claimed else "ALREADY_CLAIMED_THEN_HANG", context)
+            await asyncio.Event().wait()
+        result = ACCEPTED if claim.claimed else ALREADY_CLAIMED
+        self._record(request, runtime_pb2.StartRunResult.Name(result).removeprefix("START_RUN_RESULT_"), context)
+        return runtime_pb2.StartRunResponse(result=result, run_id=f"run-{request.wake_id}")
+
+    async def wait_until(self, predicate: Callable[[], bool], within: float = 60.0) -> None:
+        """Wait for ``predicate()`` to hold, re-checking after every call; fails after ``within`` seconds."""
+        async with asyncio.timeout(within):
+            while not predicate():
+                self.changed.clear()
+                await self.changed.wait()
+
+
+@asynccontextmanager
+async def running_standin_runtime(claims_addr: str, *, port: int = 0) -> AsyncIterator[tuple[str, StandinRuntime]]:
+    """Yields ("127.0.0.1:PORT", servicer) of a started stand-in Runtime."""
+    async with grpc.aio.insecure_channel(claims_addr) as channel:
+        servicer = StandinRuntime(claims_pb2_grpc.ClaimsServiceStub(channel))
+        server = grpc.aio.server()
+        runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
+        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        try:
+            yield f"127.0.0.1:{bound}", servicer
+        finally:
+            await server.stop(0)

@@ -1,0 +1,134 @@
+"""Gateway settings from the environment, and TLS on the public port with a self-signed certificate."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from quayutec.config import ConfigError
+from quayutec.v1 import gateway_pb2
+from services.gateway.config import DeliveryConfig, GatewayConfig
+from tests.harness.gateway import authed_gateway, running_gateway
+
+NOWHERE = "127.0.0.1:9"
+
+
+def test_defaults() -> None:
+    config = GatewayConfig.from_env({})
+    assert config.server.listen == "[::]:50051"
+    assert config.room_addr == "localhost:50052" and config.runtime_addr == "localhost:50054"
+    assert not config.tls_enabled
+    assert config.delivery.enabled and config.delivery.lease_seconds == 30
+    assert config.delivery.poll_interval_seconds == 0.2
+    assert config.delivery.backoff_base_seconds == 0.5 and config.delivery.backoff_ceiling_seconds == 30.0
+
+
+def test_backoff_doubles_to_the_ceiling() -> None:
+    delivery = DeliveryConfig()
+    assert [delivery.retry_delay_seconds(n) for n in (1, 2, 3, 4, 7, 8, 100)] == [
+        0.5,
+        1.0,
+        2.0,
+        4.0,
+        30.0,
+        30.0,
+        30.0,
+    ]
+
+
+@pytest.mark.parametrize("only", ["QUAYUTEC_GATEWAY_TLS_CERT", "QUAYUTEC_GATEWAY_TLS_KEY"])
+def test_tls_needs_both_files(only: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        GatewayConfig.from_env({only: "/etc/quayutec/tls/x.pem"})
+    assert "QUAYUTEC_GATEWAY_TLS_CERT" in str(err.value) and "QUAYUTEC_GATEWAY_TLS_KEY" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("env", "names"),
+    [
+        ({"QUAYUTEC_GATEWAY_DELIVERY_ENABLED": "maybe"}, "QUAYUTEC_GATEWAY_DELIVERY_ENABLED"),
+        ({"QUAYUTEC_GATEWAY_LEASE_SECONDS": "5"}, "QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS"),
+        ({"QUAYUTEC_GATEWAY_DELIVERY_BATCH_SIZE": "501"}, "QUAYUTEC_GATEWAY_DELIVERY_BATCH_SIZE"),
+        ({"QUAYUTEC_GATEWAY_POST_BURST": "0"}, "QUAYUTEC_GATEWAY_POST_BURST"),
+        ({"QUAYUTEC_GATEWAY_POST_RATE": "fast"}, "QUAYUTEC_GATEWAY_POST_RATE"),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], names: str) -> None:
+    with pytest.raises(ConfigError, match=names):
+        GatewayConfig.from_env(env)
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path, bytes]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    cert_path, key_path = tmp_path / "tls.crt", tmp_path / "tls.key"
+    cert_path.write_bytes(cert_pem)
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path, cert_pem
+
+
+async def test_tls_serves_only_tls(database_url: str, tmp_path: Path) -> None:
+    cert_path, key_path, cert_pem = _self_signed(tmp_path)
+    async with running_gateway(
+        database_url,
+        NOWHERE,
+        NOWHERE,
+        QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false",
+        QUAYUTEC_GATEWAY_TLS_CERT=str(cert_path),
+        QUAYUTEC_GATEWAY_TLS_KEY=str(key_path),
+    ) as addr:
+        credentials = grpc.ssl_channel_credentials(root_certificates=cert_pem)
+        async with grpc.aio.secure_channel(addr, credentials) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            response = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert response.status == health_pb2.HealthCheckResponse.SERVING
+        # The interceptor runs over TLS too.
+        async with authed_gateway(addr, "nope", credentials=credentials) as gw:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await gw.WhoAmI(gateway_pb2.WhoAmIRequest(), timeout=10)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        # Plaintext is refused.
+        async with grpc.aio.insecure_channel(addr) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+async def test_unreadable_tls_files_are_a_config_error(database_url: str, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="QUAYUTEC_GATEWAY_TLS_CERT"):
+        async with running_gateway(
+            database_url,
+            NOWHERE,
+            NOWHERE,
+            QUAYUTEC_GATEWAY_TLS_CERT=str(tmp_path / "missing.crt"),
+            QUAYUTEC_GATEWAY_TLS_KEY=str(tmp_path / "missing.key"),
+        ):
+            pass

@@ -1,0 +1,114 @@
+"""Start a real Gateway for tests, and make companies with API keys and authed stubs.
+
+async with running_gateway(database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_LEASE_SECONDS="2") as addr:
+    acme = await make_company(database_url, room_addr, "Acme")
+    async with authed_gateway(addr, acme.secret) as gw:
+        await gw.WhoAmI(gateway_pb2.WhoAmIRequest())
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+import grpc
+
+from quayutec.db import create_pool
+from quayutec.v1 import gateway_pb2_grpc, room_pb2, room_pb2_grpc
+from services.gateway.auth import create_api_key
+from services.gateway.config import GatewayConfig
+from services.gateway.server import create_server
+
+
+def gateway_config(database_url: str, room_addr: str, runtime_addr: str, **env: str) -> GatewayConfig:
+    """A Gateway config on 127.0.0.1:0, read through ``from_env`` so ``env`` takes QUAYUTEC_GATEWAY_* names."""
+    return GatewayConfig.from_env(
+        {
+            "DATABASE_URL": database_url,
+            "QUAYUTEC_GATEWAY_LISTEN": "127.0.0.1:0",
+            "QUAYUTEC_GATEWAY_GRACE_SECONDS": "1",
+            "QUAYUTEC_ROOM_ADDR": room_addr,
+            "QUAYUTEC_RUNTIME_ADDR": runtime_addr,
+            "QUAYUTEC_GATEWAY_RECONNECT_BACKOFF_MAX_MS": "300",
+            **env,
+        }
+    )
+
+
+@asynccontextmanager
+async def running_gateway(
+    database_url: str, room_addr: str, runtime_addr: str, *, pool: asyncpg.Pool | None = None, **env: str
+) -> AsyncIterator[str]:
+    """Yields "127.0.0.1:PORT" of a started Gateway; stops it (and its delivery loop) on exit."""
+    server = await create_server(gateway_config(database_url, room_addr, runtime_addr, **env), pool=pool)
+    port = await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop()
+
+
+@dataclass(frozen=True)
+class CompanyKey:
+    """A company made in the Room, with a live API key of it."""
+
+    company_id: str
+    name: str
+    key_id: str
+    secret: str
+
+
+async def make_company(database_url: str, room_addr: str, name: str | None = None) -> CompanyKey:
+    """Create a company through the Room and an API key for it through services.gateway.auth (the admin flow)."""
+    name = name or f"company-{uuid.uuid4().hex[:8]}"
+    async with grpc.aio.insecure_channel(room_addr) as channel:
+        room = room_pb2_grpc.RoomServiceStub(channel)
+        response = await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=name), timeout=10)
+    pool = await create_pool(database_url, min_size=1, max_size=1)
+    try:
+        key_id, secret = await create_api_key(pool, response.company.company_id, f"test key of {name}")
+    finally:
+        await pool.close()
+    return CompanyKey(company_id=response.company.company_id, name=name, key_id=key_id, secret=secret)
+
+
+class _BearerInterceptor(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    """Adds ``authorization: Bearer <key>`` to every call."""
+
+    def __init__(self, secret: str) -> None:
+        self._metadata = ("authorization", f"Bearer {secret}")
+
+    async def intercept_unary_unary(
+        self,
+        continuation: Callable[[grpc.aio.ClientCallDetails, Any], Awaitable[Any]],
+        client_call_details: grpc.aio.ClientCallDetails,
+        request: Any,
+    ) -> Any:
+        metadata = grpc.aio.Metadata(*(client_call_details.metadata or ()))
+        metadata.add(*self._metadata)
+        details = grpc.aio.ClientCallDetails(
+            method=client_call_details.method,
+            timeout=client_call_details.timeout,
+            metadata=metadata,
+            credentials=client_call_details.credentials,
+            wait_for_ready=client_call_details.wait_for_ready,
+        )
+        return await continuation(details, request)
+
+
+@asynccontextmanager
+async def authed_gateway(
+    addr: str, secret: str, *, credentials: grpc.ChannelCredentials | None = None, **channel_kwargs: Any
+) -> AsyncIterator[gateway_pb2_grpc.GatewayServiceStub]:
+    """A GatewayService stub whose calls carry ``secret`` as a bearer key (TLS when ``credentials``)."""
+    interceptors = [_BearerInterceptor(secret)]
+    if credentials is not None:
+        channel = grpc.aio.secure_channel(addr, credentials, interceptors=interceptors, **channel_kwargs)
+    else:
+        channel = grpc.aio.insecure_channel(addr, interceptors=interceptors, **channel_kwargs)
+    async with channel:
+        yield gateway_pb2_grpc.GatewayServiceStub(channel)
