@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from quayutec.config import SERVICES, DatabaseConfig, ServiceSpec
+from quayutec.config import CLAIMS, GATEWAY, ROOM, RUNTIME, SERVICES, DatabaseConfig, ServiceSpec
 from quayutec.db import create_pool, resolve_database_url
 from quayutec.migrate import migrate
 
@@ -114,9 +114,9 @@ class LocalStack:
                 await asyncio.sleep(0.1)
 
     async def start_all(self) -> None:
-        for spec in SERVICES:
+        """Start in dependency order, each SERVING before the services that call it start."""
+        for spec in (CLAIMS, ROOM, RUNTIME, GATEWAY):
             self.start(spec.name)
-        for spec in SERVICES:
             await self.wait_serving(spec)
 
     def kill(self, name: str) -> None:
