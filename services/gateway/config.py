@@ -40,6 +40,8 @@ class DeliveryConfig:
     start_run_timeout_seconds: float = 10.0
     # On stop, how long in-flight deliveries may finish before they are cancelled (their leases expire).
     stop_grace_seconds: float = 5.0
+    # How often the loop asks the Room to expire waitpoints past their expiry (each gets a DECISION wake).
+    expire_interval_seconds: float = 5.0
 
     def __post_init__(self) -> None:
         if self.start_run_timeout_seconds >= self.lease_seconds:
@@ -106,6 +108,7 @@ class GatewayConfig:
             concurrency=env_int(env, f"{p}DELIVERY_CONCURRENCY", 64, minimum=1),
             start_run_timeout_seconds=env_float(env, f"{p}START_RUN_TIMEOUT_SECONDS", 10.0, minimum=0.001),
             stop_grace_seconds=env_float(env, f"{p}DELIVERY_STOP_GRACE_SECONDS", 5.0),
+            expire_interval_seconds=env_float(env, f"{p}EXPIRE_INTERVAL_SECONDS", 5.0, minimum=0.001),
         )
         if delivery.batch_size > 500:
             raise ConfigError(f"{p}DELIVERY_BATCH_SIZE must be at most 500, got {delivery.batch_size}")

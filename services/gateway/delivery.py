@@ -3,6 +3,8 @@
 At least once in, at most once acted on: a wake is marked delivered only when Runtime answers that
 it claimed or had already claimed it; anything else settles it for a later retry with backoff. A
 replica that dies holding leases loses nothing: the leases expire and another replica delivers.
+Beside it, every ``expire_interval_seconds`` the loop has the Room expire overdue waitpoints, whose
+DECISION wakes it then delivers like any other.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ _ROOM_TIMEOUT_SECONDS = 10.0
 # Jitter added to each retry delay, as a fraction of it.
 _JITTER_FRACTION = 0.1
 _MAX_ERROR_CHARS = 1000
+# Most waitpoints one ExpireWaitpoints call expires; a full batch is followed at once by another.
+_EXPIRE_BATCH = 1000
 
 
 class WakeDelivery:
@@ -48,24 +52,29 @@ class WakeDelivery:
         self.lease_owner = lease_owner or str(uuid.uuid4())
         self._random = random_fraction
         self._task: asyncio.Task[None] | None = None
+        self._expiry_task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
         # Counters for tests and logs.
         self.delivered = 0
         self.retried = 0
+        self.expired = 0
 
     def start(self) -> None:
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"wake-delivery-{self.lease_owner}")
+            self._expiry_task = asyncio.create_task(self._expire_until_stopped(), name="waitpoint-expiry")
 
     async def stop(self) -> None:
         """Stop leasing; let in-flight deliveries finish within the grace, then cancel them. Idempotent."""
         self._stopping.set()
         if self._task is None:
             return
-        task, self._task = self._task, None
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
+        tasks = [t for t in (self._task, self._expiry_task) if t is not None]
+        self._task = self._expiry_task = None
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
     async def _run(self) -> None:
         try:
@@ -112,6 +121,21 @@ class WakeDelivery:
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
+
+    async def _expire_until_stopped(self) -> None:
+        """Expire overdue waitpoints every interval (at once again after a full batch); failures wait a turn."""
+        while not self._stopping.is_set():
+            try:
+                response = await self._room.ExpireWaitpoints(
+                    room_pb2.RoomServiceExpireWaitpointsRequest(limit=_EXPIRE_BATCH), timeout=_ROOM_TIMEOUT_SECONDS
+                )
+            except Exception as exc:
+                _log.warning("expiring waitpoints failed (%s); trying again in the next interval", _describe(exc))
+            else:
+                self.expired += response.expired
+                if response.expired >= _EXPIRE_BATCH:
+                    continue
+            await self._sleep(self._config.expire_interval_seconds)
 
     async def _lease(self, max_wakes: int) -> list[common_pb2.Wake]:
         response = await self._room.LeaseWakes(

@@ -21,6 +21,15 @@ VISIBILITY_PREFIX = "MEMORY_VISIBILITY_"
 WAKE_KIND_PREFIX = "WAKE_KIND_"
 RUN_STATUS_PREFIX = "RUN_STATUS_"
 RUN_STEP_PREFIX = "RUN_STEP_"
+ACTION_RIGHT_PREFIX = "ACTION_RIGHT_"
+ACTION_KIND_PREFIX = "ACTION_KIND_"
+DECISION_PREFIX = "DECISION_"
+WAITPOINT_STATUS_PREFIX = "WAITPOINT_STATUS_"
+
+# The rights of AgentRights, each a column of agent_rights.
+RIGHT_FIELDS = ("remember", "create_task", "update_task", "close_task", "cross_company_task")
+# What applies when neither the agent nor its company set a right.
+BUILT_IN_RIGHT = "auto"
 
 
 def enum_to_text(enum: Any, value: int, prefix: str) -> str:
@@ -205,3 +214,56 @@ def run(row: Row) -> common_pb2.Run:
 def messages_json(items: Any) -> str:
     """Repeated proto messages as the jsonb array a runs row stores (field names as in the proto)."""
     return json.dumps([json_format.MessageToDict(m, preserving_proto_field_name=True) for m in items])
+
+
+def _right(text: str | None) -> Any:
+    if text is None:
+        return common_pb2.ACTION_RIGHT_UNSPECIFIED
+    return text_to_enum(common_pb2.ActionRight, text, ACTION_RIGHT_PREFIX)
+
+
+def agent_rights(row: Row | None, company_id: str, agent_id: str | None) -> common_pb2.AgentRights:
+    """Stored rules as a proto; no row means nothing set (every right unspecified)."""
+    rights = common_pb2.AgentRights(company_id=company_id, agent_id=agent_id or "")
+    for field in RIGHT_FIELDS:
+        setattr(rights, field, _right(None if row is None else row[field]))
+    return rights
+
+
+def effective_rights(
+    company_default: Row | None, agent_rules: Row | None, company_id: str, agent_id: str | None
+) -> common_pb2.AgentRights:
+    """Each right from the agent's rules, else the company default, else the built-in ``auto``."""
+    rights = common_pb2.AgentRights(company_id=company_id, agent_id=agent_id or "")
+    for field in RIGHT_FIELDS:
+        chosen = next(
+            (r[field] for r in (agent_rules, company_default) if r is not None and r[field] is not None),
+            BUILT_IN_RIGHT,
+        )
+        setattr(rights, field, _right(chosen))
+    return rights
+
+
+def held_action(row: Row) -> common_pb2.HeldAction:
+    return common_pb2.HeldAction(
+        index=row["action_index"],
+        kind=text_to_enum(common_pb2.ActionKind, row["kind"], ACTION_KIND_PREFIX),
+        arguments_json=row["arguments_json"],
+        decision=text_to_enum(common_pb2.Decision, row["decision"], DECISION_PREFIX),
+        decided_by=_s(row["decided_by"]),
+        decided_at=timestamp(row["decided_at"]),
+    )
+
+
+def waitpoint(row: Row, held: Sequence[Row]) -> common_pb2.Waitpoint:
+    return common_pb2.Waitpoint(
+        token=str(row["token"]),
+        run_id=row["run_id"],
+        agent_id=str(row["agent_id"]),
+        company_id=str(row["company_id"]),
+        room_id=str(row["room_id"]),
+        held=[held_action(h) for h in held],
+        status=text_to_enum(common_pb2.WaitpointStatus, row["status"], WAITPOINT_STATUS_PREFIX),
+        created_at=timestamp(row["created_at"]),
+        expires_at=timestamp(row["expires_at"]),
+    )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import TypeAlias
 
 import grpc
@@ -11,7 +13,7 @@ from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.room import convert
 from services.room import validate as v
 from services.room.passages import split_passages
-from services.room.store import RoomStore
+from services.room.store import HeldSpec, RoomStore
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
 
@@ -23,6 +25,24 @@ _PROVIDERS = {
 _CLOSING = {common_pb2.TASK_STATUS_DONE: "done", common_pb2.TASK_STATUS_CANCELLED: "cancelled"}
 _TASK_FILTER = {common_pb2.TASK_STATUS_OPEN: "open", **_CLOSING}
 _VISIBILITY = {common_pb2.MEMORY_VISIBILITY_ROOM: "room", common_pb2.MEMORY_VISIBILITY_COMPANY: "company"}
+_RIGHTS = {
+    common_pb2.ACTION_RIGHT_AUTO: "auto",
+    common_pb2.ACTION_RIGHT_HOLD: "hold",
+    common_pb2.ACTION_RIGHT_DENY: "deny",
+}
+_ACTION_KINDS = {
+    common_pb2.ACTION_KIND_REMEMBER: "remember",
+    common_pb2.ACTION_KIND_CREATE_TASK: "create_task",
+    common_pb2.ACTION_KIND_UPDATE_TASK: "update_task",
+    common_pb2.ACTION_KIND_CLOSE_TASK: "close_task",
+}
+_WAITPOINT_STATUS = {
+    common_pb2.WAITPOINT_STATUS_PENDING: "pending",
+    common_pb2.WAITPOINT_STATUS_COMPLETED: "completed",
+    common_pb2.WAITPOINT_STATUS_EXPIRED: "expired",
+}
+_PARKED_STATUS = (common_pb2.RUN_STATUS_UNSPECIFIED, common_pb2.RUN_STATUS_PARKED)
+_PARKED_STEP = (common_pb2.RUN_STEP_UNSPECIFIED, common_pb2.RUN_STEP_PARKED)
 
 
 class RoomServicer(room_pb2_grpc.RoomServiceServicer):
@@ -336,18 +356,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     async def RecordRun(
         self, request: room_pb2.RoomServiceRecordRunRequest, context: Ctx
     ) -> room_pb2.RoomServiceRecordRunResponse:
-        run = common_pb2.Run()
-        run.CopyFrom(request.run)
-        v.text(run.run_id, "run.run_id", v.MAX_KEY_BYTES)
-        run.agent_id = v.required_id(run.agent_id, "run.agent_id")
-        run.room_id = v.required_id(run.room_id, "run.room_id")
-        run.company_id = v.optional_id(run.company_id, "run.company_id") or ""
-        for field in ("wake_id", "wake_source_id", "posted_message_id", "trace_id"):
-            v.text(getattr(run, field), f"run.{field}", v.MAX_KEY_BYTES, required=False)
-        v.text(run.error, "run.error", v.MAX_BODY_BYTES, required=False)
-        if run.ByteSize() > v.MAX_RUN_BYTES:
-            raise InvalidArgument(f"the run is {run.ByteSize()} bytes; at most {v.MAX_RUN_BYTES} are allowed")
-        row = await self._store.record_run(run)
+        row = await self._store.record_run(_checked_run(request.run))
         return room_pb2.RoomServiceRecordRunResponse(run=convert.run(row))
 
     async def GetRun(
@@ -406,3 +415,136 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceCountPendingWakesResponse(
             pending=row["pending"], oldest_pending_age_ms=row["oldest_pending_age_ms"]
         )
+
+    # -- agent rights ---------------------------------------------------------------------------------------
+
+    async def SetAgentRights(
+        self, request: room_pb2.RoomServiceSetAgentRightsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceSetAgentRightsResponse:
+        company_id = v.required_id(request.rights.company_id, "rights.company_id")
+        agent_id = v.optional_id(request.rights.agent_id, "rights.agent_id")
+        rights = [_right_text(getattr(request.rights, f), f"rights.{f}") for f in convert.RIGHT_FIELDS]
+        row = await self._store.set_agent_rights(company_id, agent_id, rights)
+        return room_pb2.RoomServiceSetAgentRightsResponse(rights=convert.agent_rights(row, company_id, agent_id))
+
+    async def GetAgentRights(
+        self, request: room_pb2.RoomServiceGetAgentRightsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetAgentRightsResponse:
+        company_id = v.required_id(request.company_id, "company_id")
+        agent_id = v.optional_id(request.agent_id, "agent_id")
+        default, agent = await self._store.get_agent_rights(company_id, agent_id)
+        return room_pb2.RoomServiceGetAgentRightsResponse(
+            company_default=convert.agent_rights(default, company_id, None),
+            agent=convert.agent_rights(agent, company_id, agent_id) if agent_id else None,
+            effective=convert.effective_rights(default, agent, company_id, agent_id),
+        )
+
+    # -- waitpoints -----------------------------------------------------------------------------------------
+
+    async def CreateWaitpoint(
+        self, request: room_pb2.RoomServiceCreateWaitpointRequest, context: Ctx
+    ) -> room_pb2.RoomServiceCreateWaitpointResponse:
+        run_id = v.text(request.run_id or request.run.run_id, "run_id", v.MAX_KEY_BYTES)
+        held = _held_specs(request.held)
+        expires_in = v.in_range(request.expires_in_seconds, "expires_in_seconds", 1, v.MAX_EXPIRES_IN_SECONDS)
+        run = None
+        if request.HasField("run"):
+            run = _checked_run(request.run)
+            if run.run_id != run_id:
+                raise InvalidArgument(f"run.run_id {run.run_id!r} is not run_id {run_id!r}")
+            if run.status not in _PARKED_STATUS or run.step not in _PARKED_STEP or run.HasField("ended_at"):
+                raise InvalidArgument("a parking run has status PARKED, step PARKED and no ended_at")
+            run.status, run.step = common_pb2.RUN_STATUS_PARKED, common_pb2.RUN_STEP_PARKED
+        rows = await self._store.create_waitpoint(run_id, held, expires_in, run)
+        return room_pb2.RoomServiceCreateWaitpointResponse(waitpoint=convert.waitpoint(rows.waitpoint, rows.held))
+
+    async def GetWaitpoint(
+        self, request: room_pb2.RoomServiceGetWaitpointRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetWaitpointResponse:
+        rows = await self._store.get_waitpoint(v.required_id(request.token, "token"))
+        return room_pb2.RoomServiceGetWaitpointResponse(waitpoint=convert.waitpoint(rows.waitpoint, rows.held))
+
+    async def ListWaitpoints(
+        self, request: room_pb2.RoomServiceListWaitpointsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListWaitpointsResponse:
+        company_id = v.required_id(request.company_id, "company_id")
+        status = _WAITPOINT_STATUS.get(request.status or common_pb2.WAITPOINT_STATUS_PENDING)
+        if status is None:
+            raise InvalidArgument(f"status {request.status} is not a WaitpointStatus")
+        scope = f"waitpoints-{status}"
+        page, held = await self._store.list_waitpoints(
+            company_id, status, v.decode_page_token(request.page_token, scope), v.page_size(request.page_size)
+        )
+        return room_pb2.RoomServiceListWaitpointsResponse(
+            waitpoints=[convert.waitpoint(r, held[str(r["token"])]) for r in page.rows],
+            next_page_token=v.encode_page_token(scope, page.next_key),
+        )
+
+    async def DecideHeldAction(
+        self, request: room_pb2.RoomServiceDecideHeldActionRequest, context: Ctx
+    ) -> room_pb2.RoomServiceDecideHeldActionResponse:
+        token = v.required_id(request.token, "token")
+        index = v.in_range(request.index, "index", 0, 2**31 - 1)
+        company_id = v.required_id(request.company_id, "company_id")
+        decided_by = v.text(request.decided_by, "decided_by", v.MAX_NAME_BYTES)
+        decided = await self._store.decide_held_action(token, index, company_id, decided_by, approve=request.approve)
+        return room_pb2.RoomServiceDecideHeldActionResponse(
+            waitpoint=convert.waitpoint(decided.rows.waitpoint, decided.rows.held),
+            completed=decided.completed,
+            already_decided=decided.already_decided,
+        )
+
+    async def ExpireWaitpoints(
+        self, request: room_pb2.RoomServiceExpireWaitpointsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceExpireWaitpointsResponse:
+        limit = v.in_range(request.limit or 100, "limit", 1, 1000)
+        return room_pb2.RoomServiceExpireWaitpointsResponse(expired=await self._store.expire_waitpoints(limit))
+
+
+def _checked_run(request_run: common_pb2.Run) -> common_pb2.Run:
+    """A copy of a ledger row with its ids in canonical form; INVALID_ARGUMENT for a malformed one."""
+    run = common_pb2.Run()
+    run.CopyFrom(request_run)
+    v.text(run.run_id, "run.run_id", v.MAX_KEY_BYTES)
+    run.agent_id = v.required_id(run.agent_id, "run.agent_id")
+    run.room_id = v.required_id(run.room_id, "run.room_id")
+    run.company_id = v.optional_id(run.company_id, "run.company_id") or ""
+    for field in ("wake_id", "wake_source_id", "posted_message_id", "trace_id"):
+        v.text(getattr(run, field), f"run.{field}", v.MAX_KEY_BYTES, required=False)
+    v.text(run.error, "run.error", v.MAX_BODY_BYTES, required=False)
+    if run.ByteSize() > v.MAX_RUN_BYTES:
+        raise InvalidArgument(f"the run is {run.ByteSize()} bytes; at most {v.MAX_RUN_BYTES} are allowed")
+    return run
+
+
+def _right_text(value: common_pb2.ActionRight.ValueType, field: str) -> str | None:
+    """An ActionRight as stored: None when unspecified (not set here)."""
+    if value == common_pb2.ACTION_RIGHT_UNSPECIFIED:
+        return None
+    right = _RIGHTS.get(value)
+    if right is None:
+        raise InvalidArgument(f"{field} must be ACTION_RIGHT_AUTO, ACTION_RIGHT_HOLD or ACTION_RIGHT_DENY, got {value}")
+    return right
+
+
+def _held_specs(held: Sequence[common_pb2.HeldAction]) -> list[HeldSpec]:
+    """The held actions to park: 1..MAX_HELD_ACTIONS, distinct indexes, known kinds, JSON arguments."""
+    if not held:
+        raise InvalidArgument("held is required: a waitpoint holds at least one action")
+    if len(held) > v.MAX_HELD_ACTIONS:
+        raise InvalidArgument(f"at most {v.MAX_HELD_ACTIONS} held actions are allowed, got {len(held)}")
+    specs: list[HeldSpec] = []
+    for i, action in enumerate(held):
+        field = f"held[{i}]"
+        kind = _ACTION_KINDS.get(action.kind)
+        if kind is None:
+            raise InvalidArgument(f"{field}.kind must be a known ActionKind, got {action.kind}")
+        arguments = v.text(action.arguments_json, f"{field}.arguments_json", v.MAX_BODY_BYTES, required=False) or "{}"
+        try:
+            json.loads(arguments)
+        except ValueError:
+            raise InvalidArgument(f"{field}.arguments_json is not JSON") from None
+        specs.append(HeldSpec(v.in_range(action.index, f"{field}.index", 0, 2**31 - 1), kind, arguments))
+    if len({s.index for s in specs}) != len(specs):
+        raise InvalidArgument("held action indexes must be distinct")
+    return specs

@@ -66,6 +66,32 @@ class TaskUpdated:
     deduplicated: bool
 
 
+@dataclass(frozen=True)
+class HeldSpec:
+    """One held action to park: its index in the run's ledger row, kind name and arguments."""
+
+    index: int
+    kind: str
+    arguments_json: str
+
+
+@dataclass(frozen=True)
+class WaitpointRows:
+    """A waitpoint row and its held actions in index order."""
+
+    waitpoint: Record
+    held: list[Record]
+
+
+@dataclass(frozen=True)
+class Decided:
+    """The waitpoint after a decision, whether this decision completed it, and whether it changed nothing."""
+
+    rows: WaitpointRows
+    completed: bool
+    already_decided: bool
+
+
 def _page(rows: Sequence[Record], limit: int, key: str) -> Page:
     if len(rows) > limit:
         kept = list(rows[:limit])
@@ -74,7 +100,8 @@ def _page(rows: Sequence[Record], limit: int, key: str) -> Page:
 
 
 class RoomStore:
-    """Rooms, members, agents, messages, tasks, memory, files, the run ledger and the wake outbox."""
+    """Rooms, members, agents and their rights, messages, tasks, memory, files, the run ledger, waitpoints
+    and the wake outbox."""
 
     def __init__(self, pool: asyncpg.Pool, cipher: MultiFernet, queries: Queries | None = None) -> None:
         self._pool = pool
@@ -410,27 +437,7 @@ class RoomStore:
 
     async def record_run(self, run: common_pb2.Run) -> Record:
         """Upserts the run's row in one statement; an ended row may only be rewritten unchanged."""
-        started = run.started_at.ToDatetime(tzinfo=UTC) if run.HasField("started_at") else None
-        ended = run.ended_at.ToDatetime(tzinfo=UTC) if run.HasField("ended_at") else None
-        args = (
-            run.run_id,
-            run.agent_id,
-            run.company_id or None,
-            run.room_id,
-            run.wake_id,
-            convert.enum_to_text(common_pb2.WakeKind, run.wake_kind, convert.WAKE_KIND_PREFIX),
-            run.wake_source_id,
-            convert.enum_to_text(common_pb2.RunStatus, run.status, convert.RUN_STATUS_PREFIX),
-            convert.enum_to_text(common_pb2.RunStep, run.step, convert.RUN_STEP_PREFIX),
-            run.posted_message_id,
-            convert.messages_json(run.actions),
-            convert.messages_json(run.model_attempts),
-            run.error,
-            run.trace_id,
-            run.active_ms,
-            started,
-            ended,
-        )
+        args = _run_args(run)
         async with self._pool.acquire() as conn:
             row = await conn.fetchrow(self._q["upsert_run"], *args)
             if row is not None:
@@ -486,6 +493,143 @@ class RoomStore:
     async def count_pending_wakes(self) -> Record:
         return await self._pool.fetchrow(self._q["count_pending_wakes"])
 
+    # -- agent rights ---------------------------------------------------------------------------------------
+
+    async def set_agent_rights(self, company_id: str, agent_id: str | None, rights: Sequence[str | None]) -> Record:
+        """Replaces the company's default (``agent_id`` None) or one agent's rules; None rights are not set."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._require_rights_owner(conn, company_id, agent_id)
+            return await conn.fetchrow(self._q["upsert_agent_rights"], company_id, agent_id, *rights)
+
+    async def get_agent_rights(self, company_id: str, agent_id: str | None) -> tuple[Record | None, Record | None]:
+        """The company's default rules and the agent's own (None where nothing is stored)."""
+        async with self._pool.acquire() as conn:
+            await self._require_rights_owner(conn, company_id, agent_id)
+            default = await conn.fetchrow(self._q["get_agent_rights"], company_id, None)
+            agent = await conn.fetchrow(self._q["get_agent_rights"], company_id, agent_id) if agent_id else None
+        return default, agent
+
+    async def _require_rights_owner(self, conn: asyncpg.Connection, company_id: str, agent_id: str | None) -> None:
+        if not await conn.fetchval(self._q["company_exists"], company_id):
+            raise NotFound(f"company {company_id} not found")
+        if agent_id is not None and str(await conn.fetchval(self._q["agent_company"], agent_id)) != company_id:
+            raise NotFound(f"agent {agent_id} not found in company {company_id}")
+
+    # -- waitpoints -----------------------------------------------------------------------------------------
+
+    async def create_waitpoint(
+        self, run_id: str, held: Sequence[HeldSpec], expires_in_seconds: int, run: common_pb2.Run | None
+    ) -> WaitpointRows:
+        """Parks the run: its ledger row (PARKED) and a new token with its held actions, in one transaction.
+
+        A run that already has a waitpoint gets it back unchanged.
+        """
+        async with self._pool.acquire() as conn, conn.transaction():
+            existing = await conn.fetchrow(self._q["find_waitpoint_of_run"], run_id)
+            if existing is not None:
+                return await self._waitpoint_rows(conn, existing)
+            if run is not None:
+                parked = await conn.fetchrow(self._q["upsert_run"], *_run_args(run))
+            else:
+                parked = await conn.fetchrow(self._q["park_run"], run_id)
+            if parked is None:
+                if await conn.fetchval(self._q["get_run"], run_id) is None:
+                    raise NotFound(f"run {run_id} not found")
+                raise FailedPrecondition(f"run {run_id} has ended; it cannot park")
+            agent_id, room_id = str(parked["agent_id"]), str(parked["room_id"])
+            company_id = await conn.fetchval(self._q["agent_company"], agent_id)
+            if company_id is None:
+                raise NotFound(f"agent {agent_id} of run {run_id} not found")
+            await self._require_room(conn, room_id)
+            row = await conn.fetchrow(
+                self._q["insert_waitpoint"], run_id, agent_id, company_id, room_id, expires_in_seconds
+            )
+            if row is None:  # a concurrent CreateWaitpoint for this run committed first
+                return await self._waitpoint_rows(conn, await conn.fetchrow(self._q["find_waitpoint_of_run"], run_id))
+            await conn.execute(
+                self._q["insert_held_actions"],
+                row["token"],
+                [h.index for h in held],
+                [h.kind for h in held],
+                [h.arguments_json for h in held],
+            )
+            return await self._waitpoint_rows(conn, row)
+
+    async def get_waitpoint(self, token: str) -> WaitpointRows:
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(self._q["get_waitpoint"], token)
+            if row is None:
+                raise NotFound(f"waitpoint {token} not found")
+            return await self._waitpoint_rows(conn, row)
+
+    async def list_waitpoints(
+        self, company_id: str, status: str, after: int | None, limit: int
+    ) -> tuple[Page, dict[str, list[Record]]]:
+        """A page of the company's waitpoints in one status, oldest first, and the held actions of each."""
+        async with self._pool.acquire() as conn:
+            rows = await conn.fetch(self._q["list_waitpoints"], company_id, status, after or 0, limit + 1)
+            page = _page(rows, limit, "pos")
+            held: dict[str, list[Record]] = {str(r["token"]): [] for r in page.rows}
+            if held:
+                for h in await conn.fetch(self._q["held_actions_of"], list(held)):
+                    held[str(h["token"])].append(h)
+        return page, held
+
+    async def decide_held_action(
+        self, token: str, index: int, company_id: str, decided_by: str, *, approve: bool
+    ) -> Decided:
+        """Records the owning company's decision; the one that leaves nothing pending completes the token
+        and records its DECISION wake. The token's row lock makes concurrent decisions take turns."""
+        async with self._pool.acquire() as conn:
+            async with conn.transaction():
+                wp = await conn.fetchrow(self._q["lock_waitpoint"], token)
+                if wp is None:
+                    raise NotFound(f"waitpoint {token} not found")
+                if str(wp["company_id"]) != company_id:
+                    raise PermissionDenied(f"waitpoint {token} is decided by the company that owns its agent")
+                if wp["status"] == "expired":
+                    raise FailedPrecondition(f"waitpoint {token} has expired")
+                if wp["status"] == "pending" and wp["past_expiry"]:
+                    await conn.execute(self._q["expire_waitpoint"], token)
+                    await self._record_decision_wake(conn, wp)
+                    decided = None  # committed below, then refused
+                else:
+                    decided = await self._decide(conn, wp, index, decided_by, approve)
+            if decided is None:
+                raise FailedPrecondition(f"waitpoint {token} has expired")
+            return decided
+
+    async def _decide(
+        self, conn: asyncpg.Connection, wp: Record, index: int, decided_by: str, approve: bool
+    ) -> Decided:
+        token = wp["token"]
+        rows = await self._waitpoint_rows(conn, wp)
+        action = next((h for h in rows.held if h["action_index"] == index), None)
+        if action is None:
+            raise NotFound(f"waitpoint {token} holds no action with index {index}")
+        wanted = "approved" if approve else "denied"
+        if action["decision"] == wanted:
+            return Decided(rows, completed=False, already_decided=True)
+        if action["decision"] != "pending":
+            raise FailedPrecondition(f"action {index} of waitpoint {token} was already {action['decision']}")
+        await conn.execute(self._q["decide_held_action"], token, index, wanted, decided_by)
+        completed = await conn.fetchval(self._q["complete_waitpoint_if_decided"], token) is not None
+        if completed:
+            await self._record_decision_wake(conn, wp)
+        rows = await self._waitpoint_rows(conn, await conn.fetchrow(self._q["get_waitpoint"], token))
+        return Decided(rows, completed=completed, already_decided=False)
+
+    async def expire_waitpoints(self, limit: int) -> int:
+        """Marks up to ``limit`` pending tokens past their expiry EXPIRED, each with its DECISION wake."""
+        return int(await self._pool.fetchval(self._q["expire_due_waitpoints"], limit))
+
+    async def _record_decision_wake(self, conn: asyncpg.Connection, wp: Record) -> None:
+        await conn.execute(self._q["insert_wakes"], [wp["agent_id"]], wp["room_id"], "decision", str(wp["token"]))
+
+    async def _waitpoint_rows(self, conn: asyncpg.Connection, row: Record) -> WaitpointRows:
+        held = await conn.fetch(self._q["held_actions_of"], [row["token"]])
+        return WaitpointRows(row, list(held))
+
     # -- shared checks --------------------------------------------------------------------------------------
 
     async def _require_room(self, conn: asyncpg.Connection, room_id: str) -> None:
@@ -518,6 +662,31 @@ class RoomStore:
                 raise NotFound(f"{what} {agent_id} not found")
             if not found[agent_id]:
                 raise NotFound(f"{what} {agent_id} is not in room {room_id} (its company is not a member)")
+
+
+def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:
+    """The ``upsert_run`` parameters of a ledger row."""
+    started = run.started_at.ToDatetime(tzinfo=UTC) if run.HasField("started_at") else None
+    ended = run.ended_at.ToDatetime(tzinfo=UTC) if run.HasField("ended_at") else None
+    return (
+        run.run_id,
+        run.agent_id,
+        run.company_id or None,
+        run.room_id,
+        run.wake_id,
+        convert.enum_to_text(common_pb2.WakeKind, run.wake_kind, convert.WAKE_KIND_PREFIX),
+        run.wake_source_id,
+        convert.enum_to_text(common_pb2.RunStatus, run.status, convert.RUN_STATUS_PREFIX),
+        convert.enum_to_text(common_pb2.RunStep, run.step, convert.RUN_STEP_PREFIX),
+        run.posted_message_id,
+        convert.messages_json(run.actions),
+        convert.messages_json(run.model_attempts),
+        run.error,
+        run.trace_id,
+        run.active_ms,
+        started,
+        ended,
+    )
 
 
 def _same_run(stored: common_pb2.Run, incoming: common_pb2.Run) -> bool:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 
+import asyncpg
 import grpc
 import pytest
 
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from tests.gateway.helpers import GatewayStub, create_room, expect_error, register_agent
-from tests.harness.gateway import CompanyKey
+from tests.gateway.runtime_standin import running_standin_runtime
+from tests.harness.gateway import CompanyKey, gateway_config, running_gateway
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -159,3 +162,67 @@ async def test_approval_validation(acme_gw: GatewayStub) -> None:
         acme_gw.ListApprovals(gateway_pb2.ListApprovalsRequest(status=8), timeout=10),  # type: ignore[arg-type]
         "status",
     )
+
+
+async def test_concurrent_last_decisions_complete_the_approval_once(
+    acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub, pool: asyncpg.Pool
+) -> None:
+    room = await create_room(acme_gw)
+    agent = await register_agent(acme_gw)
+    token = await _park_a_run(room_stub, agent, room.room_id)
+    decide = gateway_pb2.DecideApprovalRequest
+    await acme_gw.DecideApproval(decide(token=token, index=0, person="Ada", approve=True), timeout=10)
+    results = await asyncio.gather(
+        *(
+            acme_gw.DecideApproval(decide(token=token, index=1, person=f"P{n}", approve=True), timeout=30)
+            for n in range(20)
+        )
+    )
+    assert sum(r.completed for r in results) == 1
+    assert sum(r.already_decided for r in results) == 19
+    wakes = await pool.fetch("SELECT agent_id FROM wake_outbox WHERE kind = 'decision' AND source_id = $1", token)
+    assert [str(w["agent_id"]) for w in wakes] == [agent.agent_id]
+
+
+async def test_an_overdue_approval_expires_and_wakes_its_run_once(
+    database_url: str,
+    room_addr: str,
+    claims_addr: str,
+    acme_gw: GatewayStub,
+    room_stub: room_pb2_grpc.RoomServiceStub,
+    pool: asyncpg.Pool,
+) -> None:
+    room = await create_room(acme_gw)
+    agent = await register_agent(acme_gw)
+    overdue = await _park_a_run(room_stub, agent, room.room_id)
+    waiting = await _park_a_run(room_stub, agent, room.room_id)
+    await pool.execute("UPDATE waitpoints SET expires_at = now() - interval '1 minute' WHERE token = $1", overdue)
+    fast = {"QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.02", "QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS": "0.05"}
+    async with (
+        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_gateway(database_url, room_addr, runtime_addr, **fast),
+    ):
+        await runtime.wait_until(lambda: any(c.request.wake_source_id == overdue for c in runtime.calls))
+    woken = [c for c in runtime.calls if c.request.wake_kind == common_pb2.WAKE_KIND_DECISION]
+    assert [(c.request.wake_source_id, c.request.agent_id, c.answer) for c in woken] == [
+        (overdue, agent.agent_id, "ACCEPTED")
+    ]
+    expired = await acme_gw.ListApprovals(
+        gateway_pb2.ListApprovalsRequest(status=common_pb2.WAITPOINT_STATUS_EXPIRED), timeout=10
+    )
+    assert [w.token for w in expired.waitpoints] == [overdue]
+    pending = await acme_gw.ListApprovals(gateway_pb2.ListApprovalsRequest(), timeout=10)
+    assert [w.token for w in pending.waitpoints] == [waiting]
+    await expect_error(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        acme_gw.DecideApproval(
+            gateway_pb2.DecideApprovalRequest(token=overdue, index=0, person="Ada", approve=True), timeout=10
+        ),
+        "expired",
+    )
+
+
+def test_the_expiry_interval_is_configurable() -> None:
+    assert gateway_config("postgresql://x/y", "a:1", "b:2").delivery.expire_interval_seconds == 5.0
+    config = gateway_config("postgresql://x/y", "a:1", "b:2", QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS="0.5")
+    assert config.delivery.expire_interval_seconds == 0.5

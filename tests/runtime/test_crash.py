@@ -36,7 +36,7 @@ class Case:
 
 CASES = [
     Case("claimed", common_pb2.RUN_STEP_CLAIMED, 0, 0, 0),
-    Case("model_call", common_pb2.RUN_STEP_ROOM_READ, 0, 0, 0),
+    Case("model_call", common_pb2.RUN_STEP_CLAIMED, 0, 0, 0),
     Case("reply_posted", common_pb2.RUN_STEP_REPLY_POSTED, 1, 0, 0),
     Case("action_written", common_pb2.RUN_STEP_REPLY_POSTED, 1, 1, 0),
 ]

@@ -346,3 +346,101 @@ SELECT count(*) AS pending,
     COALESCE((extract(epoch FROM now() - min(created_at)) * 1000)::bigint, 0) AS oldest_pending_age_ms
 FROM wake_outbox
 WHERE delivered_at IS NULL;
+
+-- name: upsert_agent_rights
+-- The company's default ($2 NULL) or one agent's rules, replaced whole; NULL rights are not set here.
+INSERT INTO agent_rights (company_id, agent_id, remember, create_task, update_task, close_task, cross_company_task)
+VALUES ($1, $2, $3, $4, $5, $6, $7)
+ON CONFLICT (company_id, agent_id) DO UPDATE SET
+    remember = EXCLUDED.remember,
+    create_task = EXCLUDED.create_task,
+    update_task = EXCLUDED.update_task,
+    close_task = EXCLUDED.close_task,
+    cross_company_task = EXCLUDED.cross_company_task,
+    updated_at = now()
+RETURNING company_id, agent_id, remember, create_task, update_task, close_task, cross_company_task;
+
+-- name: get_agent_rights
+-- The company's default ($2 NULL) or one agent's rules, when stored.
+SELECT company_id, agent_id, remember, create_task, update_task, close_task, cross_company_task
+FROM agent_rights WHERE company_id = $1 AND agent_id IS NOT DISTINCT FROM $2;
+
+-- name: find_waitpoint_of_run
+SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos
+FROM waitpoints WHERE run_id = $1;
+
+-- name: insert_waitpoint
+-- No row when the run already has a waitpoint (a concurrent CreateWaitpoint committed first).
+INSERT INTO waitpoints (run_id, agent_id, company_id, room_id, expires_at)
+VALUES ($1, $2, $3, $4, now() + $5::bigint * interval '1 second')
+ON CONFLICT (run_id) DO NOTHING
+RETURNING token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos;
+
+-- name: insert_held_actions
+INSERT INTO held_actions (token, action_index, kind, arguments_json)
+SELECT $1, h.action_index, h.kind, h.arguments_json
+FROM unnest($2::integer[], $3::text[], $4::text[]) AS h (action_index, kind, arguments_json);
+
+-- name: park_run
+-- Marks an existing, not ended ledger row parked (CreateWaitpoint without a run to write).
+UPDATE runs SET status = 'parked', step = 'parked', updated_at = now()
+WHERE run_id = $1 AND ended_at IS NULL
+RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos;
+
+-- name: get_waitpoint
+SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos
+FROM waitpoints WHERE token = $1;
+
+-- name: lock_waitpoint
+-- Serializes decisions on one token, so exactly one of them completes it.
+SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos,
+    expires_at < now() AS past_expiry
+FROM waitpoints WHERE token = $1
+FOR UPDATE;
+
+-- name: list_waitpoints
+SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos
+FROM waitpoints
+WHERE company_id = $1 AND status = $2 AND pos > $3
+ORDER BY pos
+LIMIT $4;
+
+-- name: held_actions_of
+SELECT token, action_index, kind, arguments_json, decision, decided_by, decided_at
+FROM held_actions
+WHERE token = ANY ($1::uuid[])
+ORDER BY token, action_index;
+
+-- name: decide_held_action
+UPDATE held_actions SET decision = $3, decided_by = $4, decided_at = now()
+WHERE token = $1 AND action_index = $2 AND decision = 'pending';
+
+-- name: complete_waitpoint_if_decided
+-- Completes the token once no held action is pending; no row while some still is.
+UPDATE waitpoints SET status = 'completed'
+WHERE token = $1 AND status = 'pending'
+    AND NOT EXISTS (SELECT 1 FROM held_actions WHERE token = $1 AND decision = 'pending')
+RETURNING token;
+
+-- name: expire_waitpoint
+UPDATE waitpoints SET status = 'expired' WHERE token = $1 AND status = 'pending';
+
+-- name: expire_due_waitpoints
+-- Pending tokens past their expiry, each with its decision wake, in one statement (one transaction).
+WITH expired AS (
+    UPDATE waitpoints SET status = 'expired'
+    WHERE token IN (
+        SELECT token FROM waitpoints
+        WHERE status = 'pending' AND expires_at < now()
+        ORDER BY expires_at
+        LIMIT $1
+        FOR UPDATE SKIP LOCKED
+    )
+    RETURNING token, agent_id, room_id
+), woken AS (
+    INSERT INTO wake_outbox (agent_id, room_id, kind, source_id)
+    SELECT agent_id, room_id, 'decision', token::text FROM expired
+    ON CONFLICT (agent_id, kind, source_id) DO NOTHING
+)
+SELECT count(*) FROM expired;
