@@ -537,6 +537,7 @@ class RoomServicePostMessageRequest(_message.Message):
     MENTION_AGENT_IDS_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     DEDUPE_KEY_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     body: _builtins.str
     run_id: _builtins.str
@@ -547,6 +548,12 @@ class RoomServicePostMessageRequest(_message.Message):
     def author(self) -> _common_pb2.Author: ...
     @_builtins.property
     def mention_agent_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def run(self) -> _common_pb2.Run:
+        """When set (Runtime), this ledger row is recorded in the same transaction as the write,
+        with the write's id filled in: the write and its record commit together or not at all.
+        """
+
     def __init__(
         self,
         *,
@@ -556,10 +563,11 @@ class RoomServicePostMessageRequest(_message.Message):
         mention_agent_ids: _abc.Iterable[_builtins.str] | None = ...,
         run_id: _builtins.str = ...,
         dedupe_key: _builtins.str = ...,
+        run: _common_pb2.Run | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["author", b"author"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "body", b"body", "dedupe_key", b"dedupe_key", "mention_agent_ids", b"mention_agent_ids", "room_id", b"room_id", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "body", b"body", "dedupe_key", b"dedupe_key", "mention_agent_ids", b"mention_agent_ids", "room_id", b"room_id", "run", b"run", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -657,12 +665,22 @@ class RoomServiceCreateTaskRequest(_message.Message):
     BODY_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     DEDUPE_KEY_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    RUN_ACTION_INDEX_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     to_agent_id: _builtins.str
     title: _builtins.str
     body: _builtins.str
     run_id: _builtins.str
     dedupe_key: _builtins.str
+    run_action_index: _builtins.int
+    """With run: the index of the declared action this write does (marked DONE with the write's id)."""
+    @_builtins.property
+    def run(self) -> _common_pb2.Run:
+        """When set (Runtime), this ledger row is recorded in the same transaction as the write,
+        with the write's id filled in: the write and its record commit together or not at all.
+        """
+
     def __init__(
         self,
         *,
@@ -672,10 +690,12 @@ class RoomServiceCreateTaskRequest(_message.Message):
         body: _builtins.str = ...,
         run_id: _builtins.str = ...,
         dedupe_key: _builtins.str = ...,
+        run: _common_pb2.Run | None = ...,
+        run_action_index: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["from", b"from"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["from", b"from", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "dedupe_key", b"dedupe_key", "from", b"from", "room_id", b"room_id", "run_id", b"run_id", "title", b"title", "to_agent_id", b"to_agent_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "dedupe_key", b"dedupe_key", "from", b"from", "room_id", b"room_id", "run", b"run", "run_action_index", b"run_action_index", "run_id", b"run_id", "title", b"title", "to_agent_id", b"to_agent_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -719,6 +739,8 @@ class RoomServiceUpdateTaskRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     DEDUPE_KEY_FIELD_NUMBER: _builtins.int
     ROOM_ID_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    RUN_ACTION_INDEX_FIELD_NUMBER: _builtins.int
     task_id: _builtins.str
     note: _builtins.str
     status: _common_pb2.TaskStatus.ValueType
@@ -727,8 +749,16 @@ class RoomServiceUpdateTaskRequest(_message.Message):
     dedupe_key: _builtins.str
     room_id: _builtins.str
     """When set, NOT_FOUND unless the task is in this room."""
+    run_action_index: _builtins.int
+    """With run: the index of the declared action this write does (marked DONE with the write's id)."""
     @_builtins.property
     def author(self) -> _common_pb2.Author: ...
+    @_builtins.property
+    def run(self) -> _common_pb2.Run:
+        """When set (Runtime), this ledger row is recorded in the same transaction as the write,
+        with the write's id filled in: the write and its record commit together or not at all.
+        """
+
     def __init__(
         self,
         *,
@@ -739,10 +769,12 @@ class RoomServiceUpdateTaskRequest(_message.Message):
         run_id: _builtins.str = ...,
         dedupe_key: _builtins.str = ...,
         room_id: _builtins.str = ...,
+        run: _common_pb2.Run | None = ...,
+        run_action_index: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["author", b"author"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "dedupe_key", b"dedupe_key", "note", b"note", "room_id", b"room_id", "run_id", b"run_id", "status", b"status", "task_id", b"task_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "dedupe_key", b"dedupe_key", "note", b"note", "room_id", b"room_id", "run", b"run", "run_action_index", b"run_action_index", "run_id", b"run_id", "status", b"status", "task_id", b"task_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -882,13 +914,23 @@ class RoomServiceWriteMemoryRequest(_message.Message):
     VISIBILITY_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
     DEDUPE_KEY_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    RUN_ACTION_INDEX_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     text: _builtins.str
     visibility: _common_pb2.MemoryVisibility.ValueType
     run_id: _builtins.str
     dedupe_key: _builtins.str
+    run_action_index: _builtins.int
+    """With run: the index of the declared action this write does (marked DONE with the write's id)."""
     @_builtins.property
     def author(self) -> _common_pb2.Author: ...
+    @_builtins.property
+    def run(self) -> _common_pb2.Run:
+        """When set (Runtime), this ledger row is recorded in the same transaction as the write,
+        with the write's id filled in: the write and its record commit together or not at all.
+        """
+
     def __init__(
         self,
         *,
@@ -898,10 +940,12 @@ class RoomServiceWriteMemoryRequest(_message.Message):
         visibility: _common_pb2.MemoryVisibility.ValueType = ...,
         run_id: _builtins.str = ...,
         dedupe_key: _builtins.str = ...,
+        run: _common_pb2.Run | None = ...,
+        run_action_index: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["author", b"author"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "dedupe_key", b"dedupe_key", "room_id", b"room_id", "run_id", b"run_id", "text", b"text", "visibility", b"visibility"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "dedupe_key", b"dedupe_key", "room_id", b"room_id", "run", b"run", "run_action_index", b"run_action_index", "run_id", b"run_id", "text", b"text", "visibility", b"visibility"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1741,3 +1785,101 @@ class RoomServiceExpireWaitpointsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoomServiceExpireWaitpointsResponse: _TypeAlias = RoomServiceExpireWaitpointsResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceReadRunContextRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    WAKE_KIND_FIELD_NUMBER: _builtins.int
+    WAKE_SOURCE_ID_FIELD_NUMBER: _builtins.int
+    RECENT_MESSAGES_FIELD_NUMBER: _builtins.int
+    MAX_PASSAGES_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    room_id: _builtins.str
+    wake_kind: _common_pb2.WakeKind.ValueType
+    """What woke the agent: its text (a message's body, a task's title and body) is the passage query."""
+    wake_source_id: _builtins.str
+    recent_messages: _builtins.int
+    """1..200, default 20."""
+    max_passages: _builtins.int
+    """1..50, default 5."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        room_id: _builtins.str = ...,
+        wake_kind: _common_pb2.WakeKind.ValueType = ...,
+        wake_source_id: _builtins.str = ...,
+        recent_messages: _builtins.int = ...,
+        max_passages: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "max_passages", b"max_passages", "recent_messages", b"recent_messages", "room_id", b"room_id", "wake_kind", b"wake_kind", "wake_source_id", b"wake_source_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceReadRunContextRequest: _TypeAlias = RoomServiceReadRunContextRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceReadRunContextResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    PROVIDER_KEY_FIELD_NUMBER: _builtins.int
+    RIGHTS_FIELD_NUMBER: _builtins.int
+    ROOM_AGENTS_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    OPEN_TASKS_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    PASSAGES_FIELD_NUMBER: _builtins.int
+    WAKE_TEXT_FIELD_NUMBER: _builtins.int
+    provider_key: _builtins.str
+    wake_text: _builtins.str
+    """The text of what woke the agent (empty for a decision)."""
+    @_builtins.property
+    def agent(self) -> _common_pb2.Agent: ...
+    @_builtins.property
+    def rights(self) -> _common_pb2.AgentRights:
+        """Every right resolved to AUTO, HOLD or DENY."""
+
+    @_builtins.property
+    def room_agents(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Agent]:
+        """Agents of the room's member companies (at most 200)."""
+
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]:
+        """The most recent messages, oldest first."""
+
+    @_builtins.property
+    def open_tasks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]:
+        """Open tasks sent to the agent (at most 50, oldest first)."""
+
+    @_builtins.property
+    def memory(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.MemoryLine]:
+        """Memory lines the agent's company may read (at most 50, newest first)."""
+
+    @_builtins.property
+    def passages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Passage]: ...
+    def __init__(
+        self,
+        *,
+        agent: _common_pb2.Agent | None = ...,
+        provider_key: _builtins.str = ...,
+        rights: _common_pb2.AgentRights | None = ...,
+        room_agents: _abc.Iterable[_common_pb2.Agent] | None = ...,
+        messages: _abc.Iterable[_common_pb2.Message] | None = ...,
+        open_tasks: _abc.Iterable[_common_pb2.Task] | None = ...,
+        memory: _abc.Iterable[_common_pb2.MemoryLine] | None = ...,
+        passages: _abc.Iterable[_common_pb2.Passage] | None = ...,
+        wake_text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "rights", b"rights"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent", "memory", b"memory", "messages", b"messages", "open_tasks", b"open_tasks", "passages", b"passages", "provider_key", b"provider_key", "rights", b"rights", "room_agents", b"room_agents", "wake_text", b"wake_text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceReadRunContextResponse: _TypeAlias = RoomServiceReadRunContextResponse  # noqa: Y015

@@ -213,6 +213,11 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsResponse.FromString,
                 _registered_method=True)
+        self.ReadRunContext = channel.unary_unary(
+                '/quayutec.v1.RoomService/ReadRunContext',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextResponse.FromString,
+                _registered_method=True)
 
 
 class RoomServiceServicer:
@@ -496,6 +501,17 @@ class RoomServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadRunContext(self, request, context):
+        """ReadRunContext reads, in one call, what a run needs to see of the room: the agent and its
+        decrypted provider key, its effective rights, the room's agents, recent messages, open tasks
+        sent to the agent, memory its company may read, and the file passages matching the wake.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
+        FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoomServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -673,6 +689,11 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.ExpireWaitpoints,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsResponse.SerializeToString,
+            ),
+            'ReadRunContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadRunContext,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1624,6 +1645,33 @@ class RoomService:
             '/quayutec.v1.RoomService/ExpireWaitpoints',
             quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceExpireWaitpointsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRunContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/ReadRunContext',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextResponse.FromString,
             options,
             channel_credentials,
             insecure,

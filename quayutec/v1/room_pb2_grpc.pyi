@@ -156,6 +156,13 @@ class RoomServiceStub:
     """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
     each, so the run ends its held actions undone. Errors: INVALID_ARGUMENT.
     """
+    ReadRunContext: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceReadRunContextRequest, _room_pb2.RoomServiceReadRunContextResponse]
+    """ReadRunContext reads, in one call, what a run needs to see of the room: the agent and its
+    decrypted provider key, its effective rights, the room's agents, recent messages, open tasks
+    sent to the agent, memory its company may read, and the file passages matching the wake.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
+    FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
+    """
 
 @_typing.type_check_only
 class RoomServiceAsyncStub(RoomServiceStub):
@@ -284,6 +291,13 @@ class RoomServiceAsyncStub(RoomServiceStub):
     ExpireWaitpoints: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceExpireWaitpointsRequest, _room_pb2.RoomServiceExpireWaitpointsResponse]  # type: ignore[assignment]
     """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
     each, so the run ends its held actions undone. Errors: INVALID_ARGUMENT.
+    """
+    ReadRunContext: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceReadRunContextRequest, _room_pb2.RoomServiceReadRunContextResponse]  # type: ignore[assignment]
+    """ReadRunContext reads, in one call, what a run needs to see of the room: the agent and its
+    decrypted provider key, its effective rights, the room's agents, recent messages, open tasks
+    sent to the agent, memory its company may read, and the file passages matching the wake.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
+    FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
     """
 
 class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -620,6 +634,19 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_room_pb2.RoomServiceExpireWaitpointsResponse, _abc.Awaitable[_room_pb2.RoomServiceExpireWaitpointsResponse]]:
         """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
         each, so the run ends its held actions undone. Errors: INVALID_ARGUMENT.
+        """
+
+    @_abc_1.abstractmethod
+    def ReadRunContext(
+        self,
+        request: _room_pb2.RoomServiceReadRunContextRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceReadRunContextResponse, _abc.Awaitable[_room_pb2.RoomServiceReadRunContextResponse]]:
+        """ReadRunContext reads, in one call, what a run needs to see of the room: the agent and its
+        decrypted provider key, its effective rights, the room's agents, recent messages, open tasks
+        sent to the agent, memory its company may read, and the file passages matching the wake.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
+        FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
         """
 
 def add_RoomServiceServicer_to_server(servicer: RoomServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
