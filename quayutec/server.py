@@ -18,8 +18,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from quayutec.config import ServerConfig
+from quayutec.config import ServerConfig, ServiceSpec
 from quayutec.errors import ErrorMappingInterceptor
+from quayutec.telemetry import setup_telemetry
 
 _log = logging.getLogger("quayutec.server")
 
@@ -112,12 +113,17 @@ class GrpcServer:
         await self.stop()
 
 
-def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    """The ``python -m services.<name>`` entry: logging, uvloop when present, then ``main``."""
+def run_service(main: Callable[[], Coroutine[Any, Any, None]], service: ServiceSpec | str) -> None:
+    """The ``python -m services.<name>`` entry: logging, telemetry (before any server, channel or
+    pool exists, so the instrumentation sees them), uvloop when present, then ``main``; flushes at exit."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    telemetry = setup_telemetry(service.name if isinstance(service, ServiceSpec) else service)
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
-        asyncio.run(main())
-    else:
-        uvloop.run(main())
+        try:
+            import uvloop
+        except ImportError:  # pragma: no cover - uvloop is a pinned dependency
+            asyncio.run(main())
+        else:
+            uvloop.run(main())
+    finally:
+        telemetry.shutdown()

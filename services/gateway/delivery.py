@@ -19,6 +19,7 @@ from typing import Any
 
 import grpc
 
+from quayutec.telemetry import Metrics, wake_delivery_span
 from quayutec.v1 import common_pb2, room_pb2, runtime_pb2
 from services.gateway.config import DeliveryConfig
 
@@ -45,12 +46,14 @@ class WakeDelivery:
         *,
         lease_owner: str | None = None,
         random_fraction: Callable[[], float] = random.random,
+        metrics: Metrics | None = None,
     ) -> None:
         self._room = room
         self._runtime = runtime
         self._config = config
         self.lease_owner = lease_owner or str(uuid.uuid4())
         self._random = random_fraction
+        self._metrics = metrics or Metrics(observe_wakes=True)
         self._task: asyncio.Task[None] | None = None
         self._expiry_task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
@@ -101,6 +104,7 @@ class WakeDelivery:
                 await self._sleep(delay)
                 continue
             room_failures = 0
+            await self._metrics.refresh_wake_backlog(self._room, rpc_timeout_seconds=_ROOM_TIMEOUT_SECONDS)
             for wake in wakes:
                 task = asyncio.create_task(self._deliver(wake))
                 self._in_flight.add(task)
@@ -147,6 +151,11 @@ class WakeDelivery:
         return list(response.wakes)
 
     async def _deliver(self, wake: common_pb2.Wake) -> None:
+        """One wake, one trace: its delivery span is the root of StartRun, the run and the settling."""
+        with wake_delivery_span(wake):
+            await self._start_and_settle(wake)
+
+    async def _start_and_settle(self, wake: common_pb2.Wake) -> None:
         """Start the wake's run; settle DELIVERED on a claim (new or earlier), RETRY otherwise."""
         request = runtime_pb2.StartRunRequest(
             agent_id=wake.agent_id,

@@ -22,6 +22,7 @@ import httpx
 from opentelemetry import trace
 
 from quayutec.errors import InvalidArgument, ResourceExhausted
+from quayutec.telemetry import Metrics, annotate, run_outcome, run_span
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import (
@@ -129,6 +130,7 @@ class Ledger:
     timeout: float
     # Monotonic start of the run's active time (time parked on a waitpoint is not counted).
     started: float = field(default_factory=time.monotonic)
+    metrics: Metrics | None = None
 
     def snapshot(self) -> common_pb2.Run:
         self.run.active_ms = int((time.monotonic() - self.started) * 1000)
@@ -172,6 +174,8 @@ class Ledger:
         self.run.step = common_pb2.RUN_STEP_ENDED
         self.run.ended_at.GetCurrentTime()
         await self.save()
+        if self.metrics is not None:
+            self.metrics.run_ended(run_outcome(status))
 
 
 UNFINISHED = (
@@ -193,6 +197,7 @@ class RunExecutor:
         http: httpx.AsyncClient,
         policy: RetryPolicy,
         clock: Clock,
+        metrics: Metrics | None = None,
     ) -> None:
         self._config = config
         self._claims = claims
@@ -200,6 +205,7 @@ class RunExecutor:
         self._http = http
         self._policy = policy
         self._clock = clock
+        self._metrics = metrics or Metrics()
         self._active = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -213,6 +219,7 @@ class RunExecutor:
         if continuation and not wake.source_id:
             raise InvalidArgument("a DECISION wake needs wake_source_id (the waitpoint token)")
         run_id = "" if continuation else run_id_for(wake.agent_id, wake.wake_id)
+        annotate(agent_id=wake.agent_id, room_id=wake.room_id, wake_id=wake.wake_id, run_id=run_id)
         if self._active >= self._config.max_runs:
             raise ResourceExhausted(
                 f"{self._active} runs are executing (limit {self._config.max_runs}); deliver the wake again later",
@@ -231,13 +238,16 @@ class RunExecutor:
             if continuation:
                 waitpoint = await self._get_waitpoint(wake.source_id)
                 run_id = waitpoint.run_id
+                annotate(run_id=run_id)
             if not claim.claimed:
+                self._metrics.claim_refused()
                 return runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED, run_id
             work = self.run(wake, run_id) if waitpoint is None else self.continue_run(waitpoint)
             task = asyncio.create_task(self._run_and_release(work, run_id), name=f"run {run_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             handed_off = True
+            self._metrics.run_started()
             return runtime_pb2.START_RUN_RESULT_ACCEPTED, run_id
         finally:
             if not handed_off:
@@ -245,15 +255,19 @@ class RunExecutor:
 
     async def _run_and_release(self, work: Coroutine[Any, Any, None], run_id: str) -> None:
         try:
-            await work
+            with run_span(run_id=run_id):
+                await work
         except Exception:
+            self._metrics.run_ended("error")
             _log.exception("run %s failed outside its ledger", run_id)
         finally:
             self._active -= 1
 
     async def run(self, wake: Wake, run_id: str) -> None:
         """One claimed run, in DESIGN.md's order. Nothing here is ever redone."""
-        ledger = Ledger(self._room, self._new_run_row(wake, run_id), self._config.backend_timeout_seconds)
+        annotate(agent_id=wake.agent_id, room_id=wake.room_id, wake_id=wake.wake_id)
+        row = self._new_run_row(wake, run_id)
+        ledger = Ledger(self._room, row, self._config.backend_timeout_seconds, metrics=self._metrics)
         await ledger.step(common_pb2.RUN_STEP_CLAIMED)  # 1. claimed (by start) before anything else
         await self._failpoint("claimed", run_id)
         active_time = asyncio.timeout(self._config.run_seconds)
@@ -261,6 +275,7 @@ class RunExecutor:
             async with active_time:
                 view = await self.read_room(wake)  # 2. read the room
                 ledger.run.company_id = view.agent.company_id
+                annotate(company_id=view.agent.company_id)
                 ledger.run.step = common_pb2.RUN_STEP_ROOM_READ
                 await self._failpoint("room_read", run_id)
 
@@ -330,7 +345,8 @@ class RunExecutor:
         if run.status != common_pb2.RUN_STATUS_PARKED:
             _log.warning("run %s is %s, not parked; its decision is not acted on", run.run_id, run.status)
             return
-        ledger = Ledger(self._room, run, t, started=time.monotonic() - run.active_ms / 1000)
+        annotate(agent_id=run.agent_id, room_id=run.room_id, wake_id=run.wake_id, company_id=run.company_id)
+        ledger = Ledger(self._room, run, t, started=time.monotonic() - run.active_ms / 1000, metrics=self._metrics)
         run.status = common_pb2.RUN_STATUS_RUNNING
         decisions = {h.index: h for h in waitpoint.held}
         for action in run.actions:
@@ -490,13 +506,18 @@ class RunExecutor:
             base_url=base_url,
             owner_supplied=owner_supplied,
         )
+
+        async def on_attempt(attempt: Attempt) -> None:
+            self._metrics.model_request(provider, attempt.error_class)
+            await ledger.add_attempt(attempt)
+
         outcome = await call_model(
             self._http,
             target,
             build_request(view),
             policy=self._policy,
             clock=self._clock,
-            on_attempt=ledger.add_attempt,
+            on_attempt=on_attempt,
         )
         if outcome.reply is None:
             await ledger.end(common_pb2.RUN_STATUS_FAILED, f"model call failed: {outcome.error}")

@@ -28,12 +28,15 @@ async def backends(database_url: str) -> AsyncIterator[tuple[str, str]]:
         yield claims_addr, room_addr
 
 
+# Channels the tests open to Runtimes; closed after each test (a dropped channel is collected early).
+CHANNELS: list[grpc.aio.Channel] = []
+
+
 @pytest.fixture
 async def world(backends: tuple[str, str]) -> AsyncIterator[World]:
-    channels: list[grpc.aio.Channel] = []
-    yield await make_world(backends[1], backends[0], channels)
-    for channel in channels:
-        await channel.close()
+    yield await make_world(backends[1], backends[0], CHANNELS)
+    while CHANNELS:
+        await CHANNELS.pop().close()
 
 
 async def set_rights(w: World, **rights: common_pb2.ActionRight.ValueType) -> None:
@@ -93,7 +96,7 @@ async def test_auto_hold_and_deny(backends: tuple[str, str], world: World, stand
     await set_rights(w, remember=DENY, create_task=HOLD)
     script(standin, w)
     async with running_runtime(*backends, standin_url=standin.base_url) as addr:
-        run = await start_and_wait(w, runtime_stub(addr, []), PARKED)
+        run = await start_and_wait(w, runtime_stub(addr, CHANNELS), PARKED)
     assert run.step == common_pb2.RUN_STEP_PARKED
     assert [a.outcome for a in run.actions] == [DENIED, HELD]
     assert run.posted_message_id  # the reply is posted before parking
@@ -111,7 +114,7 @@ async def test_cross_company_task_right_is_applied(
     await set_rights(w, create_task=AUTO, cross_company_task=HOLD)
     script(standin, w)
     async with running_runtime(*backends, standin_url=standin.base_url) as addr:
-        run = await start_and_wait(w, runtime_stub(addr, []), PARKED)
+        run = await start_and_wait(w, runtime_stub(addr, CHANNELS), PARKED)
     assert [a.outcome for a in run.actions] == [DONE, HELD]
     assert [m.text for m in await w.memory(w.company_a)] == ["launch on Friday"]
 
@@ -127,7 +130,7 @@ async def test_a_decision_continues_the_run_once(
         running_runtime(*backends, standin_url=standin.base_url) as one,
         running_runtime(*backends, standin_url=standin.base_url) as two,
     ):
-        r1, r2 = runtime_stub(one, []), runtime_stub(two, [])
+        r1, r2 = runtime_stub(one, CHANNELS), runtime_stub(two, CHANNELS)
         run = await start_and_wait(w, r1, PARKED)
         assert [a.outcome for a in run.actions] == [DONE, HELD]
         wp = await waitpoint_of(w, run.run_id)
@@ -155,7 +158,7 @@ async def test_another_company_cannot_decide(backends: tuple[str, str], world: W
     await set_rights(w, remember=HOLD)
     script(standin, w)
     async with running_runtime(*backends, standin_url=standin.base_url) as addr:
-        run = await start_and_wait(w, runtime_stub(addr, []), PARKED)
+        run = await start_and_wait(w, runtime_stub(addr, CHANNELS), PARKED)
     wp = await waitpoint_of(w, run.run_id)
     with pytest.raises(grpc.aio.AioRpcError) as refused:
         await decide(w, wp.token, 0, True, company=w.company_b)
@@ -171,7 +174,7 @@ async def test_a_parked_run_continues_on_a_fresh_runtime(
     proc = RuntimeProcess(*backends, standin.base_url)
     try:
         await proc.wait_ready()
-        run = await start_and_wait(w, runtime_stub(proc.addr, []), PARKED)
+        run = await start_and_wait(w, runtime_stub(proc.addr, CHANNELS), PARKED)
     finally:
         proc.kill()  # the Runtime that parked the run is gone
     wp = await waitpoint_of(w, run.run_id)
@@ -179,7 +182,7 @@ async def test_a_parked_run_continues_on_a_fresh_runtime(
     assert (await decide(w, wp.token, 1, True)).completed
     (wake,) = await decision_wakes(w)
     async with running_runtime(*backends, standin_url=standin.base_url) as addr:
-        assert (await runtime_stub(addr, []).StartRun(start_request(wake))).result == (
+        assert (await runtime_stub(addr, CHANNELS).StartRun(start_request(wake))).result == (
             runtime_pb2.START_RUN_RESULT_ACCEPTED
         )
         done = await w.wait_for_run(run.run_id, ENDED)
@@ -196,7 +199,7 @@ async def test_an_expired_token_ends_the_held_actions_undone(
     await set_rights(w, create_task=HOLD)
     script(standin, w)
     async with running_runtime(*backends, standin_url=standin.base_url, waitpoint_ttl_seconds=1) as addr:
-        rt = runtime_stub(addr, [])
+        rt = runtime_stub(addr, CHANNELS)
         run = await start_and_wait(w, rt, PARKED)
         wp = await waitpoint_of(w, run.run_id)
         expired = 0
@@ -223,7 +226,7 @@ async def test_time_parked_does_not_count(backends: tuple[str, str], world: Worl
     await set_rights(w, create_task=HOLD)
     script(standin, w)
     async with running_runtime(*backends, standin_url=standin.base_url, run_seconds=3.0) as addr:
-        rt = runtime_stub(addr, [])
+        rt = runtime_stub(addr, CHANNELS)
         run = await start_and_wait(w, rt, PARKED)
         await asyncio.sleep(3.5)  # parked longer than the whole active-time budget
         wp = await waitpoint_of(w, run.run_id)

@@ -1,0 +1,80 @@
+"""The "quayutec" instruments, read through an in-memory reader on a meter of the test's own."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grpc
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+from quayutec.telemetry import METER_NAME, Metrics, run_outcome
+from quayutec.v1 import common_pb2, room_pb2_grpc
+from tests.harness.room import running_room
+
+
+def _points(reader: InMemoryMetricReader) -> dict[str, list[tuple[dict[str, Any], Any]]]:
+    data = reader.get_metrics_data()
+    found: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+    if data is None:
+        return found
+    for resource in data.resource_metrics:
+        for scope in resource.scope_metrics:
+            for metric in scope.metrics:
+                for point in metric.data.data_points:
+                    found.setdefault(metric.name, []).append(
+                        (dict(point.attributes or {}), getattr(point, "value", None))
+                    )
+    return found
+
+
+def _metrics(*, observe_wakes: bool = False) -> tuple[Metrics, InMemoryMetricReader]:
+    reader = InMemoryMetricReader()
+    meter = MeterProvider(metric_readers=[reader]).get_meter(METER_NAME)
+    return Metrics(meter, observe_wakes=observe_wakes), reader
+
+
+def test_counters_carry_their_labels() -> None:
+    metrics, reader = _metrics()
+    metrics.run_started()
+    metrics.run_started()
+    metrics.run_ended(run_outcome(common_pb2.RUN_STATUS_SUCCEEDED))
+    metrics.run_ended(run_outcome(common_pb2.RUN_STATUS_TIMED_OUT))
+    metrics.claim_refused()
+    metrics.model_request("anthropic", "rate_limited")
+    metrics.model_request("anthropic", "ok")
+    metrics.model_request("anthropic", "ok")
+    points = _points(reader)
+    assert points["quayutec.runs.started"] == [({}, 2)]
+    assert sorted(points["quayutec.runs.ended"], key=str) == [
+        ({"outcome": "succeeded"}, 1),
+        ({"outcome": "timed_out"}, 1),
+    ]
+    assert points["quayutec.claims.refused"] == [({}, 1)]
+    assert sorted(points["quayutec.model.requests"], key=str) == [
+        ({"provider": "anthropic", "error_class": "ok"}, 2),
+        ({"provider": "anthropic", "error_class": "rate_limited"}, 1),
+    ]
+
+
+def test_wake_gauges_report_the_latest_backlog_and_nothing_before() -> None:
+    metrics, reader = _metrics(observe_wakes=True)
+    assert "quayutec.wakes.pending" not in _points(reader)
+    metrics.set_wake_backlog(7, 1500)
+    metrics.set_wake_backlog(3, 250)
+    points = _points(reader)
+    assert points["quayutec.wakes.pending"] == [({}, 3)]
+    assert points["quayutec.wakes.delivery_lag_ms"] == [({}, 250)]
+
+
+async def test_the_backlog_is_read_from_the_room_at_most_every_interval(database_url: str) -> None:
+    metrics, reader = _metrics(observe_wakes=True)
+    async with running_room(database_url) as room_addr, grpc.aio.insecure_channel(room_addr) as channel:
+        room = room_pb2_grpc.RoomServiceStub(channel)
+        await metrics.refresh_wake_backlog(room, rpc_timeout_seconds=10.0, every_seconds=3600)
+        assert _points(reader)["quayutec.wakes.pending"] == [({}, 0)]
+        metrics.set_wake_backlog(5, 10)
+        await metrics.refresh_wake_backlog(room, rpc_timeout_seconds=10.0, every_seconds=3600)
+        assert _points(reader)["quayutec.wakes.pending"] == [({}, 5)]  # not asked again within the interval
+        await metrics.refresh_wake_backlog(room, rpc_timeout_seconds=10.0, every_seconds=0)
+        assert _points(reader)["quayutec.wakes.pending"] == [({}, 0)]
