@@ -211,7 +211,7 @@ async def test_one_wake_is_one_trace_across_the_services(
     in_trace_names = {s.name for s in in_trace}
     for name in (
         "/quayutec.v1.ClaimsService/ClaimOnce",
-        "/quayutec.v1.RoomService/GetAgentCredentials",
+        "/quayutec.v1.RoomService/ReadRunContext",
         "/quayutec.v1.RoomService/RecordRun",
         "/quayutec.v1.RoomService/PostMessage",  # the reply
     ):
@@ -221,7 +221,7 @@ async def test_one_wake_is_one_trace_across_the_services(
     per_wake = {
         "/quayutec.v1.RuntimeService/StartRun",
         "/quayutec.v1.ClaimsService/ClaimOnce",
-        "/quayutec.v1.RoomService/GetAgentCredentials",
+        "/quayutec.v1.RoomService/ReadRunContext",
         "/quayutec.v1.RoomService/RecordRun",
         f"chat {model}",
     }
@@ -252,30 +252,19 @@ async def test_one_wake_is_one_trace_across_the_services(
     assert all(s.attr("db.statement.parameters") is None for s in spans)
 
     # --- Patches pending in delivery.py and run.py: the delivery root and the run's own span.
-    pending: list[str] = []
-    roots = [s for s in spans if s.name == "deliver wake" and s.attr("quayutec.wake_id") == wake_id]
-    if roots:
-        (root,) = roots
-        assert root.trace_id == trace_id
-        assert not root.span.parent_span_id
-        assert (root.attr("quayutec.agent_id"), root.attr("quayutec.room_id")) == (agent.agent_id, room.room_id)
-        starts = [s for s in in_trace if s.name == "/quayutec.v1.RuntimeService/StartRun"]
-        assert {s.span.kind for s in starts} == {Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_SERVER}
-        assert "/quayutec.v1.RoomService/SettleWake" in in_trace_names
-    else:
-        pending.append("the Gateway's delivery loop does not open wake_delivery_span")
-    runs = [s for s in spans if s.name == "run" and s.attr("quayutec.run_id") == run_id]
-    if runs:
-        (run_span,) = runs
-        assert run_span.trace_id == trace_id
-        assert run_span.span.parent_span_id == start_servers[0].span.span_id
-        assert run_span.attr("quayutec.company_id") == acme.company_id
-        assert start_servers[0].attr("quayutec.wake_id") == wake_id
-        assert all(a.span.trace_id == run_span.span.trace_id for a in attempts)
-    else:
-        pending.append("the Runtime does not open run_span / annotate")
-    if pending:
-        pytest.xfail("; ".join(pending))
+    (root,) = [s for s in spans if s.name == "deliver wake" and s.attr("quayutec.wake_id") == wake_id]
+    assert root.trace_id == trace_id
+    assert not root.span.parent_span_id
+    assert (root.attr("quayutec.agent_id"), root.attr("quayutec.room_id")) == (agent.agent_id, room.room_id)
+    starts = [s for s in in_trace if s.name == "/quayutec.v1.RuntimeService/StartRun"]
+    assert {s.span.kind for s in starts} == {Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_SERVER}
+    assert "/quayutec.v1.RoomService/SettleWake" in in_trace_names
+    (run_span,) = [s for s in spans if s.name == "run" and s.attr("quayutec.run_id") == run_id]
+    assert run_span.trace_id == trace_id
+    assert run_span.span.parent_span_id == start_servers[0].span.span_id
+    assert run_span.attr("quayutec.company_id") == acme.company_id
+    assert start_servers[0].attr("quayutec.wake_id") == wake_id
+    assert all(a.span.trace_id == run_span.span.trace_id for a in attempts)
 
 
 def _server(s: Got) -> bool:

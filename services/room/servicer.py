@@ -13,7 +13,7 @@ from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.room import convert
 from services.room import validate as v
 from services.room.passages import split_passages
-from services.room.store import HeldSpec, RoomStore
+from services.room.store import HeldSpec, RoomStore, RunRecord
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
 
@@ -175,6 +175,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             mention_agent_ids=mentions,
             run_id=v.optional_key(request.run_id, "run_id"),
             dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+            run=RunRecord(_checked_run(request.run)) if request.HasField("run") else None,
         )
         return room_pb2.RoomServicePostMessageResponse(
             message=convert.message(posted.row),
@@ -211,6 +212,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             body=v.text(request.body, "body", v.MAX_BODY_BYTES, required=False),
             run_id=v.optional_key(request.run_id, "run_id"),
             dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+            run=_run_record(request),
         )
         return room_pb2.RoomServiceCreateTaskResponse(
             task=convert.task(posted.row),
@@ -238,6 +240,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             status=closing,
             run_id=v.optional_key(request.run_id, "run_id"),
             dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+            run=_run_record(request),
         )
         return room_pb2.RoomServiceUpdateTaskResponse(
             task=convert.task(result.task, result.updates),
@@ -286,6 +289,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             visibility=visibility,
             run_id=v.optional_key(request.run_id, "run_id"),
             dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+            run=_run_record(request),
         )
         return room_pb2.RoomServiceWriteMemoryResponse(line=convert.memory_line(row), deduplicated=deduplicated)
 
@@ -499,6 +503,53 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     ) -> room_pb2.RoomServiceExpireWaitpointsResponse:
         limit = v.in_range(request.limit or 100, "limit", 1, 1000)
         return room_pb2.RoomServiceExpireWaitpointsResponse(expired=await self._store.expire_waitpoints(limit))
+
+    # -- a run's view of its room ---------------------------------------------------------------------------
+
+    async def ReadRunContext(
+        self, request: room_pb2.RoomServiceReadRunContextRequest, context: Ctx
+    ) -> room_pb2.RoomServiceReadRunContextResponse:
+        agent_id = v.required_id(request.agent_id, "agent_id")
+        room_id = v.required_id(request.room_id, "room_id")
+        if request.wake_kind not in common_pb2.WakeKind.values():
+            raise InvalidArgument(f"wake_kind {request.wake_kind} is not a WakeKind")
+        wake_kind = convert.enum_to_text(common_pb2.WakeKind, request.wake_kind, convert.WAKE_KIND_PREFIX)
+        if wake_kind in ("message", "task"):
+            source_id = v.optional_id(request.wake_source_id, "wake_source_id")
+        else:
+            v.text(request.wake_source_id, "wake_source_id", v.MAX_KEY_BYTES, required=False)
+            source_id = None
+        ctx = await self._store.read_run_context(
+            agent_id=agent_id,
+            room_id=room_id,
+            wake_kind=wake_kind,
+            wake_source_id=source_id,
+            recent_messages=v.in_range(request.recent_messages or 20, "recent_messages", 1, 200),
+            max_passages=v.in_range(request.max_passages or 5, "max_passages", 1, 50),
+        )
+        company_id = str(ctx.agent["company_id"])
+        return room_pb2.RoomServiceReadRunContextResponse(
+            agent=convert.agent(ctx.agent),
+            provider_key=ctx.provider_key,
+            rights=convert.effective_rights(ctx.company_default, ctx.agent_rights, company_id, agent_id),
+            room_agents=[convert.agent(r) for r in ctx.room_agents],
+            messages=[convert.message(r) for r in ctx.messages],
+            open_tasks=[convert.task(r, ctx.task_updates[str(r["task_id"])]) for r in ctx.open_tasks],
+            memory=[convert.memory_line(r) for r in ctx.memory],
+            passages=[convert.passage(r) for r in ctx.passages],
+            wake_text=ctx.wake_text,
+        )
+
+
+def _run_record(
+    request: room_pb2.RoomServiceCreateTaskRequest
+    | room_pb2.RoomServiceUpdateTaskRequest
+    | room_pb2.RoomServiceWriteMemoryRequest,
+) -> RunRecord | None:
+    """The ledger row to record with an action's write, or None when the request carries none."""
+    if not request.HasField("run"):
+        return None
+    return RunRecord(_checked_run(request.run), request.run_action_index)
 
 
 def _checked_run(request_run: common_pb2.Run) -> common_pb2.Run:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from datetime import UTC
 from pathlib import Path
@@ -90,6 +90,39 @@ class Decided:
     rows: WaitpointRows
     completed: bool
     already_decided: bool
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """A ledger row to record in a write's transaction, with the write's id filled in: into
+    ``posted_message_id`` (a reply) or into the declared action with index ``action_index``."""
+
+    run: common_pb2.Run
+    action_index: int | None = None
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a run reads of its room in one consistent view (see ReadRunContext)."""
+
+    agent: Record
+    provider_key: str
+    company_default: Mapping[str, str | None]  # each right as stored, None where not set
+    agent_rights: Mapping[str, str | None]
+    room_agents: list[Record]
+    messages: list[Record]  # oldest first
+    open_tasks: list[Record]
+    task_updates: dict[str, list[Record]]
+    memory: list[Record]  # newest first
+    wake_text: str
+    passages: list[Record]
+
+
+# ReadRunContext's fixed bounds (the Runtime's view of a room).
+ROOM_AGENTS_LIMIT = 200
+OPEN_TASKS_LIMIT = 50
+MEMORY_LIMIT = 50
+PASSAGE_QUERY_BYTES = 1000  # validate.MAX_QUERY_BYTES: a longer wake text is searched by its start
 
 
 def _page(rows: Sequence[Record], limit: int, key: str) -> Page:
@@ -192,14 +225,19 @@ class RoomStore:
         row = await self._pool.fetchrow(self._q["get_agent_credentials"], agent_id)
         if row is None:
             raise NotFound(f"agent {agent_id} not found")
+        return row, self._provider_key(row)
+
+    def _provider_key(self, row: Record) -> str:
+        """The decrypted key of an agent row ("" when none is stored); FAILED_PRECONDITION if undecryptable."""
         token = row["provider_key_encrypted"]
         if token is None:
-            return row, ""
+            return ""
         try:
-            return row, self._cipher.decrypt(bytes(token)).decode("utf-8")
+            return self._cipher.decrypt(bytes(token)).decode("utf-8")
         except InvalidToken:
             raise FailedPrecondition(
-                f"the provider key of agent {agent_id} cannot be decrypted with the configured QUAYUTEC_ENCRYPTION_KEY"
+                f"the provider key of agent {row['agent_id']} cannot be decrypted with the configured "
+                "QUAYUTEC_ENCRYPTION_KEY"
             ) from None
 
     async def list_agents(self, company_id: str, after: int | None, limit: int) -> Page:
@@ -217,15 +255,19 @@ class RoomStore:
         mention_agent_ids: Sequence[str],
         run_id: str | None,
         dedupe_key: str | None,
+        run: RunRecord | None = None,
         between_writes: TransactionHook | None = None,
     ) -> Posted:
-        """Appends a message and, in the same transaction, a wake for each mentioned agent but the author."""
+        """Appends a message and, in the same transaction, a wake for each mentioned agent but the author
+        (and ``run``'s ledger row, with the message id as its posted_message_id)."""
+        self._require_run_of(run, room_id, author)
         async with self._pool.acquire() as conn, conn.transaction():
             if await conn.fetchval(self._q["lock_room_for_post"], room_id) is None:
                 raise NotFound(f"room {room_id} not found")
             if dedupe_key is not None:
                 earlier = await conn.fetchrow(self._q["find_message_by_dedupe"], room_id, dedupe_key)
                 if earlier is not None:
+                    await self._record_write(conn, run, earlier["message_id"])
                     wakes = await conn.fetch(self._q["wakes_of_source"], str(earlier["message_id"]), "message")
                     return Posted(earlier, list(wakes), True)
             author = await self._admit_author(conn, room_id, author)
@@ -237,6 +279,7 @@ class RoomStore:
                 await between_writes(conn)
             woken = [a for a in mention_agent_ids if a != author.agent_id]
             wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "message", str(row["message_id"]))
+            await self._record_write(conn, run, row["message_id"])
             return Posted(row, list(wakes), False)
 
     async def list_messages(self, room_id: str, after: int | None, limit: int, *, newest_first: bool) -> Page:
@@ -262,14 +305,18 @@ class RoomStore:
         body: str,
         run_id: str | None,
         dedupe_key: str | None,
+        run: RunRecord | None = None,
         between_writes: TransactionHook | None = None,
     ) -> Posted:
-        """Records a task and, in the same transaction, the assignee's wake (none when it assigned itself)."""
+        """Records a task and, in the same transaction, the assignee's wake (none when it assigned itself)
+        and ``run``'s ledger row with the task id."""
+        self._require_run_of(run, room_id, author)
         async with self._pool.acquire() as conn, conn.transaction():
             await self._require_room(conn, room_id)
             if dedupe_key is not None:
                 earlier = await self._earlier_task(conn, room_id, dedupe_key)
                 if earlier is not None:
+                    await self._record_write(conn, run, earlier.row["task_id"])
                     return earlier
             author = await self._admit_author(conn, room_id, author)
             await self._require_agents_in_room(conn, room_id, [to_agent_id], "agent")
@@ -280,11 +327,13 @@ class RoomStore:
                 earlier = await self._earlier_task(conn, room_id, dedupe_key)
                 if earlier is None:  # pragma: no cover - the conflict row cannot vanish
                     raise AlreadyExists(f"a task with dedupe_key {dedupe_key!r} already exists")
+                await self._record_write(conn, run, earlier.row["task_id"])
                 return earlier
             if between_writes is not None:
                 await between_writes(conn)
             woken = [to_agent_id] if to_agent_id != author.agent_id else []
             wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]))
+            await self._record_write(conn, run, row["task_id"])
             return Posted(row, list(wakes), False)
 
     async def _earlier_task(self, conn: asyncpg.Connection, room_id: str, dedupe_key: str | None) -> Posted | None:
@@ -304,15 +353,19 @@ class RoomStore:
         status: str | None,
         run_id: str | None,
         dedupe_key: str | None,
+        run: RunRecord | None = None,
     ) -> TaskUpdated:
-        """Adds a note and optionally closes the task; a closed task stays closed."""
+        """Adds a note and optionally closes the task; a closed task stays closed. ``run``'s ledger row
+        is recorded in the same transaction with the update id."""
         async with self._pool.acquire() as conn, conn.transaction():
             task = await conn.fetchrow(self._q["lock_task"], task_id)
             if task is None or (room_id is not None and str(task["room_id"]) != room_id):
                 raise NotFound(f"task {task_id} not found")
+            self._require_run_of(run, str(task["room_id"]), author)
             if dedupe_key is not None:
                 earlier = await conn.fetchrow(self._q["find_task_update_by_dedupe"], task_id, dedupe_key)
                 if earlier is not None:
+                    await self._record_write(conn, run, earlier["update_id"])
                     updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
                     return TaskUpdated(task, earlier, list(updates), True)
             if task["status"] != "open":
@@ -323,6 +376,7 @@ class RoomStore:
                 self._q["insert_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
             )
             task = await conn.fetchrow(self._q["set_task_status"], task_id, new_status)
+            await self._record_write(conn, run, update["update_id"])
             updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
             return TaskUpdated(task, update, list(updates), False)
 
@@ -359,20 +413,26 @@ class RoomStore:
         visibility: str,
         run_id: str | None,
         dedupe_key: str | None,
+        run: RunRecord | None = None,
     ) -> tuple[Record, bool]:
+        """Appends a memory line (or finds the earlier one) and records ``run``'s ledger row with its id."""
+        self._require_run_of(run, room_id, author)
         async with self._pool.acquire() as conn, conn.transaction():
             await self._require_room(conn, room_id)
+            row = None
             if dedupe_key is not None:
-                earlier = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
-                if earlier is not None:
-                    return earlier, True
-            author = await self._admit_author(conn, room_id, author)
-            row = await conn.fetchrow(
-                self._q["insert_memory"], room_id, *author.columns(), text, visibility, run_id, dedupe_key
-            )
-            if row is None:  # a concurrent write with the same dedupe_key committed first
-                return await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key), True
-            return row, False
+                row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
+            deduplicated = row is not None
+            if row is None:
+                author = await self._admit_author(conn, room_id, author)
+                row = await conn.fetchrow(
+                    self._q["insert_memory"], room_id, *author.columns(), text, visibility, run_id, dedupe_key
+                )
+                if row is None:  # a concurrent write with the same dedupe_key committed first
+                    row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
+                    deduplicated = True
+            await self._record_write(conn, run, row["memory_id"])
+            return row, deduplicated
 
     async def list_memory(
         self, room_id: str, reader_company_id: str, query: str | None, before: int | None, limit: int
@@ -428,24 +488,92 @@ class RoomStore:
         """Best first; when no passage has every term, those with any term, ranked by how well they match."""
         async with self._pool.acquire() as conn:
             await self._require_room(conn, room_id)
-            rows = await conn.fetch(self._q["search_passages_all_terms"], room_id, query, limit)
-            if not rows:
-                rows = await conn.fetch(self._q["search_passages_any_term"], room_id, query, limit)
+            return await self._search_passages(conn, room_id, query, limit)
+
+    async def _search_passages(self, conn: asyncpg.Connection, room_id: str, query: str, limit: int) -> list[Record]:
+        rows = await conn.fetch(self._q["search_passages_all_terms"], room_id, query, limit)
+        if not rows:
+            rows = await conn.fetch(self._q["search_passages_any_term"], room_id, query, limit)
         return list(rows)
+
+    # -- a run's view of its room ---------------------------------------------------------------------------
+
+    async def read_run_context(
+        self,
+        *,
+        agent_id: str,
+        room_id: str,
+        wake_kind: str,
+        wake_source_id: str | None,
+        recent_messages: int,
+        max_passages: int,
+    ) -> RunContext:
+        """Everything a run reads of its room, on one connection in one read-only REPEATABLE READ snapshot."""
+        async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            agent = await conn.fetchrow(self._q["run_context_agent"], agent_id, room_id)
+            if agent is None:
+                raise NotFound(f"agent {agent_id} not found")
+            if not agent["member"]:
+                raise NotFound(f"room {room_id} not found (or the company of agent {agent_id} is not a member)")
+            provider_key = self._provider_key(agent)
+            company_id = agent["company_id"]
+            room_agents = await conn.fetch(self._q["room_agents"], room_id, ROOM_AGENTS_LIMIT)
+            newest = await conn.fetch(self._q["list_messages_newest_first"], room_id, _MAX_KEY, recent_messages)
+            tasks = await conn.fetch(self._q["list_tasks"], room_id, agent_id, "open", 0, OPEN_TASKS_LIMIT)
+            updates: dict[str, list[Record]] = {str(t["task_id"]): [] for t in tasks}
+            if updates:
+                for u in await conn.fetch(self._q["updates_of_tasks"], list(updates)):
+                    updates[str(u["task_id"])].append(u)
+            memory = await conn.fetch(self._q["list_memory"], room_id, company_id, _MAX_KEY, MEMORY_LIMIT)
+            wake_text = ""
+            if wake_source_id is not None and wake_kind in ("message", "task"):
+                wake_text = await conn.fetchval(self._q["wake_text"], room_id, wake_kind, wake_source_id) or ""
+            passages: list[Record] = []
+            if wake_text.strip():
+                passages = await self._search_passages(conn, room_id, _passage_query(wake_text), max_passages)
+        return RunContext(
+            agent=agent,
+            provider_key=provider_key,
+            company_default={f: agent[f"default_{f}"] for f in convert.RIGHT_FIELDS},
+            agent_rights={f: agent[f"own_{f}"] for f in convert.RIGHT_FIELDS},
+            room_agents=list(room_agents),
+            messages=list(reversed(newest)),
+            open_tasks=list(tasks),
+            task_updates=updates,
+            memory=list(memory),
+            wake_text=wake_text,
+            passages=passages,
+        )
 
     # -- the run ledger -------------------------------------------------------------------------------------
 
     async def record_run(self, run: common_pb2.Run) -> Record:
         """Upserts the run's row in one statement; an ended row may only be rewritten unchanged."""
-        args = _run_args(run)
         async with self._pool.acquire() as conn:
-            row = await conn.fetchrow(self._q["upsert_run"], *args)
-            if row is not None:
-                return row
-            stored = await conn.fetchrow(self._q["get_run"], run.run_id)
+            return await self._upsert_run(conn, run)
+
+    async def _upsert_run(self, conn: asyncpg.Connection, run: common_pb2.Run) -> Record:
+        row = await conn.fetchrow(self._q["upsert_run"], *_run_args(run))
+        if row is not None:
+            return row
+        stored = await conn.fetchrow(self._q["get_run"], run.run_id)
         if stored is None or not _same_run(convert.run(stored), run):
             raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
         return stored
+
+    async def _record_write(self, conn: asyncpg.Connection, record: RunRecord | None, write_id: Any) -> None:
+        """Upserts ``record``'s row with the write's id filled in (in the write's transaction)."""
+        if record is None:
+            return
+        run = common_pb2.Run()
+        run.CopyFrom(record.run)
+        if record.action_index is None:
+            run.posted_message_id = str(write_id)
+        else:
+            action = _action_of(run, record.action_index)
+            action.outcome = common_pb2.ACTION_OUTCOME_DONE
+            action.result_id = str(write_id)
+        await self._upsert_run(conn, run)
 
     async def get_run(self, run_id: str) -> Record:
         row = await self._pool.fetchrow(self._q["get_run"], run_id)
@@ -632,6 +760,18 @@ class RoomStore:
 
     # -- shared checks --------------------------------------------------------------------------------------
 
+    @staticmethod
+    def _require_run_of(record: RunRecord | None, room_id: str, author: AuthorRef) -> None:
+        """A ledger row recorded with a write is of the write's room and, for an agent author, of that agent."""
+        if record is None:
+            return
+        if record.run.room_id != room_id:
+            raise InvalidArgument(f"run.room_id {record.run.room_id} is not the write's room {room_id}")
+        if author.kind == "agent" and record.run.agent_id != author.agent_id:
+            raise InvalidArgument(f"run.agent_id {record.run.agent_id} is not the author agent {author.agent_id}")
+        if record.action_index is not None:
+            _action_of(record.run, record.action_index)
+
     async def _require_room(self, conn: asyncpg.Connection, room_id: str) -> None:
         if not await conn.fetchval(self._q["room_exists"], room_id):
             raise NotFound(f"room {room_id} not found")
@@ -662,6 +802,18 @@ class RoomStore:
                 raise NotFound(f"{what} {agent_id} not found")
             if not found[agent_id]:
                 raise NotFound(f"{what} {agent_id} is not in room {room_id} (its company is not a member)")
+
+
+def _passage_query(wake_text: str) -> str:
+    """The wake's text cut to SearchPassages' query limit (whole characters only)."""
+    return wake_text.encode("utf-8")[:PASSAGE_QUERY_BYTES].decode("utf-8", errors="ignore")
+
+
+def _action_of(run: common_pb2.Run, index: int) -> common_pb2.DeclaredAction:
+    action = next((a for a in run.actions if a.index == index), None)
+    if action is None:
+        raise InvalidArgument(f"run.actions has no action with index {index} (run_action_index)")
+    return action
 
 
 def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:

@@ -119,6 +119,8 @@ class RoomView:
     tasks: list[common_pb2.Task]
     memory: list[common_pb2.MemoryLine]
     passages: list[common_pb2.Passage]
+    rights: common_pb2.AgentRights
+    room_agents: dict[str, common_pb2.Agent]
 
 
 @dataclass
@@ -160,6 +162,27 @@ class Ledger:
         )
         if attempt.wait_seconds > 0:
             await self.save()
+
+    def next_row(self, *, final: bool) -> common_pb2.Run:
+        """The row to record with the next Room write: as it stands, or as the succeeded run."""
+        row = common_pb2.Run()
+        row.CopyFrom(self.snapshot())
+        if final:
+            row.status = common_pb2.RUN_STATUS_SUCCEEDED
+            row.step = common_pb2.RUN_STEP_ENDED
+            row.ended_at.GetCurrentTime()
+        return row
+
+    def accept(self, row: common_pb2.Run) -> None:
+        """The write that carried ``row`` committed: the row is now what the ledger holds."""
+        newly_ended = row.step == common_pb2.RUN_STEP_ENDED and not self.ended
+        self.run.CopyFrom(row)
+        if newly_ended and self.metrics is not None:
+            self.metrics.run_ended(run_outcome(row.status))
+
+    @property
+    def ended(self) -> bool:
+        return self.run.step == common_pb2.RUN_STEP_ENDED
 
     def mark_undone(self, detail: str) -> None:
         for action in self.run.actions:
@@ -286,7 +309,7 @@ class RunExecutor:
                 await self._failpoint("model_called", run_id)
 
                 try:  # 4. decide each declared action by the owning company's rights
-                    ledger.run.actions.extend(await self.decide(view.agent, reply.tool_calls))
+                    ledger.run.actions.extend(self.decide(view, reply.tool_calls))
                 except DecisionError as exc:
                     await ledger.end(common_pb2.RUN_STATUS_FAILED, f"declared actions refused: {exc}")
                     return
@@ -296,7 +319,6 @@ class RunExecutor:
                 await self._failpoint("reply_posted", run_id)
 
                 await self.write_actions(wake.room_id, agent_author(view.agent), ledger)  # 6. then the writes
-                ledger.run.step = common_pb2.RUN_STEP_WRITES_DONE
 
                 if any(a.outcome == common_pb2.ACTION_OUTCOME_HELD for a in ledger.run.actions):
                     await self.park(ledger)  # held actions wait on a waitpoint; nothing stays in memory
@@ -313,8 +335,8 @@ class RunExecutor:
         except grpc.aio.AioRpcError as exc:
             await ledger.end(common_pb2.RUN_STATUS_FAILED, f"room call failed: {exc.code().name}: {exc.details()}")
             return
-        if ledger.run.status == common_pb2.RUN_STATUS_RUNNING:
-            await ledger.end(common_pb2.RUN_STATUS_SUCCEEDED)  # 7. end
+        if not ledger.ended:
+            await ledger.end(common_pb2.RUN_STATUS_SUCCEEDED)  # 7. end (unless the last write recorded it)
 
     async def park(self, ledger: Ledger) -> None:
         """Store the held actions on a waitpoint token (and the PARKED row, in one transaction)."""
@@ -369,6 +391,8 @@ class RunExecutor:
             async with active_time:
                 await self._failpoint("continued", run.run_id)
                 await self.write_actions(run.room_id, author, ledger)
+                if ledger.ended:
+                    return
         except TimeoutError:
             if not active_time.expired():
                 raise
@@ -386,32 +410,17 @@ class RunExecutor:
         )
         return got.waitpoint
 
-    async def decide(self, agent: common_pb2.Agent, calls: tuple[ToolCall, ...]) -> list[common_pb2.DeclaredAction]:
+    def decide(self, view: RoomView, calls: tuple[ToolCall, ...]) -> list[common_pb2.DeclaredAction]:
         """Validate each declared action and apply the owning company's rights to it."""
         actions = validate_actions(calls)
-        if not actions:
-            return actions
-        t = self._config.backend_timeout_seconds
-        got = await self._room.GetAgentRights(
-            room_pb2.RoomServiceGetAgentRightsRequest(company_id=agent.company_id, agent_id=agent.agent_id), timeout=t
-        )
-        rights = got.effective
-        companies: dict[str, str] = {}
+        rights = view.rights
         for action in actions:
             right = getattr(rights, RIGHT_FIELDS[action.kind]) or common_pb2.ACTION_RIGHT_AUTO
             if action.kind == common_pb2.ACTION_KIND_CREATE_TASK:
-                target = json.loads(action.arguments_json)["to_agent_id"]
-                if target not in companies:
-                    try:
-                        found = await self._room.GetAgent(
-                            room_pb2.RoomServiceGetAgentRequest(agent_id=target), timeout=t
-                        )
-                    except grpc.aio.AioRpcError as exc:
-                        if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-                            raise DecisionError(f"create_task names unknown agent {target!r}") from None
-                        raise
-                    companies[target] = found.agent.company_id
-                if companies[target] != agent.company_id:
+                target = view.room_agents.get(json.loads(action.arguments_json)["to_agent_id"])
+                if target is None:
+                    raise DecisionError(f"create_task #{action.index} names an agent that is not in this room")
+                if target.company_id != view.agent.company_id:
                     cross = rights.cross_company_task or common_pb2.ACTION_RIGHT_AUTO
                     right = max(right, cross, key=RIGHT_ORDER.index)
             action.outcome = RIGHT_OUTCOMES[right]
@@ -440,53 +449,29 @@ class RunExecutor:
             await asyncio.Event().wait()
 
     async def read_room(self, wake: Wake) -> RoomView:
-        t = self._config.backend_timeout_seconds
-        creds = await self._room.GetAgentCredentials(
-            room_pb2.RoomServiceGetAgentCredentialsRequest(agent_id=wake.agent_id), timeout=t
-        )
-        agent = creds.agent
-        messages_call = self._room.ListMessages(
-            room_pb2.RoomServiceListMessagesRequest(
-                room_id=wake.room_id, page_size=self._config.recent_messages, newest_first=True
+        """Everything the run sees of the room, read in one call."""
+        got: room_pb2.RoomServiceReadRunContextResponse = await self._room.ReadRunContext(
+            room_pb2.RoomServiceReadRunContextRequest(
+                agent_id=wake.agent_id,
+                room_id=wake.room_id,
+                wake_kind=wake.kind,
+                wake_source_id=wake.source_id,
+                recent_messages=self._config.recent_messages,
+                max_passages=5,
             ),
-            timeout=t,
+            timeout=self._config.backend_timeout_seconds,
         )
-        tasks_call = self._room.ListTasks(
-            room_pb2.RoomServiceListTasksRequest(
-                room_id=wake.room_id, to_agent_id=wake.agent_id, status=common_pb2.TASK_STATUS_OPEN, page_size=50
-            ),
-            timeout=t,
+        return RoomView(
+            agent=got.agent,
+            provider_key=got.provider_key,
+            wake_text=got.wake_text,
+            messages=list(got.messages),
+            tasks=list(got.open_tasks),
+            memory=list(got.memory),
+            passages=list(got.passages),
+            rights=got.rights,
+            room_agents={a.agent_id: a for a in got.room_agents},
         )
-        memory_call = self._room.ListMemory(
-            room_pb2.RoomServiceListMemoryRequest(
-                room_id=wake.room_id, reader_company_id=agent.company_id, page_size=50
-            ),
-            timeout=t,
-        )
-        messages, tasks, memory = await asyncio.gather(messages_call, tasks_call, memory_call)
-        recent = list(reversed(messages.messages))
-        wake_text = await self._wake_text(wake, recent, list(tasks.tasks))
-        passages: list[common_pb2.Passage] = []
-        if wake_text.strip():
-            found = await self._room.SearchPassages(
-                room_pb2.RoomServiceSearchPassagesRequest(room_id=wake.room_id, query=wake_text[:2000], limit=5),
-                timeout=t,
-            )
-            passages = list(found.passages)
-        return RoomView(agent, creds.provider_key, wake_text, recent, list(tasks.tasks), list(memory.lines), passages)
-
-    async def _wake_text(self, wake: Wake, recent: list[common_pb2.Message], tasks: list[common_pb2.Task]) -> str:
-        if wake.kind == common_pb2.WAKE_KIND_TASK and wake.source_id:
-            task = next((t for t in tasks if t.task_id == wake.source_id), None)
-            if task is None:
-                found = await self._room.GetTask(
-                    room_pb2.RoomServiceGetTaskRequest(task_id=wake.source_id, room_id=wake.room_id),
-                    timeout=self._config.backend_timeout_seconds,
-                )
-                task = found.task
-            return f"{task.title}\n{task.body}"
-        message = next((m for m in recent if m.message_id == wake.source_id), None)
-        return message.body if message is not None else ""
 
     async def call_model(self, view: RoomView, ledger: Ledger) -> ModelReply | None:
         """The model call with bounded retries; a final failure ends the run with nothing posted."""
@@ -525,37 +510,60 @@ class RunExecutor:
         return outcome.reply
 
     async def post_reply(self, room_id: str, agent: common_pb2.Agent, reply: ModelReply, ledger: Ledger) -> None:
-        if reply.text.strip():
-            posted = await self._room.PostMessage(
-                room_pb2.RoomServicePostMessageRequest(
-                    room_id=room_id,
-                    author=agent_author(agent),
-                    body=clip(reply.text, MAX_BODY_BYTES),
-                    run_id=ledger.run.run_id,
-                    dedupe_key=f"run:{ledger.run.run_id}:reply",
-                ),
-                timeout=self._config.backend_timeout_seconds,
-            )
-            ledger.run.posted_message_id = posted.message.message_id
-        await ledger.step(common_pb2.RUN_STEP_REPLY_POSTED)
+        """Post the reply with its ledger row in one transaction (the ended row when nothing follows)."""
+        final = not any(
+            a.outcome in (common_pb2.ACTION_OUTCOME_PENDING, common_pb2.ACTION_OUTCOME_HELD) for a in ledger.run.actions
+        )
+        ledger.run.step = common_pb2.RUN_STEP_REPLY_POSTED
+        if not reply.text.strip():
+            await (ledger.end(common_pb2.RUN_STATUS_SUCCEEDED) if final else ledger.save())
+            return
+        row = ledger.next_row(final=final)
+        posted = await self._room.PostMessage(
+            room_pb2.RoomServicePostMessageRequest(
+                room_id=room_id,
+                author=agent_author(agent),
+                body=clip(reply.text, MAX_BODY_BYTES),
+                run_id=row.run_id,
+                dedupe_key=f"run:{row.run_id}:reply",
+                run=row,
+            ),
+            timeout=self._config.backend_timeout_seconds,
+        )
+        ledger.accept(row)
+        ledger.run.posted_message_id = posted.message.message_id
 
     async def write_actions(self, room_id: str, author: common_pb2.Author, ledger: Ledger) -> None:
-        """Do each decided action once (dedupe keys make a retried call harmless)."""
-        for action in ledger.run.actions:
-            if action.outcome != common_pb2.ACTION_OUTCOME_PENDING:
-                continue
-            args = json.loads(action.arguments_json)
-            dedupe_key = f"run:{ledger.run.run_id}:action:{action.index}"
+        """Do each decided action once, its ledger row in the same transaction (dedupe keys make a
+        retried call harmless); the last write records the ended row when nothing is held."""
+        pending = [a.index for a in ledger.run.actions if a.outcome == common_pb2.ACTION_OUTCOME_PENDING]
+        held = any(a.outcome == common_pb2.ACTION_OUTCOME_HELD for a in ledger.run.actions)
+        for number, index in enumerate(pending, start=1):
+            row = ledger.next_row(final=number == len(pending) and not held)
+            if row.step != common_pb2.RUN_STEP_ENDED:
+                row.step = common_pb2.RUN_STEP_WRITES_DONE if number == len(pending) else row.step
+            action = next(a for a in row.actions if a.index == index)
             try:
-                action.result_id = await self._write(action.kind, room_id, author, args, ledger.run.run_id, dedupe_key)
-                action.outcome = common_pb2.ACTION_OUTCOME_DONE
+                result_id = await self._write(
+                    action.kind,
+                    room_id,
+                    author,
+                    json.loads(action.arguments_json),
+                    row,
+                    f"run:{row.run_id}:action:{index}",
+                    index,
+                )
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
-                action.outcome = common_pb2.ACTION_OUTCOME_FAILED
-                action.detail = f"{exc.code().name}: {exc.details()}"
-            await ledger.save()
-            await self._failpoint("action_written", ledger.run.run_id)
+                mine = next(a for a in ledger.run.actions if a.index == index)
+                mine.outcome = common_pb2.ACTION_OUTCOME_FAILED
+                mine.detail = f"{exc.code().name}: {exc.details()}"
+                continue
+            action.outcome = common_pb2.ACTION_OUTCOME_DONE
+            action.result_id = result_id
+            ledger.accept(row)
+            await self._failpoint("action_written", row.run_id)
 
     async def _write(
         self,
@@ -563,11 +571,13 @@ class RunExecutor:
         room_id: str,
         author: common_pb2.Author,
         args: dict[str, Any],
-        run_id: str,
+        row: common_pb2.Run,
         key: str,
+        index: int,
     ) -> str:
-        """One declared action's write; returns the id of what was written."""
+        """One declared action's write, recording ``row`` with it; returns the id of what was written."""
         t = self._config.backend_timeout_seconds
+        run_id = row.run_id
         if kind == common_pb2.ACTION_KIND_REMEMBER:
             visibility = common_pb2.MEMORY_VISIBILITY_COMPANY if args["private"] else common_pb2.MEMORY_VISIBILITY_ROOM
             written = await self._room.WriteMemory(
@@ -578,6 +588,8 @@ class RunExecutor:
                     visibility=visibility,
                     run_id=run_id,
                     dedupe_key=key,
+                    run=row,
+                    run_action_index=index,
                 ),
                 timeout=t,
             )
@@ -590,6 +602,8 @@ class RunExecutor:
                 body=args["body"],
                 run_id=run_id,
                 dedupe_key=key,
+                run=row,
+                run_action_index=index,
             )
             getattr(request, "from").CopyFrom(author)  # `from` is a Python keyword
             created = await self._room.CreateTask(request, timeout=t)
@@ -607,6 +621,8 @@ class RunExecutor:
                 status=status,
                 run_id=run_id,
                 dedupe_key=key,
+                run=row,
+                run_action_index=index,
             ),
             timeout=t,
         )
@@ -701,6 +717,10 @@ def build_request(view: RoomView) -> ModelRequest:
         "Reply in plain text; use the tools to remember a line or to create, update or close tasks."
     ).strip()
     parts: list[str] = []
+    others = [a for a in view.room_agents.values() if a.agent_id != agent.agent_id]
+    if others:
+        parts.append("Agents in this room (create_task takes their id):")
+        parts.extend(f"- {a.name} (id {a.agent_id}) of company {a.company_id}" for a in others)
     if view.messages:
         parts.append("Recent messages:")
         parts.extend(f"- [{_author_label(m.author)}] {m.body}" for m in view.messages)
