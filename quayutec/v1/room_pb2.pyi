@@ -1796,6 +1796,7 @@ class RoomServiceReadRunContextRequest(_message.Message):
     WAKE_SOURCE_ID_FIELD_NUMBER: _builtins.int
     RECENT_MESSAGES_FIELD_NUMBER: _builtins.int
     MAX_PASSAGES_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     room_id: _builtins.str
     wake_kind: _common_pb2.WakeKind.ValueType
@@ -1805,6 +1806,10 @@ class RoomServiceReadRunContextRequest(_message.Message):
     """1..200, default 20."""
     max_passages: _builtins.int
     """1..50, default 5."""
+    @_builtins.property
+    def run(self) -> _common_pb2.Run:
+        """When set, this ledger row is recorded first, in the same transaction (as RecordRun would)."""
+
     def __init__(
         self,
         *,
@@ -1814,10 +1819,11 @@ class RoomServiceReadRunContextRequest(_message.Message):
         wake_source_id: _builtins.str = ...,
         recent_messages: _builtins.int = ...,
         max_passages: _builtins.int = ...,
+        run: _common_pb2.Run | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "max_passages", b"max_passages", "recent_messages", b"recent_messages", "room_id", b"room_id", "wake_kind", b"wake_kind", "wake_source_id", b"wake_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "max_passages", b"max_passages", "recent_messages", b"recent_messages", "room_id", b"room_id", "run", b"run", "wake_kind", b"wake_kind", "wake_source_id", b"wake_source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

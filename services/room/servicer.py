@@ -506,6 +506,17 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
 
     # -- a run's view of its room ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _context_run(
+        request: room_pb2.RoomServiceReadRunContextRequest, agent_id: str, room_id: str
+    ) -> common_pb2.Run | None:
+        if not request.HasField("run"):
+            return None
+        run = _checked_run(request.run)
+        if (run.agent_id, run.room_id) != (agent_id, room_id):
+            raise InvalidArgument("run.agent_id and run.room_id must be the agent_id and room_id read")
+        return run
+
     async def ReadRunContext(
         self, request: room_pb2.RoomServiceReadRunContextRequest, context: Ctx
     ) -> room_pb2.RoomServiceReadRunContextResponse:
@@ -526,6 +537,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             wake_source_id=source_id,
             recent_messages=v.in_range(request.recent_messages or 20, "recent_messages", 1, 200),
             max_passages=v.in_range(request.max_passages or 5, "max_passages", 1, 50),
+            run=self._context_run(request, agent_id, room_id),
         )
         company_id = str(ctx.agent["company_id"])
         return room_pb2.RoomServiceReadRunContextResponse(

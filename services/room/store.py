@@ -507,9 +507,16 @@ class RoomStore:
         wake_source_id: str | None,
         recent_messages: int,
         max_passages: int,
+        run: common_pb2.Run | None = None,
     ) -> RunContext:
-        """Everything a run reads of its room, on one connection in one read-only REPEATABLE READ snapshot."""
-        async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+        """Everything a run reads of its room, on one connection in one REPEATABLE READ snapshot;
+        with ``run``, that ledger row is recorded first in the same transaction."""
+        async with (
+            self._pool.acquire() as conn,
+            conn.transaction(isolation="repeatable_read", readonly=run is None),
+        ):
+            if run is not None:
+                await self._upsert_run(conn, run)
             agent = await conn.fetchrow(self._q["run_context_agent"], agent_id, room_id)
             if agent is None:
                 raise NotFound(f"agent {agent_id} not found")

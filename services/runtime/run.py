@@ -291,12 +291,12 @@ class RunExecutor:
         annotate(agent_id=wake.agent_id, room_id=wake.room_id, wake_id=wake.wake_id)
         row = self._new_run_row(wake, run_id)
         ledger = Ledger(self._room, row, self._config.backend_timeout_seconds, metrics=self._metrics)
-        await ledger.step(common_pb2.RUN_STEP_CLAIMED)  # 1. claimed (by start) before anything else
-        await self._failpoint("claimed", run_id)
         active_time = asyncio.timeout(self._config.run_seconds)
         try:
             async with active_time:
-                view = await self.read_room(wake)  # 2. read the room
+                # 1. claimed (by start) before anything else; 2. read the room, recording the claimed row
+                view = await self.read_room(wake, ledger)
+                await self._failpoint("claimed", run_id)
                 ledger.run.company_id = view.agent.company_id
                 annotate(company_id=view.agent.company_id)
                 ledger.run.step = common_pb2.RUN_STEP_ROOM_READ
@@ -448,8 +448,9 @@ class RunExecutor:
             print(f"failpoint {name} reached by run {run_id}", file=sys.stderr, flush=True)
             await asyncio.Event().wait()
 
-    async def read_room(self, wake: Wake) -> RoomView:
-        """Everything the run sees of the room, read in one call."""
+    async def read_room(self, wake: Wake, ledger: Ledger) -> RoomView:
+        """Everything the run sees of the room, read in one call that also records the claimed row."""
+        ledger.run.step = common_pb2.RUN_STEP_CLAIMED
         got: room_pb2.RoomServiceReadRunContextResponse = await self._room.ReadRunContext(
             room_pb2.RoomServiceReadRunContextRequest(
                 agent_id=wake.agent_id,
@@ -458,6 +459,7 @@ class RunExecutor:
                 wake_source_id=wake.source_id,
                 recent_messages=self._config.recent_messages,
                 max_passages=5,
+                run=ledger.snapshot(),
             ),
             timeout=self._config.backend_timeout_seconds,
         )

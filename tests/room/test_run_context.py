@@ -367,3 +367,18 @@ async def test_a_deduplicated_write_records_the_earlier_id(room: Stub, world: Wo
     )
     got = await room.GetTask(room_pb2.RoomServiceGetTaskRequest(task_id=task.task_id))
     assert len(messages.messages) == 1 and len(lines.lines) == 1 and len(got.task.updates) == 1
+
+
+async def test_read_run_context_records_the_run_first(room: Stub, world: World) -> None:
+    run = a_run(world, "run-ctx", step=common_pb2.RUN_STEP_CLAIMED)
+    await read_context(room, world, run=run)
+    stored = await get_run(room, "run-ctx")
+    assert (stored.status, stored.step) == (common_pb2.RUN_STATUS_RUNNING, common_pb2.RUN_STEP_CLAIMED)
+    assert stored.company_id == world.acme_agent.company_id
+    other = a_run(world, "run-other", agent=world.bolt_agent)
+    await expect_error(INVALID, read_context(room, world, run=other), "run.agent_id")
+    await expect_error(NOT_FOUND, room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id="run-other")), "run")
+    missing = a_run(world, "run-missing-room", room_id=MISSING)
+    await expect_error(NOT_FOUND, read_context(room, world, run=missing, room_id=MISSING), "room")
+    gone = room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id="run-missing-room"))
+    await expect_error(NOT_FOUND, gone, "run")  # rolled back with the failed read
