@@ -426,3 +426,33 @@ def run_main(amain: Any, opts: Any) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+# -- the stand-in's control API and a process's resources ------------------------------------------------
+
+
+def queue_standin_replies(
+    standin_url: str, text: str, tool_calls: Sequence[Mapping[str, Any]], *, model: str, times: int
+) -> None:
+    """Queue ``times`` copies of one reply (with its tool calls) for ``model`` on a stand-in process."""
+    body = {"text": text, "tool_calls": list(tool_calls), "model": model, "times": times}
+    answer = httpx.post(f"{standin_url}/_standin/replies", json=body, timeout=10)
+    if answer.status_code != 200:
+        raise BenchError(f"the stand-in refused the scripted replies: {answer.status_code} {answer.text}")
+
+
+@dataclass(frozen=True)
+class ProcessSample:
+    """What one process holds at a moment: resident memory, open fds, inet sockets, threads."""
+
+    rss_bytes: int
+    fds: int
+    sockets: int
+    threads: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcessSample:
+        import psutil
+
+        proc = psutil.Process(pid)
+        return cls(proc.memory_info().rss, proc.num_fds(), len(proc.net_connections(kind="inet")), proc.num_threads())
