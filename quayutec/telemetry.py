@@ -192,6 +192,7 @@ class Telemetry:
         self._processors.add(processor)
         if self._sampler is not None:
             self._sampler.recording = True
+        _instrument(leaves=True)
         return lambda: self._processors.remove(processor)
 
     def force_flush(self, timeout_millis: int = 10_000) -> bool:
@@ -239,7 +240,7 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
             if reader is not None:
                 telemetry.meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
                 metrics.set_meter_provider(telemetry.meter_provider)
-        _instrument()
+        _instrument(leaves=False)
         _installed = telemetry
         _log.debug(
             "telemetry for %s: traces %s, metrics %s",
@@ -283,8 +284,10 @@ def _traced(details: Any) -> bool:
     return not _untraced(details)
 
 
-def _instrument() -> None:
-    """gRPC aio server and client, asyncpg (statements, never parameters), httpx; each once."""
+def _instrument(*, leaves: bool) -> None:
+    """gRPC aio server and client always (they carry the context between services); asyncpg
+    (statements, never parameters) and httpx only with ``leaves``, i.e. once spans are received:
+    their spans end at this process, so without a receiver they are pure cost. Each once."""
     from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
     from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
@@ -293,9 +296,9 @@ def _instrument() -> None:
     instrumentors: list[Any] = [
         GrpcAioInstrumentorServer(filter_=_traced),  # type: ignore[no-untyped-call]
         GrpcAioInstrumentorClient(filter_=_traced),  # type: ignore[no-untyped-call]
-        AsyncPGInstrumentor(capture_parameters=False),  # type: ignore[no-untyped-call]
-        HTTPXClientInstrumentor(),
     ]
+    if leaves:
+        instrumentors += [AsyncPGInstrumentor(capture_parameters=False), HTTPXClientInstrumentor()]  # type: ignore[no-untyped-call]
     for instrumentor in instrumentors:
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument()
