@@ -15,7 +15,7 @@ import grpc
 from quayutec.config import GATEWAY, ROOM, DatabaseConfig, service_addr
 from quayutec.db import open_pool
 from quayutec.migrate import migrate
-from quayutec.v1 import gateway_pb2, room_pb2, room_pb2_grpc
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.client import API_KEY_ENV, GatewayClient, format_run
 
 Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
@@ -162,6 +162,60 @@ async def cmd_run(opts: argparse.Namespace) -> int:
     return 0
 
 
+RIGHTS = {
+    "auto": common_pb2.ACTION_RIGHT_AUTO,
+    "hold": common_pb2.ACTION_RIGHT_HOLD,
+    "deny": common_pb2.ACTION_RIGHT_DENY,
+}
+RIGHT_FIELDS = ("remember", "create_task", "update_task", "close_task", "cross_company_task")
+
+
+async def cmd_rights_set(opts: argparse.Namespace) -> int:
+    chosen = {f: RIGHTS[getattr(opts, f)] for f in RIGHT_FIELDS if getattr(opts, f)}
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).SetAgentRights(
+            gateway_pb2.SetAgentRightsRequest(agent_id=opts.agent or "", **chosen)
+        )
+    print(_format_rights(got.rights))
+    return 0
+
+
+async def cmd_rights_show(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).GetAgentRights(gateway_pb2.GetAgentRightsRequest(agent_id=opts.agent or ""))
+    print("effective: " + _format_rights(got.effective))
+    return 0
+
+
+def _format_rights(rights: common_pb2.AgentRights) -> str:
+    names = {v: k for k, v in RIGHTS.items()}
+    return ", ".join(f"{f}={names.get(getattr(rights, f), 'default')}" for f in RIGHT_FIELDS)
+
+
+async def cmd_approvals(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).ListApprovals(gateway_pb2.ListApprovalsRequest(page_size=opts.limit))
+    for wp in got.waitpoints:
+        print(f"token {wp.token}  run {wp.run_id}  agent {wp.agent_id}  expires {wp.expires_at.ToJsonString()}")
+        for held in wp.held:
+            decision = common_pb2.Decision.Name(held.decision).removeprefix("DECISION_").lower()
+            kind = common_pb2.ActionKind.Name(held.kind).removeprefix("ACTION_KIND_").lower()
+            print(f"  #{held.index} {kind} {held.arguments_json}: {decision}")
+    return 0
+
+
+async def cmd_decide(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).DecideApproval(
+            gateway_pb2.DecideApprovalRequest(
+                token=opts.token, index=opts.index, person=opts.person, approve=opts.decision == "approve"
+            )
+        )
+    state = "the run continues" if got.completed else ("already decided" if got.already_decided else "recorded")
+    print(f"{opts.decision} #{opts.index}: {state}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="quayutec", description="Quayutec rooms: run, demo and administer.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -201,6 +255,26 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="one run's full ledger record")
     run.add_argument("run_id")
     run.set_defaults(handler=cmd_run)
+    rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
+        dest="action", required=True
+    )
+    rs = rights.add_parser("set", help="set the default for all your agents, or --agent's own")
+    rs.add_argument("--agent")
+    for field in RIGHT_FIELDS:
+        rs.add_argument(f"--{field.replace('_', '-')}", dest=field, choices=sorted(RIGHTS))
+    rs.set_defaults(handler=cmd_rights_set)
+    rg = rights.add_parser("show", help="effective rights of the default or --agent")
+    rg.add_argument("--agent")
+    rg.set_defaults(handler=cmd_rights_show)
+    ap = sub.add_parser("approvals", help="held actions waiting for your decision")
+    ap.add_argument("--limit", type=int, default=50)
+    ap.set_defaults(handler=cmd_approvals)
+    dc = sub.add_parser("decide", help="approve or deny one held action")
+    dc.add_argument("token")
+    dc.add_argument("index", type=int)
+    dc.add_argument("decision", choices=["approve", "deny"])
+    dc.add_argument("--person", required=True)
+    dc.set_defaults(handler=cmd_decide)
     return p
 
 

@@ -57,7 +57,7 @@ class LocalStack:
             taken = [f"{name} ({port})" for name, port in ports.items() if not port_is_free(port)]
             if taken:
                 raise SystemExit(f"ports in use: {', '.join(taken)}; stop what holds them or set the ports free")
-        return cls(ports=ports, extra_env=dict(extra_env or {}))
+        return cls(ports=ports, extra_env=dict(extra_env or {}), log_dir=DatabaseConfig.from_env().data_dir / "logs")
 
     def addr(self, name: str) -> str:
         return f"127.0.0.1:{self.ports[name]}"
