@@ -36,6 +36,9 @@ protos: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/claims.py
+	$(BIN)/python bench/runs.py
+	$(BIN)/python bench/wakes.py
+	$(BIN)/python bench/parked.py
 
 clean:
 	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache
