@@ -20,6 +20,7 @@ test: $(STAMP) lint typecheck check-protos pytest
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/buf lint
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
