@@ -224,10 +224,7 @@ async def running_stack(
     stack.log_dir = log_dir
     specs = [s for s in SERVICES if s.name in names]
     try:
-        for spec in specs:
-            stack.start(spec.name)
-        for spec in specs:
-            await stack.wait_serving(spec)
+        await stack.start_services(names)
         yield stack
     except BaseException:
         for spec in specs:
