@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,7 +20,6 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run as a script from a checkout: make quayutec and services importable
@@ -31,10 +28,12 @@ import asyncpg  # noqa: E402
 import grpc  # noqa: E402
 from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
+from bench.common import create_database, drop_database, postgres_server  # noqa: E402
 from quayutec.db import create_pool  # noqa: E402
 from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
 from quayutec.v1 import claims_pb2, claims_pb2_grpc  # noqa: E402
+from services.stack import free_port  # noqa: E402
 
 RAW_INSERT = (
     "INSERT INTO agent_run_locks (agent_id, wake_id) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING claimed_at"
@@ -73,73 +72,14 @@ EXPERIMENT_VARIANTS = (
 )
 
 
-def with_database(url: str, dbname: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{dbname}", parts.query, parts.fragment))
-
-
-# Run in a child Python that never imports gRPC: forking a process with gRPC threads to run
-# PostgreSQL's tools as another user (pgserver does so as root) crashes the child.
-_PG_CTL = """
-import os, sys
-from pathlib import Path
-import pgserver
-from pgserver import _commands
-pgdata = Path(sys.argv[2])
-if sys.argv[1] == "start":
-    print(pgserver.get_server(pgdata, cleanup_mode=None).get_uri())
-else:
-    _commands.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user="pgserver" if os.geteuid() == 0 else None)
-"""
-
-
-def _pg_ctl(action: str, pgdata: Path) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", _PG_CTL, action, str(pgdata)], check=True, capture_output=True, text=True, timeout=120
-    )
-    return done.stdout.strip()
-
-
-@contextmanager
-def postgres_server() -> Iterator[str]:
-    """The admin URL of ``DATABASE_URL``, or of an embedded PostgreSQL removed afterwards."""
-    url = os.environ.get("DATABASE_URL", "").strip()
-    if url:
-        yield url
-        return
-    root = Path(tempfile.mkdtemp(prefix="qy-bench-", dir="/tmp"))
-    root.chmod(0o755)  # as root, pgserver runs PostgreSQL as its own user
-    try:
-        yield _pg_ctl("start", root / "pg")
-    finally:
-        try:
-            _pg_ctl("stop", root / "pg")
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-
-
 async def create_scratch_database(admin_url: str) -> str:
-    name = f"qy_bench_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(admin_url)
-    try:
-        await conn.execute(f"CREATE DATABASE {name}")
-    finally:
-        await conn.close()
-    url = with_database(admin_url, name)
+    url = await create_database(admin_url)
     pool = await create_pool(url, min_size=1, max_size=1)
     try:
         await migrate(pool, (CLAIMS_COMPONENT,))
     finally:
         await pool.close()
     return url
-
-
-async def drop_database(admin_url: str, url: str) -> None:
-    conn = await asyncpg.connect(admin_url)
-    try:
-        await conn.execute(f"DROP DATABASE IF EXISTS {urlsplit(url).path.lstrip('/')} WITH (FORCE)")
-    finally:
-        await conn.close()
 
 
 async def run_workers(concurrency: int, seconds: float, work: Callable[[str, int], Awaitable[bool]]) -> float:
@@ -191,12 +131,6 @@ async def grpc_rate(addr: str, concurrency: int, seconds: float) -> float:
     finally:
         for c in channels:
             await c.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

@@ -62,6 +62,17 @@ def env_str(env: Mapping[str, str], name: str, default: str) -> str:
     return value or default
 
 
+def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = env_str(env, name, "").lower()
+    if not raw:
+        return default
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {raw!r}")
+
+
 def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
     raw = env.get(name, "").strip()
     if not raw:

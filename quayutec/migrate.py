@@ -103,19 +103,50 @@ async def migrate(pool: asyncpg.Pool, components: tuple[Component, ...] = COMPON
     return applied
 
 
-async def _main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m quayutec.migrate", description="Apply schema migrations.")
-    parser.add_argument("--component", choices=[c.name for c in COMPONENTS], action="append")
-    opts = parser.parse_args(argv)
-    chosen = tuple(c for c in COMPONENTS if not opts.component or c.name in opts.component)
+@dataclass(frozen=True)
+class ServicePool:
+    """A service's pool, and whether the service opened it (and so closes it)."""
+
+    pool: asyncpg.Pool
+    owned: bool
+
+    async def close(self) -> None:
+        if self.owned:
+            await self.pool.close()
+
+
+async def service_pool(
+    database: DatabaseConfig, component: Component, *, migrate_on_start: bool, pool: asyncpg.Pool | None = None
+) -> ServicePool:
+    """The pool a service runs on (``pool``, or its own), with its component migrated when asked."""
+    held = ServicePool(pool or await open_pool(database), owned=pool is None)
+    try:
+        if migrate_on_start:
+            await migrate(held.pool, (component,))
+    except BaseException:
+        await held.close()
+        raise
+    return held
+
+
+async def apply_all(components: tuple[Component, ...] = COMPONENTS) -> list[Migration]:
+    """``quayutec migrate``: the components' pending migrations on ``DATABASE_URL`` (or embedded)."""
     pool = await open_pool(DatabaseConfig.from_env())
     try:
-        applied = await migrate(pool, chosen)
+        applied = await migrate(pool, components)
     finally:
         await pool.close()
     for m in applied:
         print(f"applied {m.component} {m.version:04d}_{m.name}")
     print(f"schema up to date ({len(applied)} applied)")
+    return applied
+
+
+async def _main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m quayutec.migrate", description="Apply schema migrations.")
+    parser.add_argument("--component", choices=[c.name for c in COMPONENTS], action="append")
+    opts = parser.parse_args(argv)
+    await apply_all(tuple(c for c in COMPONENTS if not opts.component or c.name in opts.component))
     return 0
 
 

@@ -14,7 +14,7 @@ import grpc
 
 from quayutec.config import GATEWAY, ROOM, DatabaseConfig, service_addr
 from quayutec.db import open_pool
-from quayutec.migrate import migrate
+from quayutec.migrate import apply_all
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.client import API_KEY_ENV, GatewayClient, format_run
 
@@ -65,14 +65,7 @@ async def cmd_demo(opts: argparse.Namespace) -> int:
 
 
 async def cmd_migrate(opts: argparse.Namespace) -> int:
-    pool = await open_pool(DatabaseConfig.from_env())
-    try:
-        applied = await migrate(pool)
-    finally:
-        await pool.close()
-    for m in applied:
-        print(f"applied {m.component} {m.version:04d}_{m.name}")
-    print(f"schema up to date ({len(applied)} applied)")
+    await apply_all()
     return 0
 
 

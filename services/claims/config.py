@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from quayutec.config import CLAIMS, ConfigError, DatabaseConfig, ServerConfig, env_float, env_int, env_str
+from quayutec.config import CLAIMS, DatabaseConfig, ServerConfig, env_bool, env_float, env_int
 
 # Measured by bench/claims.py at concurrency 64: one batch in flight (claims arriving meanwhile join
 # the next one) doubles gRPC throughput over one statement per claim.
@@ -43,14 +43,3 @@ class ClaimsConfig:
                 env, f"{prefix}ACQUIRE_TIMEOUT_SECONDS", DEFAULT_ACQUIRE_TIMEOUT_SECONDS, minimum=0.001
             ),
         )
-
-
-def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env_str(env, name, "").lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {raw!r}")

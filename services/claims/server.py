@@ -5,9 +5,8 @@ from __future__ import annotations
 import asyncpg
 
 from quayutec.config import CLAIMS
-from quayutec.db import open_pool
 from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT
-from quayutec.migrate import migrate
+from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
 from quayutec.v1 import claims_pb2_grpc
 from services.claims.config import ClaimsConfig
@@ -17,16 +16,8 @@ from services.claims.store import ClaimStore
 
 async def create_server(config: ClaimsConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
     """A Claims server, not yet started; it opens (and on stop closes) its own pool unless given one."""
-    owned = pool is None
-    if pool is None:
-        pool = await open_pool(config.database)
-    try:
-        if config.migrate_on_start:
-            await migrate(pool, (CLAIMS_COMPONENT,))
-    except BaseException:
-        if owned:
-            await pool.close()
-        raise
+    held = await service_pool(config.database, CLAIMS_COMPONENT, migrate_on_start=config.migrate_on_start, pool=pool)
+    pool = held.pool
     store = ClaimStore(
         pool,
         batch_max=config.batch_max,
@@ -35,15 +26,11 @@ async def create_server(config: ClaimsConfig, *, pool: asyncpg.Pool | None = Non
     )
     servicer = ClaimsServicer(store)
 
-    async def close_pool() -> None:
-        if owned:
-            await pool.close()
-
     return GrpcServer(
         service_names=(CLAIMS.grpc_service,),
         config=config.server,
         register=lambda server: claims_pb2_grpc.add_ClaimsServiceServicer_to_server(servicer, server),
-        on_stop=close_pool,
+        on_stop=held.close,
     )
 
 

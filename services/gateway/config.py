@@ -14,6 +14,7 @@ from quayutec.config import (
     ConfigError,
     DatabaseConfig,
     ServerConfig,
+    env_bool,
     env_float,
     env_int,
     env_str,
@@ -132,14 +133,3 @@ class GatewayConfig:
             rate_limit=rate_limit,
             delivery=delivery,
         )
-
-
-def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env_str(env, name, "").lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {raw!r}")

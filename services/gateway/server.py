@@ -6,9 +6,8 @@ import asyncpg
 import grpc
 
 from quayutec.config import GATEWAY, ConfigError
-from quayutec.db import open_pool
 from quayutec.migrate import GATEWAY as GATEWAY_COMPONENT
-from quayutec.migrate import migrate
+from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
 from quayutec.v1 import gateway_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
@@ -55,16 +54,8 @@ def backend_channel(addr: str, config: GatewayConfig) -> grpc.aio.Channel:
 async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
     """A Gateway server, not yet started; the delivery loop starts with the first call and stops on stop."""
     credentials = server_credentials(config)
-    owned = pool is None
-    if pool is None:
-        pool = await open_pool(config.database)
-    try:
-        if config.migrate_on_start:
-            await migrate(pool, (GATEWAY_COMPONENT,))
-    except BaseException:
-        if owned:
-            await pool.close()
-        raise
+    held = await service_pool(config.database, GATEWAY_COMPONENT, migrate_on_start=config.migrate_on_start, pool=pool)
+    pool = held.pool
     room_channel = backend_channel(config.room_addr, config)
     runtime_channel = backend_channel(config.runtime_addr, config)
     room = room_pb2_grpc.RoomServiceStub(room_channel)
@@ -85,8 +76,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
             await room_channel.close()
             await runtime_channel.close()
         finally:
-            if owned:
-                await pool.close()
+            await held.close()
 
     return GrpcServer(
         service_names=(GATEWAY.grpc_service,),

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from quayutec.config import ROOM, ConfigError, DatabaseConfig, ServerConfig, env_str
+from quayutec.config import ROOM, DatabaseConfig, ServerConfig, env_bool
 from quayutec.crypto import MultiFernet, load_fernet
 
 
@@ -30,14 +30,3 @@ class RoomConfig:
             cipher=load_fernet(env, database.data_dir),
             migrate_on_start=env_bool(env, f"{prefix}MIGRATE_ON_START", True),
         )
-
-
-def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env_str(env, name, "").lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {raw!r}")
