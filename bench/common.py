@@ -34,7 +34,7 @@ import httpx  # noqa: E402
 from cryptography.fernet import Fernet  # noqa: E402
 
 from quayutec.config import SERVICES  # noqa: E402
-from quayutec.db import create_pool  # noqa: E402
+from quayutec.db import create_pool, embedded_ctl  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc  # noqa: E402
 from services.stack import LocalStack, free_port  # noqa: E402
@@ -48,27 +48,6 @@ class BenchError(RuntimeError):
 
 # -- PostgreSQL ---------------------------------------------------------------------------------------
 
-# Run in a child Python that never imports gRPC: forking a process with gRPC threads to run
-# PostgreSQL's tools as another user (pgserver does so as root) can crash the child.
-_PG_CTL = """
-import os, sys
-from pathlib import Path
-import pgserver
-from pgserver import _commands
-pgdata = Path(sys.argv[2])
-if sys.argv[1] == "start":
-    print(pgserver.get_server(pgdata, cleanup_mode=None).get_uri())
-else:
-    _commands.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user="pgserver" if os.geteuid() == 0 else None)
-"""
-
-
-def _pg_ctl(action: str, pgdata: Path) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", _PG_CTL, action, str(pgdata)], check=True, capture_output=True, text=True, timeout=120
-    )
-    return done.stdout.strip().splitlines()[-1] if done.stdout.strip() else ""
-
 
 @contextmanager
 def postgres_server() -> Iterator[str]:
@@ -80,10 +59,10 @@ def postgres_server() -> Iterator[str]:
     root = Path(tempfile.mkdtemp(prefix="qy-bench-", dir="/tmp"))
     root.chmod(0o755)  # as root, pgserver runs PostgreSQL as its own user
     try:
-        yield _pg_ctl("start", root / "pg")
+        yield embedded_ctl("start", root / "pg")
     finally:
         try:
-            _pg_ctl("stop", root / "pg")
+            embedded_ctl("stop", root / "pg")
         finally:
             shutil.rmtree(root, ignore_errors=True)
 

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import subprocess
+import sys
 from pathlib import Path
+from typing import Literal
 
 import asyncpg
 
@@ -59,3 +62,31 @@ async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asy
 async def open_pool(config: DatabaseConfig) -> asyncpg.Pool:
     url = await resolve_database_url(config)
     return await create_pool(url, min_size=config.pool_min, max_size=config.pool_max)
+
+
+# Run in a child Python that never imports gRPC: a process with gRPC threads that forks to run
+# PostgreSQL's tools as another user (pgserver does so when we are root) can crash the child.
+_EMBEDDED_CTL = """
+import os, sys
+from pathlib import Path
+import pgserver
+from pgserver import _commands
+pgdata = Path(sys.argv[2])
+if sys.argv[1] == "start":
+    print(pgserver.get_server(pgdata, cleanup_mode=None).get_uri())
+else:
+    _commands.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user="pgserver" if os.geteuid() == 0 else None)
+"""
+
+
+def embedded_ctl(action: Literal["start", "stop"], pgdata: Path) -> str:
+    """Start (returns its URL) or stop an embedded PostgreSQL in ``pgdata``, from a child process."""
+    done = subprocess.run(
+        [sys.executable, "-c", _EMBEDDED_CTL, action, str(pgdata)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = done.stdout.strip().splitlines()
+    return lines[-1] if lines else ""

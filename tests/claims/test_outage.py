@@ -5,39 +5,21 @@ from __future__ import annotations
 import asyncio
 import shutil
 import socket
-import subprocess
-import sys
 import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Literal
 
 import asyncpg
 import grpc
 import pytest
 
-from quayutec.db import create_pool
+from quayutec.db import create_pool, embedded_ctl
 from quayutec.v1 import claims_pb2
 from tests.harness.claims import claims_stub, running_claims
 
 TIMEOUT = 30.0
-
-
-# Run in a child Python that never imports gRPC: forking this process (which has gRPC threads) to
-# start PostgreSQL as another user crashes the child.
-_PG_CTL = """
-import os
-import sys
-from pathlib import Path
-import pgserver
-from pgserver import _commands
-pgdata = Path(sys.argv[2])
-if sys.argv[1] == "start":
-    print(pgserver.get_server(pgdata, cleanup_mode=None).get_uri())
-else:
-    user = "pgserver" if os.geteuid() == 0 else None
-    _commands.pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=user)
-"""
 
 
 class OwnPostgres:
@@ -52,15 +34,8 @@ class OwnPostgres:
         self.url = self._ctl("start")
         self.running = True
 
-    def _ctl(self, action: str) -> str:
-        done = subprocess.run(
-            [sys.executable, "-c", _PG_CTL, action, str(self.pgdata)],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        return done.stdout.strip()
+    def _ctl(self, action: Literal["start", "stop"]) -> str:
+        return embedded_ctl(action, self.pgdata)
 
     def stop(self) -> None:
         if self.running:
