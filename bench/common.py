@@ -387,15 +387,9 @@ def _cell(value: object) -> str:
 
 
 def run_main(amain: Any, opts: Any) -> int:
-    """Run ``amain(opts)`` on uvloop (as the services do); a BenchError prints one clear line, exit 1."""
+    """Run ``amain(opts)`` on the asyncio loop (as the services do); a BenchError prints one clear line, exit 1."""
     try:
-        import uvloop
-    except ImportError:  # pragma: no cover - uvloop is a pinned dependency
-        runner: Any = asyncio.run
-    else:
-        runner = uvloop.run
-    try:
-        runner(amain(opts))
+        asyncio.run(amain(opts))
     except BenchError as exc:
         print(f"bench failed: {exc}", file=sys.stderr)
         return 1

@@ -1,10 +1,10 @@
 """OpenTelemetry for the four services: providers, OTLP export, instrumentation, ids on spans, metrics.
 
 ``setup_telemetry`` runs once per process before any server, channel or pool exists (the gRPC
-instrumentors patch their creation). It always installs a tracer provider and the gRPC, asyncpg and
-httpx instrumentations, so trace context flows through every hop; spans and metrics leave the process
-only when the standard ``OTEL_*`` variables name an exporter. Span attributes carry ids only: never a
-prompt, a reply or a key.
+instrumentors patch their creation). When the standard ``OTEL_*`` variables name a trace exporter it
+installs the gRPC, asyncpg and httpx instrumentations, so trace context flows through every hop and
+each wake is one trace; with none, nothing is instrumented, recorded or exported (configure every
+service the same way). Span attributes carry ids only: never a prompt, a reply or a key.
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ class Telemetry:
         self._processors.add(processor)
         if self._sampler is not None:
             self._sampler.recording = True
-        _instrument(leaves=True)
+        _instrument()
         return lambda: self._processors.remove(processor)
 
     def force_flush(self, timeout_millis: int = 10_000) -> bool:
@@ -240,7 +240,6 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
             if reader is not None:
                 telemetry.meter_provider = MeterProvider(resource=resource, metric_readers=[reader])
                 metrics.set_meter_provider(telemetry.meter_provider)
-        _instrument(leaves=False)
         _installed = telemetry
         _log.debug(
             "telemetry for %s: traces %s, metrics %s",
@@ -284,10 +283,9 @@ def _traced(details: Any) -> bool:
     return not _untraced(details)
 
 
-def _instrument(*, leaves: bool) -> None:
-    """gRPC aio server and client always (they carry the context between services); asyncpg
-    (statements, never parameters) and httpx only with ``leaves``, i.e. once spans are received:
-    their spans end at this process, so without a receiver they are pure cost. Each once."""
+def _instrument() -> None:
+    """gRPC aio server and client (context in metadata), asyncpg (statements, never parameters) and
+    httpx; each once. Installed when something receives spans: without a receiver they are pure cost."""
     from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
     from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
@@ -296,9 +294,9 @@ def _instrument(*, leaves: bool) -> None:
     instrumentors: list[Any] = [
         GrpcAioInstrumentorServer(filter_=_traced),  # type: ignore[no-untyped-call]
         GrpcAioInstrumentorClient(filter_=_traced),  # type: ignore[no-untyped-call]
+        AsyncPGInstrumentor(capture_parameters=False),  # type: ignore[no-untyped-call]
+        HTTPXClientInstrumentor(),
     ]
-    if leaves:
-        instrumentors += [AsyncPGInstrumentor(capture_parameters=False), HTTPXClientInstrumentor()]  # type: ignore[no-untyped-call]
     for instrumentor in instrumentors:
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument()

@@ -651,8 +651,10 @@ def clip(text: str, max_bytes: int) -> str:
 
 
 def current_trace_id() -> str:
-    ctx = trace.get_current_span().get_span_context()
-    return format(ctx.trace_id, "032x") if ctx.is_valid else ""
+    """The trace this run is recorded in, or "" when this process exports no traces."""
+    span = trace.get_current_span()
+    ctx = span.get_span_context()
+    return format(ctx.trace_id, "032x") if ctx.is_valid and span.is_recording() else ""
 
 
 def _require_str(call: ToolCall, name: str, max_bytes: int, *, allow_empty: bool = False) -> str:
