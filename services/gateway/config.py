@@ -30,8 +30,10 @@ class DeliveryConfig:
     # Most wakes leased by one LeaseWakes call.
     batch_size: int = 100
     lease_seconds: int = 30
-    # Sleep between polls that found less than a full batch.
+    # Sleep between polls that found less than a full batch (a committed wake's notification ends it early).
     poll_interval_seconds: float = 0.2
+    # LISTEN for the Room's "new wakes" notifications (same PostgreSQL) to deliver without waiting a poll.
+    wake_notify: bool = True
     # Retry delay of a failed delivery: min(ceiling, base * 2**(attempts-1)), plus jitter.
     backoff_base_seconds: float = 0.5
     backoff_ceiling_seconds: float = 30.0
@@ -104,6 +106,7 @@ class GatewayConfig:
             batch_size=env_int(env, f"{p}DELIVERY_BATCH_SIZE", 100, minimum=1),
             lease_seconds=env_int(env, f"{p}LEASE_SECONDS", 30, minimum=1),
             poll_interval_seconds=env_float(env, f"{p}POLL_INTERVAL_SECONDS", 0.2, minimum=0.001),
+            wake_notify=env_bool(env, f"{p}WAKE_NOTIFY", True),
             backoff_base_seconds=env_float(env, f"{p}BACKOFF_BASE_SECONDS", 0.5, minimum=0.001),
             backoff_ceiling_seconds=env_float(env, f"{p}BACKOFF_CEILING_SECONDS", 30.0, minimum=0.001),
             concurrency=env_int(env, f"{p}DELIVERY_CONCURRENCY", 64, minimum=1),

@@ -57,6 +57,7 @@ class WakeDelivery:
         self._task: asyncio.Task[None] | None = None
         self._expiry_task: asyncio.Task[None] | None = None
         self._stopping = asyncio.Event()
+        self._nudged = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
         # Counters for tests and logs.
         self.delivered = 0
@@ -110,7 +111,7 @@ class WakeDelivery:
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
             if len(wakes) < want:
-                await self._sleep(self._config.poll_interval_seconds)
+                await self._idle(self._config.poll_interval_seconds)
 
     async def _drain(self) -> None:
         if not self._in_flight:
@@ -121,6 +122,21 @@ class WakeDelivery:
         if pending:
             _log.info("stopped with %d deliveries in flight; their leases will expire", len(pending))
             await asyncio.gather(*pending, return_exceptions=True)
+
+    def nudge(self) -> None:
+        """New wakes were committed: poll now rather than at the end of the interval."""
+        self._nudged.set()
+
+    async def _idle(self, seconds: float) -> None:
+        """Wait for a nudge, the stop or ``seconds``, whichever comes first."""
+        nudged = asyncio.ensure_future(self._nudged.wait())
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait({nudged, stopping}, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            nudged.cancel()
+            stopping.cancel()
+            self._nudged.clear()
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):

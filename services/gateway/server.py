@@ -13,6 +13,7 @@ from quayutec.v1 import gateway_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
 from services.gateway.config import GatewayConfig
 from services.gateway.delivery import WakeDelivery
+from services.gateway.notify import WakeListener
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.servicer import GatewayServicer
 from services.gateway.store import ApiKeyStore
@@ -64,14 +65,18 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         room, caller, PostRateLimiter(config.rate_limit), room_timeout_seconds=config.room_timeout_seconds
     )
     delivery = WakeDelivery(room, runtime_pb2_grpc.RuntimeServiceStub(runtime_channel), config.delivery)
+    listener = WakeListener(pool, delivery.nudge)
 
     def register(server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
         if config.delivery.enabled:
             delivery.start()
+            if config.delivery.wake_notify:
+                listener.start()
 
     async def on_stop() -> None:
         try:
+            await listener.stop()
             await delivery.stop()
             await room_channel.close()
             await runtime_channel.close()

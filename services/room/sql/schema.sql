@@ -241,3 +241,17 @@ CREATE TABLE held_actions (
     PRIMARY KEY (token, action_index),
     CONSTRAINT held_actions_decided_check CHECK ((decision = 'pending') = (decided_at IS NULL))
 );
+
+CREATE FUNCTION notify_new_wakes() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    IF EXISTS (SELECT 1 FROM new_wakes) THEN
+        PERFORM pg_notify('quayutec_wakes', '');
+    END IF;
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER wake_outbox_notify
+    AFTER INSERT ON wake_outbox
+    REFERENCING NEW TABLE AS new_wakes
+    FOR EACH STATEMENT EXECUTE FUNCTION notify_new_wakes();
