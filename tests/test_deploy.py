@@ -41,7 +41,8 @@ APP_UID = 10001
 
 # Which service needs which secret, and whom it dials (DESIGN.md; the brief's wiring).
 NEEDS_DATABASE = {"gateway", "room", "claims", "migrate"}
-NEEDS_ENCRYPTION_KEY = {"room", "runtime"}
+# Only Room decrypts provider keys; Runtime gets a run's key from Room and never holds the key of keys.
+NEEDS_ENCRYPTION_KEY = {"room"}
 DIALS = {"gateway": {"room", "runtime"}, "runtime": {"claims", "room"}, "room": set(), "claims": set()}
 SPECS = {spec.name: spec for spec in SERVICES}
 # (workload, port) pairs that may be reached from outside the app. Nothing else.
