@@ -337,7 +337,8 @@ class RoomServiceServicer:
 
     def UpdateTask(self, request, context):
         """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED).
-        Errors: INVALID_ARGUMENT, NOT_FOUND (task), FAILED_PRECONDITION (task already closed).
+        Errors: INVALID_ARGUMENT (no note and no closing status), NOT_FOUND (task), PERMISSION_DENIED
+        (the author's company is not a member), FAILED_PRECONDITION (task already closed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -461,7 +462,8 @@ class RoomServiceServicer:
     def CreateWaitpoint(self, request, context):
         """CreateWaitpoint parks a run on a new token holding its held actions; the run's ledger row is
         marked PARKED in the same transaction. A repeated run_id returns the existing waitpoint.
-        Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run).
+        Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run), FAILED_PRECONDITION
+        (the run has already ended).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

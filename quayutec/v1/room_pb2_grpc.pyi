@@ -83,7 +83,8 @@ class RoomServiceStub:
     """
     UpdateTask: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceUpdateTaskRequest, _room_pb2.RoomServiceUpdateTaskResponse]
     """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED).
-    Errors: INVALID_ARGUMENT, NOT_FOUND (task), FAILED_PRECONDITION (task already closed).
+    Errors: INVALID_ARGUMENT (no note and no closing status), NOT_FOUND (task), PERMISSION_DENIED
+    (the author's company is not a member), FAILED_PRECONDITION (task already closed).
     """
     GetTask: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetTaskRequest, _room_pb2.RoomServiceGetTaskResponse]
     """GetTask with its updates. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -137,7 +138,8 @@ class RoomServiceStub:
     CreateWaitpoint: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateWaitpointRequest, _room_pb2.RoomServiceCreateWaitpointResponse]
     """CreateWaitpoint parks a run on a new token holding its held actions; the run's ledger row is
     marked PARKED in the same transaction. A repeated run_id returns the existing waitpoint.
-    Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run).
+    Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run), FAILED_PRECONDITION
+    (the run has already ended).
     """
     GetWaitpoint: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetWaitpointRequest, _room_pb2.RoomServiceGetWaitpointResponse]
     """GetWaitpoint. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -219,7 +221,8 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """
     UpdateTask: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceUpdateTaskRequest, _room_pb2.RoomServiceUpdateTaskResponse]  # type: ignore[assignment]
     """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED).
-    Errors: INVALID_ARGUMENT, NOT_FOUND (task), FAILED_PRECONDITION (task already closed).
+    Errors: INVALID_ARGUMENT (no note and no closing status), NOT_FOUND (task), PERMISSION_DENIED
+    (the author's company is not a member), FAILED_PRECONDITION (task already closed).
     """
     GetTask: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetTaskRequest, _room_pb2.RoomServiceGetTaskResponse]  # type: ignore[assignment]
     """GetTask with its updates. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -273,7 +276,8 @@ class RoomServiceAsyncStub(RoomServiceStub):
     CreateWaitpoint: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateWaitpointRequest, _room_pb2.RoomServiceCreateWaitpointResponse]  # type: ignore[assignment]
     """CreateWaitpoint parks a run on a new token holding its held actions; the run's ledger row is
     marked PARKED in the same transaction. A repeated run_id returns the existing waitpoint.
-    Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run).
+    Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run), FAILED_PRECONDITION
+    (the run has already ended).
     """
     GetWaitpoint: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetWaitpointRequest, _room_pb2.RoomServiceGetWaitpointResponse]  # type: ignore[assignment]
     """GetWaitpoint. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -442,7 +446,8 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceUpdateTaskResponse, _abc.Awaitable[_room_pb2.RoomServiceUpdateTaskResponse]]:
         """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED).
-        Errors: INVALID_ARGUMENT, NOT_FOUND (task), FAILED_PRECONDITION (task already closed).
+        Errors: INVALID_ARGUMENT (no note and no closing status), NOT_FOUND (task), PERMISSION_DENIED
+        (the author's company is not a member), FAILED_PRECONDITION (task already closed).
         """
 
     @_abc_1.abstractmethod
@@ -592,7 +597,8 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_room_pb2.RoomServiceCreateWaitpointResponse, _abc.Awaitable[_room_pb2.RoomServiceCreateWaitpointResponse]]:
         """CreateWaitpoint parks a run on a new token holding its held actions; the run's ledger row is
         marked PARKED in the same transaction. A repeated run_id returns the existing waitpoint.
-        Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run).
+        Errors: INVALID_ARGUMENT (no held actions, bad expiry), NOT_FOUND (run), FAILED_PRECONDITION
+        (the run has already ended).
         """
 
     @_abc_1.abstractmethod
