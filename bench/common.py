@@ -36,7 +36,7 @@ from cryptography.fernet import Fernet  # noqa: E402
 from quayutec.config import SERVICES  # noqa: E402
 from quayutec.db import create_pool, embedded_ctl  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
-from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc  # noqa: E402
+from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc, runtime_pb2  # noqa: E402
 from services.stack import LocalStack, free_port  # noqa: E402
 
 ENDED_STATUSES = ("succeeded", "failed", "timed_out")
@@ -426,3 +426,20 @@ class ProcessSample:
 
         proc = psutil.Process(pid)
         return cls(proc.memory_info().rss, proc.num_fds(), len(proc.net_connections(kind="inet")), proc.num_threads())
+
+
+async def start_accepted(runtime: Any, request: runtime_pb2.StartRunRequest) -> tuple[str, int]:
+    """StartRun, retried while Runtime is full; the run id and the number of refusals."""
+    refused = 0
+    while True:
+        try:
+            answer = await runtime.StartRun(request, timeout=30)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            refused += 1
+            await asyncio.sleep(min(0.05, 0.002 * refused))
+            continue
+        if answer.result != runtime_pb2.START_RUN_RESULT_ACCEPTED:
+            raise BenchError(f"StartRun answered {runtime_pb2.StartRunResult.Name(answer.result)} for a fresh wake")
+        return str(answer.run_id), refused

@@ -51,6 +51,7 @@ from bench.common import (
     running_stack,
     scratch_dir,
     standin_process,
+    start_accepted,
     wait_for_room,
 )
 from quayutec.db import create_pool
@@ -108,23 +109,6 @@ def start_request(
     )
 
 
-async def start_run(runtime: Any, request: runtime_pb2.StartRunRequest) -> tuple[str, int]:
-    """StartRun, retried while Runtime is full; the run id and the number of refusals."""
-    refused = 0
-    while True:
-        try:
-            answer = await runtime.StartRun(request, timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise
-            refused += 1
-            await asyncio.sleep(min(0.05, 0.002 * refused))
-            continue
-        if answer.result != runtime_pb2.START_RUN_RESULT_ACCEPTED:
-            raise BenchError(f"StartRun answered {runtime_pb2.StartRunResult.Name(answer.result)} for a fresh wake")
-        return str(answer.run_id), refused
-
-
 async def workers(items: Sequence[Any], concurrency: int, one: Callable[[Any], Awaitable[None]]) -> None:
     """``concurrency`` workers taking ``items`` in order, each awaiting ``one(item)``."""
     queue = iter(items)
@@ -151,7 +135,7 @@ async def park(
 
         async def one(wake: PostedWake) -> None:
             request = start_request(world, wake.wake_id, common_pb2.WAKE_KIND_MESSAGE, wake.message_id)
-            run_id, refused = await start_run(runtime, request)
+            run_id, refused = await start_accepted(runtime, request)
             out.refused += refused
             row = await asyncio.wait_for(watcher.wait(run_id), 60)
             if row["token"] is None:
@@ -188,7 +172,9 @@ async def decide_and_continue(
             wake_id = await pool.fetchval(DECISION_WAKE_QUERY, token)
             if wake_id is None:
                 raise BenchError(f"the completed waitpoint {token} recorded no DECISION wake")
-            run_id, _ = await start_run(runtime, start_request(world, wake_id, common_pb2.WAKE_KIND_DECISION, token))
+            run_id, _ = await start_accepted(
+                runtime, start_request(world, wake_id, common_pb2.WAKE_KIND_DECISION, token)
+            )
             t2 = time.perf_counter()
             row = await asyncio.wait_for(watcher.wait(run_id), 60)
             t3 = time.perf_counter()

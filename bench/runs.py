@@ -53,6 +53,7 @@ from bench.common import (
     running_stack,
     scratch_dir,
     standin_process,
+    start_accepted,
     wait_for_room,
 )
 from quayutec.crypto import Fernet, MultiFernet
@@ -124,19 +125,7 @@ async def start_run(runtime: Any, world: World, wake: PostedWake) -> tuple[str, 
         wake_kind=common_pb2.WAKE_KIND_MESSAGE,
         wake_source_id=wake.message_id,
     )
-    refused = 0
-    while True:
-        try:
-            answer = await runtime.StartRun(request, timeout=30)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
-                raise
-            refused += 1
-            await asyncio.sleep(min(0.05, 0.002 * refused))
-            continue
-        if answer.result != runtime_pb2.START_RUN_RESULT_ACCEPTED:
-            raise BenchError(f"StartRun answered {runtime_pb2.StartRunResult.Name(answer.result)} for a fresh wake")
-        return answer.run_id, refused
+    return await start_accepted(runtime, request)
 
 
 async def measure_ours(
