@@ -6,11 +6,16 @@ Gateway replicas lease the wakes from the Room and StartRun them.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import signal
 import socket
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,6 +25,8 @@ from tests.gateway.helpers import GatewayStub, create_room, eventually, register
 from tests.gateway.runtime_standin import running_standin_runtime
 from tests.harness.gateway import authed_gateway, make_company, running_gateway
 from tests.harness.room import running_room
+
+REPO = Path(__file__).resolve().parent.parent.parent
 
 # Fast loops for tests; the lease is long unless a test is about lease expiry.
 FAST = {
@@ -267,4 +274,49 @@ async def test_replica_stopped_mid_delivery_loses_nothing(
     assert runtime.answers("ALREADY_CLAIMED") == Counter(wake_ids[0::2])
     assert runtime.answers("ACCEPTED") == Counter(wake_ids[1::2])
     # Each wake was claimed exactly once overall.
+    assert runtime.answers("ACCEPTED") + Counter(claimed_by_first) == Counter(wake_ids)
+
+
+async def test_gateway_process_killed_mid_delivery_loses_and_doubles_nothing(
+    database_url: str, room_addr: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
+) -> None:
+    _, wake_ids = await post_wakes(acme_gw, agents=10, messages=2)
+    leases = {
+        **FAST,
+        "QUAYUTEC_GATEWAY_LEASE_SECONDS": "3",
+        "QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS": "2.9",
+    }
+    async with running_standin_runtime(claims_addr) as (runtime_addr, runtime):
+        for n, wake_id in enumerate(wake_ids):
+            runtime.script(wake_id, "HANG" if n % 2 else "CLAIM_THEN_HANG")
+        env = {
+            **os.environ,
+            **leases,
+            "PYTHONPATH": str(REPO),
+            "DATABASE_URL": database_url,
+            "QUAYUTEC_GATEWAY_LISTEN": f"127.0.0.1:{free_port()}",
+            "QUAYUTEC_ROOM_ADDR": room_addr,
+            "QUAYUTEC_RUNTIME_ADDR": runtime_addr,
+        }
+        gateway = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "services.gateway",
+            cwd=REPO,
+            env=env,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.DEVNULL,
+        )
+        try:
+            await runtime.wait_until(lambda: len(runtime.calls) == len(wake_ids))
+        finally:
+            gateway.send_signal(signal.SIGKILL)  # a crash: no drain, no settle, leases left behind
+            await gateway.wait()
+        assert await pending(room_stub) == len(wake_ids)
+        async with running_gateway(database_url, room_addr, runtime_addr, **leases):
+            await eventually(lambda: _none_pending(room_stub))
+    claimed_by_first = {c.request.wake_id for c in runtime.calls if c.answer == "CLAIMED_THEN_HANG"}
+    assert claimed_by_first == set(wake_ids[0::2])
+    assert runtime.answers("ALREADY_CLAIMED") == Counter(wake_ids[0::2])
+    assert runtime.answers("ACCEPTED") == Counter(wake_ids[1::2])
     assert runtime.answers("ACCEPTED") + Counter(claimed_by_first) == Counter(wake_ids)
