@@ -210,6 +210,7 @@ async def demo(stack: LocalStack, standin: StandinProvider) -> None:
         dead = (await a.GetRun(gateway_pb2.GetRunRequest(run_id=run_id_for(planner.agent_id, crash_wake)))).run
         say(format_run(dead))
         say(f"   -> the killed run stays {STATUS_NAMES[dead.status]} at its last step; nothing posted, not redone")
+        say("      (the Gateway's housekeeping ends it as abandoned once it has been still for 10 minutes)")
 
         say("\n== 5. The next message starts a fresh run that reads the room as it stands")
         posted = await a.PostMessage(

@@ -1889,3 +1889,46 @@ class RoomServiceReadRunContextResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoomServiceReadRunContextResponse: _TypeAlias = RoomServiceReadRunContextResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceAbandonStaleRunsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OLDER_THAN_SECONDS_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    older_than_seconds: _builtins.int
+    """Must exceed the Runtime's active-time limit (RUN_SECONDS), with room to spare."""
+    limit: _builtins.int
+    """1..1000, default 100."""
+    def __init__(
+        self,
+        *,
+        older_than_seconds: _builtins.int = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "older_than_seconds", b"older_than_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceAbandonStaleRunsRequest: _TypeAlias = RoomServiceAbandonStaleRunsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceAbandonStaleRunsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ABANDONED_FIELD_NUMBER: _builtins.int
+    abandoned: _builtins.int
+    def __init__(
+        self,
+        *,
+        abandoned: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abandoned", b"abandoned"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceAbandonStaleRunsResponse: _TypeAlias = RoomServiceAbandonStaleRunsResponse  # noqa: Y015

@@ -218,6 +218,11 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextResponse.FromString,
                 _registered_method=True)
+        self.AbandonStaleRuns = channel.unary_unary(
+                '/quayutec.v1.RoomService/AbandonStaleRuns',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.FromString,
+                _registered_method=True)
 
 
 class RoomServiceServicer:
@@ -514,6 +519,16 @@ class RoomServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbandonStaleRuns(self, request, context):
+        """AbandonStaleRuns ends RUNNING ledger rows that have not changed for older_than_seconds (their
+        Runtime died: a live run ends itself within its active time): status FAILED, undone actions
+        NOT_DONE. The run is not redone, and a late write from the dead run is refused.
+        Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoomServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -696,6 +711,11 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.ReadRunContext,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextResponse.SerializeToString,
+            ),
+            'AbandonStaleRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbandonStaleRuns,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1674,6 +1694,33 @@ class RoomService:
             '/quayutec.v1.RoomService/ReadRunContext',
             quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceReadRunContextResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbandonStaleRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/AbandonStaleRuns',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

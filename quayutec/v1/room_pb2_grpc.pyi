@@ -165,6 +165,12 @@ class RoomServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
     FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
     """
+    AbandonStaleRuns: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAbandonStaleRunsRequest, _room_pb2.RoomServiceAbandonStaleRunsResponse]
+    """AbandonStaleRuns ends RUNNING ledger rows that have not changed for older_than_seconds (their
+    Runtime died: a live run ends itself within its active time): status FAILED, undone actions
+    NOT_DONE. The run is not redone, and a late write from the dead run is refused.
+    Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
+    """
 
 @_typing.type_check_only
 class RoomServiceAsyncStub(RoomServiceStub):
@@ -302,6 +308,12 @@ class RoomServiceAsyncStub(RoomServiceStub):
     sent to the agent, memory its company may read, and the file passages matching the wake.
     Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
     FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
+    """
+    AbandonStaleRuns: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAbandonStaleRunsRequest, _room_pb2.RoomServiceAbandonStaleRunsResponse]  # type: ignore[assignment]
+    """AbandonStaleRuns ends RUNNING ledger rows that have not changed for older_than_seconds (their
+    Runtime died: a live run ends itself within its active time): status FAILED, undone actions
+    NOT_DONE. The run is not redone, and a late write from the dead run is refused.
+    Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
     """
 
 class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -653,6 +665,18 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         sent to the agent, memory its company may read, and the file passages matching the wake.
         Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
         FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
+        """
+
+    @_abc_1.abstractmethod
+    def AbandonStaleRuns(
+        self,
+        request: _room_pb2.RoomServiceAbandonStaleRunsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceAbandonStaleRunsResponse, _abc.Awaitable[_room_pb2.RoomServiceAbandonStaleRunsResponse]]:
+        """AbandonStaleRuns ends RUNNING ledger rows that have not changed for older_than_seconds (their
+        Runtime died: a live run ends itself within its active time): status FAILED, undone actions
+        NOT_DONE. The run is not redone, and a late write from the dead run is refused.
+        Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
         """
 
 def add_RoomServiceServicer_to_server(servicer: RoomServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -45,6 +45,9 @@ class DeliveryConfig:
     stop_grace_seconds: float = 5.0
     # How often the loop asks the Room to expire waitpoints past their expiry (each gets a DECISION wake).
     expire_interval_seconds: float = 5.0
+    # RUNNING ledger rows untouched this long are ended as abandoned (their Runtime died); it must
+    # exceed the Runtime's QUAYUTEC_RUNTIME_RUN_SECONDS (300 by default) with room to spare.
+    abandon_after_seconds: int = 600
 
     def __post_init__(self) -> None:
         if self.start_run_timeout_seconds >= self.lease_seconds:
@@ -113,6 +116,7 @@ class GatewayConfig:
             start_run_timeout_seconds=env_float(env, f"{p}START_RUN_TIMEOUT_SECONDS", 10.0, minimum=0.001),
             stop_grace_seconds=env_float(env, f"{p}DELIVERY_STOP_GRACE_SECONDS", 5.0),
             expire_interval_seconds=env_float(env, f"{p}EXPIRE_INTERVAL_SECONDS", 5.0, minimum=0.001),
+            abandon_after_seconds=env_int(env, f"{p}ABANDON_AFTER_SECONDS", 600, minimum=60),
         )
         if delivery.batch_size > 500:
             raise ConfigError(f"{p}DELIVERY_BATCH_SIZE must be at most 500, got {delivery.batch_size}")

@@ -63,6 +63,7 @@ class WakeDelivery:
         self.delivered = 0
         self.retried = 0
         self.expired = 0
+        self.abandoned = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -143,17 +144,27 @@ class WakeDelivery:
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
     async def _expire_until_stopped(self) -> None:
-        """Expire overdue waitpoints every interval (at once again after a full batch); failures wait a turn."""
+        """Every interval: expire overdue waitpoints and end abandoned runs (at once again after a full
+        batch); failures wait a turn."""
         while not self._stopping.is_set():
             try:
                 response = await self._room.ExpireWaitpoints(
                     room_pb2.RoomServiceExpireWaitpointsRequest(limit=_EXPIRE_BATCH), timeout=_ROOM_TIMEOUT_SECONDS
                 )
+                abandoned = await self._room.AbandonStaleRuns(
+                    room_pb2.RoomServiceAbandonStaleRunsRequest(
+                        older_than_seconds=self._config.abandon_after_seconds, limit=_EXPIRE_BATCH
+                    ),
+                    timeout=_ROOM_TIMEOUT_SECONDS,
+                )
             except Exception as exc:
-                _log.warning("expiring waitpoints failed (%s); trying again in the next interval", _describe(exc))
+                _log.warning(
+                    "housekeeping (expiry, abandoned runs) failed (%s); trying again next interval", _describe(exc)
+                )
             else:
                 self.expired += response.expired
-                if response.expired >= _EXPIRE_BATCH:
+                self.abandoned += abandoned.abandoned
+                if response.expired >= _EXPIRE_BATCH or abandoned.abandoned >= _EXPIRE_BATCH:
                     continue
             await self._sleep(self._config.expire_interval_seconds)
 

@@ -504,6 +504,15 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         limit = v.in_range(request.limit or 100, "limit", 1, 1000)
         return room_pb2.RoomServiceExpireWaitpointsResponse(expired=await self._store.expire_waitpoints(limit))
 
+    async def AbandonStaleRuns(
+        self, request: room_pb2.RoomServiceAbandonStaleRunsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceAbandonStaleRunsResponse:
+        older = v.in_range(request.older_than_seconds, "older_than_seconds", 60, 30 * 86_400)
+        limit = v.in_range(request.limit or 100, "limit", 1, 1000)
+        return room_pb2.RoomServiceAbandonStaleRunsResponse(
+            abandoned=await self._store.abandon_stale_runs(older, limit)
+        )
+
     # -- a run's view of its room ---------------------------------------------------------------------------
 
     @staticmethod

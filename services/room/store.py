@@ -754,6 +754,24 @@ class RoomStore:
         rows = await self._waitpoint_rows(conn, await conn.fetchrow(self._q["get_waitpoint"], token))
         return Decided(rows, completed=completed, already_decided=False)
 
+    async def abandon_stale_runs(self, older_than_seconds: int, limit: int) -> int:
+        """Ends RUNNING rows whose Runtime died (untouched past any live run's active time) as FAILED."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            rows = await conn.fetch(self._q["stale_running_runs"], older_than_seconds, limit)
+            for row in rows:
+                run = convert.run(row)
+                detail = f"abandoned: no progress for over {older_than_seconds} s (its runtime stopped)"
+                for action in run.actions:
+                    if action.outcome in _UNFINISHED_ACTIONS:
+                        action.outcome = common_pb2.ACTION_OUTCOME_NOT_DONE
+                        action.detail = detail
+                run.status = common_pb2.RUN_STATUS_FAILED
+                run.step = common_pb2.RUN_STEP_ENDED
+                run.error = f"{detail}; not redone"
+                run.ended_at.GetCurrentTime()
+                await self._upsert_run(conn, run)
+        return len(rows)
+
     async def expire_waitpoints(self, limit: int) -> int:
         """Marks up to ``limit`` pending tokens past their expiry EXPIRED, each with its DECISION wake."""
         return int(await self._pool.fetchval(self._q["expire_due_waitpoints"], limit))
@@ -821,6 +839,13 @@ def _action_of(run: common_pb2.Run, index: int) -> common_pb2.DeclaredAction:
     if action is None:
         raise InvalidArgument(f"run.actions has no action with index {index} (run_action_index)")
     return action
+
+
+_UNFINISHED_ACTIONS = (
+    common_pb2.ACTION_OUTCOME_UNSPECIFIED,
+    common_pb2.ACTION_OUTCOME_PENDING,
+    common_pb2.ACTION_OUTCOME_HELD,
+)
 
 
 def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:

@@ -291,6 +291,16 @@ WHERE runs.ended_at IS NULL
 RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
     posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos;
 
+-- name: stale_running_runs
+-- RUNNING rows untouched for $1 seconds, oldest first; each locked so one sweeper ends it.
+SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+FROM runs
+WHERE status = 'running' AND ended_at IS NULL AND updated_at < now() - $1::bigint * interval '1 second'
+ORDER BY updated_at
+LIMIT $2
+FOR UPDATE SKIP LOCKED;
+
 -- name: get_run
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
     posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
