@@ -26,14 +26,13 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout: make quayutec 
 
 import asyncpg  # noqa: E402
 import grpc  # noqa: E402
-from grpc_health.v1 import health_pb2, health_pb2_grpc  # noqa: E402
 
-from bench.common import create_database, drop_database, postgres_server  # noqa: E402
+from bench.common import create_database, drop_database, parse_concurrency, postgres_server, run_main  # noqa: E402
 from quayutec.db import create_pool  # noqa: E402
 from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
 from quayutec.v1 import claims_pb2, claims_pb2_grpc  # noqa: E402
-from services.stack import free_port  # noqa: E402
+from services.stack import free_port, wait_serving  # noqa: E402
 
 RAW_INSERT = (
     "INSERT INTO agent_run_locks (agent_id, wake_id) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING claimed_at"
@@ -166,22 +165,6 @@ def claims_process(url: str, variant: Variant) -> Iterator[str]:
         log.close()
 
 
-async def wait_serving(addr: str, within: float = 30.0) -> None:
-    deadline = time.monotonic() + within
-    async with grpc.aio.insecure_channel(addr) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while True:
-            try:
-                answer = await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.aio.AioRpcError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the Claims server at {addr} did not start in {within:.0f} s")
-            await asyncio.sleep(0.1)
-
-
 async def bench(url: str, concurrencies: list[int], seconds: float, variants: tuple[Variant, ...]) -> None:
     # The machine may be shared: each gRPC figure is set beside a raw figure measured just before it.
     caches: list[tuple[int, float, float]] = []
@@ -190,7 +173,7 @@ async def bench(url: str, concurrencies: list[int], seconds: float, variants: tu
     rows: list[tuple[str, int, float, float]] = []
     for variant in variants:
         with claims_process(url, variant) as addr:
-            await wait_serving(addr)
+            await wait_serving(addr, limit=30.0, what=f"the Claims server at {addr}")
             for c in concurrencies:
                 raw = await raw_rate(url, c, seconds)
                 rows.append((variant.name, c, await grpc_rate(addr, c, seconds), raw))
@@ -208,7 +191,7 @@ async def bench(url: str, concurrencies: list[int], seconds: float, variants: tu
 
 
 async def amain(opts: argparse.Namespace) -> None:
-    concurrencies = [int(c) for c in opts.concurrency.split(",") if c.strip()]
+    concurrencies = parse_concurrency(opts.concurrency)
     variants = DEFAULT_VARIANTS + (EXPERIMENT_VARIANTS if opts.experiments else ())
     with postgres_server() as admin_url:
         url = await create_scratch_database(admin_url)
@@ -224,7 +207,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,64", help="comma-separated concurrency levels (default 1,64)")
     parser.add_argument("--experiments", action="store_true", help="also measure loop, pool and batch variants")
     opts = parser.parse_args()
-    asyncio.run(amain(opts))
+    raise SystemExit(run_main(amain, opts))
 
 
 if __name__ == "__main__":

@@ -443,3 +443,14 @@ async def start_accepted(runtime: Any, request: runtime_pb2.StartRunRequest) -> 
         if answer.result != runtime_pb2.START_RUN_RESULT_ACCEPTED:
             raise BenchError(f"StartRun answered {runtime_pb2.StartRunResult.Name(answer.result)} for a fresh wake")
         return str(answer.run_id), refused
+
+
+def parse_concurrency(raw: str) -> list[int]:
+    """``--concurrency 1,32`` as a list of positive integers (BenchError otherwise)."""
+    try:
+        levels = [int(c) for c in raw.split(",") if c.strip()]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise BenchError("--concurrency needs positive integers, e.g. 1,32")
+    return levels

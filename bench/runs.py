@@ -45,6 +45,7 @@ from bench.common import (
     drop_database,
     make_room_world,
     model_ms,
+    parse_concurrency,
     percentile,
     post_wakes,
     postgres_server,
@@ -357,9 +358,7 @@ async def bench_dbos(
 
 
 async def amain(opts: argparse.Namespace) -> None:
-    concurrencies = [int(c) for c in opts.concurrency.split(",") if c.strip()]
-    if not concurrencies or min(concurrencies) < 1:
-        raise BenchError("--concurrency needs positive integers, e.g. 1,32")
+    concurrencies = parse_concurrency(opts.concurrency)
     started = time.monotonic()
     with scratch_dir("qy-bench-runs-") as data_dir, standin_process() as standin_url, postgres_server() as admin_url:
         url = await create_migrated_database(admin_url)

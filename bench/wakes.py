@@ -34,6 +34,7 @@ from bench.common import (
     base_env,
     create_migrated_database,
     drop_database,
+    parse_concurrency,
     percentile,
     postgres_server,
     print_table,
@@ -146,9 +147,7 @@ async def end_to_end(world: GatewayWorld, watcher: BatchWatcher, count: int, con
 
 
 async def amain(opts: argparse.Namespace) -> None:
-    concurrencies = [int(c) for c in opts.concurrency.split(",") if c.strip()]
-    if not concurrencies or min(concurrencies) < 1:
-        raise BenchError("--concurrency needs positive integers, e.g. 1,32")
+    concurrencies = parse_concurrency(opts.concurrency)
     started = time.monotonic()
     results: list[Measured] = []
     with scratch_dir("qy-bench-wakes-") as data_dir, standin_process() as standin_url, postgres_server() as admin_url:

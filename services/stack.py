@@ -40,6 +40,28 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def wait_serving(
+    addr: str, service: str = "", *, limit: float = 60.0, proc: subprocess.Popen[bytes] | None = None, what: str = ""
+) -> None:
+    """Poll gRPC health at ``addr`` until ``service`` is SERVING; fail early if ``proc`` exits."""
+    what = what or addr
+    deadline = time.monotonic() + limit
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while True:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"{what} exited with {proc.returncode}")
+            try:
+                reply = await stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=1)
+                if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not become SERVING in {limit:g} s")
+            await asyncio.sleep(0.1)
+
+
 @dataclass
 class LocalStack:
     """Starts, restarts and stops the services as child processes; the parent owns the database."""
@@ -96,22 +118,14 @@ class LocalStack:
         log.close()
 
     async def wait_serving(self, spec: ServiceSpec, limit: float = 60.0) -> None:
-        deadline = time.monotonic() + limit
-        async with grpc.aio.insecure_channel(self.addr(spec.name)) as channel:
-            stub = health_pb2_grpc.HealthStub(channel)
-            while True:
-                proc = self.procs.get(spec.name)
-                if proc is not None and proc.poll() is not None:
-                    raise RuntimeError(f"{spec.name} exited with {proc.returncode}; see {self.log_dir}/{spec.name}.log")
-                try:
-                    reply = await stub.Check(health_pb2.HealthCheckRequest(service=spec.grpc_service), timeout=1)
-                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                        return
-                except grpc.aio.AioRpcError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"{spec.name} did not become SERVING in {limit:g} s")
-                await asyncio.sleep(0.1)
+        proc = self.procs.get(spec.name)
+        await wait_serving(
+            self.addr(spec.name),
+            spec.grpc_service,
+            limit=limit,
+            proc=proc,
+            what=f"{spec.name} (log: {self.log_dir}/{spec.name}.log)",
+        )
 
     async def start_all(self) -> None:
         await self.start_services([s.name for s in SERVICES])

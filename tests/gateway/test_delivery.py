@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -248,6 +249,17 @@ async def test_two_replicas_deliver_a_thousand_wakes_once_each(
     assert len({c.peer for c in runtime.calls}) >= 2
 
 
+def assert_each_claimed_once_after_the_first_replica(runtime: Any, wake_ids: list[str]) -> None:
+    """Even wakes were claimed by the first replica's calls (then hung), odd ones never reached a
+    claim; the second replica found the even ones ALREADY_CLAIMED and claimed the odd ones."""
+    claimed_by_first = {c.request.wake_id for c in runtime.calls if c.answer == "CLAIMED_THEN_HANG"}
+    assert claimed_by_first == set(wake_ids[0::2])
+    assert runtime.answers("ALREADY_CLAIMED") == Counter(wake_ids[0::2])
+    assert runtime.answers("ACCEPTED") == Counter(wake_ids[1::2])
+    # Each wake was claimed exactly once overall.
+    assert runtime.answers("ACCEPTED") + Counter(claimed_by_first) == Counter(wake_ids)
+
+
 async def test_replica_stopped_mid_delivery_loses_nothing(
     database_url: str, room_addr: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
 ) -> None:
@@ -269,12 +281,7 @@ async def test_replica_stopped_mid_delivery_loses_nothing(
         assert await pending(room_stub) == len(wake_ids)
         async with running_gateway(database_url, room_addr, runtime_addr, **leases):
             await eventually(lambda: _none_pending(room_stub))
-    claimed_by_first = {c.request.wake_id for c in runtime.calls if c.answer == "CLAIMED_THEN_HANG"}
-    assert claimed_by_first == set(wake_ids[0::2])
-    assert runtime.answers("ALREADY_CLAIMED") == Counter(wake_ids[0::2])
-    assert runtime.answers("ACCEPTED") == Counter(wake_ids[1::2])
-    # Each wake was claimed exactly once overall.
-    assert runtime.answers("ACCEPTED") + Counter(claimed_by_first) == Counter(wake_ids)
+    assert_each_claimed_once_after_the_first_replica(runtime, wake_ids)
 
 
 async def test_gateway_process_killed_mid_delivery_loses_and_doubles_nothing(
@@ -315,8 +322,4 @@ async def test_gateway_process_killed_mid_delivery_loses_and_doubles_nothing(
         assert await pending(room_stub) == len(wake_ids)
         async with running_gateway(database_url, room_addr, runtime_addr, **leases):
             await eventually(lambda: _none_pending(room_stub))
-    claimed_by_first = {c.request.wake_id for c in runtime.calls if c.answer == "CLAIMED_THEN_HANG"}
-    assert claimed_by_first == set(wake_ids[0::2])
-    assert runtime.answers("ALREADY_CLAIMED") == Counter(wake_ids[0::2])
-    assert runtime.answers("ACCEPTED") == Counter(wake_ids[1::2])
-    assert runtime.answers("ACCEPTED") + Counter(claimed_by_first) == Counter(wake_ids)
+    assert_each_claimed_once_after_the_first_replica(runtime, wake_ids)
