@@ -155,6 +155,62 @@ async def cmd_run(opts: argparse.Namespace) -> int:
     return 0
 
 
+PROVIDER_KEY_ENV = "QUAYUTEC_PROVIDER_KEY"
+PROVIDERS = {
+    "anthropic": common_pb2.PROVIDER_ANTHROPIC,
+    "openai": common_pb2.PROVIDER_OPENAI,
+    "openai_compatible": common_pb2.PROVIDER_OPENAI_COMPATIBLE,
+}
+
+
+async def cmd_room_create(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        room = (await _client(channel).CreateRoom(gateway_pb2.CreateRoomRequest(name=opts.name))).room
+    print(f"room {room.room_id} {room.name}")
+    return 0
+
+
+async def cmd_room_invite(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        await _client(channel).InviteCompany(
+            gateway_pb2.InviteCompanyRequest(room_id=opts.room, company_id=opts.company)
+        )
+    print(f"company {opts.company} is a member of room {opts.room}")
+    return 0
+
+
+async def cmd_agent_register(opts: argparse.Namespace) -> int:
+    key = os.environ.get(PROVIDER_KEY_ENV, "").strip()
+    if not key:
+        raise SystemExit(f"set {PROVIDER_KEY_ENV} to the agent's provider key (kept out of the command line)")
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        agent = (
+            await _client(channel).RegisterAgent(
+                gateway_pb2.RegisterAgentRequest(
+                    name=opts.name,
+                    provider=PROVIDERS[opts.provider],
+                    model=opts.model,
+                    base_url=opts.base_url or "",
+                    provider_key=key,
+                    system_prompt=opts.system_prompt,
+                )
+            )
+        ).agent
+    print(f"agent {agent.agent_id} {agent.name} ({opts.provider} {agent.model})")
+    return 0
+
+
+async def cmd_messages(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).ListMessages(
+            gateway_pb2.ListMessagesRequest(room_id=opts.room, page_size=opts.limit, newest_first=True)
+        )
+    for m in reversed(got.messages):
+        who = f"{m.author.person} ({m.author.company_id})" if m.author.person else f"agent {m.author.agent_id}"
+        print(f"#{m.seq} {who}: {m.body}")
+    return 0
+
+
 RIGHTS = {
     "auto": common_pb2.ACTION_RIGHT_AUTO,
     "hold": common_pb2.ACTION_RIGHT_HOLD,
@@ -248,6 +304,26 @@ def parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="one run's full ledger record")
     run.add_argument("run_id")
     run.set_defaults(handler=cmd_run)
+    room = sub.add_parser("room", help="rooms (as your company)").add_subparsers(dest="action", required=True)
+    rc = room.add_parser("create", help="create a room; your company is its first member")
+    rc.add_argument("name")
+    rc.set_defaults(handler=cmd_room_create)
+    ri = room.add_parser("invite", help="add another company to a room")
+    ri.add_argument("room")
+    ri.add_argument("company")
+    ri.set_defaults(handler=cmd_room_invite)
+    agent = sub.add_parser("agent", help="your agents").add_subparsers(dest="action", required=True)
+    ar = agent.add_parser("register", help=f"register an always-on agent (provider key from {PROVIDER_KEY_ENV})")
+    ar.add_argument("--name", required=True)
+    ar.add_argument("--provider", required=True, choices=sorted(PROVIDERS))
+    ar.add_argument("--model", required=True)
+    ar.add_argument("--base-url", help="your own model address (one request per call, never retried)")
+    ar.add_argument("--system-prompt", default="")
+    ar.set_defaults(handler=cmd_agent_register)
+    ms = sub.add_parser("messages", help="a room's latest messages")
+    ms.add_argument("--room", required=True)
+    ms.add_argument("--limit", type=int, default=20)
+    ms.set_defaults(handler=cmd_messages)
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
         dest="action", required=True
     )

@@ -65,3 +65,59 @@ async def test_client_commands_need_an_api_key(tmp_path: Path) -> None:
     done = await quayutec("runs", env={"QUAYUTEC_API_KEY": "", "QUAYUTEC_GATEWAY_ADDR": "127.0.0.1:9"})
     assert done.returncode != 0
     assert "QUAYUTEC_API_KEY" in done.stderr
+
+
+async def test_a_user_runs_the_product_from_the_command_line(database_url: str) -> None:
+    """The README's command-line flow against real services: company, key, room, agent, a message,
+    then the agent's run in the ledger."""
+    from services.runtime.standin import StandinProvider
+    from tests.harness.claims import running_claims
+    from tests.harness.gateway import running_gateway
+    from tests.harness.runtime import running_runtime
+
+    with StandinProvider() as standin:
+        async with (
+            running_claims(database_url) as claims_addr,
+            running_room(database_url) as room_addr,
+            running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
+            running_gateway(
+                database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
+            ) as gateway_addr,
+        ):
+            env = {"DATABASE_URL": database_url, "QUAYUTEC_ROOM_ADDR": room_addr, "QUAYUTEC_GATEWAY_ADDR": gateway_addr}
+
+            async def ok(*args: str, **extra: str) -> str:
+                done = await quayutec(*args, env={**env, **extra})
+                assert done.returncode == 0, (args, done.stdout, done.stderr)
+                return done.stdout
+
+            company_id = (await ok("company", "create", "Acme")).split()[1]
+            secret = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
+            env["QUAYUTEC_API_KEY"] = secret
+            room_id = (await ok("room", "create", "launch")).split()[1]
+            agent_line = await ok(
+                "agent", "register", "--name", "planner", "--provider", "anthropic", "--model", "claude-cli",
+                QUAYUTEC_PROVIDER_KEY="sk-ant-cli-secret",
+            )  # fmt: skip
+            agent_id = agent_line.split()[1]
+            missing_key = await quayutec(
+                "agent", "register", "--name", "x", "--provider", "openai", "--model", "m", env=env
+            )  # fmt: skip
+            assert missing_key.returncode != 0 and "QUAYUTEC_PROVIDER_KEY" in missing_key.stderr
+            posted = await ok("post", "--room", room_id, "--person", "ana", "--mention", agent_id, "plan it")
+            assert "wakes ['" in posted
+            for _ in range(300):  # bounded: the Gateway delivers, the Runtime runs
+                runs = await ok("runs", "--agent", agent_id)
+                if "status=succeeded" in runs:
+                    break
+                await asyncio.sleep(0.1)
+            assert "status=succeeded" in runs
+            run_id = runs.split()[1]
+            record = await ok("run", run_id)
+            assert "model request 1: 200 ok" in record and "posted: " in record
+            messages = await ok("messages", "--room", room_id)
+            assert "ana (" in messages and "standin reply to:" in messages
+            assert "sk-ant-cli-secret" not in record + messages + runs
+            rights = await ok("rights", "set", "--create-task", "hold")
+            assert "create_task=hold" in rights
+            assert (await ok("approvals")) == ""
