@@ -22,7 +22,7 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -34,7 +34,7 @@ import httpx  # noqa: E402
 from cryptography.fernet import Fernet  # noqa: E402
 
 from quayutec.config import SERVICES  # noqa: E402
-from quayutec.db import create_pool, embedded_ctl  # noqa: E402
+from quayutec.db import create_pool, embedded_ctl, with_database  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc, runtime_pb2  # noqa: E402
 from services.stack import LocalStack, free_port  # noqa: E402
@@ -65,11 +65,6 @@ def postgres_server() -> Iterator[str]:
             embedded_ctl("stop", root / "pg")
         finally:
             shutil.rmtree(root, ignore_errors=True)
-
-
-def with_database(url: str, dbname: str) -> str:
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{dbname}", parts.query, parts.fragment))
 
 
 async def create_database(admin_url: str, prefix: str = "qy_bench") -> str:

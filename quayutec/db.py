@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
@@ -35,6 +36,12 @@ def embedded_database_url(data_dir: Path) -> str:
     pgdata.parent.mkdir(parents=True, exist_ok=True)
     server = pgserver.get_server(str(pgdata), cleanup_mode=None)
     return str(server.get_uri())
+
+
+def with_database(url: str, dbname: str) -> str:
+    """``url`` pointed at database ``dbname`` (keeps host, socket and credentials)."""
+    parts = urlsplit(url)
+    return urlunsplit((parts.scheme, parts.netloc, f"/{dbname}", parts.query, parts.fragment))
 
 
 async def resolve_database_url(config: DatabaseConfig) -> str:

@@ -12,22 +12,16 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
 
-from quayutec.db import create_pool, embedded_database_url
+from quayutec.db import create_pool, embedded_database_url, with_database
 from quayutec.migrate import migrate
 
 # One template per test session, so sessions running side by side never drop each other's.
 TEMPLATE_DB = f"quayutec_test_template_{os.getpid()}"
-
-
-def with_database(url: str, dbname: str) -> str:
-    """``url`` pointed at database ``dbname`` (keeps host, socket and credentials)."""
-    parts = urlsplit(url)
-    return urlunsplit((parts.scheme, parts.netloc, f"/{dbname}", parts.query, parts.fragment))
 
 
 @pytest.fixture(scope="session")

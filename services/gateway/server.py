@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncpg
 import grpc
 
+from quayutec.channels import internal_channel
 from quayutec.config import GATEWAY, ConfigError
 from quayutec.migrate import GATEWAY as GATEWAY_COMPONENT
 from quayutec.migrate import service_pool
@@ -19,7 +20,6 @@ from services.gateway.servicer import GatewayServicer
 from services.gateway.store import ApiKeyStore
 
 # Files and messages up to 10 MiB pass through to the Room.
-_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 def server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
@@ -37,12 +37,12 @@ def server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
 
 
 def backend_channel(addr: str, config: GatewayConfig) -> grpc.aio.Channel:
-    """One shared channel to an internal service, reconnecting soon after it comes back."""
-    return grpc.aio.insecure_channel(
+    """One shared channel to an internal service, reconnecting soon after it comes back; no retries
+    of UNAVAILABLE (a posted message must not be sent twice)."""
+    return internal_channel(
         addr,
+        retry_unavailable=False,
         options=[
-            ("grpc.max_send_message_length", _MAX_MESSAGE_BYTES),
-            ("grpc.max_receive_message_length", _MAX_MESSAGE_BYTES),
             ("grpc.initial_reconnect_backoff_ms", min(1000, config.reconnect_backoff_max_ms)),
             ("grpc.min_reconnect_backoff_ms", min(1000, config.reconnect_backoff_max_ms)),
             ("grpc.max_reconnect_backoff_ms", config.reconnect_backoff_max_ms),

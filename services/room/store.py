@@ -12,6 +12,7 @@ import asyncpg
 
 from quayutec.crypto import InvalidToken, MultiFernet
 from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from quayutec.ledger import mark_undone
 from quayutec.sql import Queries
 from quayutec.v1 import common_pb2
 from services.room import convert
@@ -761,10 +762,7 @@ class RoomStore:
             for row in rows:
                 run = convert.run(row)
                 detail = f"abandoned: no progress for over {older_than_seconds} s (its runtime stopped)"
-                for action in run.actions:
-                    if action.outcome in _UNFINISHED_ACTIONS:
-                        action.outcome = common_pb2.ACTION_OUTCOME_NOT_DONE
-                        action.detail = detail
+                mark_undone(run, detail)
                 run.status = common_pb2.RUN_STATUS_FAILED
                 run.step = common_pb2.RUN_STEP_ENDED
                 run.error = f"{detail}; not redone"
@@ -839,13 +837,6 @@ def _action_of(run: common_pb2.Run, index: int) -> common_pb2.DeclaredAction:
     if action is None:
         raise InvalidArgument(f"run.actions has no action with index {index} (run_action_index)")
     return action
-
-
-_UNFINISHED_ACTIONS = (
-    common_pb2.ACTION_OUTCOME_UNSPECIFIED,
-    common_pb2.ACTION_OUTCOME_PENDING,
-    common_pb2.ACTION_OUTCOME_HELD,
-)
 
 
 def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:

@@ -1,8 +1,8 @@
 """A run, step by step, in the order DESIGN.md gives: claim, read, call, decide, post, write, end.
 
 The claim comes first and is never undone: whatever happens after it (an error, the time limit,
-a crash), the wake is not acted on again. The ledger row is written whole at every step, so after
-a crash it shows what was posted, what was written and what was not.
+a crash), the wake is not acted on again. The ledger row is written whole, in the same transaction
+as each Room write it records, so after a crash it shows what was posted, written and not written.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import httpx
 from opentelemetry import trace
 
 from quayutec.errors import InvalidArgument, ResourceExhausted
+from quayutec.ledger import mark_undone
 from quayutec.telemetry import Metrics, annotate, run_outcome, run_span
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
 from services.runtime.config import RuntimeConfig
@@ -53,13 +54,9 @@ ACTION_KINDS: dict[str, common_pb2.ActionKind.ValueType] = {
     "update_task": common_pb2.ACTION_KIND_UPDATE_TASK,
     "close_task": common_pb2.ACTION_KIND_CLOSE_TASK,
 }
-# Which right governs each kind of declared action, and what each right makes of it.
-RIGHT_FIELDS: dict[common_pb2.ActionKind.ValueType, str] = {
-    common_pb2.ACTION_KIND_REMEMBER: "remember",
-    common_pb2.ACTION_KIND_CREATE_TASK: "create_task",
-    common_pb2.ACTION_KIND_UPDATE_TASK: "update_task",
-    common_pb2.ACTION_KIND_CLOSE_TASK: "close_task",
-}
+# Which right governs each kind of declared action (the AgentRights field is the action's name),
+# and what each right makes of it.
+RIGHT_FIELDS: dict[common_pb2.ActionKind.ValueType, str] = {kind: name for name, kind in ACTION_KINDS.items()}
 RIGHT_ORDER = [common_pb2.ACTION_RIGHT_AUTO, common_pb2.ACTION_RIGHT_HOLD, common_pb2.ACTION_RIGHT_DENY]
 RIGHT_OUTCOMES: dict[common_pb2.ActionRight.ValueType, common_pb2.ActionOutcome.ValueType] = {
     common_pb2.ACTION_RIGHT_UNSPECIFIED: common_pb2.ACTION_OUTCOME_PENDING,
@@ -125,7 +122,7 @@ class RoomView:
 
 @dataclass
 class Ledger:
-    """The run's ledger row, written whole to Room at each step that a crash must not hide."""
+    """The run's ledger row, written whole to Room with each write (or alone) at each step a crash must not hide."""
 
     room: Any  # RoomServiceStub
     run: common_pb2.Run
@@ -184,28 +181,15 @@ class Ledger:
     def ended(self) -> bool:
         return self.run.step == common_pb2.RUN_STEP_ENDED
 
-    def mark_undone(self, detail: str) -> None:
-        for action in self.run.actions:
-            if action.outcome in UNFINISHED:
-                action.outcome = common_pb2.ACTION_OUTCOME_NOT_DONE
-                action.detail = detail
-
     async def end(self, status: common_pb2.RunStatus.ValueType, error: str = "") -> None:
         self.run.status = status
         self.run.error = error
-        self.mark_undone(error or "the run ended first")
+        mark_undone(self.run, error or "the run ended first")
         self.run.step = common_pb2.RUN_STEP_ENDED
         self.run.ended_at.GetCurrentTime()
         await self.save()
         if self.metrics is not None:
             self.metrics.run_ended(run_outcome(status))
-
-
-UNFINISHED = (
-    common_pb2.ACTION_OUTCOME_UNSPECIFIED,
-    common_pb2.ACTION_OUTCOME_PENDING,
-    common_pb2.ACTION_OUTCOME_HELD,
-)
 
 
 class RunExecutor:
@@ -231,10 +215,6 @@ class RunExecutor:
         self._metrics = metrics or Metrics()
         self._active = 0
         self._tasks: set[asyncio.Task[None]] = set()
-
-    @property
-    def active_runs(self) -> int:
-        return self._active
 
     async def start(self, wake: Wake) -> tuple[runtime_pb2.StartRunResult.ValueType, str]:
         """Claim the wake and run it in the background; refuse before claiming when full."""
@@ -300,7 +280,6 @@ class RunExecutor:
                 ledger.run.company_id = view.agent.company_id
                 annotate(company_id=view.agent.company_id)
                 ledger.run.step = common_pb2.RUN_STEP_ROOM_READ
-                await self._failpoint("room_read", run_id)
 
                 reply = await self.call_model(view, ledger)  # 3. call the model
                 if reply is None:

@@ -10,7 +10,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from collections import Counter
@@ -22,6 +21,7 @@ import grpc
 import pytest
 
 from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
+from services.stack import free_port
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
 from tests.gateway.runtime_standin import running_standin_runtime
 from tests.harness.gateway import authed_gateway, make_company, running_gateway
@@ -36,12 +36,6 @@ FAST = {
     "QUAYUTEC_GATEWAY_BACKOFF_CEILING_SECONDS": "0.4",
     "QUAYUTEC_GATEWAY_POST_RATE": "0",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

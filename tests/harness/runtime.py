@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from quayutec.config import ServerConfig
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import Clock, RetryPolicy
 from services.runtime.server import create_server
+from services.stack import free_port
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -53,12 +53,6 @@ async def running_runtime(
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RuntimeProcess:
