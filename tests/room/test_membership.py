@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from typing import Any
 
@@ -211,3 +212,32 @@ async def test_a_departure_expires_the_companys_pending_waitpoints_in_the_room_o
     other = await room.GetWaitpoint(room_pb2.RoomServiceGetWaitpointRequest(token=acme_wp.token))
     assert other.waitpoint.status == common_pb2.WAITPOINT_STATUS_PENDING
     assert await decision_wakes(pool, acme_wp.token) == []
+
+
+async def test_concurrent_invitations_and_answers_leave_one_invitation_and_one_membership(
+    room: Stub, world: World, pool: asyncpg.Pool
+) -> None:
+    crow = world.crow.company_id
+    request = _invite_request(world, crow, world.acme.company_id)
+    results = await asyncio.gather(*(room.CreateInvitation(request) for _ in range(8)), return_exceptions=True)
+    made = [r for r in results if not isinstance(r, BaseException)]
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert len(made) == 1 and len(refused) == 7 and all(e.code() == EXISTS for e in refused), results
+    invitation_id = made[0].invitation.invitation_id
+
+    answers = await asyncio.gather(
+        *(accept(room, invitation_id, crow) for _ in range(4)),
+        *(decline(room, invitation_id, crow) for _ in range(4)),
+        return_exceptions=True,
+    )
+    # Whichever answer came first holds: every answer of its kind succeeds alike, every other is refused.
+    accepted = [a for a in answers[:4] if not isinstance(a, BaseException)]
+    declined = [a for a in answers[4:] if not isinstance(a, BaseException)]
+    errors = [a for a in answers if isinstance(a, BaseException)]
+    assert (len(accepted), len(declined)) in ((4, 0), (0, 4)), answers
+    assert all(isinstance(e, grpc.aio.AioRpcError) and e.code() == FAILED for e in errors), errors
+    assert len({a.invitation.SerializeToString() for a in accepted + declined}) == 1
+    count = await pool.fetchval(
+        "SELECT count(*) FROM room_members WHERE room_id = $1 AND company_id = $2", world.room_id, crow
+    )
+    assert count == (1 if accepted else 0)
