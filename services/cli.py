@@ -172,10 +172,65 @@ async def cmd_room_create(opts: argparse.Namespace) -> int:
 
 async def cmd_room_invite(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        await _client(channel).InviteCompany(
+        invited = await _client(channel).InviteCompany(
             gateway_pb2.InviteCompanyRequest(room_id=opts.room, company_id=opts.company)
         )
-    print(f"company {opts.company} is a member of room {opts.room}")
+    print(
+        f"invitation {invited.invitation.invitation_id}: company {opts.company} is invited to room {opts.room}; "
+        "it becomes a member when it accepts (`quayutec invitation accept <id>`)"
+    )
+    return 0
+
+
+async def cmd_room_leave(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        await _client(channel).LeaveRoom(gateway_pb2.LeaveRoomRequest(room_id=opts.room))
+    print(f"your company left room {opts.room}; rejoining takes a new invitation")
+    return 0
+
+
+async def cmd_room_remove_member(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        await _client(channel).RemoveMember(gateway_pb2.RemoveMemberRequest(room_id=opts.room, company_id=opts.company))
+    print(f"company {opts.company} removed from room {opts.room}")
+    return 0
+
+
+INVITATION_STATUSES = {
+    "pending": common_pb2.INVITATION_STATUS_PENDING,
+    "accepted": common_pb2.INVITATION_STATUS_ACCEPTED,
+    "declined": common_pb2.INVITATION_STATUS_DECLINED,
+}
+
+
+async def cmd_invitations(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).ListInvitations(
+            gateway_pb2.ListInvitationsRequest(status=INVITATION_STATUSES[opts.status], page_size=opts.limit)
+        )
+    for inv in got.invitations:
+        print(
+            f"invitation {inv.invitation_id}  room {inv.room_id} {inv.room_name!r}  "
+            f"from {inv.invited_by_company_name} ({inv.invited_by_company_id})  {opts.status}"
+        )
+    return 0
+
+
+async def cmd_invitation_accept(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).AcceptInvitation(
+            gateway_pb2.AcceptInvitationRequest(invitation_id=opts.invitation_id)
+        )
+    print(f"accepted: your company is a member of room {got.invitation.room_id} {got.invitation.room_name!r}")
+    return 0
+
+
+async def cmd_invitation_decline(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).DeclineInvitation(
+            gateway_pb2.DeclineInvitationRequest(invitation_id=opts.invitation_id)
+        )
+    print(f"declined: invitation {got.invitation.invitation_id} to room {got.invitation.room_name!r}")
     return 0
 
 
@@ -308,10 +363,30 @@ def parser() -> argparse.ArgumentParser:
     rc = room.add_parser("create", help="create a room; your company is its first member")
     rc.add_argument("name")
     rc.set_defaults(handler=cmd_room_create)
-    ri = room.add_parser("invite", help="add another company to a room")
+    ri = room.add_parser("invite", help="invite another company; it becomes a member when it accepts")
     ri.add_argument("room")
     ri.add_argument("company")
     ri.set_defaults(handler=cmd_room_invite)
+    rl = room.add_parser("leave", help="leave a room (its creator cannot); you lose access at once")
+    rl.add_argument("room")
+    rl.set_defaults(handler=cmd_room_leave)
+    rr = room.add_parser("remove-member", help="remove a member company (the room's creator only)")
+    rr.add_argument("room")
+    rr.add_argument("company")
+    rr.set_defaults(handler=cmd_room_remove_member)
+    iv = sub.add_parser("invitations", help="invitations to your company (pending ones by default)")
+    iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending")
+    iv.add_argument("--limit", type=int, default=50)
+    iv.set_defaults(handler=cmd_invitations)
+    invitation = sub.add_parser("invitation", help="answer an invitation to your company").add_subparsers(
+        dest="action", required=True
+    )
+    ia = invitation.add_parser("accept", help="accept: your company becomes a member of the room")
+    ia.add_argument("invitation_id")
+    ia.set_defaults(handler=cmd_invitation_accept)
+    idc = invitation.add_parser("decline", help="decline: your company does not join the room")
+    idc.add_argument("invitation_id")
+    idc.set_defaults(handler=cmd_invitation_decline)
     agent = sub.add_parser("agent", help="your agents").add_subparsers(dest="action", required=True)
     ar = agent.add_parser("register", help=f"register an always-on agent (provider key from {PROVIDER_KEY_ENV})")
     ar.add_argument("--name", required=True)

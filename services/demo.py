@@ -118,9 +118,12 @@ async def demo(stack: LocalStack, standin: StandinProvider) -> None:
         a, b = GatewayClient(gw_channel, key_a), GatewayClient(gw_channel, key_b)
         say(f"   {acme.name} = {acme.company_id}\n   {bolt.name} = {bolt.company_id}")
 
-        say("\n== 2. Acme opens a room and invites Bolt; each registers an always-on agent")
+        say("\n== 2. Acme opens a room and invites Bolt, Bolt accepts; each registers an always-on agent")
         r = (await a.CreateRoom(gateway_pb2.CreateRoomRequest(name="friday-launch"))).room
-        await a.InviteCompany(gateway_pb2.InviteCompanyRequest(room_id=r.room_id, company_id=bolt.company_id))
+        invited = await a.InviteCompany(gateway_pb2.InviteCompanyRequest(room_id=r.room_id, company_id=bolt.company_id))
+        pending = (await b.ListInvitations(gateway_pb2.ListInvitationsRequest())).invitations
+        say(f"   Bolt's pending invitations: {[(i.room_name, i.invited_by_company_name) for i in pending]}")
+        await b.AcceptInvitation(gateway_pb2.AcceptInvitationRequest(invitation_id=invited.invitation.invitation_id))
         planner = (
             await a.RegisterAgent(
                 gateway_pb2.RegisterAgentRequest(

@@ -121,3 +121,63 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
             rights = await ok("rights", "set", "--create-task", "hold")
             assert "create_task=hold" in rights
             assert (await ok("approvals")) == ""
+
+
+async def test_invitations_leave_and_remove_from_the_command_line(database_url: str) -> None:
+    """Membership by consent as two companies run it: invite, list, accept or decline, leave, remove."""
+    from tests.harness.gateway import running_gateway
+
+    async with (
+        running_room(database_url) as room_addr,
+        running_gateway(
+            database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
+        ) as gateway_addr,
+    ):
+        env = {"DATABASE_URL": database_url, "QUAYUTEC_ROOM_ADDR": room_addr, "QUAYUTEC_GATEWAY_ADDR": gateway_addr}
+
+        async def run(key: str, *args: str) -> subprocess.CompletedProcess[str]:
+            return await quayutec(*args, env={**env, "QUAYUTEC_API_KEY": key})
+
+        async def ok(key: str, *args: str) -> str:
+            done = await run(key, *args)
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+            return done.stdout
+
+        async def company(name: str) -> tuple[str, str]:
+            company_id = (await ok("", "company", "create", name)).split()[1]
+            return company_id, (await ok("", "keys", "create", "--company", company_id)).splitlines()[1]
+
+        (acme_id, acme), (globex_id, globex) = await company("Acme"), await company("Globex")
+        room_id = (await ok(acme, "room", "create", "launch")).split()[1]
+        invited = await ok(acme, "room", "invite", room_id, globex_id)
+        assert "becomes a member when it accepts" in invited
+        invitation_id = invited.split()[1].rstrip(":")
+        listed = await ok(globex, "invitations")
+        assert invitation_id in listed and "'launch'" in listed and "from Acme" in listed
+        assert (await ok(acme, "invitations")) == ""
+        # Not a member before it accepts.
+        outside = await run(globex, "messages", "--room", room_id)
+        assert outside.returncode == 2 and "NOT_FOUND" in outside.stderr
+        assert "is a member of room" in await ok(globex, "invitation", "accept", invitation_id)
+        await ok(globex, "post", "--room", room_id, "--person", "bo", "hello from Globex")
+        assert "hello from Globex" in await ok(acme, "messages", "--room", room_id)
+        assert invitation_id in await ok(globex, "invitations", "--status", "accepted")
+
+        # Only the creator removes; a removed company sees nothing at once.
+        refused = await run(globex, "room", "remove-member", room_id, acme_id)
+        assert refused.returncode == 2 and "PERMISSION_DENIED" in refused.stderr
+        assert "removed" in await ok(acme, "room", "remove-member", room_id, globex_id)
+        gone = await run(globex, "messages", "--room", room_id)
+        assert gone.returncode == 2 and "NOT_FOUND" in gone.stderr
+
+        # Invited again: declined this time, then invited and accepted, then it leaves.
+        second = (await ok(acme, "room", "invite", room_id, globex_id)).split()[1].rstrip(":")
+        assert "declined" in await ok(globex, "invitation", "decline", second)
+        assert second in await ok(globex, "invitations", "--status", "declined")
+        third = (await ok(acme, "room", "invite", room_id, globex_id)).split()[1].rstrip(":")
+        await ok(globex, "invitation", "accept", third)
+        assert "left room" in await ok(globex, "room", "leave", room_id)
+        creator = await run(acme, "room", "leave", room_id)
+        assert creator.returncode == 2 and "FAILED_PRECONDITION" in creator.stderr and "creator" in creator.stderr
+        left = await run(globex, "messages", "--room", room_id)
+        assert left.returncode == 2 and "NOT_FOUND" in left.stderr

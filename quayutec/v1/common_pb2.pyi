@@ -318,6 +318,31 @@ WAITPOINT_STATUS_EXPIRED: WaitpointStatus.ValueType  # 3
 """Not decided in time: the held actions end undone."""
 Global___WaitpointStatus: _TypeAlias = WaitpointStatus  # noqa: Y015
 
+class _InvitationStatus:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _InvitationStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_InvitationStatus.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    INVITATION_STATUS_UNSPECIFIED: _InvitationStatus.ValueType  # 0
+    INVITATION_STATUS_PENDING: _InvitationStatus.ValueType  # 1
+    """Waiting for the invited company's answer; it is not a member yet."""
+    INVITATION_STATUS_ACCEPTED: _InvitationStatus.ValueType  # 2
+    """Accepted: the invited company became a member (it may have left since)."""
+    INVITATION_STATUS_DECLINED: _InvitationStatus.ValueType  # 3
+    """Declined: it never became a member through this invitation."""
+
+class InvitationStatus(_InvitationStatus, metaclass=_InvitationStatusEnumTypeWrapper): ...
+
+INVITATION_STATUS_UNSPECIFIED: InvitationStatus.ValueType  # 0
+INVITATION_STATUS_PENDING: InvitationStatus.ValueType  # 1
+"""Waiting for the invited company's answer; it is not a member yet."""
+INVITATION_STATUS_ACCEPTED: InvitationStatus.ValueType  # 2
+"""Accepted: the invited company became a member (it may have left since)."""
+INVITATION_STATUS_DECLINED: InvitationStatus.ValueType  # 3
+"""Declined: it never became a member through this invitation."""
+Global___InvitationStatus: _TypeAlias = InvitationStatus  # noqa: Y015
+
 @_typing.final
 class Author(_message.Message):
     """Author is who wrote a message, task, task update, memory line or file."""
@@ -1060,3 +1085,56 @@ class Waitpoint(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Waitpoint: _TypeAlias = Waitpoint  # noqa: Y015
+
+@_typing.final
+class Invitation(_message.Message):
+    """Invitation of a company into a room. Membership is by consent: the invited company becomes a
+    member only when it accepts.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_ID_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    ROOM_NAME_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    INVITED_BY_COMPANY_ID_FIELD_NUMBER: _builtins.int
+    INVITED_BY_COMPANY_NAME_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    RESPONDED_AT_FIELD_NUMBER: _builtins.int
+    invitation_id: _builtins.str
+    room_id: _builtins.str
+    room_name: _builtins.str
+    """The room's name, so the invited company knows what it is asked into before it can see the room."""
+    company_id: _builtins.str
+    """The invited company: the only one that sees, accepts or declines the invitation."""
+    invited_by_company_id: _builtins.str
+    invited_by_company_name: _builtins.str
+    status: Global___InvitationStatus.ValueType
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def responded_at(self) -> _timestamp_pb2.Timestamp:
+        """When it was accepted or declined."""
+
+    def __init__(
+        self,
+        *,
+        invitation_id: _builtins.str = ...,
+        room_id: _builtins.str = ...,
+        room_name: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        invited_by_company_id: _builtins.str = ...,
+        invited_by_company_name: _builtins.str = ...,
+        status: Global___InvitationStatus.ValueType = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        responded_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "responded_at", b"responded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "created_at", b"created_at", "invitation_id", b"invitation_id", "invited_by_company_id", b"invited_by_company_id", "invited_by_company_name", b"invited_by_company_name", "responded_at", b"responded_at", "room_id", b"room_id", "room_name", b"room_name", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Invitation: _TypeAlias = Invitation  # noqa: Y015

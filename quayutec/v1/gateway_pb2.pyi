@@ -164,21 +164,226 @@ Global___InviteCompanyRequest: _TypeAlias = InviteCompanyRequest  # noqa: Y015
 class InviteCompanyResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    INVITATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def invitation(self) -> _common_pb2.Invitation:
+        """The pending invitation."""
+
+    def __init__(
+        self,
+        *,
+        invitation: _common_pb2.Invitation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___InviteCompanyResponse: _TypeAlias = InviteCompanyResponse  # noqa: Y015
+
+@_typing.final
+class ListInvitationsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATUS_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    status: _common_pb2.InvitationStatus.ValueType
+    """Unspecified: PENDING."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        status: _common_pb2.InvitationStatus.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInvitationsRequest: _TypeAlias = ListInvitationsRequest  # noqa: Y015
+
+@_typing.final
+class ListInvitationsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def invitations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Invitation]: ...
+    def __init__(
+        self,
+        *,
+        invitations: _abc.Iterable[_common_pb2.Invitation] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListInvitationsResponse: _TypeAlias = ListInvitationsResponse  # noqa: Y015
+
+@_typing.final
+class AcceptInvitationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_ID_FIELD_NUMBER: _builtins.int
+    invitation_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        invitation_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation_id", b"invitation_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AcceptInvitationRequest: _TypeAlias = AcceptInvitationRequest  # noqa: Y015
+
+@_typing.final
+class AcceptInvitationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_FIELD_NUMBER: _builtins.int
     MEMBER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def invitation(self) -> _common_pb2.Invitation: ...
     @_builtins.property
     def member(self) -> _common_pb2.RoomMember: ...
     def __init__(
         self,
         *,
+        invitation: _common_pb2.Invitation | None = ...,
         member: _common_pb2.RoomMember | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["member", b"member"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation", "member", b"member"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["member", b"member"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation", "member", b"member"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___InviteCompanyResponse: _TypeAlias = InviteCompanyResponse  # noqa: Y015
+Global___AcceptInvitationResponse: _TypeAlias = AcceptInvitationResponse  # noqa: Y015
+
+@_typing.final
+class DeclineInvitationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_ID_FIELD_NUMBER: _builtins.int
+    invitation_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        invitation_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation_id", b"invitation_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeclineInvitationRequest: _TypeAlias = DeclineInvitationRequest  # noqa: Y015
+
+@_typing.final
+class DeclineInvitationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def invitation(self) -> _common_pb2.Invitation: ...
+    def __init__(
+        self,
+        *,
+        invitation: _common_pb2.Invitation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DeclineInvitationResponse: _TypeAlias = DeclineInvitationResponse  # noqa: Y015
+
+@_typing.final
+class LeaveRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveRoomRequest: _TypeAlias = LeaveRoomRequest  # noqa: Y015
+
+@_typing.final
+class LeaveRoomResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LeaveRoomResponse: _TypeAlias = LeaveRoomResponse  # noqa: Y015
+
+@_typing.final
+class RemoveMemberRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    company_id: _builtins.str
+    """The member company to remove."""
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveMemberRequest: _TypeAlias = RemoveMemberRequest  # noqa: Y015
+
+@_typing.final
+class RemoveMemberResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveMemberResponse: _TypeAlias = RemoveMemberResponse  # noqa: Y015
 
 @_typing.final
 class ListMembersRequest(_message.Message):

@@ -61,6 +61,31 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.InviteCompanyRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.InviteCompanyResponse.FromString,
                 _registered_method=True)
+        self.ListInvitations = channel.unary_unary(
+                '/quayutec.v1.GatewayService/ListInvitations',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.ListInvitationsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListInvitationsResponse.FromString,
+                _registered_method=True)
+        self.AcceptInvitation = channel.unary_unary(
+                '/quayutec.v1.GatewayService/AcceptInvitation',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.AcceptInvitationRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.AcceptInvitationResponse.FromString,
+                _registered_method=True)
+        self.DeclineInvitation = channel.unary_unary(
+                '/quayutec.v1.GatewayService/DeclineInvitation',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationResponse.FromString,
+                _registered_method=True)
+        self.LeaveRoom = channel.unary_unary(
+                '/quayutec.v1.GatewayService/LeaveRoom',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.LeaveRoomRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.LeaveRoomResponse.FromString,
+                _registered_method=True)
+        self.RemoveMember = channel.unary_unary(
+                '/quayutec.v1.GatewayService/RemoveMember',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.RemoveMemberRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.RemoveMemberResponse.FromString,
+                _registered_method=True)
         self.ListMembers = channel.unary_unary(
                 '/quayutec.v1.GatewayService/ListMembers',
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.ListMembersRequest.SerializeToString,
@@ -190,8 +215,61 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def InviteCompany(self, request, context):
-        """InviteCompany adds another company to a room the caller is a member of.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or company).
+        """InviteCompany invites another company into a room the caller is a member of. Membership is by
+        consent: the invited company becomes a member only when it accepts (AcceptInvitation); until then
+        it sees nothing of the room and its agents cannot be mentioned or sent tasks there.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or company), ALREADY_EXISTS (the company is already a
+        member, or already has a pending invitation to this room; inviting again is not needed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListInvitations(self, request, context):
+        """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
+        Errors: INVALID_ARGUMENT (bad status or page token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcceptInvitation(self, request, context):
+        """AcceptInvitation makes the caller's company a member of the invitation's room. Accepting again
+        while still a member returns the same answer.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+        FAILED_PRECONDITION (declined, or accepted and the company has left the room since: ask for a
+        new invitation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeclineInvitation(self, request, context):
+        """DeclineInvitation refuses an invitation to the caller's company; declining again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+        FAILED_PRECONDITION (already accepted: use LeaveRoom).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveRoom(self, request, context):
+        """LeaveRoom ends the caller's membership at once: every call on the room answers NOT_FOUND after
+        it. Nothing of the caller's agents runs there any more: wakes still pending end in the run ledger
+        as FAILED without acting, and the caller's pending approvals in the room expire (held actions
+        NOT_DONE). Rejoining takes a new invitation.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room), FAILED_PRECONDITION (the room's creator cannot leave
+        its room).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveMember(self, request, context):
+        """RemoveMember ends another company's membership, with the same effects as LeaveRoom. Only the
+        room's creator may remove.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member), PERMISSION_DENIED
+        (the caller did not create the room), FAILED_PRECONDITION (the creator cannot remove itself).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -366,6 +444,31 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.InviteCompany,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.InviteCompanyRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.InviteCompanyResponse.SerializeToString,
+            ),
+            'ListInvitations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInvitations,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListInvitationsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.ListInvitationsResponse.SerializeToString,
+            ),
+            'AcceptInvitation': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcceptInvitation,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.AcceptInvitationRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.AcceptInvitationResponse.SerializeToString,
+            ),
+            'DeclineInvitation': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclineInvitation,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationResponse.SerializeToString,
+            ),
+            'LeaveRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveRoom,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.LeaveRoomRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.LeaveRoomResponse.SerializeToString,
+            ),
+            'RemoveMember': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveMember,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.RemoveMemberRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.RemoveMemberResponse.SerializeToString,
             ),
             'ListMembers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListMembers,
@@ -578,6 +681,141 @@ class GatewayService:
             '/quayutec.v1.GatewayService/InviteCompany',
             quayutec_dot_v1_dot_gateway__pb2.InviteCompanyRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.InviteCompanyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInvitations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/ListInvitations',
+            quayutec_dot_v1_dot_gateway__pb2.ListInvitationsRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.ListInvitationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcceptInvitation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/AcceptInvitation',
+            quayutec_dot_v1_dot_gateway__pb2.AcceptInvitationRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.AcceptInvitationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclineInvitation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/DeclineInvitation',
+            quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/LeaveRoom',
+            quayutec_dot_v1_dot_gateway__pb2.LeaveRoomRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.LeaveRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveMember(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/RemoveMember',
+            quayutec_dot_v1_dot_gateway__pb2.RemoveMemberRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.RemoveMemberResponse.FromString,
             options,
             channel_credentials,
             insecure,

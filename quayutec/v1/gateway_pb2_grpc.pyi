@@ -47,8 +47,41 @@ class GatewayServiceStub:
     ListRooms: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListRoomsRequest, _gateway_pb2.ListRoomsResponse]
     """ListRooms the caller is a member of. Errors: INVALID_ARGUMENT (bad page token)."""
     InviteCompany: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.InviteCompanyRequest, _gateway_pb2.InviteCompanyResponse]
-    """InviteCompany adds another company to a room the caller is a member of.
-    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or company).
+    """InviteCompany invites another company into a room the caller is a member of. Membership is by
+    consent: the invited company becomes a member only when it accepts (AcceptInvitation); until then
+    it sees nothing of the room and its agents cannot be mentioned or sent tasks there.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or company), ALREADY_EXISTS (the company is already a
+    member, or already has a pending invitation to this room; inviting again is not needed).
+    """
+    ListInvitations: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListInvitationsRequest, _gateway_pb2.ListInvitationsResponse]
+    """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
+    Errors: INVALID_ARGUMENT (bad status or page token).
+    """
+    AcceptInvitation: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.AcceptInvitationRequest, _gateway_pb2.AcceptInvitationResponse]
+    """AcceptInvitation makes the caller's company a member of the invitation's room. Accepting again
+    while still a member returns the same answer.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+    FAILED_PRECONDITION (declined, or accepted and the company has left the room since: ask for a
+    new invitation).
+    """
+    DeclineInvitation: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.DeclineInvitationRequest, _gateway_pb2.DeclineInvitationResponse]
+    """DeclineInvitation refuses an invitation to the caller's company; declining again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+    FAILED_PRECONDITION (already accepted: use LeaveRoom).
+    """
+    LeaveRoom: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.LeaveRoomRequest, _gateway_pb2.LeaveRoomResponse]
+    """LeaveRoom ends the caller's membership at once: every call on the room answers NOT_FOUND after
+    it. Nothing of the caller's agents runs there any more: wakes still pending end in the run ledger
+    as FAILED without acting, and the caller's pending approvals in the room expire (held actions
+    NOT_DONE). Rejoining takes a new invitation.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room), FAILED_PRECONDITION (the room's creator cannot leave
+    its room).
+    """
+    RemoveMember: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RemoveMemberRequest, _gateway_pb2.RemoveMemberResponse]
+    """RemoveMember ends another company's membership, with the same effects as LeaveRoom. Only the
+    room's creator may remove.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member), PERMISSION_DENIED
+    (the caller did not create the room), FAILED_PRECONDITION (the creator cannot remove itself).
     """
     ListMembers: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListMembersRequest, _gateway_pb2.ListMembersResponse]
     """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -132,8 +165,41 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     ListRooms: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListRoomsRequest, _gateway_pb2.ListRoomsResponse]  # type: ignore[assignment]
     """ListRooms the caller is a member of. Errors: INVALID_ARGUMENT (bad page token)."""
     InviteCompany: _aio.UnaryUnaryMultiCallable[_gateway_pb2.InviteCompanyRequest, _gateway_pb2.InviteCompanyResponse]  # type: ignore[assignment]
-    """InviteCompany adds another company to a room the caller is a member of.
-    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or company).
+    """InviteCompany invites another company into a room the caller is a member of. Membership is by
+    consent: the invited company becomes a member only when it accepts (AcceptInvitation); until then
+    it sees nothing of the room and its agents cannot be mentioned or sent tasks there.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or company), ALREADY_EXISTS (the company is already a
+    member, or already has a pending invitation to this room; inviting again is not needed).
+    """
+    ListInvitations: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListInvitationsRequest, _gateway_pb2.ListInvitationsResponse]  # type: ignore[assignment]
+    """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
+    Errors: INVALID_ARGUMENT (bad status or page token).
+    """
+    AcceptInvitation: _aio.UnaryUnaryMultiCallable[_gateway_pb2.AcceptInvitationRequest, _gateway_pb2.AcceptInvitationResponse]  # type: ignore[assignment]
+    """AcceptInvitation makes the caller's company a member of the invitation's room. Accepting again
+    while still a member returns the same answer.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+    FAILED_PRECONDITION (declined, or accepted and the company has left the room since: ask for a
+    new invitation).
+    """
+    DeclineInvitation: _aio.UnaryUnaryMultiCallable[_gateway_pb2.DeclineInvitationRequest, _gateway_pb2.DeclineInvitationResponse]  # type: ignore[assignment]
+    """DeclineInvitation refuses an invitation to the caller's company; declining again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+    FAILED_PRECONDITION (already accepted: use LeaveRoom).
+    """
+    LeaveRoom: _aio.UnaryUnaryMultiCallable[_gateway_pb2.LeaveRoomRequest, _gateway_pb2.LeaveRoomResponse]  # type: ignore[assignment]
+    """LeaveRoom ends the caller's membership at once: every call on the room answers NOT_FOUND after
+    it. Nothing of the caller's agents runs there any more: wakes still pending end in the run ledger
+    as FAILED without acting, and the caller's pending approvals in the room expire (held actions
+    NOT_DONE). Rejoining takes a new invitation.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room), FAILED_PRECONDITION (the room's creator cannot leave
+    its room).
+    """
+    RemoveMember: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RemoveMemberRequest, _gateway_pb2.RemoveMemberResponse]  # type: ignore[assignment]
+    """RemoveMember ends another company's membership, with the same effects as LeaveRoom. Only the
+    room's creator may remove.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member), PERMISSION_DENIED
+    (the caller did not create the room), FAILED_PRECONDITION (the creator cannot remove itself).
     """
     ListMembers: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListMembersRequest, _gateway_pb2.ListMembersResponse]  # type: ignore[assignment]
     """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -238,8 +304,71 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.InviteCompanyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.InviteCompanyResponse, _abc.Awaitable[_gateway_pb2.InviteCompanyResponse]]:
-        """InviteCompany adds another company to a room the caller is a member of.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or company).
+        """InviteCompany invites another company into a room the caller is a member of. Membership is by
+        consent: the invited company becomes a member only when it accepts (AcceptInvitation); until then
+        it sees nothing of the room and its agents cannot be mentioned or sent tasks there.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or company), ALREADY_EXISTS (the company is already a
+        member, or already has a pending invitation to this room; inviting again is not needed).
+        """
+
+    @_abc_1.abstractmethod
+    def ListInvitations(
+        self,
+        request: _gateway_pb2.ListInvitationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ListInvitationsResponse, _abc.Awaitable[_gateway_pb2.ListInvitationsResponse]]:
+        """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
+        Errors: INVALID_ARGUMENT (bad status or page token).
+        """
+
+    @_abc_1.abstractmethod
+    def AcceptInvitation(
+        self,
+        request: _gateway_pb2.AcceptInvitationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.AcceptInvitationResponse, _abc.Awaitable[_gateway_pb2.AcceptInvitationResponse]]:
+        """AcceptInvitation makes the caller's company a member of the invitation's room. Accepting again
+        while still a member returns the same answer.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+        FAILED_PRECONDITION (declined, or accepted and the company has left the room since: ask for a
+        new invitation).
+        """
+
+    @_abc_1.abstractmethod
+    def DeclineInvitation(
+        self,
+        request: _gateway_pb2.DeclineInvitationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.DeclineInvitationResponse, _abc.Awaitable[_gateway_pb2.DeclineInvitationResponse]]:
+        """DeclineInvitation refuses an invitation to the caller's company; declining again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+        FAILED_PRECONDITION (already accepted: use LeaveRoom).
+        """
+
+    @_abc_1.abstractmethod
+    def LeaveRoom(
+        self,
+        request: _gateway_pb2.LeaveRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.LeaveRoomResponse, _abc.Awaitable[_gateway_pb2.LeaveRoomResponse]]:
+        """LeaveRoom ends the caller's membership at once: every call on the room answers NOT_FOUND after
+        it. Nothing of the caller's agents runs there any more: wakes still pending end in the run ledger
+        as FAILED without acting, and the caller's pending approvals in the room expire (held actions
+        NOT_DONE). Rejoining takes a new invitation.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room), FAILED_PRECONDITION (the room's creator cannot leave
+        its room).
+        """
+
+    @_abc_1.abstractmethod
+    def RemoveMember(
+        self,
+        request: _gateway_pb2.RemoveMemberRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RemoveMemberResponse, _abc.Awaitable[_gateway_pb2.RemoveMemberResponse]]:
+        """RemoveMember ends another company's membership, with the same effects as LeaveRoom. Only the
+        room's creator may remove.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member), PERMISSION_DENIED
+        (the caller did not create the room), FAILED_PRECONDITION (the creator cannot remove itself).
         """
 
     @_abc_1.abstractmethod

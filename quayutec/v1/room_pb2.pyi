@@ -250,13 +250,204 @@ class RoomServiceListRoomsResponse(_message.Message):
 Global___RoomServiceListRoomsResponse: _TypeAlias = RoomServiceListRoomsResponse  # noqa: Y015
 
 @_typing.final
-class RoomServiceAddMemberRequest(_message.Message):
+class RoomServiceCreateInvitationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    INVITED_BY_COMPANY_ID_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    company_id: _builtins.str
+    """The invited company."""
+    invited_by_company_id: _builtins.str
+    """The member company that invites."""
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        invited_by_company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "invited_by_company_id", b"invited_by_company_id", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceCreateInvitationRequest: _TypeAlias = RoomServiceCreateInvitationRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceCreateInvitationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def invitation(self) -> _common_pb2.Invitation: ...
+    def __init__(
+        self,
+        *,
+        invitation: _common_pb2.Invitation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceCreateInvitationResponse: _TypeAlias = RoomServiceCreateInvitationResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceListInvitationsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    company_id: _builtins.str
+    """The invited company."""
+    status: _common_pb2.InvitationStatus.ValueType
+    """Unspecified: PENDING."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        company_id: _builtins.str = ...,
+        status: _common_pb2.InvitationStatus.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceListInvitationsRequest: _TypeAlias = RoomServiceListInvitationsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceListInvitationsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def invitations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Invitation]: ...
+    def __init__(
+        self,
+        *,
+        invitations: _abc.Iterable[_common_pb2.Invitation] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceListInvitationsResponse: _TypeAlias = RoomServiceListInvitationsResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceAcceptInvitationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    invitation_id: _builtins.str
+    company_id: _builtins.str
+    """The accepting company; must be the invited one."""
+    def __init__(
+        self,
+        *,
+        invitation_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "invitation_id", b"invitation_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceAcceptInvitationRequest: _TypeAlias = RoomServiceAcceptInvitationRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceAcceptInvitationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def invitation(self) -> _common_pb2.Invitation: ...
+    @_builtins.property
+    def member(self) -> _common_pb2.RoomMember: ...
+    def __init__(
+        self,
+        *,
+        invitation: _common_pb2.Invitation | None = ...,
+        member: _common_pb2.RoomMember | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation", "member", b"member"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation", "member", b"member"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceAcceptInvitationResponse: _TypeAlias = RoomServiceAcceptInvitationResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceDeclineInvitationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    invitation_id: _builtins.str
+    company_id: _builtins.str
+    """The declining company; must be the invited one."""
+    def __init__(
+        self,
+        *,
+        invitation_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "invitation_id", b"invitation_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceDeclineInvitationRequest: _TypeAlias = RoomServiceDeclineInvitationRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceDeclineInvitationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def invitation(self) -> _common_pb2.Invitation: ...
+    def __init__(
+        self,
+        *,
+        invitation: _common_pb2.Invitation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceDeclineInvitationResponse: _TypeAlias = RoomServiceDeclineInvitationResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceLeaveRoomRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     ROOM_ID_FIELD_NUMBER: _builtins.int
     COMPANY_ID_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     company_id: _builtins.str
+    """The leaving company."""
     def __init__(
         self,
         *,
@@ -269,27 +460,74 @@ class RoomServiceAddMemberRequest(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___RoomServiceAddMemberRequest: _TypeAlias = RoomServiceAddMemberRequest  # noqa: Y015
+Global___RoomServiceLeaveRoomRequest: _TypeAlias = RoomServiceLeaveRoomRequest  # noqa: Y015
 
 @_typing.final
-class RoomServiceAddMemberResponse(_message.Message):
+class RoomServiceLeaveRoomResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    MEMBER_FIELD_NUMBER: _builtins.int
-    @_builtins.property
-    def member(self) -> _common_pb2.RoomMember: ...
+    EXPIRED_WAITPOINTS_FIELD_NUMBER: _builtins.int
+    expired_waitpoints: _builtins.int
+    """Pending waitpoints of the company's agents in the room that expired with the departure."""
     def __init__(
         self,
         *,
-        member: _common_pb2.RoomMember | None = ...,
+        expired_waitpoints: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["member", b"member"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["member", b"member"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expired_waitpoints", b"expired_waitpoints"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___RoomServiceAddMemberResponse: _TypeAlias = RoomServiceAddMemberResponse  # noqa: Y015
+Global___RoomServiceLeaveRoomResponse: _TypeAlias = RoomServiceLeaveRoomResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceRemoveMemberRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    REMOVED_BY_COMPANY_ID_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    company_id: _builtins.str
+    """The company removed."""
+    removed_by_company_id: _builtins.str
+    """The company that removes; must be the room's creator."""
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        removed_by_company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "removed_by_company_id", b"removed_by_company_id", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRemoveMemberRequest: _TypeAlias = RoomServiceRemoveMemberRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceRemoveMemberResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EXPIRED_WAITPOINTS_FIELD_NUMBER: _builtins.int
+    expired_waitpoints: _builtins.int
+    """Pending waitpoints of the removed company's agents in the room that expired with the removal."""
+    def __init__(
+        self,
+        *,
+        expired_waitpoints: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expired_waitpoints", b"expired_waitpoints"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRemoveMemberResponse: _TypeAlias = RoomServiceRemoveMemberResponse  # noqa: Y015
 
 @_typing.final
 class RoomServiceListMembersRequest(_message.Message):

@@ -63,10 +63,35 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomsRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomsResponse.FromString,
                 _registered_method=True)
-        self.AddMember = channel.unary_unary(
-                '/quayutec.v1.RoomService/AddMember',
-                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAddMemberRequest.SerializeToString,
-                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAddMemberResponse.FromString,
+        self.CreateInvitation = channel.unary_unary(
+                '/quayutec.v1.RoomService/CreateInvitation',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateInvitationRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateInvitationResponse.FromString,
+                _registered_method=True)
+        self.ListInvitations = channel.unary_unary(
+                '/quayutec.v1.RoomService/ListInvitations',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListInvitationsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListInvitationsResponse.FromString,
+                _registered_method=True)
+        self.AcceptInvitation = channel.unary_unary(
+                '/quayutec.v1.RoomService/AcceptInvitation',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAcceptInvitationRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAcceptInvitationResponse.FromString,
+                _registered_method=True)
+        self.DeclineInvitation = channel.unary_unary(
+                '/quayutec.v1.RoomService/DeclineInvitation',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationResponse.FromString,
+                _registered_method=True)
+        self.LeaveRoom = channel.unary_unary(
+                '/quayutec.v1.RoomService/LeaveRoom',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceLeaveRoomRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceLeaveRoomResponse.FromString,
+                _registered_method=True)
+        self.RemoveMember = channel.unary_unary(
+                '/quayutec.v1.RoomService/RemoveMember',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRemoveMemberRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRemoveMemberResponse.FromString,
                 _registered_method=True)
         self.ListMembers = channel.unary_unary(
                 '/quayutec.v1.RoomService/ListMembers',
@@ -268,8 +293,61 @@ class RoomServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def AddMember(self, request, context):
-        """AddMember adds a company to a room (idempotent). Errors: INVALID_ARGUMENT, NOT_FOUND (room or company).
+    def CreateInvitation(self, request, context):
+        """CreateInvitation invites a company into a room on behalf of a member company; the invited company
+        becomes a member only when it accepts (AcceptInvitation). A company that is already a member, or
+        already has a pending invitation to the room, is not invited again: ALREADY_EXISTS, naming it.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, invited company, or the inviting company is not a member),
+        ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListInvitations(self, request, context):
+        """ListInvitations to one company, oldest first (pending ones unless status says otherwise).
+        Errors: INVALID_ARGUMENT.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcceptInvitation(self, request, context):
+        """AcceptInvitation: the invitation becomes ACCEPTED and the company a member, in one transaction.
+        Accepting again while still a member returns the same answer and changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+        FAILED_PRECONDITION (declined, or accepted and the company has left the room since: it needs a
+        new invitation).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeclineInvitation(self, request, context):
+        """DeclineInvitation: the invitation becomes DECLINED; declining again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+        FAILED_PRECONDITION (already accepted: leave the room instead).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaveRoom(self, request, context):
+        """LeaveRoom ends a company's membership; in the same transaction its pending waitpoints in the room
+        expire (each with its DECISION wake, so the parked run ends its held actions undone). Its agents'
+        wakes still pending are refused by ReadRunContext (NOT_FOUND), so their runs end without acting.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member),
+        FAILED_PRECONDITION (the room's creator cannot leave its room).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveMember(self, request, context):
+        """RemoveMember ends another company's membership as LeaveRoom does; only the room's creator may.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, the remover is not a member, or the company is not a
+        member), PERMISSION_DENIED (the remover did not create the room), FAILED_PRECONDITION (the
+        creator cannot remove itself).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -557,10 +635,35 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomsRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomsResponse.SerializeToString,
             ),
-            'AddMember': grpc.unary_unary_rpc_method_handler(
-                    servicer.AddMember,
-                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAddMemberRequest.FromString,
-                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAddMemberResponse.SerializeToString,
+            'CreateInvitation': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateInvitation,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateInvitationRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateInvitationResponse.SerializeToString,
+            ),
+            'ListInvitations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListInvitations,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListInvitationsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListInvitationsResponse.SerializeToString,
+            ),
+            'AcceptInvitation': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcceptInvitation,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAcceptInvitationRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAcceptInvitationResponse.SerializeToString,
+            ),
+            'DeclineInvitation': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeclineInvitation,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationResponse.SerializeToString,
+            ),
+            'LeaveRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaveRoom,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceLeaveRoomRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceLeaveRoomResponse.SerializeToString,
+            ),
+            'RemoveMember': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveMember,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRemoveMemberRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRemoveMemberResponse.SerializeToString,
             ),
             'ListMembers': grpc.unary_unary_rpc_method_handler(
                     servicer.ListMembers,
@@ -868,7 +971,7 @@ class RoomService:
             _registered_method=True)
 
     @staticmethod
-    def AddMember(request,
+    def CreateInvitation(request,
             target,
             options=(),
             channel_credentials=None,
@@ -881,9 +984,144 @@ class RoomService:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/quayutec.v1.RoomService/AddMember',
-            quayutec_dot_v1_dot_room__pb2.RoomServiceAddMemberRequest.SerializeToString,
-            quayutec_dot_v1_dot_room__pb2.RoomServiceAddMemberResponse.FromString,
+            '/quayutec.v1.RoomService/CreateInvitation',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceCreateInvitationRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceCreateInvitationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListInvitations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/ListInvitations',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceListInvitationsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceListInvitationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcceptInvitation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/AcceptInvitation',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceAcceptInvitationRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceAcceptInvitationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeclineInvitation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/DeclineInvitation',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaveRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/LeaveRoom',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceLeaveRoomRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceLeaveRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveMember(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/RemoveMember',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRemoveMemberRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRemoveMemberResponse.FromString,
             options,
             channel_credentials,
             insecure,

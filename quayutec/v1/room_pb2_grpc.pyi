@@ -49,8 +49,42 @@ class RoomServiceStub:
     """
     ListRooms: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListRoomsRequest, _room_pb2.RoomServiceListRoomsResponse]
     """ListRooms of one member company. Errors: INVALID_ARGUMENT."""
-    AddMember: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAddMemberRequest, _room_pb2.RoomServiceAddMemberResponse]
-    """AddMember adds a company to a room (idempotent). Errors: INVALID_ARGUMENT, NOT_FOUND (room or company)."""
+    CreateInvitation: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateInvitationRequest, _room_pb2.RoomServiceCreateInvitationResponse]
+    """CreateInvitation invites a company into a room on behalf of a member company; the invited company
+    becomes a member only when it accepts (AcceptInvitation). A company that is already a member, or
+    already has a pending invitation to the room, is not invited again: ALREADY_EXISTS, naming it.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, invited company, or the inviting company is not a member),
+    ALREADY_EXISTS.
+    """
+    ListInvitations: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListInvitationsRequest, _room_pb2.RoomServiceListInvitationsResponse]
+    """ListInvitations to one company, oldest first (pending ones unless status says otherwise).
+    Errors: INVALID_ARGUMENT.
+    """
+    AcceptInvitation: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAcceptInvitationRequest, _room_pb2.RoomServiceAcceptInvitationResponse]
+    """AcceptInvitation: the invitation becomes ACCEPTED and the company a member, in one transaction.
+    Accepting again while still a member returns the same answer and changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+    FAILED_PRECONDITION (declined, or accepted and the company has left the room since: it needs a
+    new invitation).
+    """
+    DeclineInvitation: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceDeclineInvitationRequest, _room_pb2.RoomServiceDeclineInvitationResponse]
+    """DeclineInvitation: the invitation becomes DECLINED; declining again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+    FAILED_PRECONDITION (already accepted: leave the room instead).
+    """
+    LeaveRoom: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceLeaveRoomRequest, _room_pb2.RoomServiceLeaveRoomResponse]
+    """LeaveRoom ends a company's membership; in the same transaction its pending waitpoints in the room
+    expire (each with its DECISION wake, so the parked run ends its held actions undone). Its agents'
+    wakes still pending are refused by ReadRunContext (NOT_FOUND), so their runs end without acting.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member),
+    FAILED_PRECONDITION (the room's creator cannot leave its room).
+    """
+    RemoveMember: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRemoveMemberRequest, _room_pb2.RoomServiceRemoveMemberResponse]
+    """RemoveMember ends another company's membership as LeaveRoom does; only the room's creator may.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, the remover is not a member, or the company is not a
+    member), PERMISSION_DENIED (the remover did not create the room), FAILED_PRECONDITION (the
+    creator cannot remove itself).
+    """
     ListMembers: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListMembersRequest, _room_pb2.RoomServiceListMembersResponse]
     """ListMembers. Errors: INVALID_ARGUMENT, NOT_FOUND (room)."""
     RegisterAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRegisterAgentRequest, _room_pb2.RoomServiceRegisterAgentResponse]
@@ -193,8 +227,42 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """
     ListRooms: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListRoomsRequest, _room_pb2.RoomServiceListRoomsResponse]  # type: ignore[assignment]
     """ListRooms of one member company. Errors: INVALID_ARGUMENT."""
-    AddMember: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAddMemberRequest, _room_pb2.RoomServiceAddMemberResponse]  # type: ignore[assignment]
-    """AddMember adds a company to a room (idempotent). Errors: INVALID_ARGUMENT, NOT_FOUND (room or company)."""
+    CreateInvitation: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateInvitationRequest, _room_pb2.RoomServiceCreateInvitationResponse]  # type: ignore[assignment]
+    """CreateInvitation invites a company into a room on behalf of a member company; the invited company
+    becomes a member only when it accepts (AcceptInvitation). A company that is already a member, or
+    already has a pending invitation to the room, is not invited again: ALREADY_EXISTS, naming it.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, invited company, or the inviting company is not a member),
+    ALREADY_EXISTS.
+    """
+    ListInvitations: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListInvitationsRequest, _room_pb2.RoomServiceListInvitationsResponse]  # type: ignore[assignment]
+    """ListInvitations to one company, oldest first (pending ones unless status says otherwise).
+    Errors: INVALID_ARGUMENT.
+    """
+    AcceptInvitation: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAcceptInvitationRequest, _room_pb2.RoomServiceAcceptInvitationResponse]  # type: ignore[assignment]
+    """AcceptInvitation: the invitation becomes ACCEPTED and the company a member, in one transaction.
+    Accepting again while still a member returns the same answer and changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+    FAILED_PRECONDITION (declined, or accepted and the company has left the room since: it needs a
+    new invitation).
+    """
+    DeclineInvitation: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceDeclineInvitationRequest, _room_pb2.RoomServiceDeclineInvitationResponse]  # type: ignore[assignment]
+    """DeclineInvitation: the invitation becomes DECLINED; declining again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+    FAILED_PRECONDITION (already accepted: leave the room instead).
+    """
+    LeaveRoom: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceLeaveRoomRequest, _room_pb2.RoomServiceLeaveRoomResponse]  # type: ignore[assignment]
+    """LeaveRoom ends a company's membership; in the same transaction its pending waitpoints in the room
+    expire (each with its DECISION wake, so the parked run ends its held actions undone). Its agents'
+    wakes still pending are refused by ReadRunContext (NOT_FOUND), so their runs end without acting.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member),
+    FAILED_PRECONDITION (the room's creator cannot leave its room).
+    """
+    RemoveMember: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRemoveMemberRequest, _room_pb2.RoomServiceRemoveMemberResponse]  # type: ignore[assignment]
+    """RemoveMember ends another company's membership as LeaveRoom does; only the room's creator may.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, the remover is not a member, or the company is not a
+    member), PERMISSION_DENIED (the remover did not create the room), FAILED_PRECONDITION (the
+    creator cannot remove itself).
+    """
     ListMembers: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListMembersRequest, _room_pb2.RoomServiceListMembersResponse]  # type: ignore[assignment]
     """ListMembers. Errors: INVALID_ARGUMENT, NOT_FOUND (room)."""
     RegisterAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRegisterAgentRequest, _room_pb2.RoomServiceRegisterAgentResponse]  # type: ignore[assignment]
@@ -366,12 +434,76 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         """ListRooms of one member company. Errors: INVALID_ARGUMENT."""
 
     @_abc_1.abstractmethod
-    def AddMember(
+    def CreateInvitation(
         self,
-        request: _room_pb2.RoomServiceAddMemberRequest,
+        request: _room_pb2.RoomServiceCreateInvitationRequest,
         context: _ServicerContext,
-    ) -> _typing.Union[_room_pb2.RoomServiceAddMemberResponse, _abc.Awaitable[_room_pb2.RoomServiceAddMemberResponse]]:
-        """AddMember adds a company to a room (idempotent). Errors: INVALID_ARGUMENT, NOT_FOUND (room or company)."""
+    ) -> _typing.Union[_room_pb2.RoomServiceCreateInvitationResponse, _abc.Awaitable[_room_pb2.RoomServiceCreateInvitationResponse]]:
+        """CreateInvitation invites a company into a room on behalf of a member company; the invited company
+        becomes a member only when it accepts (AcceptInvitation). A company that is already a member, or
+        already has a pending invitation to the room, is not invited again: ALREADY_EXISTS, naming it.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, invited company, or the inviting company is not a member),
+        ALREADY_EXISTS.
+        """
+
+    @_abc_1.abstractmethod
+    def ListInvitations(
+        self,
+        request: _room_pb2.RoomServiceListInvitationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceListInvitationsResponse, _abc.Awaitable[_room_pb2.RoomServiceListInvitationsResponse]]:
+        """ListInvitations to one company, oldest first (pending ones unless status says otherwise).
+        Errors: INVALID_ARGUMENT.
+        """
+
+    @_abc_1.abstractmethod
+    def AcceptInvitation(
+        self,
+        request: _room_pb2.RoomServiceAcceptInvitationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceAcceptInvitationResponse, _abc.Awaitable[_room_pb2.RoomServiceAcceptInvitationResponse]]:
+        """AcceptInvitation: the invitation becomes ACCEPTED and the company a member, in one transaction.
+        Accepting again while still a member returns the same answer and changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+        FAILED_PRECONDITION (declined, or accepted and the company has left the room since: it needs a
+        new invitation).
+        """
+
+    @_abc_1.abstractmethod
+    def DeclineInvitation(
+        self,
+        request: _room_pb2.RoomServiceDeclineInvitationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceDeclineInvitationResponse, _abc.Awaitable[_room_pb2.RoomServiceDeclineInvitationResponse]]:
+        """DeclineInvitation: the invitation becomes DECLINED; declining again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
+        FAILED_PRECONDITION (already accepted: leave the room instead).
+        """
+
+    @_abc_1.abstractmethod
+    def LeaveRoom(
+        self,
+        request: _room_pb2.RoomServiceLeaveRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceLeaveRoomResponse, _abc.Awaitable[_room_pb2.RoomServiceLeaveRoomResponse]]:
+        """LeaveRoom ends a company's membership; in the same transaction its pending waitpoints in the room
+        expire (each with its DECISION wake, so the parked run ends its held actions undone). Its agents'
+        wakes still pending are refused by ReadRunContext (NOT_FOUND), so their runs end without acting.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member),
+        FAILED_PRECONDITION (the room's creator cannot leave its room).
+        """
+
+    @_abc_1.abstractmethod
+    def RemoveMember(
+        self,
+        request: _room_pb2.RoomServiceRemoveMemberRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceRemoveMemberResponse, _abc.Awaitable[_room_pb2.RoomServiceRemoveMemberResponse]]:
+        """RemoveMember ends another company's membership as LeaveRoom does; only the room's creator may.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, the remover is not a member, or the company is not a
+        member), PERMISSION_DENIED (the remover did not create the room), FAILED_PRECONDITION (the
+        creator cannot remove itself).
+        """
 
     @_abc_1.abstractmethod
     def ListMembers(

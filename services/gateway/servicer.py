@@ -188,10 +188,88 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         await self._member_room(request.room_id, company_id)
         if not _is_uuid(invited):
             raise NotFound(f"company {invited[:64]!r} not found")
-        response = await self._room.AddMember(
-            room_pb2.RoomServiceAddMemberRequest(room_id=request.room_id, company_id=invited), timeout=self._timeout
+        response = await self._room.CreateInvitation(
+            room_pb2.RoomServiceCreateInvitationRequest(
+                room_id=request.room_id, company_id=invited, invited_by_company_id=company_id
+            ),
+            timeout=self._timeout,
         )
-        return gateway_pb2.InviteCompanyResponse(member=response.member)
+        return gateway_pb2.InviteCompanyResponse(invitation=response.invitation)
+
+    async def ListInvitations(
+        self, request: gateway_pb2.ListInvitationsRequest, context: Any
+    ) -> gateway_pb2.ListInvitationsResponse:
+        company_id = self._caller.company_id()
+        page_size = _page_size(request.page_size)
+        _check_enum(common_pb2.InvitationStatus, request.status, "status")
+        response = await self._room.ListInvitations(
+            room_pb2.RoomServiceListInvitationsRequest(
+                company_id=company_id, status=request.status, page_size=page_size, page_token=request.page_token
+            ),
+            timeout=self._timeout,
+        )
+        # Only invitations to the caller's company, whatever the Room returns.
+        invitations = [i for i in response.invitations if i.company_id == company_id]
+        return gateway_pb2.ListInvitationsResponse(invitations=invitations, next_page_token=response.next_page_token)
+
+    def _invitation_id(self, invitation_id: str) -> str:
+        """A well-formed invitation id; a malformed one answers like an unknown one."""
+        if not invitation_id:
+            raise InvalidArgument("invitation_id is required")
+        if not _is_uuid(invitation_id):
+            raise NotFound(f"invitation {invitation_id[:64]!r} not found among your company's invitations")
+        return invitation_id
+
+    async def AcceptInvitation(
+        self, request: gateway_pb2.AcceptInvitationRequest, context: Any
+    ) -> gateway_pb2.AcceptInvitationResponse:
+        company_id = self._caller.company_id()
+        response = await self._room.AcceptInvitation(
+            room_pb2.RoomServiceAcceptInvitationRequest(
+                invitation_id=self._invitation_id(request.invitation_id), company_id=company_id
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.AcceptInvitationResponse(invitation=response.invitation, member=response.member)
+
+    async def DeclineInvitation(
+        self, request: gateway_pb2.DeclineInvitationRequest, context: Any
+    ) -> gateway_pb2.DeclineInvitationResponse:
+        company_id = self._caller.company_id()
+        response = await self._room.DeclineInvitation(
+            room_pb2.RoomServiceDeclineInvitationRequest(
+                invitation_id=self._invitation_id(request.invitation_id), company_id=company_id
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.DeclineInvitationResponse(invitation=response.invitation)
+
+    async def LeaveRoom(self, request: gateway_pb2.LeaveRoomRequest, context: Any) -> gateway_pb2.LeaveRoomResponse:
+        company_id = self._caller.company_id()
+        await self._member_room(request.room_id, company_id)
+        await self._room.LeaveRoom(
+            room_pb2.RoomServiceLeaveRoomRequest(room_id=request.room_id, company_id=company_id),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.LeaveRoomResponse()
+
+    async def RemoveMember(
+        self, request: gateway_pb2.RemoveMemberRequest, context: Any
+    ) -> gateway_pb2.RemoveMemberResponse:
+        company_id = self._caller.company_id()
+        removed = request.company_id
+        if not removed:
+            raise InvalidArgument("company_id is required")
+        await self._member_room(request.room_id, company_id)
+        if not _is_uuid(removed):
+            raise NotFound(f"company {removed[:64]!r} is not a member of this room")
+        await self._room.RemoveMember(
+            room_pb2.RoomServiceRemoveMemberRequest(
+                room_id=request.room_id, company_id=removed, removed_by_company_id=company_id
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.RemoveMemberResponse()
 
     async def ListMembers(
         self, request: gateway_pb2.ListMembersRequest, context: Any

@@ -25,6 +25,7 @@ ACTION_RIGHT_PREFIX = "ACTION_RIGHT_"
 ACTION_KIND_PREFIX = "ACTION_KIND_"
 DECISION_PREFIX = "DECISION_"
 WAITPOINT_STATUS_PREFIX = "WAITPOINT_STATUS_"
+INVITATION_STATUS_PREFIX = "INVITATION_STATUS_"
 
 # The rights of AgentRights, each a column of agent_rights.
 RIGHT_FIELDS = ("remember", "create_task", "update_task", "close_task", "cross_company_task")
@@ -81,6 +82,20 @@ def room(row: Row) -> common_pb2.Room:
 def member(row: Row) -> common_pb2.RoomMember:
     return common_pb2.RoomMember(
         room_id=str(row["room_id"]), company_id=str(row["company_id"]), joined_at=timestamp(row["joined_at"])
+    )
+
+
+def invitation(row: Row) -> common_pb2.Invitation:
+    return common_pb2.Invitation(
+        invitation_id=str(row["invitation_id"]),
+        room_id=str(row["room_id"]),
+        room_name=row["room_name"],
+        company_id=str(row["company_id"]),
+        invited_by_company_id=str(row["invited_by_company_id"]),
+        invited_by_company_name=row["invited_by_company_name"],
+        status=text_to_enum(common_pb2.InvitationStatus, row["status"], INVITATION_STATUS_PREFIX),
+        created_at=timestamp(row["created_at"]),
+        responded_at=timestamp(row["responded_at"]),
     )
 
 

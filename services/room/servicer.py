@@ -41,6 +41,11 @@ _WAITPOINT_STATUS = {
     common_pb2.WAITPOINT_STATUS_COMPLETED: "completed",
     common_pb2.WAITPOINT_STATUS_EXPIRED: "expired",
 }
+_INVITATION_STATUS = {
+    common_pb2.INVITATION_STATUS_PENDING: "pending",
+    common_pb2.INVITATION_STATUS_ACCEPTED: "accepted",
+    common_pb2.INVITATION_STATUS_DECLINED: "declined",
+}
 _PARKED_STATUS = (common_pb2.RUN_STATUS_UNSPECIFIED, common_pb2.RUN_STATUS_PARKED)
 _PARKED_STEP = (common_pb2.RUN_STEP_UNSPECIFIED, common_pb2.RUN_STEP_PARKED)
 
@@ -90,12 +95,64 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             rooms=[convert.room(r) for r in page.rows], next_page_token=v.encode_page_token("rooms", page.next_key)
         )
 
-    async def AddMember(
-        self, request: room_pb2.RoomServiceAddMemberRequest, context: Ctx
-    ) -> room_pb2.RoomServiceAddMemberResponse:
+    async def CreateInvitation(
+        self, request: room_pb2.RoomServiceCreateInvitationRequest, context: Ctx
+    ) -> room_pb2.RoomServiceCreateInvitationResponse:
         room_id = v.required_id(request.room_id, "room_id")
-        row = await self._store.add_member(room_id, v.required_id(request.company_id, "company_id"))
-        return room_pb2.RoomServiceAddMemberResponse(member=convert.member(row))
+        company_id = v.required_id(request.company_id, "company_id")
+        inviter = v.required_id(request.invited_by_company_id, "invited_by_company_id")
+        row = await self._store.create_invitation(room_id, company_id, inviter)
+        return room_pb2.RoomServiceCreateInvitationResponse(invitation=convert.invitation(row))
+
+    async def ListInvitations(
+        self, request: room_pb2.RoomServiceListInvitationsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListInvitationsResponse:
+        company_id = v.required_id(request.company_id, "company_id")
+        status = _INVITATION_STATUS.get(request.status or common_pb2.INVITATION_STATUS_PENDING)
+        if status is None:
+            raise InvalidArgument(f"status {request.status} is not an InvitationStatus")
+        scope = f"invitations-{status}"
+        page = await self._store.list_invitations(
+            company_id, status, v.decode_page_token(request.page_token, scope), v.page_size(request.page_size)
+        )
+        return room_pb2.RoomServiceListInvitationsResponse(
+            invitations=[convert.invitation(r) for r in page.rows],
+            next_page_token=v.encode_page_token(scope, page.next_key),
+        )
+
+    async def AcceptInvitation(
+        self, request: room_pb2.RoomServiceAcceptInvitationRequest, context: Ctx
+    ) -> room_pb2.RoomServiceAcceptInvitationResponse:
+        invitation_id = v.required_id(request.invitation_id, "invitation_id")
+        invitation, member = await self._store.accept_invitation(
+            invitation_id, v.required_id(request.company_id, "company_id")
+        )
+        return room_pb2.RoomServiceAcceptInvitationResponse(
+            invitation=convert.invitation(invitation), member=convert.member(member)
+        )
+
+    async def DeclineInvitation(
+        self, request: room_pb2.RoomServiceDeclineInvitationRequest, context: Ctx
+    ) -> room_pb2.RoomServiceDeclineInvitationResponse:
+        invitation_id = v.required_id(request.invitation_id, "invitation_id")
+        row = await self._store.decline_invitation(invitation_id, v.required_id(request.company_id, "company_id"))
+        return room_pb2.RoomServiceDeclineInvitationResponse(invitation=convert.invitation(row))
+
+    async def LeaveRoom(
+        self, request: room_pb2.RoomServiceLeaveRoomRequest, context: Ctx
+    ) -> room_pb2.RoomServiceLeaveRoomResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        expired = await self._store.leave_room(room_id, v.required_id(request.company_id, "company_id"))
+        return room_pb2.RoomServiceLeaveRoomResponse(expired_waitpoints=expired)
+
+    async def RemoveMember(
+        self, request: room_pb2.RoomServiceRemoveMemberRequest, context: Ctx
+    ) -> room_pb2.RoomServiceRemoveMemberResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        company_id = v.required_id(request.company_id, "company_id")
+        remover = v.required_id(request.removed_by_company_id, "removed_by_company_id")
+        expired = await self._store.remove_member(room_id, company_id, remover)
+        return room_pb2.RoomServiceRemoveMemberResponse(expired_waitpoints=expired)
 
     async def ListMembers(
         self, request: room_pb2.RoomServiceListMembersRequest, context: Ctx

@@ -176,16 +176,106 @@ class RoomStore:
         rows = await self._pool.fetch(self._q["list_rooms"], company_id, after or 0, limit + 1)
         return _page(rows, limit, "pos")
 
-    async def add_member(self, room_id: str, company_id: str) -> Record:
-        async with self._pool.acquire() as conn:
-            row = await conn.fetchrow(self._q["add_member"], room_id, company_id)
-            if row is None:
-                row = await conn.fetchrow(self._q["get_member"], room_id, company_id)
-            if row is None:
-                if not await conn.fetchval(self._q["room_exists"], room_id):
-                    raise NotFound(f"room {room_id} not found")
+    # -- invitations and departures (membership by consent) ------------------------------------------------
+
+    async def create_invitation(self, room_id: str, company_id: str, inviter: str) -> Record:
+        """A pending invitation of ``company_id`` by the member company ``inviter``; ALREADY_EXISTS for a
+        member or a pending invitee."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            room = await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
+            if room is None or not await conn.fetchval(self._q["is_member"], room_id, inviter):
+                raise NotFound(f"room {room_id} not found")
+            if not await conn.fetchval(self._q["company_exists"], company_id):
                 raise NotFound(f"company {company_id} not found")
-            return row
+            if await conn.fetchval(self._q["is_member"], room_id, company_id):
+                raise AlreadyExists(f"company {company_id} is already a member of room {room_id}")
+            invitation_id = await conn.fetchval(self._q["insert_invitation"], room_id, company_id, inviter)
+            if invitation_id is None:
+                pending = await conn.fetchval(self._q["find_pending_invitation"], room_id, company_id)
+                raise AlreadyExists(
+                    f"company {company_id} already has a pending invitation to room {room_id} ({pending}); "
+                    "it becomes a member when it accepts"
+                )
+            return await conn.fetchrow(self._q["get_invitation"], invitation_id)
+
+    async def list_invitations(self, company_id: str, status: str, after: int | None, limit: int) -> Page:
+        rows = await self._pool.fetch(self._q["list_invitations"], company_id, status, after or 0, limit + 1)
+        return _page(rows, limit, "pos")
+
+    async def accept_invitation(self, invitation_id: str, company_id: str) -> tuple[Record, Record]:
+        """The invitation accepted and the company's membership, in one transaction; a repeat while still
+        a member answers the same."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            invitation = await self._lock_own_invitation(conn, invitation_id, company_id)
+            room_id = invitation["room_id"]
+            await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
+            if invitation["status"] == "declined":
+                raise FailedPrecondition(
+                    f"invitation {invitation_id} was declined; a member of the room must invite you again"
+                )
+            if invitation["status"] == "pending":
+                await conn.execute(self._q["respond_invitation"], invitation_id, "accepted")
+                await conn.execute(self._q["add_member"], room_id, company_id)
+            member = await conn.fetchrow(self._q["get_member"], room_id, company_id)
+            if member is None:
+                raise FailedPrecondition(
+                    f"invitation {invitation_id} was accepted and your company has left room {room_id} since; "
+                    "a member of the room must invite you again"
+                )
+            return await conn.fetchrow(self._q["get_invitation"], invitation_id), member
+
+    async def decline_invitation(self, invitation_id: str, company_id: str) -> Record:
+        """The invitation declined; declining again changes nothing."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            invitation = await self._lock_own_invitation(conn, invitation_id, company_id)
+            if invitation["status"] == "accepted":
+                raise FailedPrecondition(
+                    f"invitation {invitation_id} was already accepted; to leave the room, use LeaveRoom"
+                )
+            if invitation["status"] == "pending":
+                await conn.execute(self._q["respond_invitation"], invitation_id, "declined")
+            return await conn.fetchrow(self._q["get_invitation"], invitation_id)
+
+    async def _lock_own_invitation(self, conn: asyncpg.Connection, invitation_id: str, company_id: str) -> Record:
+        """The invitation, locked; NOT_FOUND when unknown or addressed to another company (the same answer)."""
+        row = await conn.fetchrow(self._q["lock_invitation"], invitation_id)
+        if row is None or str(row["company_id"]) != company_id:
+            raise NotFound(f"invitation {invitation_id} not found among your company's invitations")
+        return row
+
+    async def leave_room(self, room_id: str, company_id: str) -> int:
+        """Ends the company's membership; returns how many of its pending waitpoints in the room expired."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            room = await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
+            if room is None or not await conn.fetchval(self._q["is_member"], room_id, company_id):
+                raise NotFound(f"room {room_id} not found")
+            if str(room["created_by_company_id"]) == company_id:
+                raise FailedPrecondition(
+                    f"your company created room {room_id}; its creator cannot leave it (remove the other members "
+                    "instead)"
+                )
+            return await self._end_membership(conn, room_id, company_id)
+
+    async def remove_member(self, room_id: str, company_id: str, removed_by_company_id: str) -> int:
+        """The creator ends another company's membership; returns how many of its pending waitpoints expired."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            room = await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
+            if room is None or not await conn.fetchval(self._q["is_member"], room_id, removed_by_company_id):
+                raise NotFound(f"room {room_id} not found")
+            creator = str(room["created_by_company_id"])
+            if creator != removed_by_company_id:
+                raise PermissionDenied(f"only the company that created room {room_id} may remove its members")
+            if company_id == creator:
+                raise FailedPrecondition(f"the creator of room {room_id} cannot remove itself")
+            if not await conn.fetchval(self._q["is_member"], room_id, company_id):
+                raise NotFound(f"company {company_id} is not a member of room {room_id}")
+            return await self._end_membership(conn, room_id, company_id)
+
+    async def _end_membership(self, conn: asyncpg.Connection, room_id: str, company_id: str) -> int:
+        """Deletes the membership and expires the company's pending waitpoints in the room (with their
+        decision wakes), in the caller's transaction."""
+        await conn.execute(self._q["delete_member"], room_id, company_id)
+        return int(await conn.fetchval(self._q["expire_waitpoints_of_company_in_room"], room_id, company_id))
 
     async def list_members(self, room_id: str, after: int | None, limit: int) -> Page:
         async with self._pool.acquire() as conn:

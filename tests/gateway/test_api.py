@@ -9,7 +9,7 @@ import grpc
 
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from tests.gateway.helpers import GatewayStub, create_room, expect_error, register_agent
-from tests.harness.gateway import CompanyKey
+from tests.harness.gateway import CompanyKey, join_room
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -44,10 +44,17 @@ async def test_invite_and_list_members(
     acme_gw: GatewayStub, globex_gw: GatewayStub, acme: CompanyKey, globex: CompanyKey
 ) -> None:
     room = await create_room(acme_gw)
-    member = await acme_gw.InviteCompany(
+    invited = await acme_gw.InviteCompany(
         gateway_pb2.InviteCompanyRequest(room_id=room.room_id, company_id=globex.company_id), timeout=10
     )
-    assert member.member.company_id == globex.company_id
+    assert invited.invitation.company_id == globex.company_id
+    assert invited.invitation.status == common_pb2.INVITATION_STATUS_PENDING
+    members = await acme_gw.ListMembers(gateway_pb2.ListMembersRequest(room_id=room.room_id), timeout=10)
+    assert [m.company_id for m in members.members] == [acme.company_id]  # not before it accepts
+    accepted = await globex_gw.AcceptInvitation(
+        gateway_pb2.AcceptInvitationRequest(invitation_id=invited.invitation.invitation_id), timeout=10
+    )
+    assert accepted.member.company_id == globex.company_id
     members = await globex_gw.ListMembers(gateway_pb2.ListMembersRequest(room_id=room.room_id), timeout=10)
     assert [m.company_id for m in members.members] == [acme.company_id, globex.company_id]
     assert [r.room_id for r in (await globex_gw.ListRooms(gateway_pb2.ListRoomsRequest(), timeout=10)).rooms] == [
@@ -127,9 +134,7 @@ async def test_post_and_list_messages(
     again = await acme_gw.PostMessage(keyed, timeout=10)
     assert again.message.message_id == a.message.message_id
     # Another company's same key is its own.
-    await acme_gw.InviteCompany(
-        gateway_pb2.InviteCompanyRequest(room_id=room.room_id, company_id=globex.company_id), timeout=10
-    )
+    await join_room(acme_gw, globex_gw, room.room_id)
     theirs = await globex_gw.PostMessage(
         post(room_id=room.room_id, person="Bob", body="third", idempotency_key="k-1"), timeout=10
     )
@@ -205,10 +210,8 @@ async def test_tasks(
     initech: CompanyKey,
 ) -> None:
     room = await create_room(acme_gw)
-    for company in (globex, initech):
-        await acme_gw.InviteCompany(
-            gateway_pb2.InviteCompanyRequest(room_id=room.room_id, company_id=company.company_id), timeout=10
-        )
+    for invitee in (globex_gw, initech_gw):
+        await join_room(acme_gw, invitee, room.room_id)
     acme_agent = await register_agent(acme_gw, "acme-agent")
     send = gateway_pb2.SendTaskRequest
     sent = await globex_gw.SendTask(
@@ -297,9 +300,7 @@ async def test_private_memory_reaches_only_its_company(
     globex: CompanyKey,
 ) -> None:
     room = await create_room(acme_gw)
-    await acme_gw.InviteCompany(
-        gateway_pb2.InviteCompanyRequest(room_id=room.room_id, company_id=globex.company_id), timeout=10
-    )
+    await join_room(acme_gw, globex_gw, room.room_id)
     async with grpc.aio.insecure_channel(room_addr) as channel:
         internal = room_pb2_grpc.RoomServiceStub(channel)
         for company, text, visibility in [

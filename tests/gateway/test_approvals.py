@@ -13,7 +13,7 @@ import pytest
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from tests.gateway.helpers import GatewayStub, create_room, expect_error, register_agent
 from tests.gateway.runtime_standin import running_standin_runtime
-from tests.harness.gateway import CompanyKey, gateway_config, running_gateway
+from tests.harness.gateway import CompanyKey, gateway_config, join_room, running_gateway
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -102,9 +102,7 @@ async def test_only_the_owning_company_decides_and_the_run_continues_once(
     acme_gw: GatewayStub, globex_gw: GatewayStub, globex: CompanyKey, room_stub: room_pb2_grpc.RoomServiceStub
 ) -> None:
     room = await create_room(acme_gw)
-    await acme_gw.InviteCompany(
-        gateway_pb2.InviteCompanyRequest(room_id=room.room_id, company_id=globex.company_id), timeout=10
-    )
+    await join_room(acme_gw, globex_gw, room.room_id)
     agent = await register_agent(acme_gw)
     token = await _park_a_run(room_stub, agent, room.room_id)
 

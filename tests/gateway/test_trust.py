@@ -44,6 +44,10 @@ def room_calls(gw: GatewayStub, room_id: str, agent_id: str, task_id: str) -> di
         ),
         "ListFiles": lambda: gw.ListFiles(g.ListFilesRequest(room_id=room_id), timeout=10),
         "SearchPassages": lambda: gw.SearchPassages(g.SearchPassagesRequest(room_id=room_id, query="x"), timeout=10),
+        "LeaveRoom": lambda: gw.LeaveRoom(g.LeaveRoomRequest(room_id=room_id), timeout=10),
+        "RemoveMember": lambda: gw.RemoveMember(
+            g.RemoveMemberRequest(room_id=room_id, company_id=str(uuid.uuid4())), timeout=10
+        ),
     }
 
 
@@ -60,7 +64,7 @@ async def test_a_company_outside_a_room_gets_not_found_on_every_room_rpc(
     real = room_calls(globex_gw, room.room_id, agent.agent_id, task.task.task_id)
     missing = room_calls(globex_gw, missing_id, agent.agent_id, task.task.task_id)
     malformed = room_calls(globex_gw, "../etc/passwd", agent.agent_id, task.task.task_id)
-    assert len(real) == 12
+    assert len(real) == 14
     for name, call in real.items():
         err = await expect_error(NOT_FOUND, call(), "room")
         # Indistinguishable from a room that does not exist, bar the id it names.

@@ -18,7 +18,7 @@ import asyncpg
 import grpc
 
 from quayutec.db import create_pool
-from quayutec.v1 import gateway_pb2_grpc, room_pb2, room_pb2_grpc
+from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2, room_pb2_grpc
 from services.gateway.auth import create_api_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_server
@@ -112,3 +112,18 @@ async def authed_gateway(
         channel = grpc.aio.insecure_channel(addr, interceptors=interceptors, **channel_kwargs)
     async with channel:
         yield gateway_pb2_grpc.GatewayServiceStub(channel)
+
+
+async def join_room(
+    inviter: gateway_pb2_grpc.GatewayServiceStub, invitee: gateway_pb2_grpc.GatewayServiceStub, room_id: str
+) -> common_pb2.RoomMember:
+    """Make ``invitee``'s company a member of the room by consent: ``inviter`` (a member) invites it, it accepts."""
+    company_id = (await invitee.WhoAmI(gateway_pb2.WhoAmIRequest(), timeout=10)).company.company_id
+    invited = await inviter.InviteCompany(
+        gateway_pb2.InviteCompanyRequest(room_id=room_id, company_id=company_id), timeout=10
+    )
+    accepted = await invitee.AcceptInvitation(
+        gateway_pb2.AcceptInvitationRequest(invitation_id=invited.invitation.invitation_id), timeout=10
+    )
+    member: common_pb2.RoomMember = accepted.member
+    return member

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 import asyncpg
 
+from quayutec.v1 import common_pb2, room_pb2
 from services.room.config import RoomConfig
 from services.room.server import create_server
 
@@ -42,3 +44,22 @@ async def running_room(
         yield f"127.0.0.1:{port}"
     finally:
         await server.stop()
+
+
+async def add_member(room: Any, room_id: str, company_id: str, *, invited_by: str) -> common_pb2.RoomMember:
+    """Make a company a member through the Room as the Gateway does: ``invited_by`` (a member company)
+    invites it and it accepts. ``room`` is a RoomServiceStub."""
+    invited = await room.CreateInvitation(
+        room_pb2.RoomServiceCreateInvitationRequest(
+            room_id=room_id, company_id=company_id, invited_by_company_id=invited_by
+        ),
+        timeout=10,
+    )
+    accepted = await room.AcceptInvitation(
+        room_pb2.RoomServiceAcceptInvitationRequest(
+            invitation_id=invited.invitation.invitation_id, company_id=company_id
+        ),
+        timeout=10,
+    )
+    member: common_pb2.RoomMember = accepted.member
+    return member

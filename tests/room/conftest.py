@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
-from tests.harness.room import running_room
+from tests.harness.room import add_member, running_room
 
 Stub = Any  # RoomServiceStub
 
@@ -81,7 +81,7 @@ async def world(room: Stub) -> World:
     acme_c, bolt_c, crow_c = [await make_company(room, n) for n in ("Acme", "Bolt", "Crow")]
     created = await room.CreateRoom(room_pb2.RoomServiceCreateRoomRequest(company_id=acme_c.company_id, name="launch"))
     room_id = created.room.room_id
-    await room.AddMember(room_pb2.RoomServiceAddMemberRequest(room_id=room_id, company_id=bolt_c.company_id))
+    await add_member(room, room_id, bolt_c.company_id, invited_by=acme_c.company_id)
     return World(
         acme=acme_c,
         bolt=bolt_c,

@@ -64,29 +64,6 @@ async def test_room_errors(room: Stub, world: World) -> None:
     await expect_error(INVALID, room.ListRooms(room_pb2.RoomServiceListRoomsRequest()), "company_id")
 
 
-async def test_add_member_is_idempotent_and_checks_both_ids(room: Stub, world: World) -> None:
-    first = await room.AddMember(
-        room_pb2.RoomServiceAddMemberRequest(room_id=world.room_id, company_id=world.crow.company_id)
-    )
-    again = await room.AddMember(
-        room_pb2.RoomServiceAddMemberRequest(room_id=world.room_id, company_id=world.crow.company_id)
-    )
-    assert first.member == again.member
-    members = await room.ListMembers(room_pb2.RoomServiceListMembersRequest(room_id=world.room_id))
-    assert [m.company_id for m in members.members] == [c.company_id for c in (world.acme, world.bolt, world.crow)]
-    await expect_error(
-        NOT_FOUND,
-        room.AddMember(room_pb2.RoomServiceAddMemberRequest(room_id=MISSING, company_id=world.crow.company_id)),
-        "room",
-    )
-    await expect_error(
-        NOT_FOUND,
-        room.AddMember(room_pb2.RoomServiceAddMemberRequest(room_id=world.room_id, company_id=MISSING)),
-        "company",
-    )
-    await expect_error(NOT_FOUND, room.ListMembers(room_pb2.RoomServiceListMembersRequest(room_id=MISSING)))
-
-
 async def test_list_rooms_pages_with_an_opaque_token(room: Stub) -> None:
     acme = await make_company(room)
     other = await make_company(room)

@@ -10,6 +10,7 @@ from typing import Any, cast
 import grpc
 
 from quayutec.v1 import claims_pb2_grpc, common_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from tests.harness.room import add_member
 
 ENDED = (
     common_pb2.RUN_STATUS_SUCCEEDED,
@@ -89,7 +90,7 @@ async def make_world(room_addr: str, claims_addr: str, channels: list[grpc.aio.C
     a = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Acme {tag}"))).company
     b = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Bolt {tag}"))).company
     r = (await room.CreateRoom(room_pb2.RoomServiceCreateRoomRequest(company_id=a.company_id, name="launch"))).room
-    await room.AddMember(room_pb2.RoomServiceAddMemberRequest(room_id=r.room_id, company_id=b.company_id))
+    await add_member(room, r.room_id, b.company_id, invited_by=a.company_id)
     agent_a = (
         await room.RegisterAgent(
             room_pb2.RoomServiceRegisterAgentRequest(

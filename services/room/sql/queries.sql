@@ -40,11 +40,65 @@ WHERE m.company_id = $1 AND m.pos > $2
 ORDER BY m.pos
 LIMIT $3;
 
+-- name: lock_room_for_membership
+-- Serializes membership changes of one room with each other and with posts (lock_room_for_post).
+SELECT room_id, created_by_company_id FROM rooms WHERE room_id = $1 FOR NO KEY UPDATE;
+
 -- name: add_member
-INSERT INTO room_members (room_id, company_id)
-SELECT r.room_id, c.company_id FROM rooms r, companies c WHERE r.room_id = $1 AND c.company_id = $2
-ON CONFLICT (room_id, company_id) DO NOTHING
-RETURNING room_id, company_id, joined_at;
+-- The accepting company's membership (already there after a concurrent accept: no row).
+INSERT INTO room_members (room_id, company_id) VALUES ($1, $2)
+ON CONFLICT (room_id, company_id) DO NOTHING;
+
+-- name: delete_member
+DELETE FROM room_members WHERE room_id = $1 AND company_id = $2
+RETURNING room_id, company_id;
+
+-- name: find_pending_invitation
+SELECT invitation_id FROM room_invitations WHERE room_id = $1 AND company_id = $2 AND status = 'pending';
+
+-- name: insert_invitation
+-- No row when the company already has a pending invitation to the room (a concurrent invite committed first).
+INSERT INTO room_invitations (room_id, company_id, invited_by_company_id) VALUES ($1, $2, $3)
+ON CONFLICT (room_id, company_id) WHERE status = 'pending' DO NOTHING
+RETURNING invitation_id;
+
+-- name: get_invitation
+SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, i.invited_by_company_id,
+    c.name AS invited_by_company_name, i.status, i.created_at, i.responded_at, i.pos
+FROM room_invitations i
+JOIN rooms r ON r.room_id = i.room_id
+JOIN companies c ON c.company_id = i.invited_by_company_id
+WHERE i.invitation_id = $1;
+
+-- name: lock_invitation
+SELECT invitation_id, room_id, company_id, status FROM room_invitations WHERE invitation_id = $1 FOR UPDATE;
+
+-- name: respond_invitation
+UPDATE room_invitations SET status = $2, responded_at = now() WHERE invitation_id = $1 AND status = 'pending';
+
+-- name: list_invitations
+SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, i.invited_by_company_id,
+    c.name AS invited_by_company_name, i.status, i.created_at, i.responded_at, i.pos
+FROM room_invitations i
+JOIN rooms r ON r.room_id = i.room_id
+JOIN companies c ON c.company_id = i.invited_by_company_id
+WHERE i.company_id = $1 AND i.status = $2 AND i.pos > $3
+ORDER BY i.pos
+LIMIT $4;
+
+-- name: expire_waitpoints_of_company_in_room
+-- A departed company's pending waitpoints in the room, each with its decision wake (its run ends the
+-- held actions undone), in one statement.
+WITH expired AS (
+    UPDATE waitpoints SET status = 'expired'
+    WHERE room_id = $1 AND company_id = $2 AND status = 'pending'
+    RETURNING token, agent_id, room_id
+), woken AS (
+    INSERT INTO wake_outbox (agent_id, room_id, kind, source_id)
+    SELECT agent_id, room_id, 'decision', token::text FROM expired
+    ON CONFLICT (agent_id, kind, source_id) DO NOTHING
+)
+SELECT count(*) FROM expired;
 
 -- name: get_member
 SELECT room_id, company_id, joined_at FROM room_members WHERE room_id = $1 AND company_id = $2;

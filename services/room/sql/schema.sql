@@ -26,6 +26,24 @@ CREATE TABLE room_members (
 CREATE INDEX room_members_room_pos ON room_members (room_id, pos);
 CREATE INDEX room_members_company_pos ON room_members (company_id, pos);
 
+-- An invitation of a company into a room: membership is by consent, so the invited company becomes
+-- a member (a room_members row) only when it accepts. Leaving deletes the membership, not this row.
+CREATE TABLE room_invitations (
+    invitation_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
+    room_id uuid NOT NULL REFERENCES rooms (room_id),
+    -- The invited company: the only one that sees, accepts or declines the invitation.
+    company_id uuid NOT NULL REFERENCES companies (company_id),
+    invited_by_company_id uuid NOT NULL REFERENCES companies (company_id),
+    pos bigint GENERATED ALWAYS AS IDENTITY,
+    status text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'accepted', 'declined')),
+    created_at timestamptz NOT NULL DEFAULT now(),
+    responded_at timestamptz,
+    CONSTRAINT room_invitations_responded_check CHECK ((status = 'pending') = (responded_at IS NULL))
+);
+-- At most one pending invitation of a company into a room.
+CREATE UNIQUE INDEX room_invitations_one_pending ON room_invitations (room_id, company_id) WHERE status = 'pending';
+CREATE INDEX room_invitations_company_status_pos ON room_invitations (company_id, status, pos);
+
 CREATE TABLE agents (
     agent_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
     company_id uuid NOT NULL REFERENCES companies (company_id),
