@@ -23,17 +23,23 @@ class ClaimOnceRequest(_message.Message):
 
     AGENT_ID_FIELD_NUMBER: _builtins.int
     WAKE_ID_FIELD_NUMBER: _builtins.int
+    CLAIMANT_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     wake_id: _builtins.str
+    claimant: _builtins.str
+    """A token the caller chooses for this one delivery (e.g. a random UUID) and repeats when it asks
+    again. Empty: the call cannot ask again (only the first call of all answers claimed=true).
+    """
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
         wake_id: _builtins.str = ...,
+        claimant: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "wake_id", b"wake_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "claimant", b"claimant", "wake_id", b"wake_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -46,7 +52,7 @@ class ClaimOnceResponse(_message.Message):
     CLAIMED_FIELD_NUMBER: _builtins.int
     CLAIMED_AT_FIELD_NUMBER: _builtins.int
     claimed: _builtins.bool
-    """True only for the call that made the claim."""
+    """True for the call that made the claim, and for later calls with its (non-empty) claimant."""
     @_builtins.property
     def claimed_at(self) -> _timestamp_pb2.Timestamp:
         """When the claim was made (by this call or an earlier one)."""

@@ -52,11 +52,12 @@ class ClaimsServiceServicer:
     """
 
     def ClaimOnce(self, request, context):
-        """ClaimOnce claims (agent_id, wake_id). The first call answers claimed=true; every later call
-        answers claimed=false with the original claimed_at ("already claimed" is an answer, not an error).
-        A claim is never released.
-        Errors: INVALID_ARGUMENT (an id empty or over 200 bytes), UNAVAILABLE (database unreachable;
-        never a false claimed=true).
+        """ClaimOnce claims (agent_id, wake_id) for a claimant. The first call answers claimed=true; a later
+        call with the same non-empty claimant answers claimed=true again (so a caller whose answer was
+        lost can ask again); any other call answers claimed=false with the original claimed_at
+        ("already claimed" is an answer, not an error). A claim is never released, updated or deleted.
+        Errors: INVALID_ARGUMENT (an id empty or over 200 bytes, a claimant over 200 bytes),
+        UNAVAILABLE (database unreachable; never a false claimed=true).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

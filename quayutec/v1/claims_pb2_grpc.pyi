@@ -34,11 +34,12 @@ class ClaimsServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> ClaimsServiceAsyncStub: ...
     ClaimOnce: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ClaimOnceRequest, _claims_pb2.ClaimOnceResponse]
-    """ClaimOnce claims (agent_id, wake_id). The first call answers claimed=true; every later call
-    answers claimed=false with the original claimed_at ("already claimed" is an answer, not an error).
-    A claim is never released.
-    Errors: INVALID_ARGUMENT (an id empty or over 200 bytes), UNAVAILABLE (database unreachable;
-    never a false claimed=true).
+    """ClaimOnce claims (agent_id, wake_id) for a claimant. The first call answers claimed=true; a later
+    call with the same non-empty claimant answers claimed=true again (so a caller whose answer was
+    lost can ask again); any other call answers claimed=false with the original claimed_at
+    ("already claimed" is an answer, not an error). A claim is never released, updated or deleted.
+    Errors: INVALID_ARGUMENT (an id empty or over 200 bytes, a claimant over 200 bytes),
+    UNAVAILABLE (database unreachable; never a false claimed=true).
     """
     GetClaim: _grpc.UnaryUnaryMultiCallable[_claims_pb2.GetClaimRequest, _claims_pb2.GetClaimResponse]
     """GetClaim reads one claim.
@@ -51,11 +52,12 @@ class ClaimsServiceAsyncStub(ClaimsServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     ClaimOnce: _aio.UnaryUnaryMultiCallable[_claims_pb2.ClaimOnceRequest, _claims_pb2.ClaimOnceResponse]  # type: ignore[assignment]
-    """ClaimOnce claims (agent_id, wake_id). The first call answers claimed=true; every later call
-    answers claimed=false with the original claimed_at ("already claimed" is an answer, not an error).
-    A claim is never released.
-    Errors: INVALID_ARGUMENT (an id empty or over 200 bytes), UNAVAILABLE (database unreachable;
-    never a false claimed=true).
+    """ClaimOnce claims (agent_id, wake_id) for a claimant. The first call answers claimed=true; a later
+    call with the same non-empty claimant answers claimed=true again (so a caller whose answer was
+    lost can ask again); any other call answers claimed=false with the original claimed_at
+    ("already claimed" is an answer, not an error). A claim is never released, updated or deleted.
+    Errors: INVALID_ARGUMENT (an id empty or over 200 bytes, a claimant over 200 bytes),
+    UNAVAILABLE (database unreachable; never a false claimed=true).
     """
     GetClaim: _aio.UnaryUnaryMultiCallable[_claims_pb2.GetClaimRequest, _claims_pb2.GetClaimResponse]  # type: ignore[assignment]
     """GetClaim reads one claim.
@@ -71,11 +73,12 @@ class ClaimsServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _claims_pb2.ClaimOnceRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_claims_pb2.ClaimOnceResponse, _abc.Awaitable[_claims_pb2.ClaimOnceResponse]]:
-        """ClaimOnce claims (agent_id, wake_id). The first call answers claimed=true; every later call
-        answers claimed=false with the original claimed_at ("already claimed" is an answer, not an error).
-        A claim is never released.
-        Errors: INVALID_ARGUMENT (an id empty or over 200 bytes), UNAVAILABLE (database unreachable;
-        never a false claimed=true).
+        """ClaimOnce claims (agent_id, wake_id) for a claimant. The first call answers claimed=true; a later
+        call with the same non-empty claimant answers claimed=true again (so a caller whose answer was
+        lost can ask again); any other call answers claimed=false with the original claimed_at
+        ("already claimed" is an answer, not an error). A claim is never released, updated or deleted.
+        Errors: INVALID_ARGUMENT (an id empty or over 200 bytes, a claimant over 200 bytes),
+        UNAVAILABLE (database unreachable; never a false claimed=true).
         """
 
     @_abc_1.abstractmethod

@@ -598,9 +598,11 @@ class RoomServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AbandonStaleRuns(self, request, context):
-        """AbandonStaleRuns ends RUNNING ledger rows that have not changed for older_than_seconds (their
-        Runtime died: a live run ends itself within its active time): status FAILED, undone actions
-        NOT_DONE. The run is not redone, and a late write from the dead run is refused.
+        """AbandonStaleRuns ends the runs that made no progress for older_than_seconds: RUNNING ledger rows
+        that have not changed that long (a live run ends itself within its active time), and PARKED rows
+        whose waitpoint was completed or expired that long ago but which never continued. Status FAILED
+        with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
+        The run is not redone, and a late write from it is refused.
         Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -200,9 +200,11 @@ class RoomServiceStub:
     FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
     """
     AbandonStaleRuns: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAbandonStaleRunsRequest, _room_pb2.RoomServiceAbandonStaleRunsResponse]
-    """AbandonStaleRuns ends RUNNING ledger rows that have not changed for older_than_seconds (their
-    Runtime died: a live run ends itself within its active time): status FAILED, undone actions
-    NOT_DONE. The run is not redone, and a late write from the dead run is refused.
+    """AbandonStaleRuns ends the runs that made no progress for older_than_seconds: RUNNING ledger rows
+    that have not changed that long (a live run ends itself within its active time), and PARKED rows
+    whose waitpoint was completed or expired that long ago but which never continued. Status FAILED
+    with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
+    The run is not redone, and a late write from it is refused.
     Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
     """
 
@@ -378,9 +380,11 @@ class RoomServiceAsyncStub(RoomServiceStub):
     FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
     """
     AbandonStaleRuns: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAbandonStaleRunsRequest, _room_pb2.RoomServiceAbandonStaleRunsResponse]  # type: ignore[assignment]
-    """AbandonStaleRuns ends RUNNING ledger rows that have not changed for older_than_seconds (their
-    Runtime died: a live run ends itself within its active time): status FAILED, undone actions
-    NOT_DONE. The run is not redone, and a late write from the dead run is refused.
+    """AbandonStaleRuns ends the runs that made no progress for older_than_seconds: RUNNING ledger rows
+    that have not changed that long (a live run ends itself within its active time), and PARKED rows
+    whose waitpoint was completed or expired that long ago but which never continued. Status FAILED
+    with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
+    The run is not redone, and a late write from it is refused.
     Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
     """
 
@@ -805,9 +809,11 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceAbandonStaleRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceAbandonStaleRunsResponse, _abc.Awaitable[_room_pb2.RoomServiceAbandonStaleRunsResponse]]:
-        """AbandonStaleRuns ends RUNNING ledger rows that have not changed for older_than_seconds (their
-        Runtime died: a live run ends itself within its active time): status FAILED, undone actions
-        NOT_DONE. The run is not redone, and a late write from the dead run is refused.
+        """AbandonStaleRuns ends the runs that made no progress for older_than_seconds: RUNNING ledger rows
+        that have not changed that long (a live run ends itself within its active time), and PARKED rows
+        whose waitpoint was completed or expired that long ago but which never continued. Status FAILED
+        with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
+        The run is not redone, and a late write from it is refused.
         Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
         """
 

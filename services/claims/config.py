@@ -28,6 +28,9 @@ class ClaimsConfig:
     batch_in_flight: int = DEFAULT_BATCH_IN_FLIGHT
     # Longest wait for a pooled connection before answering UNAVAILABLE.
     acquire_timeout_seconds: float = DEFAULT_ACQUIRE_TIMEOUT_SECONDS
+    # Tests only (no environment variable): hold each transaction that makes a claim open this long
+    # before it commits, standing in for a slow database.
+    test_commit_delay_seconds: float = 0.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ClaimsConfig:

@@ -23,6 +23,7 @@ async def create_server(config: ClaimsConfig, *, pool: asyncpg.Pool | None = Non
         batch_max=config.batch_max,
         max_batches_in_flight=config.batch_in_flight,
         acquire_timeout_seconds=config.acquire_timeout_seconds,
+        test_commit_delay_seconds=config.test_commit_delay_seconds,
     )
     servicer = ClaimsServicer(store)
 

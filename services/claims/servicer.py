@@ -24,7 +24,10 @@ class ClaimsServicer(claims_pb2_grpc.ClaimsServiceServicer):
         self, request: claims_pb2.ClaimOnceRequest, context: grpc.aio.ServicerContext
     ) -> claims_pb2.ClaimOnceResponse:
         agent_id, wake_id = _ids(request.agent_id, request.wake_id)
-        claim = await self._store.claim_once(agent_id, wake_id)
+        claimant = request.claimant
+        if claimant:
+            validate_id("claimant", claimant)
+        claim = await self._store.claim_once(agent_id, wake_id, claimant)
         return claims_pb2.ClaimOnceResponse(claimed=claim.claimed, claimed_at=_timestamp(claim.claimed_at))
 
     async def GetClaim(

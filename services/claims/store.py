@@ -2,6 +2,8 @@
 
 ``claim_once`` either sends its own ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` or, when
 batching is on, joins the claims made concurrently in one statement (same at-most-once answer).
+A claim keeps the claimant token of the call that made it: the same token asking again is
+answered claimed=True again, so a caller that lost the first answer still acts, once.
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ from quayutec.sql import Queries
 QUERIES_PATH = Path(__file__).resolve().parent / "sql" / "queries.sql"
 
 Pair = tuple[str, str]
+# (agent_id, wake_id, claimant)
+Request = tuple[str, str, str]
 
 
 @dataclass(frozen=True)
 class Claim:
-    """The answer to a claim: ``claimed`` is true only for the call that made it."""
+    """The answer to a claim: ``claimed`` is true for the call that made it and for its claimant."""
 
     agent_id: str
     wake_id: str
@@ -33,7 +37,11 @@ class Claim:
 
 
 class ClaimStore:
-    """Claims in PostgreSQL; ``batch_max`` > 1 combines concurrent ``claim_once`` calls."""
+    """Claims in PostgreSQL; ``batch_max`` > 1 combines concurrent ``claim_once`` calls.
+
+    ``test_commit_delay_seconds`` (tests only) holds the transaction that makes a claim open that
+    long before it commits, to stand in for a slow database.
+    """
 
     def __init__(
         self,
@@ -43,60 +51,87 @@ class ClaimStore:
         max_batches_in_flight: int = 1,
         acquire_timeout_seconds: float = 5.0,
         queries: Queries | None = None,
+        test_commit_delay_seconds: float = 0.0,
     ) -> None:
         self._pool = pool
         self._queries = queries if queries is not None else Queries(QUERIES_PATH)
         self._acquire_timeout = acquire_timeout_seconds
+        self._test_commit_delay = test_commit_delay_seconds
         self._batcher = _Batcher(self.claim_many, batch_max, max_batches_in_flight) if batch_max > 1 else None
 
-    async def claim_once(self, agent_id: str, wake_id: str) -> Claim:
-        """Claim one pair; an existing claim is answered with claimed=False and its claimed_at."""
+    async def claim_once(self, agent_id: str, wake_id: str, claimant: str = "") -> Claim:
+        """Claim one pair; an existing claim is answered with claimed=False (True for its own
+        non-empty claimant) and its claimed_at."""
         if self._batcher is not None:
-            return await self._batcher.submit((agent_id, wake_id))
+            return await self._batcher.submit((agent_id, wake_id, claimant))
         async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-            claimed_at = await conn.fetchval(self._queries["claim_once"], agent_id, wake_id)
+            async with conn.transaction():
+                claimed_at = await conn.fetchval(self._queries["claim_once"], agent_id, wake_id, claimant)
+                if claimed_at is not None:
+                    await self._delay_commit()
             if claimed_at is not None:
                 return Claim(agent_id, wake_id, True, claimed_at)
-            existing = await conn.fetchval(self._queries["get_claim"], agent_id, wake_id)
-        return Claim(agent_id, wake_id, False, _existing(existing, agent_id, wake_id))
+            existing = await conn.fetchrow(self._queries["get_claim"], agent_id, wake_id)
+        if existing is None:
+            raise _unreadable(agent_id, wake_id)
+        return Claim(agent_id, wake_id, _same_claimant(existing["claimant"], claimant), existing["claimed_at"])
 
-    async def claim_many(self, pairs: Sequence[Pair]) -> list[Claim]:
-        """Claim many pairs in one statement; answers in order, and a pair repeated in ``pairs``
-        is claimed=True at most once (its first place)."""
-        unique = list(dict.fromkeys(pairs))
-        agents = [a for a, _ in unique]
-        wakes = [w for _, w in unique]
+    async def claim_many(self, requests: Sequence[Request]) -> list[Claim]:
+        """Claim many pairs in one statement; answers in order. A pair repeated in ``requests`` is
+        claimed=True at its first place and wherever its claimant (non-empty) asks again."""
+        first: dict[Pair, str] = {}
+        for agent_id, wake_id, claimant in requests:
+            first.setdefault((agent_id, wake_id), claimant)
+        unique = list(first)
         async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-            rows = await conn.fetch(self._queries["claim_many"], agents, wakes)
+            async with conn.transaction():
+                rows = await conn.fetch(
+                    self._queries["claim_many"],
+                    [a for a, _ in unique],
+                    [w for _, w in unique],
+                    [first[p] for p in unique],
+                )
+                if rows:
+                    await self._delay_commit()
             made = {(r["agent_id"], r["wake_id"]): r["claimed_at"] for r in rows}
-            earlier: dict[Pair, datetime] = {}
+            earlier: dict[Pair, tuple[datetime, str]] = {}
             if len(made) < len(unique):
                 missing = [p for p in unique if p not in made]
                 found = await conn.fetch(self._queries["get_claims"], [a for a, _ in missing], [w for _, w in missing])
-                earlier = {(r["agent_id"], r["wake_id"]): r["claimed_at"] for r in found}
+                earlier = {(r["agent_id"], r["wake_id"]): (r["claimed_at"], r["claimant"]) for r in found}
         answers: list[Claim] = []
-        for pair in pairs:
+        for agent_id, wake_id, claimant in requests:
+            pair = (agent_id, wake_id)
             at = made.pop(pair, None)
-            if at is not None:
-                earlier[pair] = at
-                answers.append(Claim(pair[0], pair[1], True, at))
-            else:
-                answers.append(Claim(pair[0], pair[1], False, _existing(earlier.get(pair), *pair)))
+            if at is not None:  # the first place of a pair this statement claimed
+                earlier[pair] = (at, first[pair])
+                answers.append(Claim(agent_id, wake_id, True, at))
+                continue
+            stored = earlier.get(pair)
+            if stored is None:
+                raise _unreadable(agent_id, wake_id)
+            answers.append(Claim(agent_id, wake_id, _same_claimant(stored[1], claimant), stored[0]))
         return answers
 
     async def get_claim(self, agent_id: str, wake_id: str) -> Claim | None:
         async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-            claimed_at = await conn.fetchval(self._queries["get_claim"], agent_id, wake_id)
-        if claimed_at is None:
+            row = await conn.fetchrow(self._queries["get_claim"], agent_id, wake_id)
+        if row is None:
             return None
-        return Claim(agent_id, wake_id, False, claimed_at)
+        return Claim(agent_id, wake_id, False, row["claimed_at"])
+
+    async def _delay_commit(self) -> None:
+        if self._test_commit_delay > 0:
+            await asyncio.sleep(self._test_commit_delay)
 
 
-def _existing(claimed_at: datetime | None, agent_id: str, wake_id: str) -> datetime:
+def _same_claimant(stored: str, asking: str) -> bool:
+    return bool(asking) and stored == asking
+
+
+def _unreadable(agent_id: str, wake_id: str) -> Unavailable:
     # The insert saw a committed conflicting row, and rows are never deleted, so it must be there.
-    if claimed_at is None:
-        raise Unavailable(f"claim ({agent_id!r}, {wake_id!r}) conflicted but could not be read; retry")
-    return claimed_at
+    return Unavailable(f"claim ({agent_id!r}, {wake_id!r}) conflicted but could not be read; retry")
 
 
 class _Batcher:
@@ -104,17 +139,17 @@ class _Batcher:
     ``run``; at most ``max_in_flight`` batches run at once, and claims wait while they do."""
 
     def __init__(
-        self, run: Callable[[Sequence[Pair]], Awaitable[list[Claim]]], batch_max: int, max_in_flight: int
+        self, run: Callable[[Sequence[Request]], Awaitable[list[Claim]]], batch_max: int, max_in_flight: int
     ) -> None:
         self._run = run
         self._batch_max = batch_max
         self._max_in_flight = max(1, max_in_flight)
-        self._pending: list[tuple[Pair, asyncio.Future[Claim]]] = []
+        self._pending: list[tuple[Request, asyncio.Future[Claim]]] = []
         self._in_flight = 0
         self._scheduled = False
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def submit(self, pair: Pair) -> Claim:
+    async def submit(self, pair: Request) -> Claim:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Claim] = loop.create_future()
         self._pending.append((pair, future))
@@ -137,7 +172,7 @@ class _Batcher:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _run_batch(self, batch: list[tuple[Pair, asyncio.Future[Claim]]]) -> None:
+    async def _run_batch(self, batch: list[tuple[Request, asyncio.Future[Claim]]]) -> None:
         try:
             answers = await self._run([pair for pair, _ in batch])
         except BaseException as exc:

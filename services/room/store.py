@@ -846,19 +846,29 @@ class RoomStore:
         return Decided(rows, completed=completed, already_decided=False)
 
     async def abandon_stale_runs(self, older_than_seconds: int, limit: int) -> int:
-        """Ends RUNNING rows whose Runtime died (untouched past any live run's active time) as FAILED."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            rows = await conn.fetch(self._q["stale_running_runs"], older_than_seconds, limit)
-            for row in rows:
-                run = convert.run(row)
-                detail = f"abandoned: no progress for over {older_than_seconds} s (its runtime stopped)"
-                mark_undone(run, detail)
-                run.status = common_pb2.RUN_STATUS_FAILED
-                run.step = common_pb2.RUN_STEP_ENDED
-                run.error = f"{detail}; not redone"
-                run.ended_at.GetCurrentTime()
-                await self._upsert_run(conn, run)
-        return len(rows)
+        """Ends as FAILED the runs that made no progress for ``older_than_seconds``: RUNNING rows
+        untouched that long, and PARKED rows whose waitpoint was completed or expired that long ago
+        but which never continued. Their unfinished actions are marked NOT_DONE; nothing is redone."""
+        ended = 0
+        async with self._pool.acquire() as conn:
+            candidates = await conn.fetch(self._q["stale_running_runs"], older_than_seconds, limit)
+            for candidate in candidates:
+                async with conn.transaction():
+                    row = await conn.fetchrow(
+                        self._q["lock_unchanged_run"], candidate["run_id"], candidate["updated_at"]
+                    )
+                    if row is None:  # it moved on, or another sweeper has it
+                        continue
+                    run = convert.run(row)
+                    detail = f"abandoned: no progress recorded for {candidate['idle_seconds']} s"
+                    mark_undone(run, detail)
+                    run.status = common_pb2.RUN_STATUS_FAILED
+                    run.step = common_pb2.RUN_STEP_ENDED
+                    run.error = f"{detail}; not redone"
+                    run.ended_at.GetCurrentTime()
+                    await self._upsert_run(conn, run)
+                    ended += 1
+        return ended
 
     async def expire_waitpoints(self, limit: int) -> int:
         """Marks up to ``limit`` pending tokens past their expiry EXPIRED, each with its DECISION wake."""

@@ -26,6 +26,9 @@ class RuntimeConfig:
     model_timeout_seconds: float = 60.0
     # Deadline of one call to Claims or Room.
     backend_timeout_seconds: float = 10.0
+    # How long a Room call that is safe to repeat (reads, ledger rows, writes with a dedupe key) is
+    # retried on UNAVAILABLE / DEADLINE_EXCEEDED, within the run's active time.
+    room_retry_seconds: float = 30.0
     # Our own provider addresses (not owner supplied: retried per the policy), e.g. the stand-in.
     anthropic_base_url: str = "https://api.anthropic.com"
     openai_base_url: str = "https://api.openai.com"
@@ -50,6 +53,7 @@ class RuntimeConfig:
             run_seconds=env_float(env, f"{P}RUN_SECONDS", 300.0, minimum=0.001),
             model_timeout_seconds=env_float(env, f"{P}MODEL_TIMEOUT_SECONDS", 60.0, minimum=0.001),
             backend_timeout_seconds=env_float(env, f"{P}BACKEND_TIMEOUT_SECONDS", 10.0, minimum=0.001),
+            room_retry_seconds=env_float(env, f"{P}ROOM_RETRY_SECONDS", 30.0, minimum=0.0),
             anthropic_base_url=env_str(env, f"{P}ANTHROPIC_BASE_URL", "https://api.anthropic.com").rstrip("/"),
             openai_base_url=env_str(env, f"{P}OPENAI_BASE_URL", "https://api.openai.com").rstrip("/"),
             recent_messages=env_int(env, f"{P}RECENT_MESSAGES", 20, minimum=1),
@@ -59,4 +63,6 @@ class RuntimeConfig:
 
 
 # The step boundaries a crash test can stop a run at.
-FAILPOINTS = frozenset({"claimed", "model_called", "reply_posted", "action_written", "continued"})
+FAILPOINTS = frozenset(
+    {"claimed", "model_called", "reply_posted", "action_written", "continuation_claimed", "continued"}
+)

@@ -25,6 +25,7 @@ from quayutec.errors import InvalidArgument, ResourceExhausted
 from quayutec.ledger import mark_undone
 from quayutec.telemetry import Metrics, annotate, run_outcome, run_span
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
+from services.runtime.backend import with_retries
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import (
     DECLARED_ACTIONS,
@@ -216,8 +217,13 @@ class RunExecutor:
         self._active = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
-    async def start(self, wake: Wake) -> tuple[runtime_pb2.StartRunResult.ValueType, str]:
-        """Claim the wake and run it in the background; refuse before claiming when full."""
+    async def start(
+        self, wake: Wake, *, time_left: float | None = None
+    ) -> tuple[runtime_pb2.StartRunResult.ValueType, str]:
+        """Claim the wake and run it in the background; refuse before claiming when full.
+
+        ``time_left`` is what remains of the StartRun deadline: the claim is asked again (with this
+        delivery's one claimant token) on UNAVAILABLE or DEADLINE_EXCEEDED until shortly before it."""
         continuation = wake.kind == common_pb2.WAKE_KIND_DECISION
         if continuation and not wake.source_id:
             raise InvalidArgument("a DECISION wake needs wake_source_id (the waitpoint token)")
@@ -233,10 +239,7 @@ class RunExecutor:
         try:
             # A decision continues its run once, however many wakes or replicas deliver it.
             claim_key = continuation_claim(wake.source_id) if continuation else wake.wake_id
-            claim = await self._claims.ClaimOnce(
-                claims_pb2.ClaimOnceRequest(agent_id=wake.agent_id, wake_id=claim_key),
-                timeout=self._config.backend_timeout_seconds,
-            )
+            claim = await self._claim(wake.agent_id, claim_key, time_left)
             waitpoint = None
             if continuation:
                 waitpoint = await self._get_waitpoint(wake.source_id)
@@ -255,6 +258,20 @@ class RunExecutor:
         finally:
             if not handed_off:
                 self._active -= 1
+
+    async def _claim(self, agent_id: str, claim_key: str, time_left: float | None) -> claims_pb2.ClaimOnceResponse:
+        """ClaimOnce with a token of this delivery, asked again while it may have committed unseen:
+        a late commit is then answered claimed=true to us (and to no other delivery)."""
+        request = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=claim_key, claimant=uuid.uuid4().hex)
+        # Leave a tenth of the caller's deadline to answer it; without one, the Room bound applies.
+        bound = self._config.room_retry_seconds if time_left is None else time_left * 0.9
+        response: claims_pb2.ClaimOnceResponse = await with_retries(
+            lambda t: self._claims.ClaimOnce(request, timeout=t),
+            call_timeout=self._config.backend_timeout_seconds,
+            retry_seconds=bound,
+            what="Claims ClaimOnce",
+        )
+        return response
 
     async def _run_and_release(self, work: Coroutine[Any, Any, None], run_id: str) -> None:
         try:
@@ -342,6 +359,7 @@ class RunExecutor:
         """The decided continuation of a parked run: approved held actions are done, denied ones
         recorded, undecided ones (expired token) end undone. Claimed once, like a wake."""
         t = self._config.backend_timeout_seconds
+        await self._failpoint("continuation_claimed", waitpoint.run_id)
         run = (await self._room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=waitpoint.run_id), timeout=t)).run
         if run.status != common_pb2.RUN_STATUS_PARKED:
             _log.warning("run %s is %s, not parked; its decision is not acted on", run.run_id, run.status)
@@ -368,6 +386,9 @@ class RunExecutor:
         author = common_pb2.Author(kind=common_pb2.AUTHOR_KIND_AGENT, company_id=run.company_id, agent_id=run.agent_id)
         try:
             async with active_time:
+                # Recorded RUNNING before anything is done, so a continuation that dies from here on
+                # is a RUNNING row that housekeeping ends, like any other run.
+                await ledger.save()
                 await self._failpoint("continued", run.run_id)
                 await self.write_actions(run.room_id, author, ledger)
                 if ledger.ended:

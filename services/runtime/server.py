@@ -9,6 +9,7 @@ from quayutec.channels import internal_channel
 from quayutec.config import RUNTIME
 from quayutec.server import GrpcServer
 from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
+from services.runtime.backend import RetryingRoom
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import Clock, RealClock, RetryPolicy, make_http_client
 from services.runtime.run import RunExecutor
@@ -25,12 +26,13 @@ async def create_server(
     """The Runtime server; it owns (and closes) its channels and, unless given one, its HTTP client."""
     own_http = http is None
     http_client = http or make_http_client(config.model_timeout_seconds)
-    claims_channel = internal_channel(config.claims_addr)
-    room_channel = internal_channel(config.room_addr)
+    # No transparent retries: the executor retries what is safe to repeat itself (services.runtime.backend).
+    claims_channel = internal_channel(config.claims_addr, retry_unavailable=False)
+    room_channel = internal_channel(config.room_addr, retry_unavailable=False)
     executor = RunExecutor(
         config=config,
         claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
-        room=room_pb2_grpc.RoomServiceStub(room_channel),
+        room=RetryingRoom(room_pb2_grpc.RoomServiceStub(room_channel), retry_seconds=config.room_retry_seconds),
         http=http_client,
         policy=policy or RetryPolicy(),
         clock=clock or RealClock(),

@@ -13,5 +13,5 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
         self._executor = executor
 
     async def StartRun(self, request: runtime_pb2.StartRunRequest, context: Any) -> runtime_pb2.StartRunResponse:
-        result, run_id = await self._executor.start(Wake.from_request(request))
+        result, run_id = await self._executor.start(Wake.from_request(request), time_left=context.time_remaining())
         return runtime_pb2.StartRunResponse(result=result, run_id=run_id)

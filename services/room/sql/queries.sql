@@ -346,13 +346,36 @@ RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source
     posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos;
 
 -- name: stale_running_runs
--- RUNNING rows untouched for $1 seconds, oldest first; each locked so one sweeper ends it.
+-- RUNNING rows untouched for $1 seconds, and PARKED rows whose waitpoint was completed or expired
+-- $1 seconds ago yet which never continued (their continuation died before recording RUNNING);
+-- oldest first, each locked so one sweeper ends it. Seconds since the last progress in idle_seconds.
+SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos,
+    floor(extract(epoch FROM now() - last_progress))::bigint AS idle_seconds
+FROM (
+    SELECT r.*, r.updated_at AS last_progress
+    FROM runs AS r
+    WHERE r.status = 'running' AND r.ended_at IS NULL
+    UNION ALL
+    SELECT r.*, CASE
+        WHEN w.status = 'completed' THEN (SELECT max(h.decided_at) FROM held_actions AS h WHERE h.token = w.token)
+        ELSE w.expires_at
+    END AS last_progress
+    FROM runs AS r
+    JOIN waitpoints AS w ON w.run_id = r.run_id
+    WHERE r.status = 'parked' AND r.ended_at IS NULL AND w.status <> 'pending'
+) AS candidate
+WHERE last_progress < now() - $1::bigint * interval '1 second'
+ORDER BY last_progress
+LIMIT $2;
+
+-- name: lock_unchanged_run
+-- Locks one row not ended and unchanged since it was read ($2: its updated_at then); no row when it
+-- has moved on or another sweeper holds it.
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
     posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
 FROM runs
-WHERE status = 'running' AND ended_at IS NULL AND updated_at < now() - $1::bigint * interval '1 second'
-ORDER BY updated_at
-LIMIT $2
+WHERE run_id = $1 AND ended_at IS NULL AND updated_at = $2
 FOR UPDATE SKIP LOCKED;
 
 -- name: get_run
