@@ -22,7 +22,7 @@ class RuntimeConfig:
     max_runs: int = 32
     # Active time of one run (time parked on a waitpoint does not count).
     run_seconds: float = 300.0
-    # Timeout of one model request (connect, read, write, pool).
+    # Timeout of one model request: of each phase (connect, read, write, pool) and of the whole request.
     model_timeout_seconds: float = 60.0
     # Deadline of one call to Claims or Room.
     backend_timeout_seconds: float = 10.0

@@ -68,11 +68,17 @@ class Fault:
 @dataclass(frozen=True)
 class ScriptedReply:
     """A successful answer. `tool_calls` items: {"name", "arguments", optional "id"}; an
-    `arguments` string is sent verbatim (to script bad JSON)."""
+    `arguments` string is sent verbatim (to script bad JSON). `delay_seconds` passes before the
+    headers; with `slice_seconds` the body trickles in, in BODY_SLICES slices that far apart."""
 
     text: str
     tool_calls: tuple[Mapping[str, Any], ...] = ()
     delay_seconds: float = 0.0
+    slice_seconds: float = 0.0
+
+
+# How many slices a trickled body (`slice_seconds`) is sent in.
+BODY_SLICES = 10
 
 
 @dataclass(frozen=True)
@@ -195,9 +201,10 @@ class StandinProvider:
         model: str | None = None,
         *,
         delay_seconds: float = 0.0,
+        slice_seconds: float = 0.0,
         times: int = 1,
     ) -> None:
-        self._state.enqueue(ScriptedReply(text, tuple(tool_calls), delay_seconds), model, times)
+        self._state.enqueue(ScriptedReply(text, tuple(tool_calls), delay_seconds, slice_seconds), model, times)
 
     def set_responder(self, model: str, responder: Responder | None) -> None:
         """Answer ``model``'s requests with ``responder(request_body)`` when nothing is queued
@@ -282,6 +289,7 @@ class _Handler(BaseHTTPRequestHandler):
                     text=str(data.get("text", "")),
                     tool_calls=tuple(data.get("tool_calls") or ()),
                     delay_seconds=float(data.get("delay_seconds", 0.0)),
+                    slice_seconds=float(data.get("slice_seconds", 0.0)),
                 )
                 state.enqueue(reply, model, times)
             elif path == "/_standin/reset":
@@ -320,7 +328,11 @@ class _Handler(BaseHTTPRequestHandler):
         if item is None and model is not None and model in state.responders:
             item = state.responders[model](body)
         reply = item if isinstance(item, ScriptedReply) else ScriptedReply(_default_text(wire, body))
-        self._send_json(200, _reply_body(wire, reply, model or "", body, number))
+        answer_body = _reply_body(wire, reply, model or "", body, number)
+        if reply.slice_seconds > 0:
+            self._send_trickled(answer_body, reply.slice_seconds)
+            return
+        self._send_json(200, answer_body)
 
     def _fault(self, wire: Wire, fault: Fault, model: str) -> None:
         extra: dict[str, str] = dict(fault.headers)
@@ -380,6 +392,24 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(payload)
+
+    def _send_trickled(self, body: Any, slice_seconds: float) -> None:
+        """A 200 whose headers come at once and whose body comes in slices, `slice_seconds` apart."""
+        payload = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(payload)))
+        self.end_headers()
+        size = -(-len(payload) // BODY_SLICES)
+        for start in range(0, len(payload), size):
+            if start and self.server.state.stopping.wait(slice_seconds):
+                return
+            try:
+                self.wfile.write(payload[start : start + size])
+                self.wfile.flush()
+            except OSError:  # the client gave up
+                self.close_connection = True
+                return
 
     def _send_json(self, status: int, body: Any) -> None:
         self._send_raw(status, body, {})

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from email.utils import format_datetime
 from typing import Any
 
 import httpx
@@ -250,15 +251,44 @@ async def test_anthropic_ignores_retry_after_ms(http: httpx.AsyncClient, standin
     assert clock.sleeps == [2.0, 8.0]
 
 
-def test_openai_retry_after_http_date() -> None:
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+def test_retry_after_http_date(provider: Provider) -> None:
     now = datetime(2026, 11, 5, 12, 0, 0, tzinfo=UTC)
-    verdict = classify_response("openai", 429, {"retry-after": "Thu, 05 Nov 2026 12:00:05 GMT"}, b"", KEY, now=now)
+    wire = "anthropic" if provider == "anthropic" else "openai"
+    verdict = classify_response(wire, 429, {"retry-after": "Thu, 05 Nov 2026 12:00:05 GMT"}, b"", KEY, now=now)
     assert (verdict.error_class, verdict.retryable, verdict.named_wait) == ("rate_limited", True, 5.0)
-    past = classify_response("openai", 429, {"retry-after": "Thu, 05 Nov 2026 11:00:00 GMT"}, b"", KEY, now=now)
+    past = classify_response(wire, 429, {"retry-after": "Thu, 05 Nov 2026 11:00:00 GMT"}, b"", KEY, now=now)
     assert past.named_wait == 0.0
-    # Anthropic names seconds only: a date is no wait named, so the default waits apply.
-    anthropic = classify_response("anthropic", 429, {"retry-after": "Thu, 05 Nov 2026 12:00:05 GMT"}, b"", KEY, now=now)
-    assert anthropic.named_wait is None
+    garbled = classify_response(wire, 429, {"retry-after": "soon"}, b"", KEY, now=now)
+    assert garbled.named_wait is None
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_retry_after_date_over_20_seconds_ahead_stops(
+    http: httpx.AsyncClient, standin: StandinProvider, provider: Provider
+) -> None:
+    ahead = format_datetime(datetime.now(UTC) + timedelta(seconds=60), usegmt=True)
+    standin.enqueue_fault("rate_limit", retry_after=ahead, times=3)
+    outcome, clock = await call(http, target(standin, provider))
+    assert len(standin.requests()) == 1
+    assert clock.sleeps == []
+    assert outcome.error_class == "retry_after_too_long"
+
+
+@pytest.mark.parametrize("provider", ["anthropic", "openai"])
+async def test_a_trickled_body_times_out_at_the_model_timeout_and_is_retried(
+    short_http: httpx.AsyncClient, standin: StandinProvider, provider: Provider
+) -> None:
+    # Each slice comes well within the client's 0.5 s read timeout; the whole body would take 2.7 s.
+    standin.enqueue_reply("trickled", slice_seconds=0.3)
+    standin.enqueue_reply("whole at once")
+    outcome, clock = await call(short_http, target(standin, provider))
+    assert outcome.reply is not None and outcome.reply.text == "whole at once"
+    assert len(standin.requests()) == 2
+    first = outcome.attempts[0]
+    assert (first.error_class, first.retryable, first.status_code) == ("timeout", True, None)
+    assert "within 0.5 s" in first.detail
+    assert clock.sleeps == [2.0]
 
 
 @pytest.mark.parametrize(("provider", "fault"), [("anthropic", "overloaded"), ("openai", "rate_limit")])

@@ -176,18 +176,17 @@ def _openai_wait(headers: httpx.Headers, now: datetime | None) -> float | None:
             value = -1.0
         if value >= 0:
             return value / 1000.0
-    return _seconds(headers.get("retry-after"), now, allow_date=True)
+    return _seconds(headers.get("retry-after"), now)
 
 
-def _seconds(value: str | None, now: datetime | None, *, allow_date: bool = False) -> float | None:
-    """`retry-after` as seconds; OpenAI may also send an HTTP date. Unreadable: no wait named."""
+def _seconds(value: str | None, now: datetime | None) -> float | None:
+    """`retry-after` as seconds or as an HTTP date (either provider may send one; RFC 9110).
+    Unreadable: no wait named."""
     if value is None:
         return None
     try:
         seconds = float(value)
     except ValueError:
-        if not allow_date:
-            return None
         try:
             when = parsedate_to_datetime(value)
         except (TypeError, ValueError):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -26,7 +27,8 @@ def make_http_client(
     *,
     trust_env: bool = True,
 ) -> httpx.AsyncClient:
-    """The process's one shared client: explicit timeout, no redirects, no retries of its own."""
+    """The process's one shared client: explicit timeout, no redirects, no retries of its own.
+    ``timeout_seconds`` bounds each phase and also the whole request (see ``_send_once``)."""
     if timeout_seconds <= 0:
         raise ValueError("timeout_seconds must be positive")
     return httpx.AsyncClient(
@@ -109,11 +111,18 @@ def _wire(target: ModelTarget) -> _Wire:
 async def _send_once(
     http: httpx.AsyncClient, target: ModelTarget, request: ModelRequest
 ) -> tuple[int | None, ModelReply | None, Verdict]:
-    """One request. Returns (status, reply or None, verdict)."""
+    """One request. Returns (status, reply or None, verdict).
+
+    httpx bounds each read; the client's timeout also bounds the whole request (connect, headers
+    and the whole body), so a body that trickles in is a timeout too."""
     wire = _wire(target)
     url, headers, body = wire.build(target, request)
+    total = total_seconds(http)
     try:
-        response = await http.post(url, headers=headers, json=body)
+        async with asyncio.timeout(total):
+            response = await http.post(url, headers=headers, json=body)
+    except TimeoutError:
+        return None, None, Verdict("timeout", True, None, f"TimeoutError: no whole answer within {total:g} s")
     except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:
         return None, None, classify_exception(exc, target.api_key)
     status = response.status_code
@@ -132,6 +141,12 @@ async def _send_once(
         target.api_key,
     )
     return status, None, verdict
+
+
+def total_seconds(http: httpx.AsyncClient) -> float | None:
+    """The whole-request deadline: the longest of the client's phase timeouts (None: unbounded)."""
+    phases = [t for t in (http.timeout.connect, http.timeout.read, http.timeout.write, http.timeout.pool) if t]
+    return max(phases) if phases else None
 
 
 def _decide(verdict: Verdict, number: int, budget: int, policy: RetryPolicy) -> tuple[str, bool, float | None]:
