@@ -1,0 +1,357 @@
+"""Durability under faults: a PostgreSQL restart and a Room process killed and restarted while 50
+wakes are in flight, and a claim that commits after its caller's first deadline. Every wake is
+acted on exactly once (none lost, none twice), counted from the database.
+
+Each test prints its figures (wakes acted, lost, doubled; seconds to finish): run with ``-s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import asyncpg
+import grpc
+import pytest
+
+from quayutec.db import embedded_ctl, with_database
+from quayutec.v1 import claims_pb2, common_pb2, runtime_pb2
+from services.runtime.run import run_id_for
+from services.runtime.standin import StandinProvider
+from services.stack import free_port
+from tests.harness.channels import service_channel
+from tests.harness.claims import claims_stub, running_claims
+from tests.harness.gateway import running_gateway
+from tests.harness.room import TEST_ENCRYPTION_KEY, running_room
+from tests.harness.runtime import REPO, running_runtime
+from tests.runtime.world import World, make_world, runtime_stub, start_request
+
+WAKES = 50
+# Runs sit in their model call this long, so the fault meets them in flight.
+MODEL_DELAY_SECONDS = 1.0
+# Bound of one test's wait for its runs to end (not a timing assertion).
+FINISH_LIMIT_SECONDS = 90.0
+OUTAGE_SECONDS = 5.0
+GATEWAY_ENV = {
+    "QUAYUTEC_GATEWAY_BACKOFF_BASE_SECONDS": "0.2",
+    "QUAYUTEC_GATEWAY_BACKOFF_CEILING_SECONDS": "1",
+    "QUAYUTEC_GATEWAY_LEASE_SECONDS": "30",
+}
+# Each try of a Room or Claims call gives up soon, so a call caught by the fault is retried soon.
+RUNTIME_OVERRIDES = {"backend_timeout_seconds": 2.0, "room_retry_seconds": 30.0}
+
+
+class OwnPostgres:
+    """A PostgreSQL this module alone starts and stops, in a short tmp folder (Unix socket limit)."""
+
+    def __init__(self) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="qy-du-", dir="/tmp"))
+        self.root.chmod(0o755)  # pgserver runs PostgreSQL as its own user when we are root
+        self.pgdata = self.root / "pg"
+        self.running = False
+        self.url = self._ctl("start")
+        self.running = True
+
+    def _ctl(self, action: Literal["start", "stop"]) -> str:
+        return embedded_ctl(action, self.pgdata)
+
+    def stop(self) -> None:
+        if self.running:
+            self._ctl("stop")
+            self.running = False
+
+    def start(self) -> None:
+        if not self.running:
+            assert self._ctl("start") == self.url
+            self.running = True
+
+    def remove(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def own_postgres() -> Iterator[OwnPostgres]:
+    pg = OwnPostgres()
+    try:
+        yield pg
+    finally:
+        pg.remove()
+
+
+@pytest.fixture
+async def own_database_url(own_postgres: OwnPostgres) -> str:
+    """A fresh empty database on the module's own PostgreSQL; the services migrate it on start."""
+    own_postgres.start()
+    name = f"qd_{uuid.uuid4().hex[:16]}"
+    conn = await asyncpg.connect(own_postgres.url)
+    try:
+        await conn.execute(f"CREATE DATABASE {name}")
+    finally:
+        await conn.close()
+    return with_database(own_postgres.url, name)
+
+
+class RoomProcess:
+    """``python -m services.room`` on a fixed port, to be killed with SIGKILL and started again."""
+
+    def __init__(self, database_url: str, port: int) -> None:
+        self.addr = f"127.0.0.1:{port}"
+        env = {
+            **os.environ,
+            "DATABASE_URL": database_url,
+            "QUAYUTEC_ROOM_LISTEN": self.addr,
+            "QUAYUTEC_ROOM_GRACE_SECONDS": "1",
+            "QUAYUTEC_ENCRYPTION_KEY": TEST_ENCRYPTION_KEY,
+            "PYTHONPATH": str(REPO),
+        }
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "services.room"],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.lines: list[str] = []
+
+    async def wait_ready(self, limit: float = 30.0) -> None:
+        assert self.proc.stderr is not None
+        stream = self.proc.stderr
+
+        def scan() -> None:
+            for line in stream:
+                self.lines.append(line)
+                if "listening on port" in line:
+                    return
+            raise AssertionError(f"room exited before listening:\n{''.join(self.lines[-30:])}")
+
+        await asyncio.wait_for(asyncio.to_thread(scan), limit)
+        # Keep draining its log so the child never blocks on a full pipe.
+        threading.Thread(target=_drain, args=(stream,), daemon=True).start()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+
+def _drain(stream: Iterator[str]) -> None:
+    try:
+        for _ in stream:
+            pass
+    except (OSError, ValueError):
+        return
+
+
+@dataclass(frozen=True)
+class Figures:
+    acted: int  # wakes with exactly one succeeded run, one reply and one memory line
+    lost: int  # wakes with no ended run
+    doubled: int  # wakes with more than one reply, memory line or model request
+    seconds_to_finish: float  # from the first post until every run had ended
+    model_requests: int
+    claims: int
+
+    def line(self, name: str) -> str:
+        return (
+            f"{name}: wakes {WAKES}, acted {self.acted}, lost {self.lost}, doubled {self.doubled}, "
+            f"model requests {self.model_requests}, claims {self.claims}, finished in {self.seconds_to_finish:.1f} s"
+        )
+
+
+async def count_from_database(database_url: str, w: World, run_ids: list[str]) -> tuple[int, int, int, int]:
+    """(acted once, lost, doubled, claims) from the tables themselves."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        runs = {
+            r["run_id"]: r["status"]
+            for r in await conn.fetch("SELECT run_id, status FROM runs WHERE run_id = ANY($1::text[])", run_ids)
+        }
+        replies = dict(
+            await conn.fetch(
+                "SELECT run_id, count(*) FROM messages WHERE run_id = ANY($1::text[]) GROUP BY run_id", run_ids
+            )
+        )
+        memory = dict(
+            await conn.fetch(
+                "SELECT run_id, count(*) FROM memory_lines WHERE run_id = ANY($1::text[]) GROUP BY run_id", run_ids
+            )
+        )
+        claims = await conn.fetchval(
+            "SELECT count(*) FROM agent_run_locks WHERE agent_id = $1", str(w.agent_a.agent_id)
+        )
+    finally:
+        await conn.close()
+    acted = lost = doubled = 0
+    for run_id in run_ids:
+        n_replies, n_memory = replies.get(run_id, 0), memory.get(run_id, 0)
+        if n_replies > 1 or n_memory > 1:
+            doubled += 1
+        elif runs.get(run_id) == "succeeded" and (n_replies, n_memory) == (1, 1):
+            acted += 1
+        else:
+            lost += 1
+    return acted, lost, doubled, int(claims)
+
+
+async def wait_all_ended(database_url: str, run_ids: list[str], limit: float) -> None:
+    """Poll the runs table until every run has ended (bounded; reconnects while the database is back)."""
+    deadline = time.monotonic() + limit
+    while True:
+        try:
+            conn = await asyncpg.connect(database_url)
+            try:
+                ended = await conn.fetchval(
+                    "SELECT count(*) FROM runs WHERE run_id = ANY($1::text[]) AND ended_at IS NOT NULL", run_ids
+                )
+            finally:
+                await conn.close()
+            if ended == len(run_ids):
+                return
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError):
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not every run ended within {limit} s")
+        await asyncio.sleep(0.2)
+
+
+async def fifty_wakes_through(
+    database_url: str,
+    room_addr: str,
+    claims_addr: str,
+    standin: StandinProvider,
+    fault: Callable[[], Awaitable[None]],
+) -> Figures:
+    """50 wakes delivered by a real Gateway to a real Runtime; ``fault`` strikes while they are in
+    flight (runs in their model call, others waiting to be delivered)."""
+    channels: list[grpc.aio.Channel] = []
+    w = await make_world(room_addr, claims_addr, channels)
+    standin.enqueue_reply(
+        "Noted.",
+        [{"name": "remember", "arguments": {"text": "noted once", "private": False}}],
+        model=w.model_a,
+        delay_seconds=MODEL_DELAY_SECONDS,
+        times=WAKES,
+    )
+    try:
+        async with (
+            running_runtime(claims_addr, room_addr, standin_url=standin.base_url, **RUNTIME_OVERRIDES) as rt,
+            running_gateway(database_url, room_addr, rt, **GATEWAY_ENV),
+        ):
+            started = time.monotonic()
+            posted = await asyncio.gather(*(w.post(f"@planner note {i}", [w.agent_a.agent_id]) for i in range(WAKES)))
+            run_ids = [run_id_for(p.wakes[0].agent_id, p.wakes[0].wake_id) for p in posted]
+            await wait_for(lambda: len(standin.requests(w.model_a)) >= 10, limit=30.0)
+            await fault()
+            await wait_all_ended(database_url, run_ids, FINISH_LIMIT_SECONDS)
+            finished = time.monotonic() - started
+    finally:
+        for channel in channels:
+            await channel.close()
+    acted, lost, doubled, claims = await count_from_database(database_url, w, run_ids)
+    requests = len(standin.requests(w.model_a))
+    if requests > WAKES:
+        doubled = max(doubled, requests - WAKES)
+    return Figures(acted, lost, doubled, finished, requests, claims)
+
+
+async def wait_for(predicate: Callable[[], bool], limit: float) -> None:
+    deadline = time.monotonic() + limit
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached")
+        await asyncio.sleep(0.02)
+
+
+async def test_postgres_stopped_for_5_s_with_50_wakes_in_flight(
+    own_postgres: OwnPostgres, own_database_url: str, standin: StandinProvider
+) -> None:
+    async def restart_postgres() -> None:
+        await asyncio.to_thread(own_postgres.stop)
+        await asyncio.sleep(OUTAGE_SECONDS)
+        await asyncio.to_thread(own_postgres.start)
+
+    async with (
+        running_claims(own_database_url) as claims_addr,
+        running_room(own_database_url) as room_addr,
+    ):
+        figures = await fifty_wakes_through(own_database_url, room_addr, claims_addr, standin, restart_postgres)
+    print(figures.line("postgres stopped 5 s"))
+    assert (figures.acted, figures.lost, figures.doubled) == (WAKES, 0, 0)
+    assert (figures.claims, figures.model_requests) == (WAKES, WAKES)
+
+
+async def test_room_killed_and_restarted_with_50_wakes_in_flight(database_url: str, standin: StandinProvider) -> None:
+    port = free_port()
+    room = RoomProcess(database_url, port)
+    await room.wait_ready()
+    rooms = [room]
+
+    async def restart_room() -> None:
+        rooms[-1].kill()
+        await asyncio.sleep(1.0)
+        again = RoomProcess(database_url, port)
+        rooms.append(again)
+        await again.wait_ready()
+
+    try:
+        async with running_claims(database_url) as claims_addr:
+            figures = await fifty_wakes_through(database_url, room.addr, claims_addr, standin, restart_room)
+    finally:
+        for r in rooms:
+            r.kill()
+    print(figures.line("room killed and restarted"))
+    assert (figures.acted, figures.lost, figures.doubled) == (WAKES, 0, 0)
+    assert (figures.claims, figures.model_requests) == (WAKES, WAKES)
+
+
+@pytest.fixture
+async def slow_claims(database_url: str) -> AsyncIterator[tuple[str, str]]:
+    """Claims whose claiming transaction commits 3 s late (test-only setting), and a Room."""
+    async with (
+        running_claims(database_url, test_commit_delay_seconds=3.0) as claims_addr,
+        running_room(database_url) as room_addr,
+    ):
+        yield claims_addr, room_addr
+
+
+async def test_a_claim_committed_after_the_first_deadline_is_acted_on_once(
+    slow_claims: tuple[str, str], standin: StandinProvider
+) -> None:
+    claims_addr, room_addr = slow_claims
+    channels: list[grpc.aio.Channel] = []
+    w = await make_world(room_addr, claims_addr, channels)
+    standin.enqueue_reply("Acted on once.", model=w.model_a)
+    # Each ClaimOnce try has 1 s; the claim commits after 3 s, inside StartRun's 10 s.
+    async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url, backend_timeout_seconds=1.0) as rt:
+        runtime = runtime_stub(rt, channels)
+        wake = (await w.post("@planner go", [w.agent_a.agent_id])).wakes[0]
+        started = await runtime.StartRun(start_request(wake), timeout=10)
+        assert started.result == runtime_pb2.START_RUN_RESULT_ACCEPTED
+        run = await w.wait_for_run(started.run_id)
+        # Another delivery (another claimant) is refused: the wake was acted on by the first.
+        again = await runtime.StartRun(start_request(wake), timeout=10)
+        assert again.result == runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED
+    assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
+    assert [m.body for m in await w.messages_by(w.agent_a.agent_id)] == ["Acted on once."]
+    assert len(standin.requests(w.model_a)) == 1
+    async with service_channel(claims_addr, "runtime") as channel:
+        claim = await claims_stub(channel).GetClaim(
+            claims_pb2.GetClaimRequest(agent_id=wake.agent_id, wake_id=wake.wake_id), timeout=10
+        )
+    assert claim.wake_id == wake.wake_id
+    for channel in channels:
+        await channel.close()
