@@ -3,11 +3,14 @@ write from the dead run is refused."""
 
 from __future__ import annotations
 
+import re
+
 import asyncpg
 import grpc
 
 from quayutec.v1 import common_pb2, room_pb2
 from tests.room.conftest import Stub, World, agent_author, expect_error
+from tests.room.test_rights_waitpoints import decide, park
 from tests.room.test_run_context import a_run, get_run
 
 
@@ -20,6 +23,13 @@ async def age(database_url: str, run_id: str, seconds: int) -> None:
         )
     finally:
         await conn.close()
+
+
+def idle_seconds(error: str) -> int:
+    """N of housekeeping's "abandoned: no progress recorded for N s; not redone"."""
+    match = re.fullmatch(r"abandoned: no progress recorded for (\d+) s; not redone", error)
+    assert match is not None, error
+    return int(match.group(1))
 
 
 async def record(room: Stub, run: common_pb2.Run) -> None:
@@ -44,7 +54,7 @@ async def test_only_stale_running_rows_are_abandoned(room: Stub, world: World, d
     assert await abandon(room) == 0  # once
     ended = await get_run(room, "run-stale")
     assert (ended.status, ended.step) == (common_pb2.RUN_STATUS_FAILED, common_pb2.RUN_STEP_ENDED)
-    assert "abandoned" in ended.error and "not redone" in ended.error
+    assert idle_seconds(ended.error) >= 601
     assert ended.HasField("ended_at")
     assert [a.outcome for a in ended.actions] == [
         common_pb2.ACTION_OUTCOME_DONE,
@@ -81,3 +91,58 @@ async def test_abandon_validates_its_bounds(room: Stub) -> None:
     await expect_error(grpc.StatusCode.INVALID_ARGUMENT, abandon(room, older_than=10), "older_than_seconds")
     bad_limit = room_pb2.RoomServiceAbandonStaleRunsRequest(older_than_seconds=600, limit=5000)
     await expect_error(grpc.StatusCode.INVALID_ARGUMENT, room.AbandonStaleRuns(bad_limit), "limit")
+
+
+async def age_decisions(database_url: str, token: str, seconds: int) -> None:
+    """Make a waitpoint's decisions look ``seconds`` old."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(
+            "UPDATE held_actions SET decided_at = now() - $2::bigint * interval '1 second'"
+            " WHERE token = $1::uuid AND decided_at IS NOT NULL",
+            token,
+            seconds,
+        )
+    finally:
+        await conn.close()
+
+
+async def test_a_parked_run_whose_token_completed_long_ago_is_ended(
+    room: Stub, world: World, database_url: str
+) -> None:
+    done = await park(room, world, "run-never-continued")
+    await decide(room, done.token, 1, world.acme.company_id, approve=True)
+    await decide(room, done.token, 2, world.acme.company_id, approve=False)
+    half = await park(room, world, "run-half-decided")
+    await decide(room, half.token, 1, world.acme.company_id)
+    recent = await park(room, world, "run-just-decided")
+    await decide(room, recent.token, 1, world.acme.company_id)
+    await decide(room, recent.token, 2, world.acme.company_id)
+    for run_id in ("run-never-continued", "run-half-decided", "run-just-decided"):
+        await age(database_url, run_id, 10_000)  # parked long ago: that alone is no reason to end it
+    await age_decisions(database_url, done.token, 700)
+    await age_decisions(database_url, half.token, 700)  # still pending: it waits for its last decision
+
+    assert await abandon(room) == 1
+    assert await abandon(room) == 0
+    ended = await get_run(room, "run-never-continued")
+    assert (ended.status, ended.step) == (common_pb2.RUN_STATUS_FAILED, common_pb2.RUN_STEP_ENDED)
+    assert idle_seconds(ended.error) >= 700
+    assert [a.outcome for a in ended.actions] == [
+        common_pb2.ACTION_OUTCOME_DONE,
+        common_pb2.ACTION_OUTCOME_NOT_DONE,
+        common_pb2.ACTION_OUTCOME_NOT_DONE,
+    ]
+    assert (await get_run(room, "run-half-decided")).status == common_pb2.RUN_STATUS_PARKED
+    assert (await get_run(room, "run-just-decided")).status == common_pb2.RUN_STATUS_PARKED
+
+
+async def test_a_run_that_moved_on_after_it_was_found_stale_is_left_alone(
+    room: Stub, world: World, database_url: str
+) -> None:
+    run = a_run(world, "run-slow")
+    await record(room, run)
+    await age(database_url, "run-slow", 601)
+    await record(room, run)  # progress recorded: no longer stale
+    assert await abandon(room) == 0
+    assert (await get_run(room, "run-slow")).status == common_pb2.RUN_STATUS_RUNNING
