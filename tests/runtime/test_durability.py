@@ -35,7 +35,8 @@ from tests.harness.channels import service_channel
 from tests.harness.claims import claims_stub, running_claims
 from tests.harness.gateway import running_gateway
 from tests.harness.room import TEST_ENCRYPTION_KEY, running_room
-from tests.harness.runtime import REPO, running_runtime
+from tests.harness.runtime import REPO, RuntimeProcess, running_runtime
+from tests.runtime import test_held as held
 from tests.runtime.world import World, make_world, runtime_stub, start_request
 
 WAKES = 50
@@ -355,3 +356,86 @@ async def test_a_claim_committed_after_the_first_deadline_is_acted_on_once(
     assert claim.wake_id == wake.wake_id
     for channel in channels:
         await channel.close()
+
+
+@pytest.mark.parametrize(
+    ("kill_at", "left", "approved"),
+    [
+        ("continuation_claimed", common_pb2.RUN_STATUS_PARKED, common_pb2.ACTION_OUTCOME_HELD),
+        ("continued", common_pb2.RUN_STATUS_RUNNING, common_pb2.ACTION_OUTCOME_PENDING),
+    ],
+    ids=["before-recording-running", "after-recording-running"],
+)
+async def test_a_continuation_killed_before_its_first_write_is_ended_by_housekeeping(
+    kill_at: str, left: int, approved: int, database_url: str, standin: StandinProvider
+) -> None:
+    """An approved held action's continuation is claimed, then its Runtime is killed before it
+    writes anything: redeliveries are refused, and the Gateway's housekeeping ends the run FAILED
+    with the approved action NOT_DONE; no run is left RUNNING or PARKED with a completed token."""
+    async with running_claims(database_url) as claims_addr, running_room(database_url) as room_addr:
+        channels: list[grpc.aio.Channel] = []
+        w = await make_world(room_addr, claims_addr, channels)
+        await held.set_rights(w, create_task=held.HOLD)
+        held.script(standin, w)
+        async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as addr:
+            run = await held.start_and_wait(w, runtime_stub(addr, channels), held.PARKED)
+        assert [a.outcome for a in run.actions] == [held.DONE, held.HELD]
+        wp = await held.waitpoint_of(w, run.run_id)
+        assert (await held.decide(w, wp.token, 1, True)).completed
+        (wake,) = await held.decision_wakes(w)
+
+        proc = RuntimeProcess(claims_addr, room_addr, standin.base_url, failpoints=kill_at)
+        try:
+            await proc.wait_ready()
+            started = await runtime_stub(proc.addr, channels).StartRun(start_request(wake), timeout=10)
+            assert started.result == runtime_pb2.START_RUN_RESULT_ACCEPTED
+            await proc.wait_for_line(f"failpoint {kill_at} reached")
+        finally:
+            proc.kill()
+        dead = await w.run(run.run_id)
+        assert dead.status == left
+        assert [a.outcome for a in dead.actions] == [held.DONE, approved]
+
+        async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as fresh:
+            again = await asyncio.gather(
+                *(runtime_stub(fresh, channels).StartRun(start_request(wake)) for _ in range(8))
+            )
+            assert {a.result for a in again} == {runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED}
+            assert (await w.run(run.run_id)).status == left
+
+            # Time passes with no progress (past any live run's active time)...
+            conn = await asyncpg.connect(database_url)
+            try:
+                await conn.execute(
+                    "UPDATE runs SET updated_at = now() - interval '700 seconds' WHERE run_id = $1", run.run_id
+                )
+                await conn.execute(
+                    "UPDATE held_actions SET decided_at = now() - interval '700 seconds' WHERE token = $1::uuid",
+                    wp.token,
+                )
+            finally:
+                await conn.close()
+            # ... and the Gateway's housekeeping runs.
+            housekeeping = {
+                "QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS": "0.1",
+                "QUAYUTEC_GATEWAY_ABANDON_AFTER_SECONDS": "600",
+            }
+            async with running_gateway(database_url, room_addr, fresh, **housekeeping):
+                ended = await w.wait_for_run(run.run_id, held.ENDED, limit=30)
+        tasks = await w.tasks_for(w.agent_b.agent_id)
+        for channel in channels:
+            await channel.close()
+
+    assert (ended.status, ended.step) == (common_pb2.RUN_STATUS_FAILED, common_pb2.RUN_STEP_ENDED)
+    assert ended.error.startswith("abandoned: no progress recorded for ") and ended.error.endswith("; not redone")
+    assert [a.outcome for a in ended.actions] == [held.DONE, held.NOT_DONE]
+    assert tasks == []  # the approved action was never done, nor redone
+    conn = await asyncpg.connect(database_url)
+    try:
+        hanging = await conn.fetchval(
+            "SELECT count(*) FROM runs AS r JOIN waitpoints AS wp ON wp.run_id = r.run_id"
+            " WHERE r.status IN ('running', 'parked') AND wp.status <> 'pending'"
+        )
+    finally:
+        await conn.close()
+    assert hanging == 0
