@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from quayutec.v1 import claims_pb2, claims_pb2_grpc
+from tests.harness.channels import service_channel
 from tests.harness.claims import claims_stub, running_claims
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,3 +166,41 @@ async def test_no_code_updates_or_deletes_a_claim() -> None:
         if path.suffix in (".py", ".sql") and pattern.search(path.read_text(encoding="utf-8"))
     ]
     assert offenders == []
+
+
+@pytest.mark.parametrize("batch_max", [1, 256])
+async def test_the_claimant_may_ask_again_and_no_one_else(database_url: str, batch_max: int) -> None:
+    agent_id, wake_id = pair()
+    mine = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=wake_id, claimant="delivery-1")
+    other = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=wake_id, claimant="delivery-2")
+    anonymous = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=wake_id)
+    async with running_claims(database_url, batch_max=batch_max) as addr, service_channel(addr, "runtime") as channel:
+        stub = claims_stub(channel)
+        # The claimant and others ask at once, many times: only the claimant is ever answered claimed.
+        answers = await asyncio.gather(*(stub.ClaimOnce(r, timeout=TIMEOUT) for r in [mine, other, anonymous] * 20))
+        first_claimant = {r.claimant for r, a in zip([mine, other, anonymous] * 20, answers, strict=True) if a.claimed}
+        assert len(first_claimant) == 1  # one delivery made the claim; whichever it was
+        winner = next(r for r in (mine, other, anonymous) if r.claimant in first_claimant)
+        assert len({(a.claimed_at.seconds, a.claimed_at.nanos) for a in answers}) == 1
+        if winner.claimant:
+            asked_again = await asyncio.gather(*(stub.ClaimOnce(winner, timeout=TIMEOUT) for _ in range(5)))
+            assert all(a.claimed for a in asked_again)
+        for loser in (r for r in (mine, other, anonymous) if r is not winner):
+            assert (await stub.ClaimOnce(loser, timeout=TIMEOUT)).claimed is False
+    conn = await asyncpg.connect(database_url)
+    try:
+        rows = await conn.fetch("SELECT claimant FROM agent_run_locks WHERE agent_id = $1", agent_id)
+    finally:
+        await conn.close()
+    assert [r["claimant"] for r in rows] == [winner.claimant]
+
+
+async def test_a_claimant_token_is_validated(claims: claims_pb2_grpc.ClaimsServiceAsyncStub) -> None:
+    agent_id, wake_id = pair()
+    for bad, message in (("x" * 201, "claimant is 201 bytes"), ("a\x00b", "claimant must not contain a NUL")):
+        request = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=wake_id, claimant=bad)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await claims.ClaimOnce(request, timeout=TIMEOUT)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert message in (info.value.details() or "")
+    assert (await claim(claims, agent_id, wake_id)).claimed is True  # nothing was claimed by the refused calls
