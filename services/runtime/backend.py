@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 import grpc
@@ -31,6 +31,8 @@ IDEMPOTENT_ROOM_METHODS = frozenset({"GetRun", "GetWaitpoint", "RecordRun", "Rea
 DEDUPED_ROOM_METHODS = frozenset({"PostMessage", "WriteMemory", "CreateTask", "UpdateTask"})
 FIRST_BACKOFF_SECONDS = 0.05
 MAX_BACKOFF_SECONDS = 1.0
+# The least time a later try is given, however little of the bound is left.
+MIN_TRY_SECONDS = 0.05
 
 
 def retryable(exc: BaseException) -> bool:
@@ -40,15 +42,15 @@ def retryable(exc: BaseException) -> bool:
 async def with_retries(
     call: Callable[[float], Awaitable[T]], *, call_timeout: float, retry_seconds: float, what: str
 ) -> T:
-    """``call(timeout)`` until it answers, fails otherwise, or ``retry_seconds`` have passed since
-    the first try (then the last UNAVAILABLE / DEADLINE_EXCEEDED is raised). No attempt runs past
-    that bound."""
+    """``call(timeout)`` until it answers or fails otherwise; on UNAVAILABLE / DEADLINE_EXCEEDED it is
+    tried again, with backoff, while ``retry_seconds`` since the first try have not passed (then the
+    last error is raised). The first try has ``call_timeout``; a later one no more than is left."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + retry_seconds
     backoff = FIRST_BACKOFF_SECONDS
     attempt = 1
+    timeout = call_timeout
     while True:
-        timeout = min(call_timeout, max(0.001, deadline - loop.time()))
         try:
             return await call(timeout)
         except grpc.aio.AioRpcError as exc:
@@ -58,6 +60,7 @@ async def with_retries(
         await asyncio.sleep(backoff)
         backoff = min(backoff * 2, MAX_BACKOFF_SECONDS)
         attempt += 1
+        timeout = min(call_timeout, max(MIN_TRY_SECONDS, deadline - loop.time()))
 
 
 class RetryingRoom:
@@ -70,7 +73,7 @@ class RetryingRoom:
         self._stub = stub
         self._retry_seconds = retry_seconds
 
-    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+    def __getattr__(self, name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
         method = getattr(self._stub, name)
 
         async def call(request: Any, *, timeout: float) -> Any:  # noqa: ASYNC109 (the stub's own signature)

@@ -25,7 +25,7 @@ from quayutec.errors import InvalidArgument, ResourceExhausted
 from quayutec.ledger import mark_undone
 from quayutec.telemetry import Metrics, annotate, run_outcome, run_span
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
-from services.runtime.backend import with_retries
+from services.runtime.backend import MIN_TRY_SECONDS, with_retries
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import (
     DECLARED_ACTIONS,
@@ -267,7 +267,7 @@ class RunExecutor:
         bound = self._config.room_retry_seconds if time_left is None else time_left * 0.9
         response: claims_pb2.ClaimOnceResponse = await with_retries(
             lambda t: self._claims.ClaimOnce(request, timeout=t),
-            call_timeout=self._config.backend_timeout_seconds,
+            call_timeout=min(self._config.backend_timeout_seconds, max(MIN_TRY_SECONDS, bound)),
             retry_seconds=bound,
             what="Claims ClaimOnce",
         )

@@ -51,7 +51,8 @@ GATEWAY_ENV = {
     "QUAYUTEC_GATEWAY_LEASE_SECONDS": "30",
 }
 # Each try of a Room or Claims call gives up soon, so a call caught by the fault is retried soon.
-RUNTIME_OVERRIDES = {"backend_timeout_seconds": 2.0, "room_retry_seconds": 30.0}
+BACKEND_TIMEOUT_SECONDS = 2.0
+ROOM_RETRY_SECONDS = 30.0
 
 
 class OwnPostgres:
@@ -249,7 +250,13 @@ async def fifty_wakes_through(
     )
     try:
         async with (
-            running_runtime(claims_addr, room_addr, standin_url=standin.base_url, **RUNTIME_OVERRIDES) as rt,
+            running_runtime(
+                claims_addr,
+                room_addr,
+                standin_url=standin.base_url,
+                backend_timeout_seconds=BACKEND_TIMEOUT_SECONDS,
+                room_retry_seconds=ROOM_RETRY_SECONDS,
+            ) as rt,
             running_gateway(database_url, room_addr, rt, **GATEWAY_ENV),
         ):
             started = time.monotonic()

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import pytest
@@ -251,10 +251,9 @@ async def test_anthropic_ignores_retry_after_ms(http: httpx.AsyncClient, standin
     assert clock.sleeps == [2.0, 8.0]
 
 
-@pytest.mark.parametrize("provider", ["anthropic", "openai"])
-def test_retry_after_http_date(provider: Provider) -> None:
+@pytest.mark.parametrize("wire", ["anthropic", "openai"])
+def test_retry_after_http_date(wire: Literal["anthropic", "openai"]) -> None:
     now = datetime(2026, 11, 5, 12, 0, 0, tzinfo=UTC)
-    wire = "anthropic" if provider == "anthropic" else "openai"
     verdict = classify_response(wire, 429, {"retry-after": "Thu, 05 Nov 2026 12:00:05 GMT"}, b"", KEY, now=now)
     assert (verdict.error_class, verdict.retryable, verdict.named_wait) == ("rate_limited", True, 5.0)
     past = classify_response(wire, 429, {"retry-after": "Thu, 05 Nov 2026 11:00:00 GMT"}, b"", KEY, now=now)
