@@ -45,8 +45,9 @@ class DeliveryConfig:
     stop_grace_seconds: float = 5.0
     # How often the loop asks the Room to expire waitpoints past their expiry (each gets a DECISION wake).
     expire_interval_seconds: float = 5.0
-    # RUNNING ledger rows untouched this long are ended as abandoned (their Runtime died); it must
-    # exceed the Runtime's QUAYUTEC_RUNTIME_RUN_SECONDS (300 by default) with room to spare.
+    # Runs with no progress recorded this long (RUNNING rows untouched, PARKED rows whose waitpoint was
+    # decided or expired but which never continued) are ended as abandoned; it must exceed the
+    # Runtime's QUAYUTEC_RUNTIME_RUN_SECONDS (300 by default) with room to spare.
     abandon_after_seconds: int = 600
 
     def __post_init__(self) -> None:
