@@ -236,15 +236,19 @@ class RunExecutor:
             )
         self._active += 1
         handed_off = False
+        # Claims are asked until a tenth of the caller's deadline is left, to answer it in.
+        loop = asyncio.get_running_loop()
+        claim_until = None if time_left is None else loop.time() + time_left * 0.9
         try:
-            # A decision continues its run once, however many wakes or replicas deliver it.
-            claim_key = continuation_claim(wake.source_id) if continuation else wake.wake_id
-            claim = await self._claim(wake.agent_id, claim_key, time_left)
             waitpoint = None
-            if continuation:
+            if continuation:  # read before claiming: a read that fails costs nothing
                 waitpoint = await self._get_waitpoint(wake.source_id)
                 run_id = waitpoint.run_id
                 annotate(run_id=run_id)
+            # A decision continues its run once, however many wakes or replicas deliver it.
+            claim_key = continuation_claim(wake.source_id) if continuation else wake.wake_id
+            bound = self._config.room_retry_seconds if claim_until is None else claim_until - loop.time()
+            claim = await self._claim(wake.agent_id, claim_key, bound)
             if not claim.claimed:
                 self._metrics.claim_refused()
                 return runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED, run_id
@@ -259,12 +263,11 @@ class RunExecutor:
             if not handed_off:
                 self._active -= 1
 
-    async def _claim(self, agent_id: str, claim_key: str, time_left: float | None) -> claims_pb2.ClaimOnceResponse:
-        """ClaimOnce with a token of this delivery, asked again while it may have committed unseen:
-        a late commit is then answered claimed=true to us (and to no other delivery)."""
+    async def _claim(self, agent_id: str, claim_key: str, bound: float) -> claims_pb2.ClaimOnceResponse:
+        """ClaimOnce with a token of this delivery, asked again for up to ``bound`` seconds while it
+        may have committed unseen: a late commit is then answered claimed=true to us (and to no
+        other delivery)."""
         request = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=claim_key, claimant=uuid.uuid4().hex)
-        # Leave a tenth of the caller's deadline to answer it; without one, the Room bound applies.
-        bound = self._config.room_retry_seconds if time_left is None else time_left * 0.9
         response: claims_pb2.ClaimOnceResponse = await with_retries(
             lambda t: self._claims.ClaimOnce(request, timeout=t),
             call_timeout=min(self._config.backend_timeout_seconds, max(MIN_TRY_SECONDS, bound)),
