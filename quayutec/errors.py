@@ -80,7 +80,18 @@ def is_connection_error(exc: BaseException) -> bool:
     if isinstance(exc, asyncpg.PostgresError):
         sqlstate = getattr(exc, "sqlstate", None) or ""
         return sqlstate[:2] in CONNECTION_SQLSTATE_CLASSES
-    return isinstance(exc, (OSError, asyncpg.InterfaceError, asyncpg.exceptions.ConnectionDoesNotExistError))
+    # asyncpg's InternalClientError ("cannot switch to state ...; another operation is in progress")
+    # comes from a connection broken in the middle of an operation, e.g. PostgreSQL shutting down
+    # mid-transaction: it is answered like a lost connection.
+    return isinstance(
+        exc,
+        (
+            OSError,
+            asyncpg.InterfaceError,
+            asyncpg.exceptions.ConnectionDoesNotExistError,
+            asyncpg.exceptions.InternalClientError,
+        ),
+    )
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
