@@ -8,10 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
-
 from quayutec.v1 import room_pb2, room_pb2_grpc
 from services.gateway.auth import KEY_PREFIX
+from tests.harness.channels import service_channel
 from tests.harness.room import running_room
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +44,7 @@ async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path)
 
 async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:
     env = {"DATABASE_URL": database_url}
-    async with running_room(database_url) as room_addr, grpc.aio.insecure_channel(room_addr) as channel:
+    async with running_room(database_url) as room_addr, service_channel(room_addr, "admin") as channel:
         room = room_pb2_grpc.RoomServiceStub(channel)
         company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name="Acme"))).company
     made = await quayutec("keys", "create", "--company", company.company_id, "--label", "ci", env=env)
