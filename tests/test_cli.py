@@ -10,7 +10,7 @@ from pathlib import Path
 
 from quayutec.v1 import room_pb2, room_pb2_grpc
 from services.gateway.auth import KEY_PREFIX
-from tests.harness.channels import service_channel
+from tests.harness.channels import mtls_env, service_channel
 from tests.harness.room import running_room
 
 REPO = Path(__file__).resolve().parent.parent
@@ -83,7 +83,12 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
                 database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
             ) as gateway_addr,
         ):
-            env = {"DATABASE_URL": database_url, "QUAYUTEC_ROOM_ADDR": room_addr, "QUAYUTEC_GATEWAY_ADDR": gateway_addr}
+            env = {
+                "DATABASE_URL": database_url,
+                "QUAYUTEC_ROOM_ADDR": room_addr,
+                "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+                **mtls_env("admin"),
+            }
 
             async def ok(*args: str, **extra: str) -> str:
                 done = await quayutec(*args, env={**env, **extra})

@@ -23,7 +23,7 @@ from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, gateway_pb2, ro
 from services.stack import free_port
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
 from tests.gateway.runtime_standin import running_standin_runtime
-from tests.harness.channels import service_channel
+from tests.harness.channels import mtls_env, service_channel
 from tests.harness.gateway import authed_gateway, make_company, running_gateway
 from tests.harness.room import running_room
 
@@ -298,6 +298,7 @@ async def test_gateway_process_killed_mid_delivery_loses_and_doubles_nothing(
             "QUAYUTEC_GATEWAY_LISTEN": f"127.0.0.1:{free_port()}",
             "QUAYUTEC_ROOM_ADDR": room_addr,
             "QUAYUTEC_RUNTIME_ADDR": runtime_addr,
+            **mtls_env("gateway"),
         }
         gateway = await asyncio.create_subprocess_exec(
             sys.executable,
