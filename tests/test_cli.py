@@ -137,7 +137,12 @@ async def test_invitations_leave_and_remove_from_the_command_line(database_url: 
             database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
         ) as gateway_addr,
     ):
-        env = {"DATABASE_URL": database_url, "QUAYUTEC_ROOM_ADDR": room_addr, "QUAYUTEC_GATEWAY_ADDR": gateway_addr}
+        env = {
+            "DATABASE_URL": database_url,
+            "QUAYUTEC_ROOM_ADDR": room_addr,
+            "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+            **mtls_env("admin"),
+        }
 
         async def run(key: str, *args: str) -> subprocess.CompletedProcess[str]:
             return await quayutec(*args, env={**env, "QUAYUTEC_API_KEY": key})
