@@ -18,7 +18,7 @@ import grpc
 
 from quayutec.authz import AuthzInterceptor
 from quayutec.v1 import claims_pb2, claims_pb2_grpc, runtime_pb2, runtime_pb2_grpc
-from tests.harness.channels import service_channel, test_identity
+from tests.harness.channels import pki_identity, service_channel
 
 ACCEPTED = runtime_pb2.START_RUN_RESULT_ACCEPTED
 ALREADY_CLAIMED = runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED
@@ -91,7 +91,7 @@ async def running_standin_runtime(claims_addr: str, *, port: int = 0) -> AsyncIt
         servicer = StandinRuntime(claims_pb2_grpc.ClaimsServiceStub(channel))
         server = grpc.aio.server(interceptors=(AuthzInterceptor(),))
         runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
-        bound = server.add_secure_port(f"127.0.0.1:{port}", test_identity("runtime").server_credentials())
+        bound = server.add_secure_port(f"127.0.0.1:{port}", pki_identity("runtime").server_credentials())
         await server.start()
         try:
             yield f"127.0.0.1:{bound}", servicer

@@ -24,7 +24,7 @@ from quayutec.tls import CA_ENV, CERT_ENV, IDENTITIES, KEY_ENV, Identity, MtlsCo
 TEST_MTLS = MtlsConfig.dev(Path(tempfile.gettempdir()) / f"qy-test-pki-{os.getuid()}")
 
 
-def test_identity(identity: str) -> Identity:
+def pki_identity(identity: str) -> Identity:
     """The certificate and key of ``identity`` in the test PKI."""
     if identity not in IDENTITIES:
         raise ValueError(f"unknown identity {identity!r}; one of {', '.join(IDENTITIES)}")
@@ -33,14 +33,14 @@ def test_identity(identity: str) -> Identity:
 
 def mtls_env(identity: str) -> dict[str, str]:
     """The QUAYUTEC_MTLS_* settings that make a child process ``identity`` of the test PKI."""
-    test_identity(identity)
+    pki_identity(identity)
     pki = TEST_MTLS.pki_dir
     return {CA_ENV: str(pki / "ca.crt"), CERT_ENV: str(pki / f"{identity}.crt"), KEY_ENV: str(pki / f"{identity}.key")}
 
 
 def service_channel(addr: str, identity: str, **kwargs: Any) -> grpc.aio.Channel:
     """A channel to the internal service at ``addr`` ("127.0.0.1:PORT") as the service ``identity``."""
-    return grpc.aio.secure_channel(addr, test_identity(identity).channel_credentials(), **kwargs)
+    return grpc.aio.secure_channel(addr, pki_identity(identity).channel_credentials(), **kwargs)
 
 
 # Which identity a ``callers_stub`` uses when the table lets several make a call.
