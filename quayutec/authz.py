@@ -202,3 +202,24 @@ async def _responses(result: Any) -> AsyncIterator[Any]:
     else:
         for response in result:
             yield response
+
+
+# Which identity a ``CallersStub`` uses when the table lets several make a call.
+CALLER_PREFERENCE = (GATEWAY, RUNTIME, ADMIN)
+
+
+class CallersStub:
+    """A client of one internal service that makes each RPC as an identity the table lets make it
+    (the Gateway's when it may, else the Runtime's, else the admin's). For tools that stand in for
+    several callers at once to set up a world (benches, tests); ``stubs`` maps identities to stubs."""
+
+    def __init__(self, service: str, stubs: Mapping[str, Any]) -> None:
+        self._service = service
+        self._stubs = stubs
+
+    def __getattr__(self, method: str) -> Any:
+        callers = allowed_callers(f"/{self._service}/{method}")
+        for identity in CALLER_PREFERENCE:
+            if identity in callers and identity in self._stubs:
+                return getattr(self._stubs[identity], method)
+        raise AttributeError(f"none of {sorted(self._stubs)} may call {self._service}/{method}")

@@ -9,13 +9,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from quayutec.authz import CALLER_PREFERENCE, CallersStub
 from quayutec.channels import channel_as
 from quayutec.config import CLAIMS, GATEWAY, ROOM, RUNTIME, SERVICES, DatabaseConfig, ServiceSpec
 from quayutec.db import create_pool, resolve_database_url
@@ -148,6 +150,15 @@ class LocalStack:
     def mtls(self) -> MtlsConfig:
         """Where the services' certificates are: the same data folder the children use."""
         return MtlsConfig.from_env(self.env())
+
+    def callers(
+        self, spec: ServiceSpec, stub_class: Callable[[grpc.aio.Channel], Any]
+    ) -> tuple[CallersStub, list[Any]]:
+        """A stub of internal service ``spec`` making each RPC as an identity allowed to, and its
+        channels (the caller closes them): for tools that stand in for several callers."""
+        channels = {identity: self.channel(spec.name, identity) for identity in CALLER_PREFERENCE}
+        stubs = {identity: stub_class(channel) for identity, channel in channels.items()}
+        return CallersStub(spec.grpc_service, stubs), list(channels.values())
 
     def channel(self, name: str, identity: str) -> grpc.aio.Channel:
         """A channel to the service ``name`` as ``identity`` (mutual TLS; plaintext to the Gateway)."""

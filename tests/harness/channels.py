@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 
-from quayutec.authz import allowed_callers
+from quayutec.authz import CALLER_PREFERENCE, CallersStub
 from quayutec.tls import CA_ENV, CERT_ENV, IDENTITIES, KEY_ENV, Identity, MtlsConfig, load_identity
 
 # One development PKI for every test session of this user (made once, under a lock, reused).
@@ -43,33 +43,12 @@ def service_channel(addr: str, identity: str, **kwargs: Any) -> grpc.aio.Channel
     return grpc.aio.secure_channel(addr, pki_identity(identity).channel_credentials(), **kwargs)
 
 
-# Which identity a ``callers_stub`` uses when the table lets several make a call.
-_PREFERENCE = ("gateway", "runtime", "admin", "room", "claims")
-
-
-class CallersStub:
-    """A stub of one internal service whose each RPC goes out as an identity ``quayutec.authz``
-    lets make it (the Gateway's when it may, else the Runtime's, else the admin's): for tests that
-    set up a world through many RPCs, as the Gateway, the Runtime and the operator would."""
-
-    def __init__(self, service: str, stubs: Mapping[str, Any]) -> None:
-        self._service = service
-        self._stubs = stubs
-
-    def __getattr__(self, method: str) -> Any:
-        callers = allowed_callers(f"/{self._service}/{method}")
-        for identity in _PREFERENCE:
-            if identity in callers:
-                return getattr(self._stubs[identity], method)
-        raise AttributeError(f"no identity may call {self._service}/{method}")
-
-
 @asynccontextmanager
 async def callers_stub(addr: str, service: str, stub_class: Callable[[grpc.aio.Channel], Any]) -> AsyncIterator[Any]:
     """Yields a ``CallersStub`` of ``service`` ("quayutec.v1.RoomService") at ``addr``."""
     async with AsyncExitStack() as stack:
         stubs = {}
-        for identity in _PREFERENCE:
+        for identity in CALLER_PREFERENCE:
             channel = await stack.enter_async_context(service_channel(addr, identity))
             stubs[identity] = stub_class(channel)
         yield CallersStub(service, stubs)
@@ -77,6 +56,6 @@ async def callers_stub(addr: str, service: str, stub_class: Callable[[grpc.aio.C
 
 def open_callers_stub(addr: str, service: str, stub_class: Callable[[grpc.aio.Channel], Any]) -> tuple[Any, list[Any]]:
     """A ``CallersStub`` and the channels it holds (the caller closes them)."""
-    channels = [service_channel(addr, identity) for identity in _PREFERENCE]
-    stub = CallersStub(service, {i: stub_class(c) for i, c in zip(_PREFERENCE, channels, strict=True)})
+    channels = [service_channel(addr, identity) for identity in CALLER_PREFERENCE]
+    stub = CallersStub(service, {i: stub_class(c) for i, c in zip(CALLER_PREFERENCE, channels, strict=True)})
     return stub, channels
