@@ -236,3 +236,34 @@ async def room_call(channel: grpc.aio.Channel, method: str, request: Any) -> Any
         rpc.path, request_serializer=type(request).SerializeToString, response_deserializer=response.FromString
     )
     return await stub(request, timeout=10)
+
+
+async def test_the_interceptor_guards_streaming_handlers_too() -> None:
+    """A server-streaming RPC: refused before its first message to an identity not in the table,
+    streamed in full to one that is."""
+    path = "/quayutec.test.Stream/Count"
+
+    async def count(request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
+        for n in range(3):
+            yield bytes([n])
+
+    handler = grpc.method_handlers_generic_handler(
+        "quayutec.test.Stream", {"Count": grpc.unary_stream_rpc_method_handler(count)}
+    )
+    server = grpc.aio.server(interceptors=(AuthzInterceptor({path: frozenset({"runtime"})}),))
+    server.add_generic_rpc_handlers((handler,))
+    port = server.add_secure_port("127.0.0.1:0", pki_identity("claims").server_credentials())
+    await server.start()
+    try:
+        for identity, expected in (("runtime", [b"\x00", b"\x01", b"\x02"]), ("gateway", None)):
+            async with service_channel(f"127.0.0.1:{port}", identity) as channel:
+                call = channel.unary_stream(path)(b"", timeout=10)
+                if expected is not None:
+                    assert [m async for m in call] == expected
+                    continue
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    _ = [m async for m in call]
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "gateway may not call" in (err.value.details() or "")
+    finally:
+        await server.stop(0)
