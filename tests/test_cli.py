@@ -60,6 +60,17 @@ async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:
     assert unknown.returncode == 1 and "no key" in unknown.stderr
 
 
+async def test_admin_with_another_ca_is_refused_and_told_what_to_fix(database_url: str, tmp_path: Path) -> None:
+    """`company create` from a data folder whose development CA the Room does not trust."""
+    async with running_room(database_url) as room_addr:
+        done = await quayutec(
+            "company", "create", "Acme", env={"QUAYUTEC_ROOM_ADDR": room_addr, "QUAYUTEC_DATA_DIR": str(tmp_path)}
+        )
+    assert done.returncode == 2
+    assert "mutual TLS" in done.stderr and "QUAYUTEC_DATA_DIR" in done.stderr
+    assert (tmp_path / "pki" / "admin.key").exists()
+
+
 async def test_client_commands_need_an_api_key(tmp_path: Path) -> None:
     done = await quayutec("runs", env={"QUAYUTEC_API_KEY": "", "QUAYUTEC_GATEWAY_ADDR": "127.0.0.1:9"})
     assert done.returncode != 0
