@@ -130,7 +130,12 @@ class GrpcServer:
         await server.start()
         self._server = server
         if self._config.health_listen:
-            await self._start_health_server(self._config.health_listen)
+            try:
+                await self._start_health_server(self._config.health_listen)
+            except BaseException:
+                await server.stop(0)
+                self._server = None
+                raise
         for name in ("", *self._service_names):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self.port = int(port)

@@ -189,13 +189,15 @@ def ensure_dev_pki(pki_dir: Path) -> None:
             ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
             if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
                 raise ConfigError(f"{ca_key_path} is not an EC key; remove {pki_dir} to make a new development CA")
+            new_ca = False
         else:
             ca_key, ca_cert = _make_ca()
             _write(ca_key_path, _key_pem(ca_key), 0o600)
             _write(ca_cert_path, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            new_ca = True
         for name in IDENTITIES:
             cert_path, key_path = pki_dir / f"{name}.crt", pki_dir / f"{name}.key"
-            if cert_path.exists() and key_path.exists():
+            if cert_path.exists() and key_path.exists() and not new_ca:
                 continue
             key, cert = _make_leaf(name, ca_key, ca_cert)
             _write(key_path, _key_pem(key), 0o600)

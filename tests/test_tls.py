@@ -152,3 +152,14 @@ async def test_reflection_v1_and_v1alpha_describe_a_method(database_url: str, se
     async with running_room(database_url) as room_addr, service_channel(room_addr, "admin") as channel:
         listed = await _reflect(channel, service, reflection_pb2.ServerReflectionRequest(list_services=""))
         assert "quayutec.v1.RoomService" in {s.name for s in listed.list_services_response.service}  # type: ignore[attr-defined]
+
+
+def test_a_dev_pki_without_its_ca_key_is_remade_whole(tmp_path: Path) -> None:
+    """Leaves signed by a CA whose key is gone cannot stay beside a new CA."""
+    pki = tmp_path / "pki"
+    ensure_dev_pki(pki)
+    (pki / "ca.key").unlink()
+    ensure_dev_pki(pki)
+    ca = x509.load_pem_x509_certificate((pki / "ca.crt").read_bytes())
+    for name in IDENTITIES:
+        x509.load_pem_x509_certificate((pki / f"{name}.crt").read_bytes()).verify_directly_issued_by(ca)
