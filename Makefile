@@ -41,5 +41,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/wakes.py
 	$(BIN)/python bench/parked.py
 
+# Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
+# a server that no command can reach.
 clean:
+	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
 	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache

@@ -248,15 +248,17 @@ async def run_demo() -> int:
                 "QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.1",
             },
         )
-        say("starting the embedded PostgreSQL and applying migrations ...")
-        await stack.prepare_database()
-        say("starting gateway, room, claims and runtime ...")
         try:
+            say("starting the embedded PostgreSQL and applying migrations ...")
+            await stack.prepare_database()
+            say("starting gateway, room, claims and runtime ...")
             await stack.start_all()
             for name in stack.ports:
                 say(f"   {name:8s} {stack.addr(name)}")
             await demo(stack, standin)
         finally:
             stack.stop_all()
+            # The embedded PostgreSQL goes too, unless it was running before the demo.
+            await asyncio.to_thread(stack.stop_database)
     say(f"\ndemo finished in {time.monotonic() - started:.1f} s (service logs in {stack.log_dir})")
     return 0
