@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,14 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def orphan_guard() -> list[str]:
+    """A command prefix that has the kernel send SIGTERM to a service when the process that started
+    it dies, even by SIGKILL, so a killed `quayutec up` leaves no service behind (Linux's
+    ``setpriv --pdeathsig``, from util-linux; none where it is missing)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv and sys.platform.startswith("linux") else []
 
 
 def port_of(addr: str, name: str) -> int | None:
@@ -175,7 +184,7 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}"],
+            [*orphan_guard(), sys.executable, "-m", f"services.{name}"],
             cwd=REPO,
             env=self.env(),
             stdout=log,

@@ -139,3 +139,42 @@ def test_db_stop_stops_a_server_left_running(data_dir: Path) -> None:
         [sys.executable, "-m", "services.cli", "db", "stop"], env=env, cwd=REPO, capture_output=True, text=True
     )
     assert again.returncode == 0 and "no embedded PostgreSQL running" in again.stdout
+
+
+def test_services_end_when_up_itself_is_killed(data_dir: Path) -> None:
+    """SIGKILL leaves `up` no chance to stop anything: the kernel ends its services for it."""
+    import psutil
+
+    from quayutec.db import embedded_ctl
+
+    base = _base_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "QUAYUTEC_DATA_DIR": str(data_dir)}
+    env.pop("DATABASE_URL", None)
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--base-port", str(base)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert up.stdout is not None
+    try:
+        for line in up.stdout:
+            if line.startswith("export QUAYUTEC_DATA_DIR"):
+                break
+        services = [c for c in psutil.Process(up.pid).children() if "services." in " ".join(c.cmdline())]
+        assert len(services) == 4
+        up.kill()
+        up.wait()
+        _, alive = psutil.wait_procs(services, timeout=60)
+        for proc in alive:
+            proc.kill()
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+        # The embedded PostgreSQL outlives a killed `up`; `quayutec db stop` is for that.
+        if embedded_pid(embedded_pgdata(data_dir)) is not None:
+            embedded_ctl("stop", embedded_pgdata(data_dir))
+    assert alive == []
