@@ -10,6 +10,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from quayutec.tls import MtlsConfig
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,9 @@ class ServiceSpec:
     name: str
     port: int
     grpc_service: str
+    # Listen on every interface when started alone (only the Gateway, the public door); the
+    # internal services listen on loopback unless QUAYUTEC_<SVC>_LISTEN says otherwise.
+    public: bool = False
 
     @property
     def prefix(self) -> str:
@@ -33,15 +40,19 @@ class ServiceSpec:
         return f"{self.prefix}ADDR"
 
     @property
+    def health_listen_env(self) -> str:
+        return f"{self.prefix}HEALTH_LISTEN"
+
+    @property
     def default_listen(self) -> str:
-        return f"[::]:{self.port}"
+        return f"[::]:{self.port}" if self.public else f"127.0.0.1:{self.port}"
 
     @property
     def default_addr(self) -> str:
-        return f"localhost:{self.port}"
+        return f"localhost:{self.port}" if self.public else f"127.0.0.1:{self.port}"
 
 
-GATEWAY = ServiceSpec("gateway", 50051, "quayutec.v1.GatewayService")
+GATEWAY = ServiceSpec("gateway", 50051, "quayutec.v1.GatewayService", public=True)
 ROOM = ServiceSpec("room", 50052, "quayutec.v1.RoomService")
 CLAIMS = ServiceSpec("claims", 50053, "quayutec.v1.ClaimsService")
 RUNTIME = ServiceSpec("runtime", 50054, "quayutec.v1.RuntimeService")
@@ -57,12 +68,30 @@ class ConfigError(ValueError):
     """A setting is missing or malformed; the message names the variable to fix."""
 
 
-def env_str(env: Mapping[str, str], name: str, default: str) -> str:
+class Declared(Protocol):
+    """A setting's declaration (``quayutec.settings.Setting``): its name and typed default."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def default(self) -> str | int | float | bool | None: ...
+
+
+def _declared(name: str | Declared, default: Any) -> tuple[str, Any]:
+    """A reader's name and default: from the declaration when given one (the usual case)."""
+    if isinstance(name, str):
+        return name, default
+    return name.name, name.default if default is None else default
+
+
+def env_str(env: Mapping[str, str], name: str | Declared, default: str | None = None) -> str:
+    name, default = _declared(name, default)
     value = env.get(name, "").strip()
-    return value or default
+    return value or str(default or "")
 
 
-def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+def env_bool(env: Mapping[str, str], name: str | Declared, default: bool | None = None) -> bool:
+    name, default = _declared(name, default)
     raw = env_str(env, name, "").lower()
     if not raw:
         return default
@@ -73,7 +102,8 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name} must be true or false, got {raw!r}")
 
 
-def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+def env_int(env: Mapping[str, str], name: str | Declared, default: int | None = None, *, minimum: int = 0) -> int:
+    name, default = _declared(name, default)
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -86,7 +116,10 @@ def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0
     return value
 
 
-def env_float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+def env_float(
+    env: Mapping[str, str], name: str | Declared, default: float | None = None, *, minimum: float = 0.0
+) -> float:
+    name, default = _declared(name, default)
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -110,11 +143,13 @@ class DatabaseConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, prefix: str = "QUAYUTEC_") -> DatabaseConfig:
+        from quayutec.settings import setting
+
         env = os.environ if env is None else env
         url = env.get(DATABASE_URL_ENV, "").strip() or None
-        data_dir = Path(env_str(env, DATA_DIR_ENV, DEFAULT_DATA_DIR)).absolute()
-        pool_min = env_int(env, f"{prefix}DB_POOL_MIN", 1, minimum=0)
-        pool_max = env_int(env, f"{prefix}DB_POOL_MAX", 10, minimum=1)
+        data_dir = Path(env_str(env, setting(DATA_DIR_ENV))).absolute()
+        pool_min = env_int(env, setting(f"{prefix}DB_POOL_MIN"), minimum=0)
+        pool_max = env_int(env, setting(f"{prefix}DB_POOL_MAX"), minimum=1)
         if pool_min > pool_max:
             raise ConfigError(f"{prefix}DB_POOL_MIN ({pool_min}) exceeds {prefix}DB_POOL_MAX ({pool_max})")
         return cls(url=url, data_dir=data_dir, pool_min=pool_min, pool_max=pool_max)
@@ -122,21 +157,32 @@ class DatabaseConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where one service listens and how long it drains on shutdown."""
+    """Where one service listens, how long it drains on shutdown, where its certificates come from
+    (``None``: from the environment when the server is made) and, when set, a second plaintext
+    port that serves only health checks (for probes that cannot present a client certificate)."""
 
     listen: str
     grace_seconds: float
+    mtls: MtlsConfig | None = None
+    health_listen: str | None = None
 
     @classmethod
     def from_env(cls, spec: ServiceSpec, env: Mapping[str, str] | None = None) -> ServerConfig:
+        from quayutec.settings import setting
+        from quayutec.tls import MtlsConfig
+
         env = os.environ if env is None else env
         return cls(
-            listen=env_str(env, spec.listen_env, spec.default_listen),
-            grace_seconds=env_float(env, f"{spec.prefix}GRACE_SECONDS", 10.0),
+            listen=env_str(env, setting(spec.listen_env)),
+            grace_seconds=env_float(env, setting(f"{spec.prefix}GRACE_SECONDS")),
+            mtls=MtlsConfig.from_env(env),
+            health_listen=env_str(env, setting(spec.health_listen_env)) or None,
         )
 
 
 def service_addr(spec: ServiceSpec, env: Mapping[str, str] | None = None) -> str:
     """The address other services dial to reach ``spec``."""
+    from quayutec.settings import setting
+
     env = os.environ if env is None else env
-    return env_str(env, spec.addr_env, spec.default_addr)
+    return env_str(env, setting(spec.addr_env))

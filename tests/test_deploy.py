@@ -9,6 +9,7 @@ and a small NetworkPolicy evaluator that proves only the Gateway is reachable fr
 from __future__ import annotations
 
 import base64
+import importlib.util
 import ipaddress
 import shutil
 import subprocess
@@ -39,7 +40,7 @@ APP_LABEL = ("app.kubernetes.io/part-of", "quayutec")
 NAME_LABEL = "app.kubernetes.io/name"
 APP_UID = 10001
 
-# Which service needs which secret, and whom it dials (DESIGN.md; the brief's wiring).
+# Which service needs which secret, and whom it dials (the services' wiring).
 NEEDS_DATABASE = {"gateway", "room", "claims", "migrate"}
 # Only Room decrypts provider keys; Runtime gets a run's key from Room and never holds the key of keys.
 NEEDS_ENCRYPTION_KEY = {"room"}
@@ -49,23 +50,35 @@ SPECS = {spec.name: spec for spec in SERVICES}
 EXTERNALLY_REACHABLE = {("gateway", GATEWAY.port), ("jaeger", 16686)}
 # Secrets the prod overlay expects the operator to create (documented in deploy/k8s/README.md).
 Obj = dict[str, Any]  # one parsed Kubernetes object (or part of one)
-PROD_EXTERNAL_SECRETS = {"quayutec-database", "quayutec-secrets", "quayutec-gateway-tls"}
+# Each service's mutual-TLS certificate: ca.crt, tls.crt, tls.key (a cert-manager Certificate's Secret).
+MTLS_SECRETS = {name: f"quayutec-mtls-{name}" for name in ("gateway", "room", "claims", "runtime")}
+PROD_EXTERNAL_SECRETS = {"quayutec-database", "quayutec-secrets", "quayutec-gateway-tls", *MTLS_SECRETS.values()}
 
 
 # ---------------------------------------------------------------- rendering
 
 
 def _kubectl() -> str:
+    """kubectl renders the overlays; without it these tests fail (never skip) and say what to install."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl is not on PATH: cannot render the kustomize overlays")
+        pytest.fail(
+            "kubectl is not on PATH, so the kustomize overlays cannot be rendered and validated: install kubectl "
+            "(for example `apt-get install kubectl` or the release binary) and run the tests again"
+        )
     return kubectl
 
 
 def _validator() -> list[str]:
+    """kubernetes-validate (the dev extra) checks the rendered objects; its absence fails the tests."""
     script = Path(sys.executable).with_name("kubernetes-validate")
     if script.exists():
         return [str(script)]
+    if importlib.util.find_spec("kubernetes_validate") is None:
+        pytest.fail(
+            "kubernetes-validate is not installed in this Python, so the overlays cannot be validated: "
+            "install the dev extra (`pip install -e '.[dev]'`, as `make test` does)"
+        )
     return [sys.executable, "-m", "kubernetes_validate"]
 
 
@@ -217,10 +230,15 @@ def test_deployment_ports_and_probes(rendered: Rendered, spec: ServiceSpec) -> N
     assert len(grpc_ports) == 1 and grpc_ports[0]["containerPort"] == spec.port
     env = effective_env(rendered, container)
     tls = bool(env.get(f"{spec.prefix}TLS_CERT"))
+    # The internal services admit only mutual TLS on their port; the kubelet probes their
+    # plaintext health-only port.
+    probed = spec.port if spec.public else int(env[spec.health_listen_env].rpartition(":")[2])
+    if not spec.public:
+        assert probed != spec.port and probed in {p["containerPort"] for p in container["ports"]}
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = container.get(kind)
         assert probe, f"{spec.name}: no {kind}"
-        assert _probe_port(probe, container) == spec.port, f"{spec.name} {kind} port"
+        assert _probe_port(probe, container) == probed, f"{spec.name} {kind} port"
         if tls:
             # The kubelet's gRPC probe speaks plaintext only; TLS pods get TCP probes.
             assert spec is GATEWAY and "tcpSocket" in probe, f"{spec.name} {kind} with TLS"
@@ -276,7 +294,7 @@ def test_listen_and_otel_env(rendered: Rendered, spec: ServiceSpec) -> None:
         assert env[spec.listen_env].rpartition(":")[2] == str(spec.port)
     for name in env:
         if name.endswith("_LISTEN") and name.startswith("QUAYUTEC_"):
-            assert name == spec.listen_env, f"{spec.name} sets another service's {name}"
+            assert name in (spec.listen_env, spec.health_listen_env), f"{spec.name} sets another service's {name}"
     endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     assert endpoint, f"{spec.name}: OTEL_EXPORTER_OTLP_ENDPOINT unset"
     parsed = urlsplit(endpoint)
@@ -403,6 +421,36 @@ def test_gateway_tls_paths_are_mounted(rendered: Rendered) -> None:
     mounts = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in secret_vols]
     for path in paths:
         assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), f"{path} is not on a Secret volume"
+
+
+@pytest.mark.parametrize("spec", SERVICES, ids=lambda s: s.name)
+def test_each_service_presents_its_own_mtls_certificate(rendered: Rendered, overlay: str, spec: ServiceSpec) -> None:
+    container = app_container(rendered, spec.name)
+    env = effective_env(rendered, container)
+    pod = rendered.pod_spec(rendered.get("Deployment", spec.name))
+    secret_of = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if m["name"] in secret_of}
+    for var, key in (
+        ("QUAYUTEC_MTLS_CA", "ca.crt"),
+        ("QUAYUTEC_MTLS_CERT", "tls.crt"),
+        ("QUAYUTEC_MTLS_KEY", "tls.key"),
+    ):
+        path = env.get(var)
+        assert isinstance(path, str) and path.endswith("/" + key), f"{spec.name}: {var}={path!r}"
+        folder = path.rpartition("/")[0]
+        assert folder in mounts, f"{spec.name}: {path} is not on a Secret volume"
+        secret = secret_of[mounts[folder]]
+        assert secret.startswith(MTLS_SECRETS[spec.name]), f"{spec.name} mounts {secret}, not its own certificate"
+        if overlay == "dev":
+            data = rendered.get("Secret", secret)["data"]
+            assert key in data, f"{secret} lacks {key}"
+            if key == "tls.crt":
+                from cryptography import x509
+
+                from quayutec.tls import certificate_identity
+
+                cert = x509.load_pem_x509_certificate(base64.b64decode(data[key]))
+                assert certificate_identity(cert) == spec.name, f"{secret} does not name {spec.name}"
 
 
 # ---------------------------------------------------------------- network exposure
@@ -535,9 +583,14 @@ def test_internal_services_admit_only_their_callers(rendered: Rendered) -> None:
             Peer(rendered.pod_labels(pods[source])),
         )
 
-    for target in ("room", "claims"):
-        for source in ("gateway", "runtime"):
-            assert allowed(target, source), f"{source} cannot reach {target}"
+    # Only the callers of quayutec/authz.py's table reach each service.
+    for source in ("gateway", "runtime"):
+        assert allowed("room", source), f"{source} cannot reach room"
+    for source in ("claims", "jaeger"):
+        assert not allowed("room", source), f"{source} may reach room"
+    assert allowed("claims", "runtime")
+    for source in ("gateway", "room", "jaeger"):
+        assert not allowed("claims", source), f"{source} may reach claims; only the runtime may"
     assert allowed("runtime", "gateway")
     for source in ("room", "claims", "runtime", "jaeger"):
         assert not allowed("runtime", source), f"{source} may reach runtime; only the gateway may"

@@ -8,6 +8,7 @@ from quayutec.config import ROOM
 from quayutec.migrate import ROOM as ROOM_COMPONENT
 from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
+from quayutec.tls import load_identity
 from quayutec.v1 import room_pb2_grpc
 from services.room.config import RoomConfig
 from services.room.servicer import RoomServicer
@@ -16,6 +17,7 @@ from services.room.store import RoomStore
 
 async def create_server(config: RoomConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
     """A Room server, not yet started; it opens (and on stop closes) its own pool unless given one."""
+    identity = load_identity(ROOM.name, config.server.mtls)
     held = await service_pool(config.database, ROOM_COMPONENT, migrate_on_start=config.migrate_on_start, pool=pool)
     pool = held.pool
     servicer = RoomServicer(RoomStore(pool, config.cipher))
@@ -25,6 +27,7 @@ async def create_server(config: RoomConfig, *, pool: asyncpg.Pool | None = None)
         config=config.server,
         register=lambda server: room_pb2_grpc.add_RoomServiceServicer_to_server(servicer, server),
         on_stop=held.close,
+        identity=identity,
     )
 
 

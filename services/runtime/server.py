@@ -6,8 +6,9 @@ import grpc
 import httpx
 
 from quayutec.channels import internal_channel
-from quayutec.config import RUNTIME
+from quayutec.config import CLAIMS, ROOM, RUNTIME
 from quayutec.server import GrpcServer
+from quayutec.tls import load_identity
 from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.runtime.backend import RetryingRoom
 from services.runtime.config import RuntimeConfig
@@ -24,11 +25,14 @@ async def create_server(
     policy: RetryPolicy | None = None,
 ) -> GrpcServer:
     """The Runtime server; it owns (and closes) its channels and, unless given one, its HTTP client."""
+    identity = load_identity(RUNTIME.name, config.server.mtls)
     own_http = http is None
     http_client = http or make_http_client(config.model_timeout_seconds)
     # No transparent retries: the executor retries what is safe to repeat itself (services.runtime.backend).
-    claims_channel = internal_channel(config.claims_addr, retry_unavailable=False)
-    room_channel = internal_channel(config.room_addr, retry_unavailable=False)
+    claims_channel = internal_channel(
+        config.claims_addr, identity=identity, server=CLAIMS.name, retry_unavailable=False
+    )
+    room_channel = internal_channel(config.room_addr, identity=identity, server=ROOM.name, retry_unavailable=False)
     executor = RunExecutor(
         config=config,
         claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
@@ -48,7 +52,13 @@ async def create_server(
         if own_http:
             await http_client.aclose()
 
-    return GrpcServer(service_names=[RUNTIME.grpc_service], config=config.server, register=register, on_stop=on_stop)
+    return GrpcServer(
+        service_names=[RUNTIME.grpc_service],
+        config=config.server,
+        register=register,
+        on_stop=on_stop,
+        identity=identity,
+    )
 
 
 async def main() -> None:

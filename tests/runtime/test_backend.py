@@ -8,10 +8,11 @@ import asyncio
 import grpc
 import pytest
 
+from quayutec.config import ROOM
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.runtime.backend import RetryingRoom
 from services.stack import free_port
-from tests.harness.channels import service_channel
+from tests.harness.channels import callers_stub, service_channel
 from tests.harness.room import running_room
 
 # The channel tries to reconnect often, so a call soon finds the restarted server.
@@ -21,12 +22,15 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconne
 async def test_deduped_writes_and_reads_are_retried_and_others_are_not(database_url: str) -> None:
     port = free_port()
     listen = {"QUAYUTEC_ROOM_LISTEN": f"127.0.0.1:{port}"}
-    async with service_channel(f"127.0.0.1:{port}", "runtime", options=FAST_RECONNECT) as channel:
-        stub = room_pb2_grpc.RoomServiceStub(channel)
-        room = RetryingRoom(stub, retry_seconds=30.0)
+    addr = f"127.0.0.1:{port}"
+    async with (
+        service_channel(addr, "runtime", options=FAST_RECONNECT) as channel,
+        callers_stub(addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as admin,
+    ):
+        room = RetryingRoom(room_pb2_grpc.RoomServiceStub(channel), retry_seconds=30.0)
         async with running_room(database_url, **listen):
-            company = (await stub.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name="Acme"))).company
-            created = await stub.CreateRoom(
+            company = (await admin.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name="Acme"))).company
+            created = await admin.CreateRoom(
                 room_pb2.RoomServiceCreateRoomRequest(company_id=company.company_id, name="launch")
             )
         room_id = created.room.room_id
@@ -53,6 +57,6 @@ async def test_deduped_writes_and_reads_are_retried_and_others_are_not(database_
                 await asyncio.wait_for(read, 30)
             assert answered.value.code() == grpc.StatusCode.NOT_FOUND  # Room's answer, not the outage
             again = await room.PostMessage(message("retried", "key-1"), timeout=2.0)
-            listed = await stub.ListMessages(room_pb2.RoomServiceListMessagesRequest(room_id=room_id))
+            listed = await admin.ListMessages(room_pb2.RoomServiceListMessagesRequest(room_id=room_id))
     assert again.deduplicated and again.message.message_id == posted.message.message_id
     assert [m.body for m in listed.messages] == ["retried"]

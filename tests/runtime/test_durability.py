@@ -31,7 +31,7 @@ from quayutec.v1 import claims_pb2, common_pb2, runtime_pb2
 from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from services.stack import free_port
-from tests.harness.channels import service_channel
+from tests.harness.channels import mtls_env, service_channel
 from tests.harness.claims import claims_stub, running_claims
 from tests.harness.gateway import running_gateway
 from tests.harness.room import TEST_ENCRYPTION_KEY, running_room
@@ -117,6 +117,7 @@ class RoomProcess:
             "QUAYUTEC_ROOM_LISTEN": self.addr,
             "QUAYUTEC_ROOM_GRACE_SECONDS": "1",
             "QUAYUTEC_ENCRYPTION_KEY": TEST_ENCRYPTION_KEY,
+            **mtls_env("room"),
             "PYTHONPATH": str(REPO),
         }
         self.proc = subprocess.Popen(
