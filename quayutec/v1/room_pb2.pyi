@@ -2170,3 +2170,94 @@ class RoomServiceAbandonStaleRunsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoomServiceAbandonStaleRunsResponse: _TypeAlias = RoomServiceAbandonStaleRunsResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceReadRoomEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    FROM_NOW_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    company_id: _builtins.str
+    """The reading company; empty: every event, each with its audience."""
+    after: _builtins.int
+    """Read the events after this cursor (0: from the oldest kept)."""
+    from_now: _builtins.bool
+    """Read nothing; answer only the room's newest cursor (a watch "from now")."""
+    limit: _builtins.int
+    """1..1000, default 100: how many cursors to read (events the company may not see count too)."""
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        after: _builtins.int = ...,
+        from_now: _builtins.bool = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "company_id", b"company_id", "from_now", b"from_now", "limit", b"limit", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceReadRoomEventsRequest: _TypeAlias = RoomServiceReadRoomEventsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceRoomEventEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    AUDIENCE_COMPANY_ID_FIELD_NUMBER: _builtins.int
+    audience_company_id: _builtins.str
+    """Empty: every member company sees it; otherwise only this company."""
+    @_builtins.property
+    def event(self) -> _common_pb2.RoomEvent: ...
+    def __init__(
+        self,
+        *,
+        event: _common_pb2.RoomEvent | None = ...,
+        audience_company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audience_company_id", b"audience_company_id", "event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRoomEventEntry: _TypeAlias = RoomServiceRoomEventEntry  # noqa: Y015
+
+@_typing.final
+class RoomServiceReadRoomEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_AFTER_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
+    LAST_CURSOR_FIELD_NUMBER: _builtins.int
+    next_after: _builtins.int
+    """The cursor to continue after (the last one read, visible or not; `after` when none)."""
+    more: _builtins.bool
+    """Whether more events follow next_after already."""
+    last_cursor: _builtins.int
+    """The room's newest committed cursor."""
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomServiceRoomEventEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___RoomServiceRoomEventEntry] | None = ...,
+        next_after: _builtins.int = ...,
+        more: _builtins.bool = ...,
+        last_cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "last_cursor", b"last_cursor", "more", b"more", "next_after", b"next_after"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceReadRoomEventsResponse: _TypeAlias = RoomServiceReadRoomEventsResponse  # noqa: Y015

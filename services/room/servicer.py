@@ -53,8 +53,9 @@ _PARKED_STEP = (common_pb2.RUN_STEP_UNSPECIFIED, common_pb2.RUN_STEP_PARKED)
 class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     """Every RoomService RPC over a ``RoomStore``; error codes come from quayutec.errors."""
 
-    def __init__(self, store: RoomStore) -> None:
+    def __init__(self, store: RoomStore, *, event_retention_hours: float = 168.0) -> None:
         self._store = store
+        self._event_retention_hours = event_retention_hours
 
     # -- companies, rooms, members --------------------------------------------------------------------------
 
@@ -568,6 +569,38 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         limit = v.in_range(request.limit or 100, "limit", 1, 1000)
         return room_pb2.RoomServiceAbandonStaleRunsResponse(
             abandoned=await self._store.abandon_stale_runs(older, limit)
+        )
+
+    # -- the room event log ---------------------------------------------------------------------------------
+
+    async def ReadRoomEvents(
+        self, request: room_pb2.RoomServiceReadRoomEventsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceReadRoomEventsResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        company_id = v.optional_id(request.company_id, "company_id")
+        if request.after < 0:
+            raise InvalidArgument(f"after must be a cursor (0 or more), got {request.after}")
+        limit = v.in_range(request.limit or 100, "limit", 1, 1000)
+        if request.from_now:
+            last = await self._store.last_event_cursor(room_id, company_id)
+            return room_pb2.RoomServiceReadRoomEventsResponse(next_after=last, last_cursor=last)
+        page = await self._store.read_events(
+            room_id, company_id, request.after, limit, retention_hours=self._event_retention_hours
+        )
+        entries = []
+        for row in page.rows:
+            if row["detail"] is None:
+                continue  # another company's private event: its cursor still counts
+            event = common_pb2.RoomEvent.FromString(bytes(row["detail"]))
+            event.cursor = row["seq"]
+            event.room_id = room_id
+            event.created_at.FromDatetime(row["created_at"])
+            audience = row["audience_company_id"]
+            entries.append(
+                room_pb2.RoomServiceRoomEventEntry(event=event, audience_company_id=str(audience) if audience else "")
+            )
+        return room_pb2.RoomServiceReadRoomEventsResponse(
+            entries=entries, next_after=page.next_after, more=page.more, last_cursor=page.last_cursor
         )
 
     # -- a run's view of its room ---------------------------------------------------------------------------
