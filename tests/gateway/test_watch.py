@@ -4,8 +4,12 @@ slow consumer is cut with RESOURCE_EXHAUSTED and resumes without loss."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -18,6 +22,7 @@ from tests.harness.channels import service_channel
 from tests.harness.gateway import CompanyKey, authed_gateway, join_room, running_gateway
 
 K = common_pb2
+REPO = Path(__file__).resolve().parent.parent.parent
 QUIET = {"QUAYUTEC_GATEWAY_DELIVERY_ENABLED": "false", "QUAYUTEC_GATEWAY_POST_RATE": "0"}
 
 
@@ -264,3 +269,42 @@ async def test_a_slow_consumer_is_cut_and_resumes_without_loss(
         await events_until(resumed, bodies[-1], received)
         resumed.cancel()
     assert [e.message.body for e in received] == bodies
+
+
+async def test_the_watch_command_prints_events_as_they_happen(
+    gateway_addr: str, acme: CompanyKey, acme_gw: GatewayStub
+) -> None:
+    room = await create_room(acme_gw)
+    await post(acme_gw, room.room_id, "before the watch")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+        "QUAYUTEC_API_KEY": acme.secret,
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli",
+        "watch",
+        "--room",
+        room.room_id,
+        "--after",
+        "0",
+        cwd=REPO,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(60):
+            lines.append((await proc.stdout.readline()).decode())  # the replay
+            await post(acme_gw, room.room_id, "live one")
+            lines.append((await proc.stdout.readline()).decode())
+    finally:
+        proc.terminate()
+        await proc.wait()
+    assert lines[0].startswith("[1] message_posted #1 Ada: before the watch"), lines
+    assert lines[1].startswith("[2] message_posted #2 Ada: live one"), lines
