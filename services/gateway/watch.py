@@ -4,10 +4,11 @@ One LISTEN connection per replica (notify.Listener on ``quayutec_room_events``) 
 which room changed. Per watched room the hub keeps one *feed*: a single shared read of the room's new
 events (every audience) into a ring of the most recent ones, so a notification costs one Room call
 per room, not one per stream. Each stream takes what its company may see from the ring, after its own
-cursor; when the ring cannot serve it (it replays, or fell behind the ring) it reads the Room itself,
-scoped to its company. Reading by cursor on every notification is what makes the seam between
-replay and live free of gaps and duplicates: a stream subscribes before its first read, and whatever
-commits later raises its signal again.
+cursor, pushed to it by the feed as soon as a read lands (no task of its own wakes per event); when
+the ring cannot serve it (it replays, or fell behind the ring) it reads the Room itself, scoped to its
+company. Reading by cursor is what makes the seam between replay and live free of gaps and
+duplicates: a stream subscribes before its first read, takes only cursors after its own, and
+whatever commits later reaches it by the feed or by its own next read.
 
 Every stream has a bounded buffer. While it replays, reading waits for room in the buffer; once live,
 a caller that lets the buffer fill is cut with RESOURCE_EXHAUSTED (it resumes from its last cursor).
@@ -44,17 +45,18 @@ READ_LIMIT = 500
 class _Entry:
     cursor: int
     event: common_pb2.RoomEvent
+    item: gateway_pb2.WatchRoomResponse  # built once, shared by every stream that delivers it
     audience: str  # "" for every member company
 
 
 class _Feed:
-    """The shared read of one room's new events, and the signals of the streams watching it."""
+    """The shared read of one room's new events, and the live streams it pushes them to."""
 
     def __init__(self, hub: RoomEventHub, room_id: str) -> None:
         self.room_id = room_id
         self.ring: deque[_Entry] = deque(maxlen=FEED_RING_EVENTS)
         self.cursor: int | None = None  # the newest cursor read; None until the first read succeeds
-        self.signals: set[asyncio.Event] = set()
+        self.streams: set[_Stream] = set()  # every stream of this room (replaying or live)
         self._hub = hub
         self._task: asyncio.Task[None] | None = None
         self._again = False
@@ -80,9 +82,9 @@ class _Feed:
             return None
         return list(islice(self.ring, cursor + 1 - self.ring[0].cursor, None))
 
-    def _signal(self) -> None:
-        for signal in self.signals:
-            signal.set()
+    def _push(self) -> None:
+        for stream in list(self.streams):
+            stream.from_feed()
 
     async def _read(self) -> None:
         while True:
@@ -96,7 +98,7 @@ class _Feed:
                 _log.warning("reading new events of room %s failed (%s)", self.room_id, type(exc).__name__)
                 self.cursor = None
                 self.ring.clear()
-            self._signal()
+                self._push()
             if not self._again:
                 return
 
@@ -105,16 +107,19 @@ class _Feed:
             got = await self._hub.read(self.room_id, "", 0, from_now=True)
             self.cursor = got.last_cursor
             self.ring.clear()
+            self._push()
             return
         while True:
             got = await self._hub.read(self.room_id, "", self.cursor)
             for entry in got.entries:
-                if entry.event.cursor != self.cursor + 1:
+                event = entry.event
+                if event.cursor != self.cursor + 1:
                     self.ring.clear()  # not contiguous (cannot happen with a gap-free log): start over
-                self.ring.append(_Entry(entry.event.cursor, entry.event, entry.audience_company_id))
-                self.cursor = entry.event.cursor
+                item = gateway_pb2.WatchRoomResponse(event=event)
+                self.ring.append(_Entry(event.cursor, event, item, entry.audience_company_id))
+                self.cursor = event.cursor
             self.cursor = max(self.cursor, got.next_after)
-            self._signal()
+            self._push()
             if not got.more:
                 return
 
@@ -126,7 +131,7 @@ class RoomEventHub:
         self, room: Any, config: WatchConfig, *, room_timeout_seconds: float, listening: Callable[[], bool]
     ) -> None:
         self._room = room
-        self._config = config
+        self.config = config
         self._timeout = room_timeout_seconds
         self._listening = listening
         self._feeds: dict[str, _Feed] = {}
@@ -143,6 +148,9 @@ class RoomEventHub:
         """LISTEN took effect (again): anything may have committed meanwhile."""
         for feed in self._feeds.values():
             feed.poke()
+
+    def listening(self) -> bool:
+        return self._listening()
 
     # -- Room reads --------------------------------------------------------------------------------
 
@@ -168,9 +176,9 @@ class RoomEventHub:
         self, room_id: str, company_id: str, after: int | None
     ) -> AsyncIterator[gateway_pb2.WatchRoomResponse]:
         """The stream's items: events, and heartbeats (caught up, and when idle). Raises to end it."""
-        if self.streams >= self._config.max_streams:
+        if self.streams >= self.config.max_streams:
             raise ResourceExhausted(
-                f"this Gateway already serves {self._config.max_streams} room watches (QUAYUTEC_GATEWAY_WATCH_"
+                f"this Gateway already serves {self.config.max_streams} room watches (QUAYUTEC_GATEWAY_WATCH_"
                 "MAX_STREAMS); retry later or through another replica"
             )
         self.streams += 1
@@ -178,42 +186,29 @@ class RoomEventHub:
         if feed is None:
             feed = self._feeds[room_id] = _Feed(self, room_id)
             feed.poke()
-        signal = asyncio.Event()
-        feed.signals.add(signal)
-        queue: asyncio.Queue[gateway_pb2.WatchRoomResponse] = asyncio.Queue(maxsize=self._config.buffer_events)
-        stream = _Stream(self, feed, signal, queue, room_id, company_id)
+        stream = _Stream(self, feed, room_id, company_id)
+        feed.streams.add(stream)
         producer = asyncio.create_task(stream.produce(after), name="room-watch")
-        getter: asyncio.Future[gateway_pb2.WatchRoomResponse] | None = None
         try:
             while True:
-                getter = asyncio.ensure_future(queue.get())
-                await asyncio.wait({getter, producer}, return_when=asyncio.FIRST_COMPLETED)
-                failure = producer.exception() if producer.done() else None
-                if failure is not None:
-                    raise failure
-                if not getter.done():  # pragma: no cover - the producer only ends by raising
-                    raise RuntimeError("the watch ended without a reason")
-                item = getter.result()
-                getter = None
-                yield item
+                if stream.failure is not None:
+                    raise stream.failure
+                if stream.buffer:
+                    item = stream.buffer.popleft()
+                    stream.drained.set()
+                    yield item
+                    continue
+                stream.ready.clear()
+                await stream.ready.wait()
         finally:
-            if getter is not None:
-                getter.cancel()
             producer.cancel()
             with contextlib.suppress(BaseException):
                 await producer
-            feed.signals.discard(signal)
-            if not feed.signals and self._feeds.get(room_id) is feed:
+            feed.streams.discard(stream)
+            if not feed.streams and self._feeds.get(room_id) is feed:
                 del self._feeds[room_id]
                 feed.close()
             self.streams -= 1
-
-    def listening(self) -> bool:
-        return self._listening()
-
-    @property
-    def config(self) -> WatchConfig:
-        return self._config
 
 
 def _heartbeat(cursor: int) -> gateway_pb2.WatchRoomResponse:
@@ -223,87 +218,122 @@ def _heartbeat(cursor: int) -> gateway_pb2.WatchRoomResponse:
 
 
 class _Stream:
-    """What one WatchRoom stream reads and offers to its caller's buffer."""
+    """One WatchRoom stream: its cursor, its bounded buffer, and the task that replays and re-checks."""
 
-    def __init__(
-        self,
-        hub: RoomEventHub,
-        feed: _Feed,
-        signal: asyncio.Event,
-        queue: asyncio.Queue[gateway_pb2.WatchRoomResponse],
-        room_id: str,
-        company_id: str,
-    ) -> None:
+    def __init__(self, hub: RoomEventHub, feed: _Feed, room_id: str, company_id: str) -> None:
         self._hub = hub
         self._feed = feed
-        self._signal = signal
-        self._queue = queue
         self._room_id = room_id
         self._company_id = company_id
         self._cursor = 0  # the newest cursor read (seen or skipped); what a heartbeat tells the caller
+        self._live = False
+        self._limit = hub.config.buffer_events
+        self.buffer: deque[gateway_pb2.WatchRoomResponse] = deque()
+        self.ready = asyncio.Event()  # the caller's side: something to send, or the end
+        self.drained = asyncio.Event()  # the replay's side: the caller took something
+        self.failure: BaseException | None = None
+        self._wake = asyncio.Event()  # this stream's own read is due (a gap, or the check interval)
+
+    # -- the stream's own task ---------------------------------------------------------------------
 
     async def produce(self, after: int | None) -> None:
+        try:
+            await self._produce(after)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+
+    async def _produce(self, after: int | None) -> None:
         if after is None:
             got = await self._hub.read(self._room_id, self._company_id, 0, from_now=True)
             after = got.last_cursor
         self._cursor = after
-        # Replay: the buffer's room paces the reads.
+        # Replay: the caller's pace paces the reads.
         while True:
-            self._signal.clear()
             got = await self._hub.read(self._room_id, self._company_id, self._cursor)
             for entry in got.entries:
-                await self._queue.put(gateway_pb2.WatchRoomResponse(event=entry.event))
+                while len(self.buffer) >= self._limit:
+                    self.drained.clear()
+                    await self.drained.wait()
+                self._append(gateway_pb2.WatchRoomResponse(event=entry.event))
             self._cursor = got.next_after
             if not got.more:
                 break
-        await self._queue.put(_heartbeat(self._cursor))
-        await self._live()
-
-    async def _live(self) -> None:
+        self._append(_heartbeat(self._cursor))
+        # Live: the feed pushes what it reads; this task only re-checks, and reads when the ring cannot serve.
+        self._live = True
+        self.from_feed()
         loop = asyncio.get_running_loop()
-        config = self._hub.config
         checked = loop.time()
         while True:
+            config = self._hub.config
             interval = config.heartbeat_seconds if self._hub.listening() else config.check_seconds
-            try:
-                await asyncio.wait_for(self._signal.wait(), timeout=max(0.0, checked + interval - loop.time()))
-            except TimeoutError:
-                await self._read_own()  # re-checks membership, and catches anything a notification missed
+            due = checked + interval
+            if loop.time() < due:
+                timer = loop.call_at(due, self._wake.set)
+                await self._wake.wait()
+                timer.cancel()
+            self._wake.clear()
+            await self._read_own()  # re-checks membership, and catches anything a notification missed
+            if loop.time() >= due:
                 self._offer(_heartbeat(self._cursor))
                 checked = loop.time()
-                continue
-            self._signal.clear()
-            entries = self._feed.after(self._cursor)
-            if entries is None:
-                await self._read_own()
-                continue
-            for entry in entries:
-                self._take(entry.event, entry.audience)
 
     async def _read_own(self) -> None:
         while True:
             got = await self._hub.read(self._room_id, self._company_id, self._cursor)
             for entry in got.entries:
-                self._take(entry.event, entry.audience_company_id)
+                self._take(entry.event.cursor, None, entry.event, entry.audience_company_id)
             self._cursor = max(self._cursor, got.next_after)
             if not got.more:
                 return
 
-    def _take(self, event: common_pb2.RoomEvent, audience: str) -> None:
-        if event.cursor <= self._cursor:
+    # -- pushed by the feed ------------------------------------------------------------------------
+
+    def from_feed(self) -> None:
+        """Takes the feed's new entries after this stream's cursor (live streams only)."""
+        if not self._live or self.failure is not None:
             return
-        self._cursor = event.cursor
+        entries = self._feed.after(self._cursor)
+        if entries is None:
+            self._wake.set()  # the ring cannot serve this cursor: the stream's task reads it
+            return
+        try:
+            for entry in entries:
+                self._take(entry.cursor, entry.item, entry.event, entry.audience)
+        except Exception as exc:
+            self._fail(exc)
+
+    # -- both ----------------------------------------------------------------------------------------
+
+    def _take(
+        self, cursor: int, item: gateway_pb2.WatchRoomResponse | None, event: common_pb2.RoomEvent, audience: str
+    ) -> None:
+        if cursor <= self._cursor:
+            return
+        self._cursor = cursor
         if audience and audience != self._company_id:
             return
         if event.kind == common_pb2.ROOM_EVENT_KIND_MEMBER_LEFT and event.member.company_id == self._company_id:
             raise NotFound(f"room {self._room_id} not found: your company is no longer a member")
-        self._offer(gateway_pb2.WatchRoomResponse(event=event))
+        self._offer(item if item is not None else gateway_pb2.WatchRoomResponse(event=event))
 
     def _offer(self, item: gateway_pb2.WatchRoomResponse) -> None:
-        if self._queue.full():
+        if len(self.buffer) >= self._limit:
             raise ResourceExhausted(
-                f"this watch fell {self._queue.maxsize} events behind the room (read faster, or raise "
+                f"this watch fell {self._limit} events behind the room (read faster, or raise "
                 "QUAYUTEC_GATEWAY_WATCH_BUFFER_EVENTS); watch again with after = the cursor of the last event "
                 "or heartbeat you received"
             )
-        self._queue.put_nowait(item)
+        self._append(item)
+
+    def _append(self, item: gateway_pb2.WatchRoomResponse) -> None:
+        self.buffer.append(item)
+        self.ready.set()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failure is None:
+            self.failure = exc
+            self._live = False
+            self.ready.set()
