@@ -115,13 +115,14 @@ async def watchers_main(opts: argparse.Namespace) -> None:
                         all_caught_up.set()
                 continue
             received = time.time()
-            message = item.event.message
-            if message.body.startswith(prefix):
-                latencies.append((received - message.created_at.ToDatetime(tzinfo=UTC).timestamp()) * 1000)
-                counts[i] += 1
-                if counts[i] == opts.expect:
-                    call.cancel()
-                    return
+            for event in item.events:
+                message = event.message
+                if message.body.startswith(prefix):
+                    latencies.append((received - message.created_at.ToDatetime(tzinfo=UTC).timestamp()) * 1000)
+                    counts[i] += 1
+            if counts[i] >= opts.expect:
+                call.cancel()
+                return
 
     tasks = [asyncio.create_task(one(i)) for i in range(opts.count)]
     await asyncio.wait_for(all_caught_up.wait(), timeout=PHASE_SECONDS)
@@ -154,6 +155,20 @@ async def read_line(proc: subprocess.Popen[str]) -> str:
     if not line:
         raise BenchError(f"a watcher process ended early (exit {proc.wait()})")
     return line.strip()
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time of the processes (0 for one that has ended)."""
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 # -- the bench ----------------------------------------------------------------------------------------------
@@ -208,9 +223,17 @@ async def amain(opts: argparse.Namespace) -> None:
                     after = ProcessSample.of(gateway_pid)
                     print(f"  {opts.watchers} watchers caught up", file=sys.stderr)
 
+                    pids = {
+                        "gateway": [gateway_pid],
+                        "room": [stack.procs["room"].pid],
+                        "watchers": [p.pid for p in procs],
+                    }
+                    cpu_before = {name: cpu_seconds(ps) for name, ps in pids.items()}
                     with_watchers = await post_messages(client, room_id, opts.posts, opts.posters, tag)
                     print(f"  with watchers: {with_watchers.rate:.0f} posts/s", file=sys.stderr)
-                    results = [json.loads(await read_line(proc)) for proc in procs]
+                    results = [json.loads(await read_line(proc)) for proc in procs[:-1]]
+                    cpu_after = {name: cpu_seconds(ps) for name, ps in pids.items()}
+                    results.append(json.loads(await read_line(procs[-1])))
                     during = ProcessSample.of(gateway_pid)
         finally:
             for proc in procs:
@@ -242,6 +265,14 @@ async def amain(opts: argparse.Namespace) -> None:
             ["Gateway RSS with watchers MiB", after.rss_bytes / 2**20],
             ["Gateway RSS per watcher KiB", (after.rss_bytes - before.rss_bytes) / opts.watchers / 1024],
             ["Gateway RSS after the posts MiB", during.rss_bytes / 2**20],
+            *(
+                [f"{name} CPU s while posting with watchers", cpu_after[name] - cpu_before[name]]
+                for name in ("gateway", "room", "watchers")
+            ),
+            [
+                "Gateway CPU us per delivery",
+                (cpu_after["gateway"] - cpu_before["gateway"]) * 1e6 / max(1, len(latencies)),
+            ],
         ],
     )
     if errors:

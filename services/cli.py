@@ -307,10 +307,10 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
                 request.after = after
             try:
                 async for item in client.WatchRoom(request):
-                    if item.HasField("event"):
-                        print(format_event(item.event), flush=True)
-                        after = item.event.cursor
-                    else:
+                    for event in item.events:
+                        print(format_event(event), flush=True)
+                        after = event.cursor
+                    if item.HasField("heartbeat"):
                         after = item.heartbeat.cursor
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in WATCH_RESUMABLE:

@@ -1399,26 +1399,28 @@ Global___WatchHeartbeat: _TypeAlias = WatchHeartbeat  # noqa: Y015
 
 @_typing.final
 class WatchRoomResponse(_message.Message):
+    """WatchRoomResponse carries either events (one or more, in room order: a caller that reads slower
+    than the room changes gets them batched) or a heartbeat.
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
-    EVENT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def event(self) -> _common_pb2.RoomEvent: ...
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RoomEvent]: ...
     @_builtins.property
     def heartbeat(self) -> Global___WatchHeartbeat: ...
     def __init__(
         self,
         *,
-        event: _common_pb2.RoomEvent | None = ...,
+        events: _abc.Iterable[_common_pb2.RoomEvent] | None = ...,
         heartbeat: Global___WatchHeartbeat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "heartbeat", b"heartbeat", "item", b"item"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "heartbeat", b"heartbeat", "item", b"item"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat", b"heartbeat"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_item: _TypeAlias = _typing.Literal["event", "heartbeat"]  # noqa: Y015
-    _WhichOneofArgType_item: _TypeAlias = _typing.Literal["item", b"item"]  # noqa: Y015
-    def WhichOneof(self, oneof_group: _WhichOneofArgType_item) -> _WhichOneofReturnType_item | None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRoomResponse: _TypeAlias = WatchRoomResponse  # noqa: Y015

@@ -39,13 +39,15 @@ _log = logging.getLogger("quayutec.gateway.watch")
 FEED_RING_EVENTS = 1024
 # Cursors one Room read covers.
 READ_LIMIT = 500
+# Most events, and bytes of them, one WatchRoomResponse carries (a caller that falls behind gets batches).
+BATCH_EVENTS = 64
+BATCH_BYTES = 1024 * 1024
 
 
 @dataclass(frozen=True)
 class _Entry:
     cursor: int
     event: common_pb2.RoomEvent
-    item: gateway_pb2.WatchRoomResponse  # built once, shared by every stream that delivers it
     audience: str  # "" for every member company
 
 
@@ -115,8 +117,7 @@ class _Feed:
                 event = entry.event
                 if event.cursor != self.cursor + 1:
                     self.ring.clear()  # not contiguous (cannot happen with a gap-free log): start over
-                item = gateway_pb2.WatchRoomResponse(event=event)
-                self.ring.append(_Entry(event.cursor, event, item, entry.audience_company_id))
+                self.ring.append(_Entry(event.cursor, event, entry.audience_company_id))
                 self.cursor = event.cursor
             self.cursor = max(self.cursor, got.next_after)
             self._push()
@@ -194,7 +195,7 @@ class RoomEventHub:
                 if stream.failure is not None:
                     raise stream.failure
                 if stream.buffer:
-                    item = stream.buffer.popleft()
+                    item = stream.next_response()
                     stream.drained.set()
                     yield item
                     continue
@@ -211,10 +212,10 @@ class RoomEventHub:
             self.streams -= 1
 
 
-def _heartbeat(cursor: int) -> gateway_pb2.WatchRoomResponse:
+def _heartbeat(cursor: int) -> gateway_pb2.WatchHeartbeat:
     beat = gateway_pb2.WatchHeartbeat(cursor=cursor)
     beat.sent_at.GetCurrentTime()
-    return gateway_pb2.WatchRoomResponse(heartbeat=beat)
+    return beat
 
 
 class _Stream:
@@ -228,7 +229,8 @@ class _Stream:
         self._cursor = 0  # the newest cursor read (seen or skipped); what a heartbeat tells the caller
         self._live = False
         self._limit = hub.config.buffer_events
-        self.buffer: deque[gateway_pb2.WatchRoomResponse] = deque()
+        # Events and heartbeats not yet sent (each event counts against the limit).
+        self.buffer: deque[common_pb2.RoomEvent | gateway_pb2.WatchHeartbeat] = deque()
         self.ready = asyncio.Event()  # the caller's side: something to send, or the end
         self.drained = asyncio.Event()  # the replay's side: the caller took something
         self.failure: BaseException | None = None
@@ -256,7 +258,7 @@ class _Stream:
                 while len(self.buffer) >= self._limit:
                     self.drained.clear()
                     await self.drained.wait()
-                self._append(gateway_pb2.WatchRoomResponse(event=entry.event))
+                self._append(entry.event)
             self._cursor = got.next_after
             if not got.more:
                 break
@@ -284,7 +286,7 @@ class _Stream:
         while True:
             got = await self._hub.read(self._room_id, self._company_id, self._cursor)
             for entry in got.entries:
-                self._take(entry.event.cursor, None, entry.event, entry.audience_company_id)
+                self._take(entry.event.cursor, entry.event, entry.audience_company_id)
             self._cursor = max(self._cursor, got.next_after)
             if not got.more:
                 return
@@ -301,15 +303,13 @@ class _Stream:
             return
         try:
             for entry in entries:
-                self._take(entry.cursor, entry.item, entry.event, entry.audience)
+                self._take(entry.cursor, entry.event, entry.audience)
         except Exception as exc:
             self._fail(exc)
 
     # -- both ----------------------------------------------------------------------------------------
 
-    def _take(
-        self, cursor: int, item: gateway_pb2.WatchRoomResponse | None, event: common_pb2.RoomEvent, audience: str
-    ) -> None:
+    def _take(self, cursor: int, event: common_pb2.RoomEvent, audience: str) -> None:
         if cursor <= self._cursor:
             return
         self._cursor = cursor
@@ -317,9 +317,9 @@ class _Stream:
             return
         if event.kind == common_pb2.ROOM_EVENT_KIND_MEMBER_LEFT and event.member.company_id == self._company_id:
             raise NotFound(f"room {self._room_id} not found: your company is no longer a member")
-        self._offer(item if item is not None else gateway_pb2.WatchRoomResponse(event=event))
+        self._offer(event)
 
-    def _offer(self, item: gateway_pb2.WatchRoomResponse) -> None:
+    def _offer(self, item: common_pb2.RoomEvent | gateway_pb2.WatchHeartbeat) -> None:
         if len(self.buffer) >= self._limit:
             raise ResourceExhausted(
                 f"this watch fell {self._limit} events behind the room (read faster, or raise "
@@ -328,9 +328,27 @@ class _Stream:
             )
         self._append(item)
 
-    def _append(self, item: gateway_pb2.WatchRoomResponse) -> None:
+    def _append(self, item: common_pb2.RoomEvent | gateway_pb2.WatchHeartbeat) -> None:
         self.buffer.append(item)
         self.ready.set()
+
+    def next_response(self) -> gateway_pb2.WatchRoomResponse:
+        """The next response from the (non-empty) buffer: a heartbeat, or the events before the next one."""
+        first = self.buffer.popleft()
+        if isinstance(first, gateway_pb2.WatchHeartbeat):
+            return gateway_pb2.WatchRoomResponse(heartbeat=first)
+        events = [first]
+        size = first.ByteSize()
+        while self.buffer and len(events) < BATCH_EVENTS:
+            following = self.buffer[0]
+            if isinstance(following, gateway_pb2.WatchHeartbeat):
+                break
+            size += following.ByteSize()
+            if size > BATCH_BYTES:
+                break
+            self.buffer.popleft()
+            events.append(following)
+        return gateway_pb2.WatchRoomResponse(events=events)
 
     def _fail(self, exc: BaseException) -> None:
         if self.failure is None:

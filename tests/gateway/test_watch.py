@@ -41,19 +41,20 @@ def watch(gw: GatewayStub, key: CompanyKey, room_id: str, after: int | None = No
 async def caught_up(call: Any) -> int:
     """Reads the replay up to the first heartbeat (the stream is live from here); returns its cursor."""
     async for item in call:
-        if item.HasField("heartbeat"):
-            cursor: int = item.heartbeat.cursor
-            return cursor
-        raise AssertionError(f"an event before the first heartbeat of a watch from now: {item}")
+        if item.events:
+            raise AssertionError(f"an event before the first heartbeat of a watch from now: {item}")
+        cursor: int = item.heartbeat.cursor
+        return cursor
     raise AssertionError("the stream ended before its first heartbeat")
 
 
 async def events_until(call: Any, last_body: str, into: list[common_pb2.RoomEvent]) -> None:
     """Appends the stream's events to ``into`` until the message with body ``last_body``."""
     async for item in call:
-        if item.HasField("event"):
-            into.append(item.event)
-            if item.event.message.body == last_body:
+        for event in item.events:
+            into.append(event)
+            if event.message.body == last_body:
+                assert event is item.events[-1], "events after the last one expected"
                 return
     raise AssertionError(f"the stream ended before the message {last_body!r}")
 
@@ -182,7 +183,7 @@ async def test_a_departed_companys_stream_ends(
     for call in (removed, leaving):
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             async for item in call:
-                assert not item.HasField("event") or item.event.kind != K.ROOM_EVENT_KIND_MESSAGE_POSTED
+                assert all(e.kind != K.ROOM_EVENT_KIND_MESSAGE_POSTED for e in item.events)
         assert ended.value.code() == grpc.StatusCode.NOT_FOUND, ended.value.details()
         assert "no longer a member" in (ended.value.details() or "")
 
@@ -259,8 +260,7 @@ async def test_a_slow_consumer_is_cut_and_resumes_without_loss(
         received: list[common_pb2.RoomEvent] = []
         with pytest.raises(grpc.aio.AioRpcError) as cut:
             async for item in call:
-                if item.HasField("event"):
-                    received.append(item.event)
+                received.extend(item.events)
         assert cut.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, cut.value.details()
         assert "watch again with after = the cursor of the last event" in (cut.value.details() or "")
         assert len(received) < len(bodies)
