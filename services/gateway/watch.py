@@ -42,6 +42,8 @@ READ_LIMIT = 500
 # Most events, and bytes of them, one WatchRoomResponse carries (a caller that falls behind gets batches).
 BATCH_EVENTS = 64
 BATCH_BYTES = 1024 * 1024
+# A membership check answered this recently serves every stream of the same company and room.
+CHECK_REUSE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -136,6 +138,7 @@ class RoomEventHub:
         self._timeout = room_timeout_seconds
         self._listening = listening
         self._feeds: dict[str, _Feed] = {}
+        self._checks: dict[tuple[str, str], asyncio.Future[Any]] = {}
         self.streams = 0
 
     # -- the listener's callbacks ------------------------------------------------------------------
@@ -170,6 +173,27 @@ class RoomEventHub:
                 raise NotFound(f"room {room_id} not found") from None
             raise
         return response
+
+    async def check_member(self, room_id: str, company_id: str) -> None:
+        """NOT_FOUND unless the company is still a member; one Room call serves all the company's streams
+        of the room that ask within CHECK_REUSE_SECONDS."""
+        key = (room_id, company_id)
+        check = self._checks.get(key)
+        if check is None:
+            check = asyncio.ensure_future(self.read(room_id, company_id, 0, from_now=True))
+            self._checks[key] = check
+
+            def forget(done: asyncio.Future[Any]) -> None:
+                if not done.cancelled():
+                    done.exception()  # retrieved here; each waiter sees it through the shield
+                asyncio.get_running_loop().call_later(CHECK_REUSE_SECONDS, self._forget_check, key, done)
+
+            check.add_done_callback(forget)
+        await asyncio.shield(check)
+
+    def _forget_check(self, key: tuple[str, str], check: asyncio.Future[Any]) -> None:
+        if self._checks.get(key) is check:
+            del self._checks[key]
 
     # -- streams -----------------------------------------------------------------------------------
 
@@ -277,7 +301,10 @@ class _Stream:
                 await self._wake.wait()
                 timer.cancel()
             self._wake.clear()
-            await self._read_own()  # re-checks membership, and catches anything a notification missed
+            if loop.time() < due or not self._hub.listening():
+                await self._read_own()  # a gap in the ring, or no notifications: read (and re-check membership)
+            else:
+                await self._hub.check_member(self._room_id, self._company_id)
             if loop.time() >= due:
                 self._offer(_heartbeat(self._cursor))
                 checked = loop.time()
@@ -337,6 +364,8 @@ class _Stream:
         first = self.buffer.popleft()
         if isinstance(first, gateway_pb2.WatchHeartbeat):
             return gateway_pb2.WatchRoomResponse(heartbeat=first)
+        if not self.buffer:
+            return gateway_pb2.WatchRoomResponse(events=[first])
         events = [first]
         size = first.ByteSize()
         while self.buffer and len(events) < BATCH_EVENTS:

@@ -308,3 +308,49 @@ async def test_the_watch_command_prints_events_as_they_happen(
         await proc.wait()
     assert lines[0].startswith("[1] message_posted #1 Ada: before the watch"), lines
     assert lines[1].startswith("[2] message_posted #2 Ada: live one"), lines
+
+
+async def test_idle_streams_get_heartbeats_and_a_replica_bounds_its_streams(
+    database_url: str, room_addr: str, acme: CompanyKey, acme_gw: GatewayStub
+) -> None:
+    room = await create_room(acme_gw)
+    await post(acme_gw, room.room_id, "only one")
+    settings = {"QUAYUTEC_GATEWAY_WATCH_HEARTBEAT_SECONDS": "0.1", "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS": "1"}
+    async with second_gateway(database_url, room_addr, acme, **settings) as gw:
+        call = watch(gw, acme, room.room_id, after=0)
+        items = []
+        async for item in call:
+            items.append(item)
+            if len(items) == 4:
+                break
+        # The replay, then the caught-up heartbeat, then idle heartbeats: all at the same cursor.
+        assert [e.message.body for e in items[0].events] == ["only one"]
+        assert [i.heartbeat.cursor for i in items[1:]] == [1, 1, 1]
+        assert all(not i.events for i in items[1:])
+        with pytest.raises(grpc.aio.AioRpcError) as full:
+            async for _ in watch(gw, acme, room.room_id):
+                pass
+        assert full.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS" in (full.value.details() or "")
+        call.cancel()
+
+
+async def test_watch_requests_are_checked(acme: CompanyKey, globex: CompanyKey, acme_gw: GatewayStub) -> None:
+    room = await create_room(acme_gw)
+    for room_id, after, code in (
+        ("", None, grpc.StatusCode.INVALID_ARGUMENT),
+        ("not-a-room", None, grpc.StatusCode.NOT_FOUND),
+        (room.room_id, -1, grpc.StatusCode.INVALID_ARGUMENT),
+    ):
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in watch(acme_gw, acme, room_id, after=after):
+                pass
+        assert refused.value.code() == code, refused.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as outsider:
+        async for _ in watch(acme_gw, globex, room.room_id, after=0):  # Globex's key: not a member
+            pass
+    assert outsider.value.code() == grpc.StatusCode.NOT_FOUND
+    with pytest.raises(grpc.aio.AioRpcError) as anonymous:
+        async for _ in acme_gw.WatchRoom(gateway_pb2.WatchRoomRequest(room_id=room.room_id), timeout=30):
+            pass
+    assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
