@@ -122,7 +122,12 @@ class ListRoomsResponse(_message.Message):
 
     ROOMS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def rooms(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Room]: ...
     def __init__(
@@ -130,10 +135,11 @@ class ListRoomsResponse(_message.Message):
         *,
         rooms: _abc.Iterable[_common_pb2.Room] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "rooms", b"rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "rooms", b"rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -215,7 +221,12 @@ class ListInvitationsResponse(_message.Message):
 
     INVITATIONS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def invitations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Invitation]: ...
     def __init__(
@@ -223,10 +234,11 @@ class ListInvitationsResponse(_message.Message):
         *,
         invitations: _abc.Iterable[_common_pb2.Invitation] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -417,7 +429,12 @@ class ListMembersResponse(_message.Message):
 
     MEMBERS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RoomMember]: ...
     def __init__(
@@ -425,10 +442,11 @@ class ListMembersResponse(_message.Message):
         *,
         members: _abc.Iterable[_common_pb2.RoomMember] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -518,7 +536,12 @@ class ListAgentsResponse(_message.Message):
 
     AGENTS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Agent]: ...
     def __init__(
@@ -526,10 +549,11 @@ class ListAgentsResponse(_message.Message):
         *,
         agents: _abc.Iterable[_common_pb2.Agent] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -629,7 +653,12 @@ class ListMessagesResponse(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]: ...
     def __init__(
@@ -637,10 +666,11 @@ class ListMessagesResponse(_message.Message):
         *,
         messages: _abc.Iterable[_common_pb2.Message] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -796,7 +826,12 @@ class ListTasksResponse(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]: ...
     def __init__(
@@ -804,10 +839,11 @@ class ListTasksResponse(_message.Message):
         *,
         tasks: _abc.Iterable[_common_pb2.Task] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -989,7 +1025,12 @@ class ListFilesResponse(_message.Message):
 
     FILES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.File]: ...
     def __init__(
@@ -997,10 +1038,11 @@ class ListFilesResponse(_message.Message):
         *,
         files: _abc.Iterable[_common_pb2.File] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1273,7 +1315,12 @@ class ListApprovalsResponse(_message.Message):
 
     WAITPOINTS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def waitpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Waitpoint]: ...
     def __init__(
@@ -1281,10 +1328,11 @@ class ListApprovalsResponse(_message.Message):
         *,
         waitpoints: _abc.Iterable[_common_pb2.Waitpoint] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "waitpoints", b"waitpoints"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "waitpoints", b"waitpoints"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

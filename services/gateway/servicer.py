@@ -186,7 +186,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListRoomsResponse(rooms=response.rooms, next_page_token=response.next_page_token)
+        return gateway_pb2.ListRoomsResponse(
+            rooms=response.rooms, next_page_token=response.next_page_token, resume_page_token=response.resume_page_token
+        )
 
     async def InviteCompany(
         self, request: gateway_pb2.InviteCompanyRequest, context: Any
@@ -220,7 +222,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         # Only invitations to the caller's company, whatever the Room returns.
         invitations = [i for i in response.invitations if i.company_id == company_id]
-        return gateway_pb2.ListInvitationsResponse(invitations=invitations, next_page_token=response.next_page_token)
+        return gateway_pb2.ListInvitationsResponse(
+            invitations=invitations,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     def _invitation_id(self, invitation_id: str) -> str:
         """A well-formed invitation id; a malformed one answers like an unknown one."""
@@ -293,7 +299,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListMembersResponse(members=response.members, next_page_token=response.next_page_token)
+        return gateway_pb2.ListMembersResponse(
+            members=response.members,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     # --- agents --------------------------------------------------------------------------------
 
@@ -339,7 +349,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListAgentsResponse(agents=response.agents, next_page_token=response.next_page_token)
+        return gateway_pb2.ListAgentsResponse(
+            agents=response.agents,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     # --- messages ------------------------------------------------------------------------------
 
@@ -386,7 +400,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListMessagesResponse(messages=response.messages, next_page_token=response.next_page_token)
+        return gateway_pb2.ListMessagesResponse(
+            messages=response.messages,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     # --- tasks ---------------------------------------------------------------------------------
 
@@ -473,7 +491,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListTasksResponse(tasks=response.tasks, next_page_token=response.next_page_token)
+        return gateway_pb2.ListTasksResponse(
+            tasks=response.tasks, next_page_token=response.next_page_token, resume_page_token=response.resume_page_token
+        )
 
     async def GetTask(self, request: gateway_pb2.GetTaskRequest, context: Any) -> gateway_pb2.GetTaskResponse:
         company_id = self._caller.company_id()
@@ -544,7 +564,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListFilesResponse(files=response.files, next_page_token=response.next_page_token)
+        return gateway_pb2.ListFilesResponse(
+            files=response.files, next_page_token=response.next_page_token, resume_page_token=response.resume_page_token
+        )
 
     async def SearchPassages(
         self, request: gateway_pb2.SearchPassagesRequest, context: Any
@@ -660,7 +682,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         # Only the owning company's approvals, whatever the Room returns.
         waitpoints = [w for w in response.waitpoints if w.company_id == company_id]
-        return gateway_pb2.ListApprovalsResponse(waitpoints=waitpoints, next_page_token=response.next_page_token)
+        return gateway_pb2.ListApprovalsResponse(
+            waitpoints=waitpoints,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     async def DecideApproval(
         self, request: gateway_pb2.DecideApprovalRequest, context: Any

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -50,6 +50,13 @@ _PARKED_STATUS = (common_pb2.RUN_STATUS_UNSPECIFIED, common_pb2.RUN_STATUS_PARKE
 _PARKED_STEP = (common_pb2.RUN_STEP_UNSPECIFIED, common_pb2.RUN_STEP_PARKED)
 
 
+def _resume(scope: str, rows: Sequence[Any], key: str, page_token: str) -> str:
+    """An oldest-first page's resume_page_token: after its last row, or where it started when empty."""
+    if rows:
+        return v.encode_page_token(scope, int(rows[-1][key]))
+    return page_token
+
+
 class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     """Every RoomService RPC over a ``RoomStore``; error codes come from quayutec.errors."""
 
@@ -93,7 +100,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             company_id, v.decode_page_token(request.page_token, "rooms"), v.page_size(request.page_size)
         )
         return room_pb2.RoomServiceListRoomsResponse(
-            rooms=[convert.room(r) for r in page.rows], next_page_token=v.encode_page_token("rooms", page.next_key)
+            rooms=[convert.room(r) for r in page.rows],
+            next_page_token=v.encode_page_token("rooms", page.next_key),
+            resume_page_token=_resume("rooms", page.rows, "pos", request.page_token),
         )
 
     async def CreateInvitation(
@@ -119,6 +128,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceListInvitationsResponse(
             invitations=[convert.invitation(r) for r in page.rows],
             next_page_token=v.encode_page_token(scope, page.next_key),
+            resume_page_token=_resume(scope, page.rows, "pos", request.page_token),
         )
 
     async def AcceptInvitation(
@@ -165,6 +175,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceListMembersResponse(
             members=[convert.member(r) for r in page.rows],
             next_page_token=v.encode_page_token("members", page.next_key),
+            resume_page_token=_resume("members", page.rows, "pos", request.page_token),
         )
 
     # -- agents ---------------------------------------------------------------------------------------------
@@ -204,7 +215,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             company_id, v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
         )
         return room_pb2.RoomServiceListAgentsResponse(
-            agents=[convert.agent(r) for r in page.rows], next_page_token=v.encode_page_token("agents", page.next_key)
+            agents=[convert.agent(r) for r in page.rows],
+            next_page_token=v.encode_page_token("agents", page.next_key),
+            resume_page_token=_resume("agents", page.rows, "pos", request.page_token),
         )
 
     async def GetAgentCredentials(
@@ -253,7 +266,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             newest_first=request.newest_first,
         )
         return room_pb2.RoomServiceListMessagesResponse(
-            messages=[convert.message(r) for r in page.rows], next_page_token=v.encode_page_token(scope, page.next_key)
+            messages=[convert.message(r) for r in page.rows],
+            next_page_token=v.encode_page_token(scope, page.next_key),
+            resume_page_token="" if request.newest_first else _resume(scope, page.rows, "seq", request.page_token),
         )
 
     # -- tasks ----------------------------------------------------------------------------------------------
@@ -329,6 +344,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceListTasksResponse(
             tasks=[convert.task(r, updates[str(r["task_id"])]) for r in page.rows],
             next_page_token=v.encode_page_token("tasks", page.next_key),
+            resume_page_token=_resume("tasks", page.rows, "pos", request.page_token),
         )
 
     # -- memory ---------------------------------------------------------------------------------------------
@@ -401,7 +417,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             room_id, v.decode_page_token(request.page_token, "files"), v.page_size(request.page_size)
         )
         return room_pb2.RoomServiceListFilesResponse(
-            files=[convert.file(r) for r in page.rows], next_page_token=v.encode_page_token("files", page.next_key)
+            files=[convert.file(r) for r in page.rows],
+            next_page_token=v.encode_page_token("files", page.next_key),
+            resume_page_token=_resume("files", page.rows, "pos", request.page_token),
         )
 
     async def SearchPassages(
@@ -540,6 +558,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceListWaitpointsResponse(
             waitpoints=[convert.waitpoint(r, held[str(r["token"])]) for r in page.rows],
             next_page_token=v.encode_page_token(scope, page.next_key),
+            resume_page_token=_resume(scope, page.rows, "pos", request.page_token),
         )
 
     async def DecideHeldAction(

@@ -354,3 +354,41 @@ async def test_watch_requests_are_checked(acme: CompanyKey, globex: CompanyKey, 
         async for _ in acme_gw.WatchRoom(gateway_pb2.WatchRoomRequest(room_id=room.room_id), timeout=30):
             pass
     assert anonymous.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_list_rpcs_hand_out_a_resume_token_on_the_last_page_too(
+    acme_gw: GatewayStub, globex_gw: GatewayStub
+) -> None:
+    room = await create_room(acme_gw)
+    for body in ("one", "two", "three"):
+        await post(acme_gw, room.room_id, body)
+
+    async def page(token: str) -> gateway_pb2.ListMessagesResponse:
+        got: gateway_pb2.ListMessagesResponse = await acme_gw.ListMessages(
+            gateway_pb2.ListMessagesRequest(room_id=room.room_id, page_size=2, page_token=token), timeout=10
+        )
+        return got
+
+    first = await page("")
+    last = await page(first.next_page_token)
+    assert [m.body for m in last.messages] == ["three"] and last.next_page_token == ""
+    assert last.resume_page_token  # the last page says where to pick up later
+    nothing_yet = await page(last.resume_page_token)
+    assert not nothing_yet.messages and nothing_yet.resume_page_token == last.resume_page_token
+    await post(acme_gw, room.room_id, "four")
+    later = await page(last.resume_page_token)
+    assert [m.body for m in later.messages] == ["four"]
+
+    members = await acme_gw.ListMembers(gateway_pb2.ListMembersRequest(room_id=room.room_id), timeout=10)
+    assert members.next_page_token == "" and members.resume_page_token
+    await join_room(acme_gw, globex_gw, room.room_id)
+    joined = await acme_gw.ListMembers(
+        gateway_pb2.ListMembersRequest(room_id=room.room_id, page_token=members.resume_page_token), timeout=10
+    )
+    assert [m.company_id for m in joined.members] == [
+        (await globex_gw.WhoAmI(gateway_pb2.WhoAmIRequest(), timeout=10)).company.company_id
+    ]
+    newest_first = await acme_gw.ListMessages(
+        gateway_pb2.ListMessagesRequest(room_id=room.room_id, newest_first=True), timeout=10
+    )
+    assert newest_first.resume_page_token == ""  # nothing is ever added before the oldest
