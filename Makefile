@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/runs.py
 	$(BIN)/python bench/wakes.py
 	$(BIN)/python bench/parked.py
+	$(BIN)/python bench/watch.py
 
 clean:
 	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache
