@@ -784,8 +784,9 @@ class RoomStore:
     # -- the run ledger -------------------------------------------------------------------------------------
 
     async def record_run(self, run: common_pb2.Run) -> Record:
-        """Upserts the run's row in one statement; an ended row may only be rewritten unchanged."""
-        async with self._pool.acquire() as conn:
+        """Upserts the run's row (and its room event, when its status changes) in one transaction; an ended
+        row may only be rewritten unchanged."""
+        async with self._pool.acquire() as conn, conn.transaction():
             return await self._upsert_run(conn, run)
 
     async def _upsert_run(self, conn: asyncpg.Connection, run: common_pb2.Run) -> Record:

@@ -172,3 +172,19 @@ async def test_retention_removes_old_events_and_an_older_cursor_is_out_of_range(
         assert "kept 1 hours" in said and "after cursor 2" in said
         rest = await read(room, room_id, company.company_id, after=2)
         assert [e.event.message.body for e in rest.entries] == ["three"]
+
+
+async def test_a_run_is_an_event_when_its_status_changes_only(room: Stub, world: World) -> None:
+    start = (await read(room, world.room_id)).last_cursor
+    run = a_run(world, run_id="run-status")
+    await record(room, run)
+    run.step = K.RUN_STEP_MODEL_CALLED
+    await record(room, run)  # the same status: no event
+    run.status = K.RUN_STATUS_SUCCEEDED
+    run.step = K.RUN_STEP_ENDED
+    run.ended_at.GetCurrentTime()
+    await record(room, run)
+    got = await read(room, world.room_id, world.acme.company_id, after=start)
+    assert kinds(got) == [K.ROOM_EVENT_KIND_RUN_STARTED, K.ROOM_EVENT_KIND_RUN_ENDED]
+    assert got.entries[1].event.run.status == K.RUN_STATUS_SUCCEEDED
+    assert not (await read(room, world.room_id, world.bolt.company_id, after=start)).entries
