@@ -35,8 +35,10 @@ from services.gateway.config import WatchConfig
 
 _log = logging.getLogger("quayutec.gateway.watch")
 
-# Events a feed keeps of its room for streams to take from (all audiences).
+# Events, and bytes of them, a feed keeps of its room for streams to take from (all audiences). Live
+# streams hold the same event objects in their buffers, not copies.
 FEED_RING_EVENTS = 1024
+FEED_RING_BYTES = 4 * 1024 * 1024
 # Cursors one Room read covers.
 READ_LIMIT = 500
 # Most events, and bytes of them, one WatchRoomResponse carries (a caller that falls behind gets batches).
@@ -51,6 +53,7 @@ class _Entry:
     cursor: int
     event: common_pb2.RoomEvent
     audience: str  # "" for every member company
+    size: int
 
 
 class _Feed:
@@ -58,7 +61,8 @@ class _Feed:
 
     def __init__(self, hub: RoomEventHub, room_id: str) -> None:
         self.room_id = room_id
-        self.ring: deque[_Entry] = deque(maxlen=FEED_RING_EVENTS)
+        self.ring: deque[_Entry] = deque()
+        self.ring_bytes = 0
         self.cursor: int | None = None  # the newest cursor read; None until the first read succeeds
         self.streams: set[_Stream] = set()  # every stream of this room (replaying or live)
         self._hub = hub
@@ -86,6 +90,16 @@ class _Feed:
             return None
         return list(islice(self.ring, cursor + 1 - self.ring[0].cursor, None))
 
+    def _keep(self, entry: _Entry) -> None:
+        self.ring.append(entry)
+        self.ring_bytes += entry.size
+        while len(self.ring) > FEED_RING_EVENTS or (self.ring_bytes > FEED_RING_BYTES and len(self.ring) > 1):
+            self.ring_bytes -= self.ring.popleft().size
+
+    def _clear(self) -> None:
+        self.ring.clear()
+        self.ring_bytes = 0
+
     def _push(self) -> None:
         for stream in list(self.streams):
             stream.from_feed()
@@ -101,7 +115,7 @@ class _Feed:
                 # Streams fall back to their own reads (which report the error to their callers).
                 _log.warning("reading new events of room %s failed (%s)", self.room_id, type(exc).__name__)
                 self.cursor = None
-                self.ring.clear()
+                self._clear()
                 self._push()
             if not self._again:
                 return
@@ -110,7 +124,7 @@ class _Feed:
         if self.cursor is None:
             got = await self._hub.read(self.room_id, "", 0, from_now=True)
             self.cursor = got.last_cursor
-            self.ring.clear()
+            self._clear()
             self._push()
             return
         while True:
@@ -118,8 +132,8 @@ class _Feed:
             for entry in got.entries:
                 event = entry.event
                 if event.cursor != self.cursor + 1:
-                    self.ring.clear()  # not contiguous (cannot happen with a gap-free log): start over
-                self.ring.append(_Entry(event.cursor, event, entry.audience_company_id))
+                    self._clear()  # not contiguous (cannot happen with a gap-free log): start over
+                self._keep(_Entry(event.cursor, event, entry.audience_company_id, event.ByteSize()))
                 self.cursor = event.cursor
             self.cursor = max(self.cursor, got.next_after)
             self._push()
