@@ -61,6 +61,10 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class OutOfRange(ServiceError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
 # Codes of a downstream service's answer that pass through unchanged to our caller.
 _PASS_THROUGH = frozenset(
     {
@@ -71,6 +75,7 @@ _PASS_THROUGH = frozenset(
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.OUT_OF_RANGE,
     }
 )
 

@@ -278,6 +278,47 @@ _DECLARED: list[Setting] = [
         "longest pause between the Gateway's reconnects to Room and Runtime",
         ["gateway"],
     ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_BUFFER_EVENTS",
+        256,
+        "events a WatchRoom stream holds for its caller; a live stream that overflows it ends RESOURCE_EXHAUSTED",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_HEARTBEAT_SECONDS",
+        15.0,
+        "an idle WatchRoom stream re-checks membership and sends a heartbeat this often",
+        ["gateway"],
+        shown="15",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_CHECK_SECONDS",
+        0.5,
+        "while the Gateway's LISTEN connection is down, streams re-read their room this often",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS",
+        900,
+        "WatchRoom streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also counts against"
+        " the server's 1,024 concurrent RPCs",
+        ["gateway"],
+    ),
+    # Room
+    _g(
+        "QUAYUTEC_ROOM_EVENT_RETENTION_HOURS",
+        168.0,
+        "how long room events are kept for watchers to resume from; an older cursor answers OUT_OF_RANGE",
+        ["room"],
+        shown="168",
+    ),
+    _g(
+        "QUAYUTEC_ROOM_EVENT_CLEANUP_SECONDS",
+        300.0,
+        "how often each Room replica removes events older than the retention",
+        ["room"],
+        shown="300",
+    ),
     # OpenTelemetry (the standard variables we read)
     _g("OTEL_EXPORTER_OTLP_ENDPOINT", "", "OTLP/gRPC endpoint for traces and metrics; unset: no export", ALL),
     _g("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "", "OTLP endpoint for traces only", ALL),

@@ -145,6 +145,17 @@ class GatewayServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
     another company), FAILED_PRECONDITION (expired, or already decided the other way).
     """
+    WatchRoom: _grpc.UnaryStreamMultiCallable[_gateway_pb2.WatchRoomRequest, _gateway_pb2.WatchRoomResponse]
+    """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
+    the log), then live ones, each exactly once and in room order. Without `after`, from now.
+    To resume after a drop, pass the cursor of the last event (or heartbeat) received. A heartbeat
+    comes when the replay has caught up and whenever the stream is otherwise idle.
+    The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
+    OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
+    reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
+    too slowly to keep up (resume from the last cursor received). Each open stream counts
+    against the Gateway's limit of concurrent RPCs.
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -262,6 +273,17 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     continues once, whoever decides and however often.
     Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
     another company), FAILED_PRECONDITION (expired, or already decided the other way).
+    """
+    WatchRoom: _aio.UnaryStreamMultiCallable[_gateway_pb2.WatchRoomRequest, _gateway_pb2.WatchRoomResponse]  # type: ignore[assignment]
+    """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
+    the log), then live ones, each exactly once and in room order. Without `after`, from now.
+    To resume after a drop, pass the cursor of the last event (or heartbeat) received. A heartbeat
+    comes when the replay has caught up and whenever the stream is otherwise idle.
+    The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
+    OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
+    reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
+    too slowly to keep up (resume from the last cursor received). Each open stream counts
+    against the Gateway's limit of concurrent RPCs.
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -545,6 +567,23 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         continues once, whoever decides and however often.
         Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
         another company), FAILED_PRECONDITION (expired, or already decided the other way).
+        """
+
+    @_abc_1.abstractmethod
+    def WatchRoom(
+        self,
+        request: _gateway_pb2.WatchRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_pb2.WatchRoomResponse], _abc.AsyncIterator[_gateway_pb2.WatchRoomResponse]]:
+        """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
+        the log), then live ones, each exactly once and in room order. Without `after`, from now.
+        To resume after a drop, pass the cursor of the last event (or heartbeat) received. A heartbeat
+        comes when the replay has caught up and whenever the stream is otherwise idle.
+        The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
+        OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
+        reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
+        too slowly to keep up (resume from the last cursor received). Each open stream counts
+        against the Gateway's limit of concurrent RPCs.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

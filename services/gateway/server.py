@@ -15,10 +15,11 @@ from quayutec.v1 import gateway_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
 from services.gateway.config import GatewayConfig
 from services.gateway.delivery import WakeDelivery
-from services.gateway.notify import WakeListener
+from services.gateway.notify import ROOM_EVENTS_CHANNEL, Listener, WakeListener
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.servicer import GatewayServicer
 from services.gateway.store import ApiKeyStore
+from services.gateway.watch import RoomEventHub
 
 # Files and messages up to 10 MiB pass through to the Room.
 
@@ -65,14 +66,27 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
     runtime_channel = backend_channel(config.runtime_addr, RUNTIME.name, identity, config)
     room = room_pb2_grpc.RoomServiceStub(room_channel)
     caller = CallerContext()
+    # One LISTEN connection of this replica for every WatchRoom stream it serves.
+    hub = RoomEventHub(
+        room,
+        config.watch,
+        room_timeout_seconds=config.room_timeout_seconds,
+        listening=lambda: events_listener.listening.is_set(),
+    )
+    events_listener = Listener(pool, ROOM_EVENTS_CHANNEL, hub.notified, hub.reconnected)
     servicer = GatewayServicer(
-        room, caller, PostRateLimiter(config.rate_limit), room_timeout_seconds=config.room_timeout_seconds
+        room,
+        caller,
+        PostRateLimiter(config.rate_limit),
+        room_timeout_seconds=config.room_timeout_seconds,
+        watch=hub,
     )
     delivery = WakeDelivery(room, runtime_pb2_grpc.RuntimeServiceStub(runtime_channel), config.delivery)
     listener = WakeListener(pool, delivery.nudge)
 
     def register(server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        events_listener.start()
         if config.delivery.enabled:
             delivery.start()
             if config.delivery.wake_notify:
@@ -81,6 +95,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
     async def on_stop() -> None:
         try:
             await listener.stop()
+            await events_listener.stop()
             await delivery.stop()
             await room_channel.close()
             await runtime_channel.close()

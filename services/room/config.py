@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from quayutec.config import ROOM, DatabaseConfig, ServerConfig, env_bool
+from quayutec.config import ROOM, DatabaseConfig, ServerConfig, env_bool, env_float
 from quayutec.crypto import MultiFernet, load_fernet
 from quayutec.settings import setting
 
@@ -19,6 +19,10 @@ class RoomConfig:
     database: DatabaseConfig
     cipher: MultiFernet = field(repr=False, compare=False)
     migrate_on_start: bool = True
+    # How long room events are kept for watchers to resume from (hours).
+    event_retention_hours: float = 168.0
+    # How often this replica removes events older than that (seconds).
+    event_cleanup_seconds: float = 300.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RoomConfig:
@@ -30,4 +34,6 @@ class RoomConfig:
             database=database,
             cipher=load_fernet(env, database.data_dir),
             migrate_on_start=env_bool(env, setting(f"{prefix}MIGRATE_ON_START")),
+            event_retention_hours=env_float(env, setting(f"{prefix}EVENT_RETENTION_HOURS"), minimum=0.01),
+            event_cleanup_seconds=env_float(env, setting(f"{prefix}EVENT_CLEANUP_SECONDS"), minimum=1.0),
         )
