@@ -76,6 +76,7 @@ _PASS_THROUGH = frozenset(
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.UNAVAILABLE,
         grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.ABORTED,
     }
 )
 
@@ -112,6 +113,9 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INTERNAL, f"a backend failed: {code.name}"
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED, "this method is not implemented by this server version"
+    if isinstance(exc, (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)):
+        # The transaction was rolled back whole: nothing of the call was written.
+        return grpc.StatusCode.ABORTED, "a concurrent change rolled this call back; nothing was written; retry"
     if is_connection_error(exc) or isinstance(exc, TimeoutError):
         return grpc.StatusCode.UNAVAILABLE, "the database is unavailable; retry later"
     return grpc.StatusCode.INTERNAL, "internal error"

@@ -666,7 +666,7 @@ def parser() -> argparse.ArgumentParser:
     _json(ms)
     ms.set_defaults(handler=cmd_messages)
     wt = sub.add_parser("watch", help="print a room's events as they happen (like tail -f)")
-    wt.add_argument("--room", required=True)
+    wt.add_argument("--room", required=True, metavar="ROOM_ID", help="the room to follow (you must be a member)")
     wt.add_argument("--after", type=int, help="start after this cursor (0: from the oldest kept); default: from now")
     wt.set_defaults(handler=cmd_watch)
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
