@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from quayutec.config import ROOM, DatabaseConfig, ServerConfig, env_bool
 from quayutec.crypto import MultiFernet, load_fernet
+from quayutec.egress import EgressPolicy
 
 
 @dataclass(frozen=True)
@@ -18,6 +19,9 @@ class RoomConfig:
     database: DatabaseConfig
     cipher: MultiFernet = field(repr=False, compare=False)
     migrate_on_start: bool = True
+    # The Runtime's egress allow-list (QUAYUTEC_RUNTIME_EGRESS_ALLOW): agent base URLs are checked
+    # against the same rules at registration.
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RoomConfig:
@@ -29,4 +33,5 @@ class RoomConfig:
             database=database,
             cipher=load_fernet(env, database.data_dir),
             migrate_on_start=env_bool(env, f"{prefix}MIGRATE_ON_START", True),
+            egress=EgressPolicy.from_env(env),
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncpg
 
 from quayutec.config import ROOM
+from quayutec.egress import Resolver
 from quayutec.migrate import ROOM as ROOM_COMPONENT
 from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
@@ -14,11 +15,14 @@ from services.room.servicer import RoomServicer
 from services.room.store import RoomStore
 
 
-async def create_server(config: RoomConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
-    """A Room server, not yet started; it opens (and on stop closes) its own pool unless given one."""
+async def create_server(
+    config: RoomConfig, *, pool: asyncpg.Pool | None = None, resolver: Resolver | None = None
+) -> GrpcServer:
+    """A Room server, not yet started; it opens (and on stop closes) its own pool unless given one.
+    ``resolver`` resolves agents' base URL hosts (default: the system's)."""
     held = await service_pool(config.database, ROOM_COMPONENT, migrate_on_start=config.migrate_on_start, pool=pool)
     pool = held.pool
-    servicer = RoomServicer(RoomStore(pool, config.cipher))
+    servicer = RoomServicer(RoomStore(pool, config.cipher), config.egress, resolver)
 
     return GrpcServer(
         service_names=(ROOM.grpc_service,),

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quayutec.config import CLAIMS, ROOM, RUNTIME, ConfigError, ServerConfig, env_float, env_int, env_str, service_addr
+from quayutec.egress import EgressPolicy
 
 P = RUNTIME.prefix
 
@@ -32,6 +33,8 @@ class RuntimeConfig:
     recent_messages: int = 20
     # How long held actions wait for their company's decision before they end undone.
     waitpoint_ttl_seconds: int = 86_400
+    # Where an owner-supplied base URL may lead besides public https addresses (EGRESS_ALLOW).
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
     # Comma-separated step boundaries at which a run pauses forever (crash tests only).
     failpoints: frozenset[str] = frozenset()
 
@@ -54,6 +57,7 @@ class RuntimeConfig:
             openai_base_url=env_str(env, f"{P}OPENAI_BASE_URL", "https://api.openai.com").rstrip("/"),
             recent_messages=env_int(env, f"{P}RECENT_MESSAGES", 20, minimum=1),
             waitpoint_ttl_seconds=env_int(env, f"{P}WAITPOINT_TTL_SECONDS", 86_400, minimum=1),
+            egress=EgressPolicy.from_env(env),
             failpoints=failpoints,
         )
 

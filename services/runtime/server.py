@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import grpc
+import httpcore
 import httpx
 
 from quayutec.channels import internal_channel
 from quayutec.config import RUNTIME
+from quayutec.egress import EgressTransport, Resolver
 from quayutec.server import GrpcServer
 from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.runtime.config import RuntimeConfig
@@ -21,10 +23,20 @@ async def create_server(
     http: httpx.AsyncClient | None = None,
     clock: Clock | None = None,
     policy: RetryPolicy | None = None,
+    resolver: Resolver | None = None,
+    dialer: httpcore.AsyncNetworkBackend | None = None,
 ) -> GrpcServer:
-    """The Runtime server; it owns (and closes) its channels and, unless given one, its HTTP client."""
+    """The Runtime server; it owns (and closes) its channels and, unless given one, its HTTP client.
+
+    Owner-supplied base URLs go through a second client whose transport applies the egress policy
+    to the address it dials; ``resolver`` and ``dialer`` replace the system's there (tests)."""
     own_http = http is None
     http_client = http or make_http_client(config.model_timeout_seconds)
+    owner_http = make_http_client(
+        config.model_timeout_seconds,
+        EgressTransport(config.egress, resolver=resolver, dialer=dialer),
+        trust_env=False,
+    )
     claims_channel = internal_channel(config.claims_addr)
     room_channel = internal_channel(config.room_addr)
     executor = RunExecutor(
@@ -32,6 +44,7 @@ async def create_server(
         claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
         room=room_pb2_grpc.RoomServiceStub(room_channel),
         http=http_client,
+        owner_http=owner_http,
         policy=policy or RetryPolicy(),
         clock=clock or RealClock(),
     )
@@ -45,6 +58,7 @@ async def create_server(
         await room_channel.close()
         if own_http:
             await http_client.aclose()
+        await owner_http.aclose()
 
     return GrpcServer(service_names=[RUNTIME.grpc_service], config=config.server, register=register, on_stop=on_stop)
 

@@ -9,6 +9,8 @@ import httpx
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
+from quayutec.egress import EgressRefused
+
 from . import anthropic, openai
 from .classify import Verdict, classify_exception, classify_response, sanitize
 from .policy import Clock, RetryPolicy
@@ -114,6 +116,9 @@ async def _send_once(
     url, headers, body = wire.build(target, request)
     try:
         response = await http.post(url, headers=headers, json=body)
+    except EgressRefused as exc:
+        # Nothing was sent: the address the host resolved to is not one we send requests to.
+        return None, None, Verdict("egress_refused", False, None, sanitize(f"egress refused ({exc.rule}): {exc}", ""))
     except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:
         return None, None, classify_exception(exc, target.api_key)
     status = response.status_code
