@@ -161,8 +161,9 @@ class EgressPolicy:
     def address_listed(self, address: Address) -> bool:
         return any(address.version == n.version and address in n for n in self.allow_networks)
 
-    def check_scheme(self, scheme: str, host: str) -> None:
-        """Only ``https`` and ``http``; whether plain ``http`` may go to ``host`` is decided per
+    @staticmethod
+    def check_scheme(scheme: str) -> None:
+        """Only ``https`` and ``http``; whether plain ``http`` may go to a host is decided per
         address by ``check_address`` (listed host name, or an address inside a listed network)."""
         if scheme not in ("https", "http"):
             raise EgressRefused("scheme", f"the scheme must be https, not {scheme or 'none'}")
@@ -214,7 +215,7 @@ class EgressPolicy:
         if not host:
             raise EgressRefused("host", "the URL has no host")
         scheme = parts.scheme.lower()
-        self.check_scheme(scheme, host)
+        self.check_scheme(scheme)
         port = parts.port or (443 if scheme == "https" else 80)
         await self.admitted_addresses(
             host, port, resolver, plain_http=scheme == "http", resolve_seconds=resolve_seconds
@@ -338,7 +339,7 @@ class EgressTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         scheme = request.url.scheme
-        self._policy.check_scheme(scheme, request.url.host)
+        self._policy.check_scheme(scheme)
         pool = self._pools[scheme]
         core_request = httpcore.Request(
             method=request.method,
