@@ -1,9 +1,13 @@
 """Claims throughput: gRPC ClaimOnce against a real Claims server vs raw asyncpg inserts, same database.
 
-``python bench/claims.py [--seconds 5] [--concurrency 1,64] [--experiments]``. The database is
-``DATABASE_URL`` (a scratch database is created on it and dropped) or an embedded PostgreSQL in a
+``python bench/claims.py [--seconds 5] [--concurrency 1,64] [--experiments] [--mtls-cost [--rounds 3]]``.
+The database is ``DATABASE_URL`` (a scratch database is created on it and dropped) or an embedded PostgreSQL in a
 tmp folder. The server runs as a separate process (``python -m services.claims``), so client load
 and server do not share an event loop. Every claim is a distinct pair; every one must be claimed.
+The server serves mutual TLS and the client claims as the Runtime, as in production.
+``--mtls-cost [--rounds 3]`` instead runs the same server twice, with mutual TLS and in plaintext
+without authorization (how it ran before mutual TLS), measures them in turns and prints the
+median mTLS/plaintext ratio.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -18,7 +23,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +36,7 @@ from bench.common import create_database, drop_database, parse_concurrency, post
 from quayutec.db import create_pool  # noqa: E402
 from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
+from quayutec.tls import Identity, MtlsConfig, load_identity  # noqa: E402
 from quayutec.v1 import claims_pb2, claims_pb2_grpc  # noqa: E402
 from services.stack import free_port, wait_serving  # noqa: E402
 
@@ -51,11 +57,17 @@ class Variant:
     uvloop: bool = False
     # Server processes sharing the port (gRPC sets SO_REUSEPORT on Linux), like replicas.
     processes: int = 1
+    # No mutual TLS and no per-RPC authorization (the server as it was before them), to measure their cost.
+    plaintext: bool = False
 
 
 DEFAULT_VARIANTS = (
     Variant("default (batched)"),
     Variant("batch off", {"QUAYUTEC_CLAIMS_BATCH_MAX": "1"}),
+)
+# The server without its identity: GrpcServer then serves plaintext with no authorization interceptor.
+PLAINTEXT_SERVER = (
+    "import asyncio, services.claims.server as s; s.load_identity = lambda *a, **k: None; asyncio.run(s.main())"
 )
 EXPERIMENT_VARIANTS = (
     Variant("batched, uvloop", uvloop=True),
@@ -113,10 +125,18 @@ async def raw_rate(url: str, concurrency: int, seconds: float, *, statement_cach
         await pool.close()
 
 
-async def grpc_rate(addr: str, concurrency: int, seconds: float) -> float:
-    channels = [
-        grpc.aio.insecure_channel(addr, options=[("grpc.use_local_subchannel_pool", 1)]) for _ in range(CHANNELS)
-    ]
+def claims_channel(addr: str, identity: Identity | None) -> grpc.aio.Channel:
+    """A channel to the Claims server: mutual TLS as ``identity``, or plaintext when None."""
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    if identity is None:
+        return grpc.aio.insecure_channel(addr, options=options)
+    return grpc.aio.secure_channel(
+        addr, identity.channel_credentials(), options=[*options, ("grpc.ssl_target_name_override", "claims")]
+    )
+
+
+async def grpc_rate(addr: str, concurrency: int, seconds: float, identity: Identity | None) -> float:
+    channels = [claims_channel(addr, identity) for _ in range(CHANNELS)]
     try:
         stubs = [claims_pb2_grpc.ClaimsServiceStub(c) for c in channels]
 
@@ -134,13 +154,21 @@ async def grpc_rate(addr: str, concurrency: int, seconds: float) -> float:
 
 
 @contextmanager
-def claims_process(url: str, variant: Variant) -> Iterator[str]:
+def claims_process(url: str, variant: Variant, data_dir: Path) -> Iterator[str]:
     """A Claims server in its own process, with ``variant``'s settings; yields its address."""
     port = free_port()
-    env = {**os.environ, **variant.env, "DATABASE_URL": url, "QUAYUTEC_CLAIMS_LISTEN": f"127.0.0.1:{port}"}
+    env = {
+        **os.environ,
+        **variant.env,
+        "DATABASE_URL": url,
+        "QUAYUTEC_CLAIMS_LISTEN": f"127.0.0.1:{port}",
+        "QUAYUTEC_DATA_DIR": str(data_dir),
+    }
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     if os.environ.get("QY_BENCH_PROFILE"):
         command = [sys.executable, "-m", "cProfile", "-o", os.environ["QY_BENCH_PROFILE"], "-m", "services.claims"]
+    elif variant.plaintext:
+        command = [sys.executable, "-c", PLAINTEXT_SERVER]
     elif variant.uvloop:
         command = [sys.executable, "-c", "import uvloop; from services.claims.server import main; uvloop.run(main())"]
     else:
@@ -165,18 +193,27 @@ def claims_process(url: str, variant: Variant) -> Iterator[str]:
         log.close()
 
 
-async def bench(url: str, concurrencies: list[int], seconds: float, variants: tuple[Variant, ...]) -> None:
+async def bench(
+    url: str, concurrencies: list[int], seconds: float, variants: tuple[Variant, ...], data_dir: Path
+) -> None:
     # The machine may be shared: each gRPC figure is set beside a raw figure measured just before it.
     caches: list[tuple[int, float, float]] = []
     for c in concurrencies:
         caches.append((c, await raw_rate(url, c, seconds), await raw_rate(url, c, seconds, statement_cache_size=0)))
     rows: list[tuple[str, int, float, float]] = []
     for variant in variants:
-        with claims_process(url, variant) as addr:
-            await wait_serving(addr, limit=30.0, what=f"the Claims server at {addr}")
+        identity = None if variant.plaintext else load_identity("runtime", MtlsConfig.dev(data_dir / "pki"))
+        with claims_process(url, variant, data_dir) as addr:
+            await wait_serving(
+                addr,
+                limit=30.0,
+                what=f"the Claims server at {addr}",
+                internal=None if variant.plaintext else "claims",
+                mtls=MtlsConfig.dev(data_dir / "pki"),
+            )
             for c in concurrencies:
                 raw = await raw_rate(url, c, seconds)
-                rows.append((variant.name, c, await grpc_rate(addr, c, seconds), raw))
+                rows.append((variant.name, c, await grpc_rate(addr, c, seconds, identity), raw))
         print(f"  measured {variant.name}", file=sys.stderr, flush=True)
 
     print(f"\nClaims bench: {seconds:g} s per measurement, distinct pairs, {os.cpu_count()} CPUs")
@@ -190,13 +227,42 @@ async def bench(url: str, concurrencies: list[int], seconds: float, variants: tu
         print(f"{name:<36} {c:>5} {rate:>10.0f} {raw:>11.0f} {rate / raw:>8.2f}")
 
 
+async def mtls_cost(url: str, concurrencies: list[int], seconds: float, data_dir: Path, rounds: int) -> None:
+    """The same Claims server with mutual TLS and in plaintext, both running, measured in turns
+    (mTLS, plaintext, mTLS, ...) so drift on a shared machine hits both alike; the median ratio."""
+    pki = MtlsConfig.dev(data_dir / "pki")
+    identity = load_identity("runtime", pki)
+    rows: list[tuple[str, int, list[float]]] = []
+    for base in DEFAULT_VARIANTS:
+        plain = replace(base, name=f"{base.name}, plaintext", plaintext=True)
+        with claims_process(url, base, data_dir) as tls_addr, claims_process(url, plain, data_dir) as plain_addr:
+            await wait_serving(
+                tls_addr, limit=30.0, what=f"the Claims server at {tls_addr}", internal="claims", mtls=pki
+            )
+            await wait_serving(plain_addr, limit=30.0, what=f"the plaintext Claims server at {plain_addr}")
+            for c in concurrencies:
+                ratios = []
+                for _ in range(rounds):
+                    with_tls = await grpc_rate(tls_addr, c, seconds, identity)
+                    ratios.append(with_tls / await grpc_rate(plain_addr, c, seconds, None))
+                rows.append((base.name, c, sorted(ratios)))
+        print(f"  measured mTLS cost of {base.name}", file=sys.stderr, flush=True)
+    print(f"\nmutual TLS vs plaintext: ClaimOnce/s ratio, {rounds} alternating rounds of {seconds:g} s")
+    print(f"{'server variant':<36} {'conc':>5} {'median':>7} {'min':>6} {'max':>6}")
+    for name, c, ratios in rows:
+        print(f"{name:<36} {c:>5} {statistics.median(ratios):>7.2f} {ratios[0]:>6.2f} {ratios[-1]:>6.2f}")
+
+
 async def amain(opts: argparse.Namespace) -> None:
     concurrencies = parse_concurrency(opts.concurrency)
     variants = DEFAULT_VARIANTS + (EXPERIMENT_VARIANTS if opts.experiments else ())
-    with postgres_server() as admin_url:
+    with postgres_server() as admin_url, tempfile.TemporaryDirectory(prefix="qy-bench-claims-") as data_dir:
         url = await create_scratch_database(admin_url)
         try:
-            await bench(url, concurrencies, opts.seconds, variants)
+            if opts.mtls_cost:
+                await mtls_cost(url, concurrencies, opts.seconds, Path(data_dir), opts.rounds)
+            else:
+                await bench(url, concurrencies, opts.seconds, variants, Path(data_dir))
         finally:
             await drop_database(admin_url, url)
 
@@ -206,6 +272,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each measurement (default 3)")
     parser.add_argument("--concurrency", default="1,64", help="comma-separated concurrency levels (default 1,64)")
     parser.add_argument("--experiments", action="store_true", help="also measure loop, pool and batch variants")
+    parser.add_argument(
+        "--mtls-cost",
+        action="store_true",
+        help="instead: the same server with mTLS and in plaintext, measured in turns; the mTLS/plaintext ratio",
+    )
+    parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per level with --mtls-cost")
     opts = parser.parse_args()
     raise SystemExit(run_main(amain, opts))
 

@@ -33,9 +33,10 @@ import grpc  # noqa: E402
 import httpx  # noqa: E402
 from cryptography.fernet import Fernet  # noqa: E402
 
-from quayutec.config import SERVICES  # noqa: E402
+from quayutec.config import ROOM, SERVICES  # noqa: E402
 from quayutec.db import create_pool, embedded_ctl, with_database  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
+from quayutec.tls import GATEWAY  # noqa: E402
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc, runtime_pb2  # noqa: E402
 from services.stack import LocalStack, free_port  # noqa: E402
 
@@ -211,10 +212,22 @@ async def running_stack(
         stack.stop_all()
 
 
-async def wait_for_room(addr: str, limit: float) -> None:
+@asynccontextmanager
+async def room_callers(stack: LocalStack) -> AsyncIterator[Any]:
+    """RoomService of ``stack``, each RPC made as an identity allowed to (admin, Gateway or Runtime)."""
+    room, channels = stack.callers(ROOM, room_pb2_grpc.RoomServiceStub)
+    try:
+        yield room
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+async def wait_for_room(stack: LocalStack, limit: float) -> None:
     """Poll until the Room service answers a smoke call (it may still be being finished)."""
+    addr = stack.addr("room")
     deadline = time.monotonic() + limit
-    async with grpc.aio.insecure_channel(addr) as channel:
+    async with stack.channel("room", GATEWAY) as channel:
         stub = room_pb2_grpc.RoomServiceStub(channel)
         while True:
             try:

@@ -30,7 +30,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 import asyncpg
-import grpc
 
 from bench.common import (
     BatchWatcher,
@@ -47,6 +46,7 @@ from bench.common import (
     postgres_server,
     print_table,
     queue_standin_replies,
+    room_callers,
     run_main,
     running_stack,
     scratch_dir,
@@ -55,7 +55,8 @@ from bench.common import (
     wait_for_room,
 )
 from quayutec.db import create_pool
-from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from quayutec.tls import GATEWAY
+from quayutec.v1 import common_pb2, room_pb2, runtime_pb2, runtime_pb2_grpc
 
 MODEL = "bench-parked"
 ROOM_WAIT_SECONDS = 600.0
@@ -207,13 +208,12 @@ async def amain(opts: argparse.Namespace) -> None:
         pool = await create_pool(url, min_size=2, max_size=8)
         try:
             async with running_stack(url, ("claims", "room", "runtime"), env, data_dir / "logs") as stack:
-                await wait_for_room(stack.addr("room"), ROOM_WAIT_SECONDS)
+                await wait_for_room(stack, ROOM_WAIT_SECONDS)
                 pid = stack.procs["runtime"].pid
                 async with (
-                    grpc.aio.insecure_channel(stack.addr("room")) as room_channel,
-                    grpc.aio.insecure_channel(stack.addr("runtime")) as runtime_channel,
+                    room_callers(stack) as room,
+                    stack.channel("runtime", GATEWAY) as runtime_channel,
                 ):
-                    room = room_pb2_grpc.RoomServiceStub(room_channel)
                     runtime = runtime_pb2_grpc.RuntimeServiceStub(runtime_channel)
                     await measure(opts, room, runtime, pool, standin_url, pid, began)
         finally:

@@ -29,7 +29,6 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
 import asyncpg
-import grpc
 import httpx
 
 from bench.common import (
@@ -50,6 +49,7 @@ from bench.common import (
     post_wakes,
     postgres_server,
     print_table,
+    room_callers,
     run_main,
     running_stack,
     scratch_dir,
@@ -60,7 +60,8 @@ from bench.common import (
 from quayutec.crypto import Fernet, MultiFernet
 from quayutec.db import create_pool
 from quayutec.sql import Queries
-from quayutec.v1 import common_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from quayutec.tls import GATEWAY
+from quayutec.v1 import common_pb2, runtime_pb2, runtime_pb2_grpc
 from services.runtime.model import DECLARED_ACTIONS, ChatMessage, ModelRequest, ModelTarget
 from services.runtime.model import anthropic as anthropic_wire
 from services.runtime.run import run_id_for
@@ -369,12 +370,11 @@ async def amain(opts: argparse.Namespace) -> None:
         pool = await create_pool(url, min_size=2, max_size=10)
         try:
             async with running_stack(url, ("claims", "room", "runtime"), env, data_dir / "logs") as stack:
-                await wait_for_room(stack.addr("room"), ROOM_WAIT_SECONDS)
+                await wait_for_room(stack, ROOM_WAIT_SECONDS)
                 async with (
-                    grpc.aio.insecure_channel(stack.addr("room")) as room_channel,
-                    grpc.aio.insecure_channel(stack.addr("runtime")) as runtime_channel,
+                    room_callers(stack) as room,
+                    stack.channel("runtime", GATEWAY) as runtime_channel,
                 ):
-                    room = room_pb2_grpc.RoomServiceStub(room_channel)
                     runtime = runtime_pb2_grpc.RuntimeServiceStub(runtime_channel)
                     tag = uuid.uuid4().hex[:6]
                     ours_world = await make_room_world(room, f"ours-{tag}")

@@ -38,6 +38,7 @@ from bench.common import (
     percentile,
     postgres_server,
     print_table,
+    room_callers,
     run_main,
     running_stack,
     scratch_dir,
@@ -45,7 +46,8 @@ from bench.common import (
     wait_for_room,
 )
 from quayutec.db import create_pool
-from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
+from quayutec.tls import GATEWAY
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
 from services.client import GatewayClient
 from services.gateway.auth import create_api_key
 from services.runtime.run import run_id_for
@@ -165,12 +167,11 @@ async def amain(opts: argparse.Namespace) -> None:
         try:
             names = ("claims", "room", "runtime", "gateway")
             async with running_stack(url, names, env, data_dir / "logs") as stack:
-                await wait_for_room(stack.addr("room"), ROOM_WAIT_SECONDS)
+                await wait_for_room(stack, ROOM_WAIT_SECONDS)
                 async with (
-                    grpc.aio.insecure_channel(stack.addr("room")) as room_channel,
-                    grpc.aio.insecure_channel(stack.addr("gateway")) as gateway_channel,
+                    room_callers(stack) as room,
+                    stack.channel("gateway", GATEWAY) as gateway_channel,
                 ):
-                    room = room_pb2_grpc.RoomServiceStub(room_channel)
                     tag = uuid.uuid4().hex[:6]
                     with BatchWatcher(pool, REPLIES_QUERY, interval=0.002) as watcher:
                         for c in concurrencies:

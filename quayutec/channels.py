@@ -1,4 +1,7 @@
-"""Client channels between our services: one per target per process, retrying UNAVAILABLE only."""
+"""Client channels between our services: one per target per process, retrying UNAVAILABLE only.
+
+Every channel is mutual TLS: it presents this process's identity and accepts only a server whose
+certificate names the service it meant to reach (``server``), whatever host or address was dialled."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from typing import Any
 import grpc
 
 from quayutec.server import MAX_MESSAGE_BYTES
+from quayutec.tls import Identity, MtlsConfig, load_identity
 
 # Transparent retries of UNAVAILABLE alone (the call never reached a handler, or the handler's
 # writes are idempotent through dedupe keys); everything else reaches the caller at once.
@@ -33,20 +37,34 @@ _SERVICE_CONFIG = json.dumps(
 def internal_channel(
     target: str,
     *,
+    identity: Identity,
+    server: str,
     retry_unavailable: bool = True,
     options: Sequence[tuple[str, Any]] = (),
     interceptors: Sequence[Any] = (),
 ) -> grpc.aio.Channel:
-    """A channel to one of our internal services. ``retry_unavailable=False`` for a caller whose
-    writes are not all idempotent (the Gateway), which must see UNAVAILABLE itself."""
+    """A channel to the internal service ``server`` ("room", "claims", "runtime") at ``target``,
+    calling as ``identity``. ``retry_unavailable=False`` for a caller whose writes are not all
+    idempotent (the Gateway), which must see UNAVAILABLE itself."""
     retries = [("grpc.enable_retries", 1), ("grpc.service_config", _SERVICE_CONFIG)] if retry_unavailable else []
-    return grpc.aio.insecure_channel(
+    return grpc.aio.secure_channel(
         target,
+        identity.channel_credentials(),
         options=[
             *retries,
+            # The server's certificate must name the service we meant, not the host we dialled.
+            ("grpc.ssl_target_name_override", server),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             *options,
         ],
         interceptors=interceptors,
     )
+
+
+def channel_as(
+    target: str, *, identity: str, server: str, mtls: MtlsConfig | None = None, **kwargs: Any
+) -> grpc.aio.Channel:
+    """A channel to ``server`` at ``target`` as the identity named ``identity``, its certificate
+    from ``mtls`` (by default the environment: the QUAYUTEC_MTLS_* files or the development PKI)."""
+    return internal_channel(target, identity=load_identity(identity, mtls), server=server, **kwargs)

@@ -10,6 +10,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from quayutec.tls import MtlsConfig
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,9 @@ class ServiceSpec:
     name: str
     port: int
     grpc_service: str
+    # Listen on every interface when started alone (only the Gateway, the public door); the
+    # internal services listen on loopback unless QUAYUTEC_<SVC>_LISTEN says otherwise.
+    public: bool = False
 
     @property
     def prefix(self) -> str:
@@ -33,15 +40,19 @@ class ServiceSpec:
         return f"{self.prefix}ADDR"
 
     @property
+    def health_listen_env(self) -> str:
+        return f"{self.prefix}HEALTH_LISTEN"
+
+    @property
     def default_listen(self) -> str:
-        return f"[::]:{self.port}"
+        return f"[::]:{self.port}" if self.public else f"127.0.0.1:{self.port}"
 
     @property
     def default_addr(self) -> str:
-        return f"localhost:{self.port}"
+        return f"localhost:{self.port}" if self.public else f"127.0.0.1:{self.port}"
 
 
-GATEWAY = ServiceSpec("gateway", 50051, "quayutec.v1.GatewayService")
+GATEWAY = ServiceSpec("gateway", 50051, "quayutec.v1.GatewayService", public=True)
 ROOM = ServiceSpec("room", 50052, "quayutec.v1.RoomService")
 CLAIMS = ServiceSpec("claims", 50053, "quayutec.v1.ClaimsService")
 RUNTIME = ServiceSpec("runtime", 50054, "quayutec.v1.RuntimeService")
@@ -122,17 +133,25 @@ class DatabaseConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where one service listens and how long it drains on shutdown."""
+    """Where one service listens, how long it drains on shutdown, where its certificates come from
+    (``None``: from the environment when the server is made) and, when set, a second plaintext
+    port that serves only health checks (for probes that cannot present a client certificate)."""
 
     listen: str
     grace_seconds: float
+    mtls: MtlsConfig | None = None
+    health_listen: str | None = None
 
     @classmethod
     def from_env(cls, spec: ServiceSpec, env: Mapping[str, str] | None = None) -> ServerConfig:
+        from quayutec.tls import MtlsConfig
+
         env = os.environ if env is None else env
         return cls(
             listen=env_str(env, spec.listen_env, spec.default_listen),
             grace_seconds=env_float(env, f"{spec.prefix}GRACE_SECONDS", 10.0),
+            mtls=MtlsConfig.from_env(env),
+            health_listen=env_str(env, spec.health_listen_env, "") or None,
         )
 
 

@@ -1,7 +1,10 @@
 """Server lifecycle shared by the four services.
 
 Start-up order: the caller opens its pool and builds its servicer, then ``GrpcServer.start()``
-binds the server with our interceptors, health and reflection, and marks health SERVING.
+binds the server with our interceptors, health and reflection (v1 and v1alpha), and marks health
+SERVING. An internal service passes its ``identity``: it then serves mutual TLS only and admits
+each call per ``quayutec.authz``; with ``health_listen`` set, a second, plaintext server answers
+health checks only.
 ``stop()`` marks NOT_SERVING, drains with ``server.stop(grace)``, then runs the service's own
 clean-up (closing its pool); it is safe to call twice.
 """
@@ -16,17 +19,62 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
+from grpc_reflection.v1alpha._async import ReflectionServicer
 
+from quayutec.authz import AuthzInterceptor
 from quayutec.config import ServerConfig, ServiceSpec
 from quayutec.errors import ErrorMappingInterceptor
 from quayutec.telemetry import setup_telemetry
+from quayutec.tls import Identity
 
 _log = logging.getLogger("quayutec.server")
 
 # Bounded resources on every server: message size and concurrent streams.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_CONCURRENT_RPCS = 1024
+
+# Server reflection v1 (what current grpcurl asks first) beside v1alpha. Its messages are the same
+# as v1alpha's, field for field, so v1alpha's servicer answers both.
+REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
+
+
+class _Reflection(ReflectionServicer):  # type: ignore[misc]
+    """The stock servicer, which also finds the file of a method ("quayutec.v1.GatewayService.PostMessage"),
+    as ``grpcurl describe`` asks for it."""
+
+    def _file_containing_symbol(
+        self, request: reflection_pb2.ServerReflectionRequest, fully_qualified_name: str
+    ) -> reflection_pb2.ServerReflectionResponse:
+        response = super()._file_containing_symbol(request, fully_qualified_name)
+        if not response.HasField("error_response"):
+            return response
+        try:
+            method = self._pool.FindMethodByName(fully_qualified_name)
+        except KeyError:
+            return response
+        return super()._file_containing_symbol(request, method.containing_service.full_name)
+
+
+def add_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> None:
+    """Reflection v1 and v1alpha on ``server`` for ``service_names`` (both reflection services listed)."""
+    names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE)
+    servicer = _Reflection(names)
+    server.add_generic_rpc_handlers(
+        tuple(
+            grpc.method_handlers_generic_handler(
+                service,
+                {
+                    "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                        servicer.ServerReflectionInfo,
+                        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+                    )
+                },
+            )
+            for service in (reflection.SERVICE_NAME, REFLECTION_V1_SERVICE)
+        )
+    )
 
 
 class GrpcServer:
@@ -41,14 +89,22 @@ class GrpcServer:
         on_stop: Callable[[], Awaitable[None]] | None = None,
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
+        identity: Identity | None = None,
     ) -> None:
+        if identity is not None and credentials is not None:
+            raise ValueError("give an internal service its identity or the public port its credentials, not both")
         self._service_names = tuple(service_names)
         self._config = config
         self._register = register
         self._on_stop = on_stop
-        self._interceptors = (*interceptors, ErrorMappingInterceptor())
-        self._credentials = credentials
+        authz = (AuthzInterceptor(),) if identity is not None else ()
+        # One per server, so the main and health ports share one budget of undecodable-request lines.
+        self._errors = ErrorMappingInterceptor()
+        self._interceptors = (*authz, *interceptors, self._errors)
+        self._credentials = identity.server_credentials() if identity is not None else credentials
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port = 0
         self._health = health.aio.HealthServicer()
         self._stopping: asyncio.Task[None] | None = None
         self.port = 0
@@ -66,9 +122,7 @@ class GrpcServer:
         )
         self._register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-        )
+        add_reflection(server, (*self._service_names, health.SERVICE_NAME))
         if self._credentials is not None:
             port = server.add_secure_port(self._config.listen, self._credentials)
         else:
@@ -76,12 +130,35 @@ class GrpcServer:
         if port == 0:
             raise OSError(f"could not listen on {self._config.listen}")
         await server.start()
+        self._server = server
+        if self._config.health_listen:
+            try:
+                await self._start_health_server(self._config.health_listen)
+            except BaseException:
+                await server.stop(0)
+                self._server = None
+                raise
         for name in ("", *self._service_names):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server = server
         self.port = int(port)
         _log.info("%s listening on port %d", ", ".join(self._service_names), port)
         return self.port
+
+    async def _start_health_server(self, listen: str) -> None:
+        """Plaintext health checks only, for probes that cannot present a client certificate."""
+        health_server = grpc.aio.server(
+            interceptors=(self._errors,),
+            options=[("grpc.max_receive_message_length", 4096)],
+            maximum_concurrent_rpcs=16,
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)
+        port = health_server.add_insecure_port(listen)
+        if port == 0:
+            raise OSError(f"could not listen on {listen} (health checks)")
+        await health_server.start()
+        self._health_server = health_server
+        self.health_port = int(port)
+        _log.info("health checks (plaintext) on port %d", port)
 
     async def stop(self, grace: float | None = None) -> None:
         """Stop serving and clean up; concurrent and repeated calls wait for the same stop."""
@@ -93,6 +170,8 @@ class GrpcServer:
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
         if self._on_stop is not None:
             await self._on_stop()
 

@@ -12,9 +12,11 @@ from typing import Any
 
 import grpc
 
-from quayutec.config import GATEWAY, ROOM, DatabaseConfig, service_addr
+from quayutec.channels import channel_as
+from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, DatabaseConfig, service_addr
 from quayutec.db import open_pool
 from quayutec.migrate import apply_all
+from quayutec.tls import ADMIN
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.client import API_KEY_ENV, GatewayClient, format_run
 
@@ -70,9 +72,22 @@ async def cmd_migrate(opts: argparse.Namespace) -> int:
 
 
 async def cmd_company_create(opts: argparse.Namespace) -> int:
-    async with grpc.aio.insecure_channel(service_addr(ROOM)) as channel:
+    # The admin identity: its certificate from QUAYUTEC_MTLS_* or the data folder's development PKI.
+    addr = service_addr(ROOM)
+    async with channel_as(addr, identity=ADMIN, server=ROOM.name) as channel:
         room = room_pb2_grpc.RoomServiceStub(channel)
-        company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=opts.name))).company
+        try:
+            company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=opts.name))).company
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.UNAVAILABLE:
+                raise
+            print(
+                f"error: cannot reach the Room at {addr} over mutual TLS ({exc.details()}). Is it running, "
+                f"and does this command use its CA: the same {DATA_DIR_ENV} as the services, or "
+                "QUAYUTEC_MTLS_CA/CERT/KEY files of the admin identity?",
+                file=sys.stderr,
+            )
+            return 2
     print(f"company {company.company_id} {company.name}")
     return 0
 

@@ -18,6 +18,7 @@ import grpc
 
 from quayutec.config import RUNTIME
 from quayutec.db import create_pool
+from quayutec.tls import ADMIN, GATEWAY
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
 from services.client import STATUS_NAMES, GatewayClient, format_run
 from services.gateway.auth import create_api_key
@@ -101,9 +102,9 @@ async def ended_run(client: GatewayClient, run_id: str) -> common_pb2.Run:
 async def demo(stack: LocalStack, standin: StandinProvider) -> None:
     tag = uuid.uuid4().hex[:6]
     async with (
-        grpc.aio.insecure_channel(stack.addr("room")) as room_channel,
-        grpc.aio.insecure_channel(stack.addr("gateway")) as gw_channel,
-        grpc.aio.insecure_channel(stack.addr("runtime")) as rt_channel,
+        stack.channel("room", ADMIN) as room_channel,
+        stack.channel("gateway", GATEWAY) as gw_channel,
+        stack.channel("runtime", GATEWAY) as rt_channel,
     ):
         room = room_pb2_grpc.RoomServiceStub(room_channel)
         say("\n== 1. Two companies, each with an API key (admin commands)")

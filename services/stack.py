@@ -9,16 +9,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from quayutec.authz import CALLER_PREFERENCE, CallersStub
+from quayutec.channels import channel_as
 from quayutec.config import CLAIMS, GATEWAY, ROOM, RUNTIME, SERVICES, DatabaseConfig, ServiceSpec
 from quayutec.db import create_pool, resolve_database_url
 from quayutec.migrate import migrate
+from quayutec.tls import ADMIN, MtlsConfig
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 15.0
@@ -41,12 +45,26 @@ def free_port() -> int:
 
 
 async def wait_serving(
-    addr: str, service: str = "", *, limit: float = 60.0, proc: subprocess.Popen[bytes] | None = None, what: str = ""
+    addr: str,
+    service: str = "",
+    *,
+    limit: float = 60.0,
+    proc: subprocess.Popen[bytes] | None = None,
+    what: str = "",
+    internal: str | None = None,
+    mtls: MtlsConfig | None = None,
 ) -> None:
-    """Poll gRPC health at ``addr`` until ``service`` is SERVING; fail early if ``proc`` exits."""
+    """Poll gRPC health at ``addr`` until ``service`` is SERVING; fail early if ``proc`` exits.
+    ``internal`` names the internal service at ``addr`` (mutual TLS, as the admin identity);
+    otherwise the port is plaintext (the Gateway's public port without TLS, or a health port)."""
     what = what or addr
     deadline = time.monotonic() + limit
-    async with grpc.aio.insecure_channel(addr) as channel:
+    channel = (
+        channel_as(addr, identity=ADMIN, server=internal, mtls=mtls, retry_unavailable=False)
+        if internal
+        else grpc.aio.insecure_channel(addr)
+    )
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while True:
             if proc is not None and proc.poll() is not None:
@@ -125,7 +143,28 @@ class LocalStack:
             limit=limit,
             proc=proc,
             what=f"{spec.name} (log: {self.log_dir}/{spec.name}.log)",
+            internal=None if spec.public else spec.name,
+            mtls=self.mtls(),
         )
+
+    def mtls(self) -> MtlsConfig:
+        """Where the services' certificates are: the same data folder the children use."""
+        return MtlsConfig.from_env(self.env())
+
+    def callers(
+        self, spec: ServiceSpec, stub_class: Callable[[grpc.aio.Channel], Any]
+    ) -> tuple[CallersStub, list[Any]]:
+        """A stub of internal service ``spec`` making each RPC as an identity allowed to, and its
+        channels (the caller closes them): for tools that stand in for several callers."""
+        channels = {identity: self.channel(spec.name, identity) for identity in CALLER_PREFERENCE}
+        stubs = {identity: stub_class(channel) for identity, channel in channels.items()}
+        return CallersStub(spec.grpc_service, stubs), list(channels.values())
+
+    def channel(self, name: str, identity: str) -> grpc.aio.Channel:
+        """A channel to the service ``name`` as ``identity`` (mutual TLS; plaintext to the Gateway)."""
+        if name == GATEWAY.name:
+            return grpc.aio.insecure_channel(self.addr(name))
+        return channel_as(self.addr(name), identity=identity, server=name, mtls=self.mtls())
 
     async def start_all(self) -> None:
         await self.start_services([s.name for s in SERVICES])

@@ -8,10 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import grpc
-
 from quayutec.v1 import room_pb2, room_pb2_grpc
 from services.gateway.auth import KEY_PREFIX
+from tests.harness.channels import mtls_env, service_channel
 from tests.harness.room import running_room
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +44,7 @@ async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path)
 
 async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:
     env = {"DATABASE_URL": database_url}
-    async with running_room(database_url) as room_addr, grpc.aio.insecure_channel(room_addr) as channel:
+    async with running_room(database_url) as room_addr, service_channel(room_addr, "admin") as channel:
         room = room_pb2_grpc.RoomServiceStub(channel)
         company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name="Acme"))).company
     made = await quayutec("keys", "create", "--company", company.company_id, "--label", "ci", env=env)
@@ -59,6 +58,17 @@ async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
     unknown = await quayutec("keys", "revoke", "00000000-0000-0000-0000-000000000000", env=env)
     assert unknown.returncode == 1 and "no key" in unknown.stderr
+
+
+async def test_admin_with_another_ca_is_refused_and_told_what_to_fix(database_url: str, tmp_path: Path) -> None:
+    """`company create` from a data folder whose development CA the Room does not trust."""
+    async with running_room(database_url) as room_addr:
+        done = await quayutec(
+            "company", "create", "Acme", env={"QUAYUTEC_ROOM_ADDR": room_addr, "QUAYUTEC_DATA_DIR": str(tmp_path)}
+        )
+    assert done.returncode == 2
+    assert "mutual TLS" in done.stderr and "QUAYUTEC_DATA_DIR" in done.stderr
+    assert (tmp_path / "pki" / "admin.key").exists()
 
 
 async def test_client_commands_need_an_api_key(tmp_path: Path) -> None:
@@ -84,7 +94,12 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
                 database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
             ) as gateway_addr,
         ):
-            env = {"DATABASE_URL": database_url, "QUAYUTEC_ROOM_ADDR": room_addr, "QUAYUTEC_GATEWAY_ADDR": gateway_addr}
+            env = {
+                "DATABASE_URL": database_url,
+                "QUAYUTEC_ROOM_ADDR": room_addr,
+                "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+                **mtls_env("admin"),
+            }
 
             async def ok(*args: str, **extra: str) -> str:
                 done = await quayutec(*args, env={**env, **extra})
@@ -133,7 +148,12 @@ async def test_invitations_leave_and_remove_from_the_command_line(database_url: 
             database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
         ) as gateway_addr,
     ):
-        env = {"DATABASE_URL": database_url, "QUAYUTEC_ROOM_ADDR": room_addr, "QUAYUTEC_GATEWAY_ADDR": gateway_addr}
+        env = {
+            "DATABASE_URL": database_url,
+            "QUAYUTEC_ROOM_ADDR": room_addr,
+            "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+            **mtls_env("admin"),
+        }
 
         async def run(key: str, *args: str) -> subprocess.CompletedProcess[str]:
             return await quayutec(*args, env={**env, "QUAYUTEC_API_KEY": key})

@@ -49,7 +49,9 @@ SPECS = {spec.name: spec for spec in SERVICES}
 EXTERNALLY_REACHABLE = {("gateway", GATEWAY.port), ("jaeger", 16686)}
 # Secrets the prod overlay expects the operator to create (documented in deploy/k8s/README.md).
 Obj = dict[str, Any]  # one parsed Kubernetes object (or part of one)
-PROD_EXTERNAL_SECRETS = {"quayutec-database", "quayutec-secrets", "quayutec-gateway-tls"}
+# Each service's mutual-TLS certificate: ca.crt, tls.crt, tls.key (a cert-manager Certificate's Secret).
+MTLS_SECRETS = {name: f"quayutec-mtls-{name}" for name in ("gateway", "room", "claims", "runtime")}
+PROD_EXTERNAL_SECRETS = {"quayutec-database", "quayutec-secrets", "quayutec-gateway-tls", *MTLS_SECRETS.values()}
 
 
 # ---------------------------------------------------------------- rendering
@@ -217,10 +219,15 @@ def test_deployment_ports_and_probes(rendered: Rendered, spec: ServiceSpec) -> N
     assert len(grpc_ports) == 1 and grpc_ports[0]["containerPort"] == spec.port
     env = effective_env(rendered, container)
     tls = bool(env.get(f"{spec.prefix}TLS_CERT"))
+    # The internal services admit only mutual TLS on their port; the kubelet probes their
+    # plaintext health-only port.
+    probed = spec.port if spec.public else int(env[spec.health_listen_env].rpartition(":")[2])
+    if not spec.public:
+        assert probed != spec.port and probed in {p["containerPort"] for p in container["ports"]}
     for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
         probe = container.get(kind)
         assert probe, f"{spec.name}: no {kind}"
-        assert _probe_port(probe, container) == spec.port, f"{spec.name} {kind} port"
+        assert _probe_port(probe, container) == probed, f"{spec.name} {kind} port"
         if tls:
             # The kubelet's gRPC probe speaks plaintext only; TLS pods get TCP probes.
             assert spec is GATEWAY and "tcpSocket" in probe, f"{spec.name} {kind} with TLS"
@@ -276,7 +283,7 @@ def test_listen_and_otel_env(rendered: Rendered, spec: ServiceSpec) -> None:
         assert env[spec.listen_env].rpartition(":")[2] == str(spec.port)
     for name in env:
         if name.endswith("_LISTEN") and name.startswith("QUAYUTEC_"):
-            assert name == spec.listen_env, f"{spec.name} sets another service's {name}"
+            assert name in (spec.listen_env, spec.health_listen_env), f"{spec.name} sets another service's {name}"
     endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     assert endpoint, f"{spec.name}: OTEL_EXPORTER_OTLP_ENDPOINT unset"
     parsed = urlsplit(endpoint)
@@ -403,6 +410,36 @@ def test_gateway_tls_paths_are_mounted(rendered: Rendered) -> None:
     mounts = [m["mountPath"] for m in container["volumeMounts"] if m["name"] in secret_vols]
     for path in paths:
         assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), f"{path} is not on a Secret volume"
+
+
+@pytest.mark.parametrize("spec", SERVICES, ids=lambda s: s.name)
+def test_each_service_presents_its_own_mtls_certificate(rendered: Rendered, overlay: str, spec: ServiceSpec) -> None:
+    container = app_container(rendered, spec.name)
+    env = effective_env(rendered, container)
+    pod = rendered.pod_spec(rendered.get("Deployment", spec.name))
+    secret_of = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if m["name"] in secret_of}
+    for var, key in (
+        ("QUAYUTEC_MTLS_CA", "ca.crt"),
+        ("QUAYUTEC_MTLS_CERT", "tls.crt"),
+        ("QUAYUTEC_MTLS_KEY", "tls.key"),
+    ):
+        path = env.get(var)
+        assert isinstance(path, str) and path.endswith("/" + key), f"{spec.name}: {var}={path!r}"
+        folder = path.rpartition("/")[0]
+        assert folder in mounts, f"{spec.name}: {path} is not on a Secret volume"
+        secret = secret_of[mounts[folder]]
+        assert secret.startswith(MTLS_SECRETS[spec.name]), f"{spec.name} mounts {secret}, not its own certificate"
+        if overlay == "dev":
+            data = rendered.get("Secret", secret)["data"]
+            assert key in data, f"{secret} lacks {key}"
+            if key == "tls.crt":
+                from cryptography import x509
+
+                from quayutec.tls import certificate_identity
+
+                cert = x509.load_pem_x509_certificate(base64.b64decode(data[key]))
+                assert certificate_identity(cert) == spec.name, f"{secret} does not name {spec.name}"
 
 
 # ---------------------------------------------------------------- network exposure
@@ -535,9 +572,14 @@ def test_internal_services_admit_only_their_callers(rendered: Rendered) -> None:
             Peer(rendered.pod_labels(pods[source])),
         )
 
-    for target in ("room", "claims"):
-        for source in ("gateway", "runtime"):
-            assert allowed(target, source), f"{source} cannot reach {target}"
+    # Only the callers of quayutec/authz.py's table reach each service.
+    for source in ("gateway", "runtime"):
+        assert allowed("room", source), f"{source} cannot reach room"
+    for source in ("claims", "jaeger"):
+        assert not allowed("room", source), f"{source} may reach room"
+    assert allowed("claims", "runtime")
+    for source in ("gateway", "room", "jaeger"):
+        assert not allowed("claims", source), f"{source} may reach claims; only the runtime may"
     assert allowed("runtime", "gateway")
     for source in ("room", "claims", "runtime", "jaeger"):
         assert not allowed("runtime", source), f"{source} may reach runtime; only the gateway may"

@@ -21,6 +21,7 @@ from google.protobuf.message import Message
 
 from quayutec.ratelog import RateLimitedLog
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
+from services.stack import free_port
 from tests.harness.channels import service_channel
 from tests.harness.claims import running_claims
 from tests.harness.gateway import make_company, running_gateway
@@ -175,16 +176,35 @@ async def test_undecodable_requests_are_invalid_argument_everywhere(world: World
         (world.room_addr, "runtime", "/quayutec.v1.RoomService/ReadRunContext", None),
         (world.claims_addr, "runtime", "/quayutec.v1.ClaimsService/ClaimOnce", None),
         (world.runtime_addr, "gateway", "/quayutec.v1.RuntimeService/StartRun", None),
-        (world.gateway_addr, "admin", "/quayutec.v1.GatewayService/PostMessage", bearer),
+        (world.gateway_addr, "", "/quayutec.v1.GatewayService/PostMessage", bearer),
         (world.room_addr, "admin", "/grpc.health.v1.Health/Check", None),
     ]
     for addr, identity, method, metadata in methods:
-        async with service_channel(addr, identity) as channel:
+        # The Gateway is the public door (no client certificate); the others are reached as a service.
+        public = addr == world.gateway_addr
+        async with grpc.aio.insecure_channel(addr) if public else service_channel(addr, identity) as channel:
             for body in UNDECODABLE:
                 await _expect(INVALID, _unary(channel, method, body, metadata), "does not decode")
             # The server is fine afterwards.
             health = await _unary(channel, "/grpc.health.v1.Health/Check", b"")
             assert health == b"\x08\x01"  # SERVING
+
+
+async def test_the_plaintext_health_port_answers_undecodable_requests_cleanly(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Anyone who reaches the probes' port gets INVALID_ARGUMENT and one short line, no traceback."""
+    caplog.set_level(logging.INFO)
+    health_addr = f"127.0.0.1:{free_port()}"
+    async with (
+        running_room(database_url, QUAYUTEC_ROOM_HEALTH_LISTEN=health_addr),
+        grpc.aio.insecure_channel(health_addr) as channel,
+    ):
+        for body in UNDECODABLE:
+            await _expect(INVALID, _unary(channel, "/grpc.health.v1.Health/Check", body), "does not decode")
+        assert await _unary(channel, "/grpc.health.v1.Health/Check", b"") == b"\x08\x01"
+    assert not [r for r in caplog.records if r.name.startswith("grpc") or r.exc_info is not None]
+    assert [r for r in caplog.records if r.name == "quayutec.undecodable"]
 
 
 async def test_an_undecodable_stream_message_is_invalid_argument(world: World) -> None:

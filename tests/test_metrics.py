@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import grpc
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from quayutec.telemetry import METER_NAME, Metrics, run_outcome
 from quayutec.v1 import common_pb2, room_pb2_grpc
+from tests.harness.channels import service_channel
 from tests.harness.room import running_room
 
 
@@ -69,7 +69,7 @@ def test_wake_gauges_report_the_latest_backlog_and_nothing_before() -> None:
 
 async def test_the_backlog_is_read_from_the_room_at_most_every_interval(database_url: str) -> None:
     metrics, reader = _metrics(observe_wakes=True)
-    async with running_room(database_url) as room_addr, grpc.aio.insecure_channel(room_addr) as channel:
+    async with running_room(database_url) as room_addr, service_channel(room_addr, "gateway") as channel:
         room = room_pb2_grpc.RoomServiceStub(channel)
         await metrics.refresh_wake_backlog(room, rpc_timeout_seconds=10.0, every_seconds=3600)
         assert _points(reader)["quayutec.wakes.pending"] == [({}, 0)]

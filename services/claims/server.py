@@ -8,6 +8,7 @@ from quayutec.config import CLAIMS
 from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT
 from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
+from quayutec.tls import load_identity
 from quayutec.v1 import claims_pb2_grpc
 from services.claims.config import ClaimsConfig
 from services.claims.servicer import ClaimsServicer
@@ -16,6 +17,7 @@ from services.claims.store import ClaimStore
 
 async def create_server(config: ClaimsConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
     """A Claims server, not yet started; it opens (and on stop closes) its own pool unless given one."""
+    identity = load_identity(CLAIMS.name, config.server.mtls)
     held = await service_pool(config.database, CLAIMS_COMPONENT, migrate_on_start=config.migrate_on_start, pool=pool)
     pool = held.pool
     store = ClaimStore(
@@ -31,6 +33,7 @@ async def create_server(config: ClaimsConfig, *, pool: asyncpg.Pool | None = Non
         config=config.server,
         register=lambda server: claims_pb2_grpc.add_ClaimsServiceServicer_to_server(servicer, server),
         on_stop=held.close,
+        identity=identity,
     )
 
 

@@ -6,10 +6,11 @@ import asyncpg
 import grpc
 
 from quayutec.channels import internal_channel
-from quayutec.config import GATEWAY, ConfigError
+from quayutec.config import GATEWAY, ROOM, RUNTIME, ConfigError
 from quayutec.migrate import GATEWAY as GATEWAY_COMPONENT
 from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
+from quayutec.tls import Identity, load_identity
 from quayutec.v1 import gateway_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
 from services.gateway.config import GatewayConfig
@@ -36,11 +37,13 @@ def server_credentials(config: GatewayConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)])
 
 
-def backend_channel(addr: str, config: GatewayConfig) -> grpc.aio.Channel:
-    """One shared channel to an internal service, reconnecting soon after it comes back; no retries
-    of UNAVAILABLE (a posted message must not be sent twice)."""
+def backend_channel(addr: str, server: str, identity: Identity, config: GatewayConfig) -> grpc.aio.Channel:
+    """One shared channel to an internal service, as the Gateway's identity, reconnecting soon after
+    it comes back; no retries of UNAVAILABLE (a posted message must not be sent twice)."""
     return internal_channel(
         addr,
+        identity=identity,
+        server=server,
         retry_unavailable=False,
         options=[
             ("grpc.initial_reconnect_backoff_ms", min(1000, config.reconnect_backoff_max_ms)),
@@ -55,10 +58,11 @@ def backend_channel(addr: str, config: GatewayConfig) -> grpc.aio.Channel:
 async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
     """A Gateway server, not yet started; the delivery loop starts with the first call and stops on stop."""
     credentials = server_credentials(config)
+    identity = load_identity(GATEWAY.name, config.server.mtls)
     held = await service_pool(config.database, GATEWAY_COMPONENT, migrate_on_start=config.migrate_on_start, pool=pool)
     pool = held.pool
-    room_channel = backend_channel(config.room_addr, config)
-    runtime_channel = backend_channel(config.runtime_addr, config)
+    room_channel = backend_channel(config.room_addr, ROOM.name, identity, config)
+    runtime_channel = backend_channel(config.runtime_addr, RUNTIME.name, identity, config)
     room = room_pb2_grpc.RoomServiceStub(room_channel)
     caller = CallerContext()
     servicer = GatewayServicer(

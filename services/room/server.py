@@ -9,6 +9,7 @@ from quayutec.egress import Resolver
 from quayutec.migrate import ROOM as ROOM_COMPONENT
 from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
+from quayutec.tls import load_identity
 from quayutec.v1 import room_pb2_grpc
 from services.room.config import RoomConfig
 from services.room.servicer import RoomServicer
@@ -20,6 +21,7 @@ async def create_server(
 ) -> GrpcServer:
     """A Room server, not yet started; it opens (and on stop closes) its own pool unless given one.
     ``resolver`` resolves agents' base URL hosts (default: the system's)."""
+    identity = load_identity(ROOM.name, config.server.mtls)
     held = await service_pool(config.database, ROOM_COMPONENT, migrate_on_start=config.migrate_on_start, pool=pool)
     pool = held.pool
     servicer = RoomServicer(RoomStore(pool, config.cipher), config.egress, resolver)
@@ -29,6 +31,7 @@ async def create_server(
         config=config.server,
         register=lambda server: room_pb2_grpc.add_RoomServiceServicer_to_server(servicer, server),
         on_stop=held.close,
+        identity=identity,
     )
 
 

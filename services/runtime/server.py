@@ -7,9 +7,10 @@ import httpcore
 import httpx
 
 from quayutec.channels import internal_channel
-from quayutec.config import RUNTIME
+from quayutec.config import CLAIMS, ROOM, RUNTIME
 from quayutec.egress import EgressTransport, Resolver
 from quayutec.server import GrpcServer
+from quayutec.tls import load_identity
 from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import Clock, RealClock, RetryPolicy, make_http_client
@@ -30,6 +31,7 @@ async def create_server(
 
     Owner-supplied base URLs go through a second client whose transport applies the egress policy
     to the address it dials; ``resolver`` and ``dialer`` replace the system's there (tests)."""
+    identity = load_identity(RUNTIME.name, config.server.mtls)
     own_http = http is None
     http_client = http or make_http_client(config.model_timeout_seconds)
     owner_http = make_http_client(
@@ -37,8 +39,8 @@ async def create_server(
         EgressTransport(config.egress, resolver=resolver, dialer=dialer),
         trust_env=False,
     )
-    claims_channel = internal_channel(config.claims_addr)
-    room_channel = internal_channel(config.room_addr)
+    claims_channel = internal_channel(config.claims_addr, identity=identity, server=CLAIMS.name)
+    room_channel = internal_channel(config.room_addr, identity=identity, server=ROOM.name)
     executor = RunExecutor(
         config=config,
         claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
@@ -60,7 +62,13 @@ async def create_server(
             await http_client.aclose()
         await owner_http.aclose()
 
-    return GrpcServer(service_names=[RUNTIME.grpc_service], config=config.server, register=register, on_stop=on_stop)
+    return GrpcServer(
+        service_names=[RUNTIME.grpc_service],
+        config=config.server,
+        register=register,
+        on_stop=on_stop,
+        identity=identity,
+    )
 
 
 async def main() -> None:

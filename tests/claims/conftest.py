@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
-import grpc
 import pytest
 
 from quayutec.v1 import claims_pb2_grpc
+from tests.harness.channels import service_channel
 from tests.harness.claims import claims_stub, running_claims
 
 
@@ -19,5 +19,5 @@ async def claims_addr(database_url: str) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def claims(claims_addr: str) -> AsyncIterator[claims_pb2_grpc.ClaimsServiceAsyncStub]:
-    async with grpc.aio.insecure_channel(claims_addr) as channel:
+    async with service_channel(claims_addr, "runtime") as channel:
         yield claims_stub(channel)

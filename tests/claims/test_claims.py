@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from quayutec.v1 import claims_pb2, claims_pb2_grpc
+from tests.harness.channels import service_channel
 from tests.harness.claims import claims_stub, running_claims
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -47,7 +48,7 @@ async def test_first_claim_wins_and_later_ones_get_its_time(claims: claims_pb2_g
 async def test_64_concurrent_claims_of_one_pair_make_exactly_one(database_url: str, batch_max: int) -> None:
     agent_id, wake_id = pair()
     async with running_claims(database_url, batch_max=batch_max) as addr:
-        channels = [grpc.aio.insecure_channel(addr) for _ in range(4)]
+        channels = [service_channel(addr, "runtime") for _ in range(4)]
         try:
             stubs = [claims_stub(c) for c in channels]
             answers = await asyncio.gather(*(claim(stubs[i % 4], agent_id, wake_id) for i in range(64)))
@@ -92,9 +93,9 @@ async def test_repeated_pairs_across_concurrent_batches_claim_once_each(
 
 async def test_claim_survives_a_restart_of_the_claims_server(database_url: str) -> None:
     agent_id, wake_id = pair()
-    async with running_claims(database_url) as addr, grpc.aio.insecure_channel(addr) as channel:
+    async with running_claims(database_url) as addr, service_channel(addr, "runtime") as channel:
         first = await claim(claims_stub(channel), agent_id, wake_id)
-    async with running_claims(database_url) as addr, grpc.aio.insecure_channel(addr) as channel:
+    async with running_claims(database_url) as addr, service_channel(addr, "runtime") as channel:
         again = await claim(claims_stub(channel), agent_id, wake_id)
     assert first.claimed is True
     assert again.claimed is False
@@ -144,7 +145,7 @@ async def test_ids_of_exactly_200_bytes_are_accepted(claims: claims_pb2_grpc.Cla
 
 
 async def test_health_is_serving_and_reflection_lists_the_service(claims_addr: str) -> None:
-    async with grpc.aio.insecure_channel(claims_addr) as channel:
+    async with service_channel(claims_addr, "runtime") as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for name in ("", "quayutec.v1.ClaimsService"):
             answer = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=TIMEOUT)

@@ -17,6 +17,7 @@ import pytest
 
 from quayutec.db import create_pool, embedded_ctl
 from quayutec.v1 import claims_pb2
+from tests.harness.channels import service_channel
 from tests.harness.claims import claims_stub, running_claims
 
 TIMEOUT = 30.0
@@ -79,7 +80,7 @@ async def test_claim_survives_a_postgres_restart_and_outage_is_unavailable(
     other = f"wake-{uuid.uuid4()}"
     async with (
         running_claims(own_database_url, acquire_timeout_seconds=2.0) as addr,
-        grpc.aio.insecure_channel(addr) as channel,
+        service_channel(addr, "runtime") as channel,
     ):
         stub = claims_stub(channel)
         first = await stub.ClaimOnce(request(agent_id, wake_id), timeout=TIMEOUT)
@@ -117,7 +118,7 @@ async def test_connection_refused_is_unavailable(batch_max: int) -> None:
     try:
         async with (
             running_claims(url, pool=pool, migrate_on_start=False, batch_max=batch_max) as addr,
-            grpc.aio.insecure_channel(addr) as channel,
+            service_channel(addr, "runtime") as channel,
         ):
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await claims_stub(channel).ClaimOnce(request("a", "w"), timeout=TIMEOUT)
@@ -131,7 +132,7 @@ async def test_pool_acquire_timeout_is_unavailable(database_url: str) -> None:
     try:
         async with (
             running_claims(database_url, pool=pool, acquire_timeout_seconds=0.2) as addr,
-            grpc.aio.insecure_channel(addr) as channel,
+            service_channel(addr, "runtime") as channel,
             pool.acquire(),  # the only connection is busy for the whole call
         ):
             with pytest.raises(grpc.aio.AioRpcError) as info:

@@ -16,7 +16,9 @@ from typing import Any
 
 import grpc
 
+from quayutec.authz import AuthzInterceptor
 from quayutec.v1 import claims_pb2, claims_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from tests.harness.channels import pki_identity, service_channel
 
 ACCEPTED = runtime_pb2.START_RUN_RESULT_ACCEPTED
 ALREADY_CLAIMED = runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED
@@ -83,12 +85,13 @@ class StandinRuntime(runtime_pb2_grpc.RuntimeServiceServicer):
 
 @asynccontextmanager
 async def running_standin_runtime(claims_addr: str, *, port: int = 0) -> AsyncIterator[tuple[str, StandinRuntime]]:
-    """Yields ("127.0.0.1:PORT", servicer) of a started stand-in Runtime."""
-    async with grpc.aio.insecure_channel(claims_addr) as channel:
+    """Yields ("127.0.0.1:PORT", servicer) of a started stand-in Runtime: like the real one, it serves
+    mutual TLS as "runtime" (admitting callers per quayutec.authz) and claims as "runtime"."""
+    async with service_channel(claims_addr, "runtime") as channel:
         servicer = StandinRuntime(claims_pb2_grpc.ClaimsServiceStub(channel))
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=(AuthzInterceptor(),))
         runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
-        bound = server.add_insecure_port(f"127.0.0.1:{port}")
+        bound = server.add_secure_port(f"127.0.0.1:{port}", pki_identity("runtime").server_credentials())
         await server.start()
         try:
             yield f"127.0.0.1:{bound}", servicer

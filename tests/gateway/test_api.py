@@ -9,6 +9,7 @@ import grpc
 
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from tests.gateway.helpers import GatewayStub, create_room, expect_error, register_agent
+from tests.harness.channels import service_channel
 from tests.harness.gateway import CompanyKey, join_room
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -303,7 +304,7 @@ async def test_private_memory_reaches_only_its_company(
 ) -> None:
     room = await create_room(acme_gw)
     await join_room(acme_gw, globex_gw, room.room_id)
-    async with grpc.aio.insecure_channel(room_addr) as channel:
+    async with service_channel(room_addr, "runtime") as channel:
         internal = room_pb2_grpc.RoomServiceStub(channel)
         for company, text, visibility in [
             (acme, "shared: delivery in May", common_pb2.MEMORY_VISIBILITY_ROOM),
@@ -377,7 +378,7 @@ async def test_runs_only_of_the_callers_agents(
     room = await create_room(acme_gw)
     mine = await register_agent(acme_gw, "mine")
     theirs = await register_agent(globex_gw, "theirs")
-    async with grpc.aio.insecure_channel(room_addr) as channel:
+    async with service_channel(room_addr, "runtime") as channel:
         internal = room_pb2_grpc.RoomServiceStub(channel)
         for run_id, agent, company in [
             ("run-a1", mine, acme),

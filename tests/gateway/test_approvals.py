@@ -10,9 +10,11 @@ import asyncpg
 import grpc
 import pytest
 
+from quayutec.config import ROOM
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from tests.gateway.helpers import GatewayStub, create_room, expect_error, register_agent
 from tests.gateway.runtime_standin import running_standin_runtime
+from tests.harness.channels import callers_stub
 from tests.harness.gateway import CompanyKey, gateway_config, join_room, running_gateway
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -22,8 +24,7 @@ HOLD, DENY, AUTO = common_pb2.ACTION_RIGHT_HOLD, common_pb2.ACTION_RIGHT_DENY, c
 
 @pytest.fixture
 async def room_stub(room_addr: str) -> AsyncIterator[room_pb2_grpc.RoomServiceStub]:
-    async with grpc.aio.insecure_channel(room_addr) as channel:
-        stub = room_pb2_grpc.RoomServiceStub(channel)
+    async with callers_stub(room_addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as stub:
         try:
             await stub.ListWaitpoints(room_pb2.RoomServiceListWaitpointsRequest(company_id=str(uuid.uuid4())))
         except grpc.aio.AioRpcError as exc:

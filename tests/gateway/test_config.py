@@ -25,7 +25,7 @@ NOWHERE = "127.0.0.1:9"
 def test_defaults() -> None:
     config = GatewayConfig.from_env({})
     assert config.server.listen == "[::]:50051"
-    assert config.room_addr == "localhost:50052" and config.runtime_addr == "localhost:50054"
+    assert config.room_addr == "127.0.0.1:50052" and config.runtime_addr == "127.0.0.1:50054"
     assert not config.tls_enabled
     assert config.delivery.enabled and config.delivery.lease_seconds == 30
     assert config.delivery.poll_interval_seconds == 0.2

@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
 from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.stack import free_port
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
 from tests.gateway.runtime_standin import running_standin_runtime
+from tests.harness.channels import mtls_env, service_channel
 from tests.harness.gateway import authed_gateway, make_company, running_gateway
 from tests.harness.room import running_room
 
@@ -40,7 +40,7 @@ FAST = {
 
 @pytest.fixture
 async def room_stub(room_addr: str) -> AsyncIterator[room_pb2_grpc.RoomServiceStub]:
-    async with grpc.aio.insecure_channel(room_addr) as channel:
+    async with service_channel(room_addr, "gateway") as channel:
         yield room_pb2_grpc.RoomServiceStub(channel)
 
 
@@ -110,7 +110,7 @@ async def test_already_claimed_is_delivered(
     database_url: str, room_addr: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
 ) -> None:
     _, wake_ids = await post_wakes(acme_gw, agents=2, messages=1)
-    async with grpc.aio.insecure_channel(claims_addr) as channel:
+    async with service_channel(claims_addr, "runtime") as channel:
         claims = claims_pb2_grpc.ClaimsServiceStub(channel)
         leased = await room_stub.LeaseWakes(
             room_pb2.RoomServiceLeaseWakesRequest(lease_owner="test", max_wakes=1, lease_seconds=1), timeout=10
@@ -214,7 +214,7 @@ async def test_room_down_then_up_the_loop_keeps_polling(
         assert not runtime.calls
         async with (
             running_room(database_url, QUAYUTEC_ROOM_LISTEN=room_listen),
-            grpc.aio.insecure_channel(room_addr) as channel,
+            service_channel(room_addr, "gateway") as channel,
         ):
             await eventually(lambda: _none_pending(room_pb2_grpc.RoomServiceStub(channel)))
     assert Counter(c.request.wake_id for c in runtime.calls) == Counter(wake_ids)
@@ -298,6 +298,7 @@ async def test_gateway_process_killed_mid_delivery_loses_and_doubles_nothing(
             "QUAYUTEC_GATEWAY_LISTEN": f"127.0.0.1:{free_port()}",
             "QUAYUTEC_ROOM_ADDR": room_addr,
             "QUAYUTEC_RUNTIME_ADDR": runtime_addr,
+            **mtls_env("gateway"),
         }
         gateway = await asyncio.create_subprocess_exec(
             sys.executable,

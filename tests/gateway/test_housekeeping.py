@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import asyncpg
-import grpc
 
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
 from tests.gateway.runtime_standin import running_standin_runtime
+from tests.harness.channels import service_channel
 from tests.harness.gateway import running_gateway
 
 
@@ -23,7 +23,7 @@ async def test_a_dead_runtimes_run_is_ended_as_abandoned(
         status=common_pb2.RUN_STATUS_RUNNING,
         step=common_pb2.RUN_STEP_CLAIMED,
     )
-    async with grpc.aio.insecure_channel(room_addr) as channel:
+    async with service_channel(room_addr, "runtime") as channel:
         room_stub = room_pb2_grpc.RoomServiceStub(channel)
         await room_stub.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
         conn = await asyncpg.connect(database_url)

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.stack import free_port
+from tests.harness.channels import mtls_env
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -25,6 +26,7 @@ async def test_module_serves_until_sigterm(database_url: str) -> None:
         "QUAYUTEC_ROOM_ADDR": "127.0.0.1:9",
         "QUAYUTEC_RUNTIME_ADDR": "127.0.0.1:9",
         "QUAYUTEC_GATEWAY_GRACE_SECONDS": "1",
+        **mtls_env("gateway"),
         "PYTHONPATH": str(REPO),
     }
     proc = await asyncio.create_subprocess_exec(

@@ -18,6 +18,7 @@ from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtim
 from services.runtime.standin import StandinProvider
 from tests.gateway.helpers import GatewayStub, create_room, eventually, expect_error, register_agent
 from tests.gateway.test_trust import room_calls
+from tests.harness.channels import service_channel
 from tests.harness.gateway import CompanyKey, join_room, running_gateway
 from tests.harness.runtime import running_runtime
 
@@ -36,7 +37,7 @@ FAST = {"QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.02", "QUAYUTEC_GATEWAY_POST
 
 @pytest.fixture
 async def room_stub(room_addr: str) -> AsyncIterator[room_pb2_grpc.RoomServiceStub]:
-    async with grpc.aio.insecure_channel(room_addr) as channel:
+    async with service_channel(room_addr, "runtime") as channel:
         yield room_pb2_grpc.RoomServiceStub(channel)
 
 
@@ -358,7 +359,7 @@ async def test_a_departed_or_pending_companys_agents_are_never_run(
 
             await eventually(settled)
             # Delivered again, the wake is not acted on twice: its claim is spent.
-            async with grpc.aio.insecure_channel(runtime_addr) as channel:
+            async with service_channel(runtime_addr, "gateway") as channel:
                 again = await runtime_pb2_grpc.RuntimeServiceStub(channel).StartRun(
                     runtime_pb2.StartRunRequest(
                         agent_id=globex_agent.agent_id,

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import grpc
-
 from quayutec.v1 import gateway_pb2, room_pb2, room_pb2_grpc
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
 from tests.gateway.runtime_standin import running_standin_runtime
+from tests.harness.channels import service_channel
 from tests.harness.gateway import running_gateway
 
 # A poll so long that only a notification can deliver within the test's limit.
@@ -29,7 +28,7 @@ async def test_a_committed_wake_is_delivered_without_waiting_for_the_poll(
         return str(posted.wake_ids[0])
 
     async with (
-        grpc.aio.insecure_channel(room_addr) as channel,
+        service_channel(room_addr, "gateway") as channel,
         running_standin_runtime(claims_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **SLOW_POLL),
     ):

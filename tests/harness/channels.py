@@ -2,20 +2,60 @@
 
 Every test that talks to an internal service directly opens its channel here, naming the service
 identity it stands for (``"gateway"``, ``"runtime"``, ``"admin"``...): the caller that would make
-that call in production. One place to change when the services authenticate each other.
+that call in production. The channel presents that identity's certificate from the test PKI
+(``TEST_MTLS``), the same one the harness servers serve with.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import AsyncIterator, Callable
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-IDENTITIES = ("gateway", "room", "claims", "runtime", "admin")
+from quayutec.authz import CALLER_PREFERENCE, CallersStub
+from quayutec.tls import CA_ENV, CERT_ENV, IDENTITIES, KEY_ENV, Identity, MtlsConfig, load_identity
+
+# One development PKI for every test session of this user (made once, under a lock, reused).
+TEST_MTLS = MtlsConfig.dev(Path(tempfile.gettempdir()) / f"qy-test-pki-{os.getuid()}")
+
+
+def pki_identity(identity: str) -> Identity:
+    """The certificate and key of ``identity`` in the test PKI."""
+    if identity not in IDENTITIES:
+        raise ValueError(f"unknown identity {identity!r}; one of {', '.join(IDENTITIES)}")
+    return load_identity(identity, TEST_MTLS)
+
+
+def mtls_env(identity: str) -> dict[str, str]:
+    """The QUAYUTEC_MTLS_* settings that make a child process ``identity`` of the test PKI."""
+    pki_identity(identity)
+    pki = TEST_MTLS.pki_dir
+    return {CA_ENV: str(pki / "ca.crt"), CERT_ENV: str(pki / f"{identity}.crt"), KEY_ENV: str(pki / f"{identity}.key")}
 
 
 def service_channel(addr: str, identity: str, **kwargs: Any) -> grpc.aio.Channel:
-    """A channel to the internal service at ``addr`` as the service ``identity``."""
-    if identity not in IDENTITIES:
-        raise ValueError(f"unknown identity {identity!r}; one of {', '.join(IDENTITIES)}")
-    return grpc.aio.insecure_channel(addr, **kwargs)
+    """A channel to the internal service at ``addr`` ("127.0.0.1:PORT") as the service ``identity``."""
+    return grpc.aio.secure_channel(addr, pki_identity(identity).channel_credentials(), **kwargs)
+
+
+@asynccontextmanager
+async def callers_stub(addr: str, service: str, stub_class: Callable[[grpc.aio.Channel], Any]) -> AsyncIterator[Any]:
+    """Yields a ``CallersStub`` of ``service`` ("quayutec.v1.RoomService") at ``addr``."""
+    async with AsyncExitStack() as stack:
+        stubs = {}
+        for identity in CALLER_PREFERENCE:
+            channel = await stack.enter_async_context(service_channel(addr, identity))
+            stubs[identity] = stub_class(channel)
+        yield CallersStub(service, stubs)
+
+
+def open_callers_stub(addr: str, service: str, stub_class: Callable[[grpc.aio.Channel], Any]) -> tuple[Any, list[Any]]:
+    """A ``CallersStub`` and the channels it holds (the caller closes them)."""
+    channels = [service_channel(addr, identity) for identity in CALLER_PREFERENCE]
+    stub = CallersStub(service, {i: stub_class(c) for i, c in zip(CALLER_PREFERENCE, channels, strict=True)})
+    return stub, channels

@@ -14,12 +14,14 @@ from quayutec.config import DatabaseConfig, ServerConfig
 from quayutec.v1 import claims_pb2_grpc
 from services.claims.config import ClaimsConfig
 from services.claims.server import create_server
+from tests.harness.channels import TEST_MTLS
 
 
 def claims_config(database_url: str, **overrides: object) -> ClaimsConfig:
-    """A Claims config on 127.0.0.1:0 against ``database_url``; ``overrides`` replace fields."""
+    """A Claims config on 127.0.0.1:0 (mTLS from the test PKI) against ``database_url``; ``overrides``
+    replace fields."""
     config = ClaimsConfig(
-        server=ServerConfig(listen="127.0.0.1:0", grace_seconds=1.0),
+        server=ServerConfig(listen="127.0.0.1:0", grace_seconds=1.0, mtls=TEST_MTLS),
         database=DatabaseConfig(url=database_url, data_dir=Path(".quayutec")),
     )
     return replace(config, **overrides)  # type: ignore[arg-type]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import asyncpg
@@ -22,11 +22,13 @@ from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2, roo
 from services.gateway.auth import create_api_key
 from services.gateway.config import GatewayConfig
 from services.gateway.server import create_server
+from tests.harness.channels import TEST_MTLS, service_channel
 
 
 def gateway_config(database_url: str, room_addr: str, runtime_addr: str, **env: str) -> GatewayConfig:
-    """A Gateway config on 127.0.0.1:0, read through ``from_env`` so ``env`` takes QUAYUTEC_GATEWAY_* names."""
-    return GatewayConfig.from_env(
+    """A Gateway config on 127.0.0.1:0, read through ``from_env`` so ``env`` takes QUAYUTEC_GATEWAY_* names;
+    it calls Room and Runtime with the gateway certificate of the test PKI."""
+    config = GatewayConfig.from_env(
         {
             "DATABASE_URL": database_url,
             "QUAYUTEC_GATEWAY_LISTEN": "127.0.0.1:0",
@@ -37,6 +39,9 @@ def gateway_config(database_url: str, room_addr: str, runtime_addr: str, **env: 
             **env,
         }
     )
+    if config.server.mtls is not None and config.server.mtls.from_files:
+        return config
+    return replace(config, server=replace(config.server, mtls=TEST_MTLS))
 
 
 @asynccontextmanager
@@ -65,7 +70,7 @@ class CompanyKey:
 async def make_company(database_url: str, room_addr: str, name: str | None = None) -> CompanyKey:
     """Create a company through the Room and an API key for it through services.gateway.auth (the admin flow)."""
     name = name or f"company-{uuid.uuid4().hex[:8]}"
-    async with grpc.aio.insecure_channel(room_addr) as channel:
+    async with service_channel(room_addr, "admin") as channel:
         room = room_pb2_grpc.RoomServiceStub(channel)
         response = await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=name), timeout=10)
     pool = await create_pool(database_url, min_size=1, max_size=1)

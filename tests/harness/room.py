@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import asyncpg
@@ -16,6 +17,7 @@ from quayutec.egress import Resolver
 from quayutec.v1 import common_pb2, room_pb2
 from services.room.config import RoomConfig
 from services.room.server import create_server
+from tests.harness.channels import TEST_MTLS
 from tests.harness.egress import TableResolver
 
 # A fixed key, so servers restarted on one database can read each other's provider keys.
@@ -23,8 +25,8 @@ TEST_ENCRYPTION_KEY = "dGVzdC1vbmx5LWtleS1xdWF5dXRlYy1yb29tcy0wMDA="
 
 
 def room_config(database_url: str, **env_overrides: str) -> RoomConfig:
-    """A Room config on 127.0.0.1:0 against ``database_url``."""
-    return RoomConfig.from_env(
+    """A Room config on 127.0.0.1:0 against ``database_url``, serving mTLS from the test PKI."""
+    config = RoomConfig.from_env(
         {
             "DATABASE_URL": database_url,
             "QUAYUTEC_ROOM_LISTEN": "127.0.0.1:0",
@@ -33,6 +35,9 @@ def room_config(database_url: str, **env_overrides: str) -> RoomConfig:
             **env_overrides,
         }
     )
+    if config.server.mtls is not None and config.server.mtls.from_files:
+        return config
+    return replace(config, server=replace(config.server, mtls=TEST_MTLS))
 
 
 @asynccontextmanager

@@ -21,13 +21,14 @@ from services.runtime.config import RuntimeConfig
 from services.runtime.model import Clock, RetryPolicy
 from services.runtime.server import create_server
 from services.stack import free_port
+from tests.harness.channels import TEST_MTLS, mtls_env
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
 
 def runtime_config(claims_addr: str, room_addr: str, standin_url: str | None = None, **overrides: Any) -> RuntimeConfig:
     config = RuntimeConfig(
-        server=ServerConfig(listen="127.0.0.1:0", grace_seconds=1.0),
+        server=ServerConfig(listen="127.0.0.1:0", grace_seconds=1.0, mtls=TEST_MTLS),
         claims_addr=claims_addr,
         room_addr=room_addr,
         model_timeout_seconds=5.0,
@@ -79,6 +80,7 @@ class RuntimeProcess:
             "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin_url,
             "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin_url,
             "QUAYUTEC_RUNTIME_FAILPOINTS": failpoints,
+            **mtls_env("runtime"),
             "PYTHONPATH": str(REPO),
         }
         self.proc = subprocess.Popen(

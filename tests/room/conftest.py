@@ -10,7 +10,9 @@ from typing import Any
 import grpc
 import pytest
 
+from quayutec.config import ROOM
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
+from tests.harness.channels import callers_stub
 from tests.harness.room import add_member, running_room
 
 Stub = Any  # RoomServiceStub
@@ -24,8 +26,9 @@ async def room_addr(database_url: str) -> AsyncIterator[str]:
 
 @pytest.fixture
 async def room(room_addr: str) -> AsyncIterator[Stub]:
-    async with grpc.aio.insecure_channel(room_addr) as channel:
-        yield room_pb2_grpc.RoomServiceStub(channel)
+    """RoomService, each RPC called as the identity that makes it in production."""
+    async with callers_stub(room_addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as stub:
+        yield stub
 
 
 async def expect_error(code: grpc.StatusCode, call: Awaitable[Any], contains: str = "") -> str:

@@ -7,7 +7,6 @@ import stat
 from pathlib import Path
 
 import asyncpg
-import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -15,6 +14,7 @@ from quayutec.config import ConfigError
 from quayutec.crypto import KEY_FILE_NAME, Fernet, load_fernet
 from quayutec.migrate import ROOM
 from quayutec.v1 import room_pb2, room_pb2_grpc
+from tests.harness.channels import service_channel
 from tests.harness.room import running_room
 
 ROOM_TABLES = (
@@ -104,7 +104,7 @@ async def test_schema_sql_matches_the_migrations(database_url: str, empty_databa
 
 
 async def test_a_room_server_migrates_an_empty_database_on_start(empty_database_url: str) -> None:
-    async with running_room(empty_database_url) as addr, grpc.aio.insecure_channel(addr) as channel:
+    async with running_room(empty_database_url) as addr, service_channel(addr, "admin") as channel:
         stub = room_pb2_grpc.RoomServiceStub(channel)
         made = await stub.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name="Acme"))
         assert made.company.name == "Acme"

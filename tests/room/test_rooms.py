@@ -9,6 +9,7 @@ import asyncpg
 import grpc
 
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
+from tests.harness.channels import service_channel
 from tests.harness.room import running_room
 from tests.room.conftest import Stub, World, expect_error, make_agent, make_company
 
@@ -185,7 +186,7 @@ async def test_credentials_under_another_key_are_failed_precondition(room: Stub,
     agent = await make_agent(room, acme.company_id)
     other_key = "b3RoZXIta2V5LXF1YXl1dGVjLXJvb21zLTAwMDAwMDA="
     async with running_room(database_url, QUAYUTEC_ENCRYPTION_KEY=other_key) as addr:
-        async with grpc.aio.insecure_channel(addr) as channel:
+        async with service_channel(addr, "runtime") as channel:
             other = room_pb2_grpc.RoomServiceStub(channel)
             await expect_error(
                 grpc.StatusCode.FAILED_PRECONDITION,

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
+from tests.harness.channels import service_channel
 from tests.harness.room import running_room
 from tests.room.conftest import Stub, World, agent_author, expect_error, make_agent, person, post
 
@@ -202,7 +203,7 @@ async def test_read_run_context_not_found_and_invalid(room: Stub, world: World) 
 async def test_read_run_context_with_an_undecryptable_key(room: Stub, world: World, database_url: str) -> None:
     other_key = "b3RoZXIta2V5LXF1YXl1dGVjLXJvb21zLTAwMDAwMDA="
     async with running_room(database_url, QUAYUTEC_ENCRYPTION_KEY=other_key) as addr:
-        async with grpc.aio.insecure_channel(addr) as channel:
+        async with service_channel(addr, "runtime") as channel:
             other = room_pb2_grpc.RoomServiceStub(channel)
             await expect_error(FAILED, other.ReadRunContext(context_request(world)), "QUAYUTEC_ENCRYPTION_KEY")
 

@@ -9,7 +9,9 @@ from typing import Any, cast
 
 import grpc
 
+from quayutec.config import ROOM
 from quayutec.v1 import claims_pb2_grpc, common_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from tests.harness.channels import open_callers_stub, service_channel
 from tests.harness.room import add_member
 
 ENDED = (
@@ -82,10 +84,10 @@ class World:
 
 
 async def make_world(room_addr: str, claims_addr: str, channels: list[grpc.aio.Channel]) -> World:
-    room_channel = grpc.aio.insecure_channel(room_addr)
-    claims_channel = grpc.aio.insecure_channel(claims_addr)
-    channels.extend([room_channel, claims_channel])
-    room = cast("room_pb2_grpc.RoomServiceAsyncStub", room_pb2_grpc.RoomServiceStub(room_channel))
+    room_stub, room_channels = open_callers_stub(room_addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub)
+    claims_channel = service_channel(claims_addr, "runtime")
+    channels.extend([*room_channels, claims_channel])
+    room = cast("room_pb2_grpc.RoomServiceAsyncStub", room_stub)
     tag = uuid.uuid4().hex[:8]
     a = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Acme {tag}"))).company
     b = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Bolt {tag}"))).company
@@ -137,6 +139,6 @@ def start_request(wake: common_pb2.Wake) -> runtime_pb2.StartRunRequest:
 
 
 def runtime_stub(addr: str, channels: list[grpc.aio.Channel]) -> Any:
-    channel = grpc.aio.insecure_channel(addr)
+    channel = service_channel(addr, "gateway")
     channels.append(channel)
     return runtime_pb2_grpc.RuntimeServiceStub(channel)

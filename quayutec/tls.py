@@ -1,0 +1,309 @@
+"""Mutual TLS between our services: who each process is, and the credentials that prove it.
+
+Every internal service (Room, Claims, Runtime) serves only callers that present a certificate
+signed by our CA, and every internal client presents its own. A certificate names one identity
+of ``IDENTITIES``: its common name, a DNS name and the URI ``spiffe://quayutec/<identity>``.
+Clients check that the server they reach holds the certificate of the service they meant to reach
+(the DNS name is the identity, whatever host was dialled).
+
+Where the certificates come from:
+
+* Production: ``QUAYUTEC_MTLS_CA``, ``QUAYUTEC_MTLS_CERT`` and ``QUAYUTEC_MTLS_KEY`` name PEM files
+  (the CA that signs every service, this process's certificate and its private key).
+* One machine, nothing configured: the first process to start creates a development CA and one
+  certificate per identity under ``<data dir>/pki/`` (private keys 0600), under a file lock so
+  services starting together do not race; every process with the same data folder finds them.
+
+A caller with no certificate, or one our CA did not sign, is refused during the TLS handshake: it
+never reaches a handler, and its client sees UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import ipaddress
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from quayutec.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, ConfigError, env_str
+
+GATEWAY = "gateway"
+ROOM = "room"
+CLAIMS = "claims"
+RUNTIME = "runtime"
+ADMIN = "admin"
+# Every identity a certificate can name: the four services and the admin command line.
+IDENTITIES: tuple[str, ...] = (GATEWAY, ROOM, CLAIMS, RUNTIME, ADMIN)
+
+CA_ENV = "QUAYUTEC_MTLS_CA"
+CERT_ENV = "QUAYUTEC_MTLS_CERT"
+KEY_ENV = "QUAYUTEC_MTLS_KEY"
+SPIFFE_PREFIX = "spiffe://quayutec/"
+PKI_FOLDER = "pki"
+
+_CA_DAYS = 3650
+_CERT_DAYS = 825
+
+
+@dataclass(frozen=True)
+class MtlsConfig:
+    """Where this process's certificates come from: three PEM files, or the development PKI."""
+
+    pki_dir: Path
+    ca_path: Path | None = None
+    cert_path: Path | None = None
+    key_path: Path | None = field(default=None, repr=False)
+
+    @property
+    def from_files(self) -> bool:
+        return self.cert_path is not None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> MtlsConfig:
+        env = os.environ if env is None else env
+        paths = {name: env_str(env, name, "") for name in (CA_ENV, CERT_ENV, KEY_ENV)}
+        given = [name for name, value in paths.items() if value]
+        if given and len(given) != 3:
+            missing = sorted(set(paths) - set(given))
+            raise ConfigError(f"set all of {CA_ENV}, {CERT_ENV} and {KEY_ENV} (PEM files), or none; missing {missing}")
+        data_dir = Path(env_str(env, DATA_DIR_ENV, DEFAULT_DATA_DIR)).absolute()
+        if not given:
+            return cls(pki_dir=data_dir / PKI_FOLDER)
+        return cls(
+            pki_dir=data_dir / PKI_FOLDER,
+            ca_path=Path(paths[CA_ENV]),
+            cert_path=Path(paths[CERT_ENV]),
+            key_path=Path(paths[KEY_ENV]),
+        )
+
+    @classmethod
+    def dev(cls, pki_dir: Path) -> MtlsConfig:
+        """The development PKI in ``pki_dir`` (created on first use)."""
+        return cls(pki_dir=Path(pki_dir).absolute())
+
+
+@dataclass(frozen=True)
+class Identity:
+    """One service identity with the PEM material that proves it."""
+
+    name: str
+    ca_pem: bytes = field(repr=False)
+    cert_pem: bytes = field(repr=False)
+    key_pem: bytes = field(repr=False)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        """Serve as this identity; callers must present a certificate signed by the same CA."""
+        return grpc.ssl_server_credentials(
+            [(self.key_pem, self.cert_pem)], root_certificates=self.ca_pem, require_client_auth=True
+        )
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        """Call as this identity; the server must hold a certificate signed by the same CA."""
+        return grpc.ssl_channel_credentials(
+            root_certificates=self.ca_pem, private_key=self.key_pem, certificate_chain=self.cert_pem
+        )
+
+
+def load_identity(name: str, config: MtlsConfig | None = None) -> Identity:
+    """This process's identity ``name``: from the configured files, or the development PKI."""
+    if name not in IDENTITIES:
+        raise ValueError(f"unknown identity {name!r}; one of {', '.join(IDENTITIES)}")
+    config = MtlsConfig.from_env() if config is None else config
+    if config.from_files:
+        assert config.ca_path is not None and config.cert_path is not None and config.key_path is not None
+        ca = _read(config.ca_path, CA_ENV)
+        cert = _read(config.cert_path, CERT_ENV)
+        key_pem = _read(config.key_path, KEY_ENV)
+        named = certificate_identity(x509.load_pem_x509_certificate(cert))
+        if named != name:
+            raise ConfigError(
+                f"{CERT_ENV} ({config.cert_path}) names {named or 'no quayutec identity'}, but this process is "
+                f"{name!r}: give it a certificate with URI SAN {SPIFFE_PREFIX}{name}"
+            )
+        return Identity(name=name, ca_pem=ca, cert_pem=cert, key_pem=key_pem)
+    ensure_dev_pki(config.pki_dir)
+    return Identity(
+        name=name,
+        ca_pem=(config.pki_dir / "ca.crt").read_bytes(),
+        cert_pem=(config.pki_dir / f"{name}.crt").read_bytes(),
+        key_pem=(config.pki_dir / f"{name}.key").read_bytes(),
+    )
+
+
+def _read(path: Path, env: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {env} ({path}): {exc.strerror}") from exc
+
+
+def certificate_identity(cert: x509.Certificate) -> str | None:
+    """The identity a certificate names through its ``spiffe://quayutec/<identity>`` URI SAN."""
+    try:
+        sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    for uri in sans.get_values_for_type(x509.UniformResourceIdentifier):
+        if uri.startswith(SPIFFE_PREFIX) and uri.removeprefix(SPIFFE_PREFIX) in IDENTITIES:
+            return uri.removeprefix(SPIFFE_PREFIX)
+    return None
+
+
+def peer_identity(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
+    """The identity named by the caller's verified certificate, from a call's ``auth_context()``;
+    None when the call did not come over mutual TLS or the certificate names no identity."""
+    for uri in auth_context.get("peer_uri", ()):
+        text = uri.decode("ascii", "replace") if isinstance(uri, bytes) else str(uri)
+        if text.startswith(SPIFFE_PREFIX) and text.removeprefix(SPIFFE_PREFIX) in IDENTITIES:
+            return text.removeprefix(SPIFFE_PREFIX)
+    return None
+
+
+# -- the development PKI ------------------------------------------------------------------------------
+
+
+def ensure_dev_pki(pki_dir: Path) -> None:
+    """Create the development CA and every identity's certificate in ``pki_dir`` if missing.
+
+    Safe when several processes start at once: creation holds an exclusive lock on
+    ``pki_dir/.lock``, and every file is written to a temporary name and renamed into place."""
+    if _complete(pki_dir):
+        return
+    pki_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    with _locked(pki_dir / ".lock"):
+        if _complete(pki_dir):
+            return
+        ca_key_path, ca_cert_path = pki_dir / "ca.key", pki_dir / "ca.crt"
+        if ca_key_path.exists() and ca_cert_path.exists():
+            ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
+            ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
+            if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+                raise ConfigError(f"{ca_key_path} is not an EC key; remove {pki_dir} to make a new development CA")
+            new_ca = False
+        else:
+            ca_key, ca_cert = _make_ca()
+            _write(ca_key_path, _key_pem(ca_key), 0o600)
+            _write(ca_cert_path, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            new_ca = True
+        for name in IDENTITIES:
+            cert_path, key_path = pki_dir / f"{name}.crt", pki_dir / f"{name}.key"
+            if cert_path.exists() and key_path.exists() and not new_ca:
+                continue
+            key, cert = _make_leaf(name, ca_key, ca_cert)
+            _write(key_path, _key_pem(key), 0o600)
+            _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
+def _complete(pki_dir: Path) -> bool:
+    names = ["ca.crt", "ca.key", *(f"{n}.{ext}" for n in IDENTITIES for ext in ("crt", "key"))]
+    return all((pki_dir / n).exists() for n in names)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.chmod(tmp, mode)
+    os.replace(tmp, path)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+
+
+def _now() -> datetime.datetime:
+    return datetime.datetime.now(datetime.UTC)
+
+
+def _make_ca() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "quayutec development CA")])
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=_CA_DAYS))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=False,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                key_cert_sign=True,
+                crl_sign=True,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def _make_leaf(
+    name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate
+) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = _now()
+    sans: list[x509.GeneralName] = [
+        x509.DNSName(name),
+        x509.UniformResourceIdentifier(f"{SPIFFE_PREFIX}{name}"),
+        x509.DNSName("localhost"),
+        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+        x509.IPAddress(ipaddress.ip_address("::1")),
+    ]
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=_CERT_DAYS))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False
+        )
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    return key, cert
