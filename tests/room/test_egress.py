@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 
+from quayutec.config import ROOM
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
-from tests.harness.channels import service_channel
+from tests.harness.channels import callers_stub
 from tests.harness.egress import PUBLIC, TableResolver
 from tests.harness.room import running_room
 from tests.room.conftest import Stub, expect_error, make_company
@@ -73,8 +74,12 @@ async def resolver() -> TableResolver:
 
 @pytest.fixture
 async def room_as_gateway(database_url: str, resolver: TableResolver) -> AsyncIterator[Stub]:
-    async with running_room(database_url, resolver=resolver) as addr, service_channel(addr, "gateway") as channel:
-        yield room_pb2_grpc.RoomServiceStub(channel)
+    """RoomService, each RPC as its production caller (RegisterAgent as the Gateway, companies as admin)."""
+    async with (
+        running_room(database_url, resolver=resolver) as addr,
+        callers_stub(addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as stub,
+    ):
+        yield stub
 
 
 def registration(company_id: str, base_url: str) -> room_pb2.RoomServiceRegisterAgentRequest:
@@ -119,9 +124,8 @@ async def test_the_allow_list_admits_listed_networks_and_hosts(database_url: str
     allow = "10.0.0.0/8, home.test, 169.254.169.254/32"
     async with (
         running_room(database_url, resolver=resolver, QUAYUTEC_RUNTIME_EGRESS_ALLOW=allow) as addr,
-        service_channel(addr, "gateway") as channel,
+        callers_stub(addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as room,
     ):
-        room = room_pb2_grpc.RoomServiceStub(channel)
         acme = await make_company(room)
         for url in (
             "https://intranet.test/v1",  # 10.0.0.5, inside 10.0.0.0/8
