@@ -4,6 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
+NODE_EXAMPLES := docs/examples/node
+NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
+
 .PHONY: demo test lint typecheck pytest protos check-protos clean bench
 
 $(STAMP): pyproject.toml
@@ -28,7 +31,12 @@ typecheck: $(STAMP)
 check-protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py --check
 
-pytest: $(STAMP)
+# The API guide's Node example (docs/api.md), run by tests/test_docs.py: its packages from the lock file.
+$(NODE_STAMP): $(NODE_EXAMPLES)/package-lock.json
+	cd $(NODE_EXAMPLES) && npm ci --no-audit --no-fund
+	touch $(NODE_STAMP)
+
+pytest: $(STAMP) $(NODE_STAMP)
 	$(BIN)/pytest
 
 protos: $(STAMP)
@@ -41,5 +49,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/wakes.py
 	$(BIN)/python bench/parked.py
 
+# Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
+# a server that no command can reach.
 clean:
-	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache
+	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
+	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules

@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from quayutec.tls import MtlsConfig
@@ -68,12 +68,30 @@ class ConfigError(ValueError):
     """A setting is missing or malformed; the message names the variable to fix."""
 
 
-def env_str(env: Mapping[str, str], name: str, default: str) -> str:
+class Declared(Protocol):
+    """A setting's declaration (``quayutec.settings.Setting``): its name and typed default."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def default(self) -> str | int | float | bool | None: ...
+
+
+def _declared(name: str | Declared, default: Any) -> tuple[str, Any]:
+    """A reader's name and default: from the declaration when given one (the usual case)."""
+    if isinstance(name, str):
+        return name, default
+    return name.name, name.default if default is None else default
+
+
+def env_str(env: Mapping[str, str], name: str | Declared, default: str | None = None) -> str:
+    name, default = _declared(name, default)
     value = env.get(name, "").strip()
-    return value or default
+    return value or str(default or "")
 
 
-def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+def env_bool(env: Mapping[str, str], name: str | Declared, default: bool | None = None) -> bool:
+    name, default = _declared(name, default)
     raw = env_str(env, name, "").lower()
     if not raw:
         return default
@@ -84,7 +102,8 @@ def env_bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name} must be true or false, got {raw!r}")
 
 
-def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0) -> int:
+def env_int(env: Mapping[str, str], name: str | Declared, default: int | None = None, *, minimum: int = 0) -> int:
+    name, default = _declared(name, default)
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -97,7 +116,10 @@ def env_int(env: Mapping[str, str], name: str, default: int, *, minimum: int = 0
     return value
 
 
-def env_float(env: Mapping[str, str], name: str, default: float, *, minimum: float = 0.0) -> float:
+def env_float(
+    env: Mapping[str, str], name: str | Declared, default: float | None = None, *, minimum: float = 0.0
+) -> float:
+    name, default = _declared(name, default)
     raw = env.get(name, "").strip()
     if not raw:
         return default
@@ -121,11 +143,13 @@ class DatabaseConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, prefix: str = "QUAYUTEC_") -> DatabaseConfig:
+        from quayutec.settings import setting
+
         env = os.environ if env is None else env
         url = env.get(DATABASE_URL_ENV, "").strip() or None
-        data_dir = Path(env_str(env, DATA_DIR_ENV, DEFAULT_DATA_DIR)).absolute()
-        pool_min = env_int(env, f"{prefix}DB_POOL_MIN", 1, minimum=0)
-        pool_max = env_int(env, f"{prefix}DB_POOL_MAX", 10, minimum=1)
+        data_dir = Path(env_str(env, setting(DATA_DIR_ENV))).absolute()
+        pool_min = env_int(env, setting(f"{prefix}DB_POOL_MIN"), minimum=0)
+        pool_max = env_int(env, setting(f"{prefix}DB_POOL_MAX"), minimum=1)
         if pool_min > pool_max:
             raise ConfigError(f"{prefix}DB_POOL_MIN ({pool_min}) exceeds {prefix}DB_POOL_MAX ({pool_max})")
         return cls(url=url, data_dir=data_dir, pool_min=pool_min, pool_max=pool_max)
@@ -144,18 +168,21 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, spec: ServiceSpec, env: Mapping[str, str] | None = None) -> ServerConfig:
+        from quayutec.settings import setting
         from quayutec.tls import MtlsConfig
 
         env = os.environ if env is None else env
         return cls(
-            listen=env_str(env, spec.listen_env, spec.default_listen),
-            grace_seconds=env_float(env, f"{spec.prefix}GRACE_SECONDS", 10.0),
+            listen=env_str(env, setting(spec.listen_env)),
+            grace_seconds=env_float(env, setting(f"{spec.prefix}GRACE_SECONDS")),
             mtls=MtlsConfig.from_env(env),
-            health_listen=env_str(env, spec.health_listen_env, "") or None,
+            health_listen=env_str(env, setting(spec.health_listen_env)) or None,
         )
 
 
 def service_addr(spec: ServiceSpec, env: Mapping[str, str] | None = None) -> str:
     """The address other services dial to reach ``spec``."""
+    from quayutec.settings import setting
+
     env = os.environ if env is None else env
-    return env_str(env, spec.addr_env, spec.default_addr)
+    return env_str(env, setting(spec.addr_env))

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
@@ -20,14 +22,48 @@ _log = logging.getLogger("quayutec.db")
 _MAX_SOCKET_DIR = 90
 
 
+def quiet_pgserver() -> None:
+    """Silence what pgserver says on every start: platformdirs' RuntimeDirWarning (no
+    XDG_RUNTIME_DIR, as in containers and CI) and its INFO log lines. Its errors still show."""
+    warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR", category=UserWarning)
+    logging.getLogger("pgserver").setLevel(logging.WARNING)
+
+
+def embedded_pgdata(data_dir: Path) -> Path:
+    """The embedded PostgreSQL's folder inside a data folder."""
+    return data_dir / "pgdata"
+
+
+def embedded_pid(pgdata: Path) -> int | None:
+    """The pid of the PostgreSQL serving ``pgdata`` when one is running, else None."""
+    try:
+        first = (pgdata / "postmaster.pid").read_text().splitlines()[0]
+        pid = int(first.strip())
+    except (OSError, IndexError, ValueError):
+        return None
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            return pid
+        return pid
+    return pid if b"postgres" in cmdline else None
+
+
 def embedded_database_url(data_dir: Path) -> str:
     """Start (or reuse) the embedded PostgreSQL in ``data_dir/pgdata`` and return its URL.
 
-    The server outlives this process on purpose: every service of one machine shares it.
+    The server outlives this process: every service of one machine shares it. Whoever started it
+    stops it (``quayutec up``, the demo, the test session), or ``quayutec db stop`` does.
     """
+    quiet_pgserver()
     import pgserver  # imported lazily: only the embedded mode needs it
 
-    pgdata = data_dir / "pgdata"
+    pgdata = embedded_pgdata(data_dir)
     if len(str(pgdata)) > _MAX_SOCKET_DIR:
         raise ValueError(
             f"the embedded PostgreSQL folder {pgdata} is too long for a Unix socket path; "
@@ -74,8 +110,9 @@ async def open_pool(config: DatabaseConfig) -> asyncpg.Pool:
 # Run in a child Python that never imports gRPC: a process with gRPC threads that forks to run
 # PostgreSQL's tools as another user (pgserver does so when we are root) can crash the child.
 _EMBEDDED_CTL = """
-import os, sys
+import os, sys, warnings
 from pathlib import Path
+warnings.filterwarnings("ignore", message="XDG_RUNTIME_DIR", category=UserWarning)
 import pgserver
 from pgserver import _commands
 pgdata = Path(sys.argv[2])

@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 import httpcore
 import httpx
 
-from quayutec.config import ConfigError
+from quayutec.config import ConfigError, env_str
+from quayutec.settings import setting
 
 EGRESS_ALLOW_ENV = "QUAYUTEC_RUNTIME_EGRESS_ALLOW"
 
@@ -153,7 +154,7 @@ class EgressPolicy:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> EgressPolicy:
         env = os.environ if env is None else env
-        return cls.parse(env.get(EGRESS_ALLOW_ENV, ""))
+        return cls.parse(env_str(env, setting(EGRESS_ALLOW_ENV)))
 
     def host_listed(self, host: str) -> bool:
         return _normal_host(host) in self.allow_hosts

@@ -35,7 +35,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from quayutec.config import DATA_DIR_ENV, DEFAULT_DATA_DIR, ConfigError, env_str
+from quayutec.config import DATA_DIR_ENV, ConfigError, env_str
+from quayutec.settings import setting
 
 GATEWAY = "gateway"
 ROOM = "room"
@@ -71,12 +72,12 @@ class MtlsConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> MtlsConfig:
         env = os.environ if env is None else env
-        paths = {name: env_str(env, name, "") for name in (CA_ENV, CERT_ENV, KEY_ENV)}
+        paths = {name: env_str(env, setting(name)) for name in (CA_ENV, CERT_ENV, KEY_ENV)}
         given = [name for name, value in paths.items() if value]
         if given and len(given) != 3:
             missing = sorted(set(paths) - set(given))
             raise ConfigError(f"set all of {CA_ENV}, {CERT_ENV} and {KEY_ENV} (PEM files), or none; missing {missing}")
-        data_dir = Path(env_str(env, DATA_DIR_ENV, DEFAULT_DATA_DIR)).absolute()
+        data_dir = Path(env_str(env, setting(DATA_DIR_ENV))).absolute()
         if not given:
             return cls(pki_dir=data_dir / PKI_FOLDER)
         return cls(

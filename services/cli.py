@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
+import asyncpg
 import grpc
 
 from quayutec.channels import channel_as
@@ -18,7 +21,7 @@ from quayutec.db import open_pool
 from quayutec.migrate import apply_all
 from quayutec.tls import ADMIN
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
-from services.client import API_KEY_ENV, GatewayClient, format_run
+from services.client import API_KEY_ENV, NOT_TRACED, STATUS_NAMES, STEP_NAMES, GatewayClient, format_run
 
 Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -29,20 +32,21 @@ async def cmd_up(opts: argparse.Namespace) -> int:
 
     extra: dict[str, str] = {}
     standin = None
+    stack = LocalStack.with_ports(ephemeral=False, base_port=opts.base_port)
     if opts.standin:
         from services.runtime.standin import StandinProvider
 
         standin = StandinProvider()
         url = standin.start()
         extra = {"QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": url, "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": url}
-    stack = LocalStack.with_ports(ephemeral=False, extra_env=extra)
-    print("starting PostgreSQL and applying migrations ...", flush=True)
-    await stack.prepare_database()
+    stack.extra_env = extra
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
+        print("starting PostgreSQL and applying migrations ...", flush=True)
+        await stack.prepare_database()
         print("starting services ...", flush=True)
         await stack.start_all()
         for name in stack.ports:
@@ -50,13 +54,67 @@ async def cmd_up(opts: argparse.Namespace) -> int:
         if standin is not None:
             print(f"  standin  {standin.base_url} (stand-in model provider)", flush=True)
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
+        print("in another terminal, point the commands at this stack with:", flush=True)
+        print(stack.exports(), flush=True)
         await stop.wait()
         print("\nstopping ...", flush=True)
     finally:
         stack.stop_all()
         if standin is not None:
             standin.stop()
+        if stack.started_pgdata is not None:
+            print("stopping the embedded PostgreSQL this command started ...", flush=True)
+            await asyncio.to_thread(stack.stop_database)
     print("stopped", flush=True)
+    return 0
+
+
+async def cmd_db_status(opts: argparse.Namespace) -> int:
+    """Where the embedded PostgreSQL lives and whether it runs."""
+    from quayutec.db import embedded_pgdata, embedded_pid
+
+    config = DatabaseConfig.from_env()
+    if config.url:
+        print("DATABASE_URL is set: the services use that PostgreSQL, not an embedded one")
+    pgdata = embedded_pgdata(config.data_dir)
+    pid = embedded_pid(pgdata)
+    state = f"running (pid {pid})" if pid is not None else "not running"
+    print(f"embedded PostgreSQL in {pgdata}: {state}")
+    return 0
+
+
+async def cmd_db_stop(opts: argparse.Namespace) -> int:
+    """Stop an embedded PostgreSQL left running in the data folder."""
+    from quayutec.db import embedded_ctl, embedded_pgdata, embedded_pid
+
+    pgdata = embedded_pgdata(DatabaseConfig.from_env().data_dir)
+    pid = embedded_pid(pgdata)
+    if pid is None:
+        print(f"no embedded PostgreSQL running in {pgdata}")
+        return 0
+    await asyncio.to_thread(embedded_ctl, "stop", pgdata)
+    print(f"stopped the embedded PostgreSQL in {pgdata} (pid {pid})")
+    return 0
+
+
+async def cmd_config(opts: argparse.Namespace) -> int:
+    """Every setting, its default, the value in effect here and who reads it (secrets hidden)."""
+    from quayutec.settings import for_service, in_effect, ordered
+
+    chosen = for_service(opts.service) if opts.service else ordered()
+    rows = []
+    for s in chosen:
+        value, is_set = in_effect(s, os.environ)
+        rows.append(
+            {
+                "name": s.name,
+                "value": value,
+                "from": "environment" if is_set else "default",
+                "read_by": ",".join(s.services),
+                "meaning": s.meaning,
+            }
+        )
+    _print_rows(rows, opts.json, empty="no settings")
     return 0
 
 
@@ -92,8 +150,22 @@ async def cmd_company_create(opts: argparse.Namespace) -> int:
     return 0
 
 
+class AdminError(Exception):
+    """An admin command cannot go on; the message says what to fix."""
+
+
 async def _with_pool(action: Callable[[Any], Awaitable[int]]) -> int:
-    pool = await open_pool(DatabaseConfig.from_env())
+    """Run an admin action on the services' database. With no DATABASE_URL that is the embedded
+    PostgreSQL of QUAYUTEC_DATA_DIR, which must be running: a wrong folder must not start a new one."""
+    from quayutec.db import embedded_pgdata, embedded_pid
+
+    config = DatabaseConfig.from_env()
+    if config.url is None and embedded_pid(embedded_pgdata(config.data_dir)) is None:
+        raise AdminError(
+            f"no PostgreSQL is running in {config.data_dir}: start the stack (`quayutec up`), or set "
+            "QUAYUTEC_DATA_DIR to the folder `quayutec up` printed, or DATABASE_URL to your database"
+        )
+    pool = await open_pool(config)
     try:
         return await action(pool)
     finally:
@@ -104,6 +176,7 @@ async def cmd_keys_create(opts: argparse.Namespace) -> int:
     from services.gateway.auth import create_api_key
 
     async def act(pool: Any) -> int:
+        await _company_exists(pool, opts.company)
         key_id, secret = await create_api_key(pool, opts.company, opts.label)
         print(f"key {key_id}\n{secret}\n(shown once; store it now — only its hash is kept)")
         return 0
@@ -128,11 +201,58 @@ async def cmd_keys_list(opts: argparse.Namespace) -> int:
     from services.gateway.auth import list_api_keys
 
     async def act(pool: Any) -> int:
-        for key in await list_api_keys(pool, opts.company):
-            print(key)
+        await _company_exists(pool, opts.company)
+        keys = await list_api_keys(pool, opts.company)
+        rows = [
+            {
+                "key_id": k.key_id,
+                "label": k.label,
+                "created_at": k.created_at.isoformat(timespec="seconds"),
+                "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
+            }
+            for k in keys
+        ]
+        _print_rows(rows, opts.json, empty="no keys")
         return 0
 
     return await _with_pool(act)
+
+
+async def _company_exists(pool: Any, company_id: str) -> None:
+    """Admin commands act on a company that exists in this database, or say what is wrong."""
+    try:
+        company = uuid.UUID(company_id)
+    except ValueError:
+        raise AdminError(
+            f"--company must be a company id (a UUID, as `company create` prints), got {company_id!r}"
+        ) from None
+    try:
+        found = await pool.fetchval("SELECT name FROM companies WHERE company_id = $1", company)
+    except asyncpg.UndefinedTableError:
+        raise AdminError(
+            "this database has no Quayutec schema: is it the one your services use? (`quayutec migrate` creates it)"
+        ) from None
+    if found is None:
+        raise AdminError(
+            f"no company {company_id} in this database: check the id (`company create` prints it) and that "
+            "QUAYUTEC_DATA_DIR or DATABASE_URL is the one your services use"
+        )
+
+
+def _print_rows(rows: Sequence[Mapping[str, Any]], as_json: bool, *, empty: str) -> None:
+    """A list command's output: an aligned table with a header, or JSON (one array) with ``--json``."""
+    if as_json:
+        print(json.dumps(list(rows), indent=2))
+        return
+    if not rows:
+        print(f"({empty})")
+        return
+    columns = list(rows[0])
+    cells = [[str(row[c]) for c in columns] for row in rows]
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
+    for r in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip())
 
 
 def _client(channel: grpc.aio.Channel) -> GatewayClient:
@@ -158,8 +278,17 @@ async def cmd_runs(opts: argparse.Namespace) -> int:
         runs = await _client(channel).ListRuns(
             gateway_pb2.ListRunsRequest(agent_id=opts.agent or "", page_size=opts.limit)
         )
-    for run in runs.runs:
-        print(format_run(run).splitlines()[0] + f"  trace {run.trace_id or '-'}")
+    rows = [
+        {
+            "run_id": run.run_id,
+            "agent_id": run.agent_id,
+            "status": STATUS_NAMES[run.status],
+            "last_step": STEP_NAMES[run.step],
+            "trace": run.trace_id or NOT_TRACED,
+        }
+        for run in runs.runs
+    ]
+    _print_rows(rows, opts.json, empty="no runs")
     return 0
 
 
@@ -223,11 +352,17 @@ async def cmd_invitations(opts: argparse.Namespace) -> int:
         got = await _client(channel).ListInvitations(
             gateway_pb2.ListInvitationsRequest(status=INVITATION_STATUSES[opts.status], page_size=opts.limit)
         )
-    for inv in got.invitations:
-        print(
-            f"invitation {inv.invitation_id}  room {inv.room_id} {inv.room_name!r}  "
-            f"from {inv.invited_by_company_name} ({inv.invited_by_company_id})  {opts.status}"
-        )
+    rows = [
+        {
+            "invitation_id": inv.invitation_id,
+            "room_id": inv.room_id,
+            "room": inv.room_name,
+            "from": f"{inv.invited_by_company_name} ({inv.invited_by_company_id})",
+            "status": opts.status,
+        }
+        for inv in got.invitations
+    ]
+    _print_rows(rows, opts.json, empty=f"no {opts.status} invitations")
     return 0
 
 
@@ -275,9 +410,15 @@ async def cmd_messages(opts: argparse.Namespace) -> int:
         got = await _client(channel).ListMessages(
             gateway_pb2.ListMessagesRequest(room_id=opts.room, page_size=opts.limit, newest_first=True)
         )
-    for m in reversed(got.messages):
-        who = f"{m.author.person} ({m.author.company_id})" if m.author.person else f"agent {m.author.agent_id}"
-        print(f"#{m.seq} {who}: {m.body}")
+    rows = [
+        {
+            "seq": m.seq,
+            "author": f"{m.author.person} ({m.author.company_id})" if m.author.person else f"agent {m.author.agent_id}",
+            "body": m.body,
+        }
+        for m in reversed(got.messages)
+    ]
+    _print_rows(rows, opts.json, empty="no messages")
     return 0
 
 
@@ -314,12 +455,21 @@ def _format_rights(rights: common_pb2.AgentRights) -> str:
 async def cmd_approvals(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         got = await _client(channel).ListApprovals(gateway_pb2.ListApprovalsRequest(page_size=opts.limit))
-    for wp in got.waitpoints:
-        print(f"token {wp.token}  run {wp.run_id}  agent {wp.agent_id}  expires {wp.expires_at.ToJsonString()}")
-        for held in wp.held:
-            decision = common_pb2.Decision.Name(held.decision).removeprefix("DECISION_").lower()
-            kind = common_pb2.ActionKind.Name(held.kind).removeprefix("ACTION_KIND_").lower()
-            print(f"  #{held.index} {kind} {held.arguments_json}: {decision}")
+    rows = [
+        {
+            "token": wp.token,
+            "index": held.index,
+            "action": common_pb2.ActionKind.Name(held.kind).removeprefix("ACTION_KIND_").lower(),
+            "decision": common_pb2.Decision.Name(held.decision).removeprefix("DECISION_").lower(),
+            "agent_id": wp.agent_id,
+            "run_id": wp.run_id,
+            "expires": wp.expires_at.ToJsonString(),
+            "arguments": held.arguments_json,
+        }
+        for wp in got.waitpoints
+        for held in wp.held
+    ]
+    _print_rows(rows, opts.json, empty="no held actions")
     return 0
 
 
@@ -335,108 +485,162 @@ async def cmd_decide(opts: argparse.Namespace) -> int:
     return 0
 
 
+ROOM_ID = "a room id (as `room create` prints)"
+COMPANY_ID = "a company id (as `company create` prints)"
+AS_JSON = "print JSON (an array of objects) instead of a table"
+
+
+def _limit(p: argparse.ArgumentParser, default: int) -> None:
+    p.add_argument("--limit", type=int, default=default, help=f"at most this many (default {default})")
+
+
+def _json(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help=AS_JSON)
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="quayutec", description="Quayutec rooms: run, demo and administer.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(
+        prog="quayutec",
+        description="Quayutec rooms: run the stack here, the demo, admin commands, and a client of the Gateway.",
+        epilog=f"Client commands authenticate with {API_KEY_ENV}; admin commands use the services' database "
+        "(DATABASE_URL, or the embedded PostgreSQL of QUAYUTEC_DATA_DIR). `quayutec config` lists every setting.",
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up = sub.add_parser("up", help="embedded PostgreSQL and all four services here; Ctrl-C stops them")
     up.add_argument("--standin", action="store_true", help="point Runtime at a local stand-in model provider")
+    up.add_argument(
+        "--base-port",
+        type=int,
+        metavar="PORT",
+        help="Gateway on PORT, Room, Claims and Runtime on the next three "
+        "(default: each QUAYUTEC_<SVC>_LISTEN or _ADDR when set, else 50051-50054)",
+    )
     up.set_defaults(handler=cmd_up)
+    db = sub.add_parser("db", help="the embedded PostgreSQL in the data folder").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    db.add_parser("status", help="whether it runs, and where").set_defaults(handler=cmd_db_status)
+    db.add_parser("stop", help="stop one left running (Ctrl-C on `up` stops the one it started)").set_defaults(
+        handler=cmd_db_stop
+    )
+    cf = sub.add_parser("config", help="every setting: default, the value in effect here, who reads it")
+    cf.add_argument(
+        "--service", choices=["gateway", "room", "claims", "runtime", "cli"], help="only the settings it reads"
+    )
+    _json(cf)
+    cf.set_defaults(handler=cmd_config)
     sub.add_parser("demo", help="the two-company demo, with a Runtime crash").set_defaults(handler=cmd_demo)
     sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
 
-    company = sub.add_parser("company", help="companies (admin)").add_subparsers(dest="action", required=True)
+    company = sub.add_parser("company", help="companies (admin)").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
     create = company.add_parser("create", help="create a company")
-    create.add_argument("name")
+    create.add_argument("name", help="the company's name (unique)")
     create.set_defaults(handler=cmd_company_create)
 
-    keys = sub.add_parser("keys", help="API keys (admin)").add_subparsers(dest="action", required=True)
-    kc = keys.add_parser("create", help="make an API key for a company")
-    kc.add_argument("--company", required=True)
-    kc.add_argument("--label", default="")
+    keys = sub.add_parser("keys", help="API keys (admin)").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    kc = keys.add_parser("create", help="make an API key for a company; the key is printed once")
+    kc.add_argument("--company", required=True, help=COMPANY_ID)
+    kc.add_argument("--label", default="", help="a note to tell keys apart (e.g. ci)")
     kc.set_defaults(handler=cmd_keys_create)
     kr = keys.add_parser("revoke", help="revoke a key at once")
-    kr.add_argument("key_id")
+    kr.add_argument("key_id", help="the key's id (as `keys create` or `keys list` print)")
     kr.set_defaults(handler=cmd_keys_revoke)
-    kl = keys.add_parser("list", help="list a company's keys")
-    kl.add_argument("--company", required=True)
+    kl = keys.add_parser("list", help="list a company's keys, revoked ones included")
+    kl.add_argument("--company", required=True, help=COMPANY_ID)
+    _json(kl)
     kl.set_defaults(handler=cmd_keys_list)
 
     post = sub.add_parser("post", help=f"post a message as a person of your company (needs {API_KEY_ENV})")
-    post.add_argument("--room", required=True)
-    post.add_argument("--person", required=True)
-    post.add_argument("--mention", action="append", help="an agent id to wake (repeatable)")
-    post.add_argument("body")
+    post.add_argument("--room", required=True, help=ROOM_ID)
+    post.add_argument("--person", required=True, help="who in your company writes it (e.g. ana)")
+    post.add_argument("--mention", action="append", metavar="AGENT_ID", help="an agent id to wake (repeatable)")
+    post.add_argument("body", help="the message text")
     post.set_defaults(handler=cmd_post)
     runs = sub.add_parser("runs", help="your agents' runs, newest first, with trace ids")
-    runs.add_argument("--agent")
-    runs.add_argument("--limit", type=int, default=20)
+    runs.add_argument("--agent", metavar="AGENT_ID", help="only this agent's runs")
+    _limit(runs, 20)
+    _json(runs)
     runs.set_defaults(handler=cmd_runs)
     run = sub.add_parser("run", help="one run's full ledger record")
-    run.add_argument("run_id")
+    run.add_argument("run_id", help="a run id (as `runs` prints)")
     run.set_defaults(handler=cmd_run)
-    room = sub.add_parser("room", help="rooms (as your company)").add_subparsers(dest="action", required=True)
+    room = sub.add_parser("room", help="rooms (as your company)").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
     rc = room.add_parser("create", help="create a room; your company is its first member")
-    rc.add_argument("name")
+    rc.add_argument("name", help="the room's name")
     rc.set_defaults(handler=cmd_room_create)
     ri = room.add_parser("invite", help="invite another company; it becomes a member when it accepts")
-    ri.add_argument("room")
-    ri.add_argument("company")
+    ri.add_argument("room", help=ROOM_ID)
+    ri.add_argument("company", help="the invited " + COMPANY_ID)
     ri.set_defaults(handler=cmd_room_invite)
     rl = room.add_parser("leave", help="leave a room (its creator cannot); you lose access at once")
-    rl.add_argument("room")
+    rl.add_argument("room", help=ROOM_ID)
     rl.set_defaults(handler=cmd_room_leave)
     rr = room.add_parser("remove-member", help="remove a member company (the room's creator only)")
-    rr.add_argument("room")
-    rr.add_argument("company")
+    rr.add_argument("room", help=ROOM_ID)
+    rr.add_argument("company", help="the member's " + COMPANY_ID)
     rr.set_defaults(handler=cmd_room_remove_member)
     iv = sub.add_parser("invitations", help="invitations to your company (pending ones by default)")
-    iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending")
-    iv.add_argument("--limit", type=int, default=50)
+    iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending", help="which ones to list")
+    _limit(iv, 50)
+    _json(iv)
     iv.set_defaults(handler=cmd_invitations)
     invitation = sub.add_parser("invitation", help="answer an invitation to your company").add_subparsers(
-        dest="action", required=True
+        dest="action", required=True, metavar="ACTION"
     )
     ia = invitation.add_parser("accept", help="accept: your company becomes a member of the room")
-    ia.add_argument("invitation_id")
+    ia.add_argument("invitation_id", help="as `invitations` prints")
     ia.set_defaults(handler=cmd_invitation_accept)
     idc = invitation.add_parser("decline", help="decline: your company does not join the room")
-    idc.add_argument("invitation_id")
+    idc.add_argument("invitation_id", help="as `invitations` prints")
     idc.set_defaults(handler=cmd_invitation_decline)
-    agent = sub.add_parser("agent", help="your agents").add_subparsers(dest="action", required=True)
+    agent = sub.add_parser("agent", help="your agents").add_subparsers(dest="action", required=True, metavar="ACTION")
     ar = agent.add_parser("register", help=f"register an always-on agent (provider key from {PROVIDER_KEY_ENV})")
-    ar.add_argument("--name", required=True)
-    ar.add_argument("--provider", required=True, choices=sorted(PROVIDERS))
-    ar.add_argument("--model", required=True)
+    ar.add_argument("--name", required=True, help="the agent's name, as people mention it")
+    ar.add_argument("--provider", required=True, choices=sorted(PROVIDERS), help="which API its model speaks")
+    ar.add_argument("--model", required=True, help="the provider's model name")
     ar.add_argument(
         "--base-url",
         help="your own model address: https to a public address unless the operator allow-lists it "
         "(one request per call, never retried)",
     )
-    ar.add_argument("--system-prompt", default="")
+    ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
-    ms = sub.add_parser("messages", help="a room's latest messages")
-    ms.add_argument("--room", required=True)
-    ms.add_argument("--limit", type=int, default=20)
+    ms = sub.add_parser("messages", help="a room's latest messages, oldest of them first")
+    ms.add_argument("--room", required=True, help=ROOM_ID)
+    _limit(ms, 20)
+    _json(ms)
     ms.set_defaults(handler=cmd_messages)
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
-        dest="action", required=True
+        dest="action", required=True, metavar="ACTION"
     )
     rs = rights.add_parser("set", help="set the default for all your agents, or --agent's own")
-    rs.add_argument("--agent")
+    rs.add_argument("--agent", metavar="AGENT_ID", help="set this agent's own rights instead of the default")
     for field in RIGHT_FIELDS:
-        rs.add_argument(f"--{field.replace('_', '-')}", dest=field, choices=sorted(RIGHTS))
+        rs.add_argument(
+            f"--{field.replace('_', '-')}",
+            dest=field,
+            choices=sorted(RIGHTS),
+            help=f"what the {field} action does (unchanged when not given)",
+        )
     rs.set_defaults(handler=cmd_rights_set)
     rg = rights.add_parser("show", help="effective rights of the default or --agent")
-    rg.add_argument("--agent")
+    rg.add_argument("--agent", metavar="AGENT_ID", help="this agent's effective rights")
     rg.set_defaults(handler=cmd_rights_show)
     ap = sub.add_parser("approvals", help="held actions waiting for your decision")
-    ap.add_argument("--limit", type=int, default=50)
+    _limit(ap, 50)
+    _json(ap)
     ap.set_defaults(handler=cmd_approvals)
     dc = sub.add_parser("decide", help="approve or deny one held action")
-    dc.add_argument("token")
-    dc.add_argument("index", type=int)
-    dc.add_argument("decision", choices=["approve", "deny"])
-    dc.add_argument("--person", required=True)
+    dc.add_argument("token", help="the waitpoint token (as `approvals` prints)")
+    dc.add_argument("index", type=int, help="the held action's index (as `approvals` prints)")
+    dc.add_argument("decision", choices=["approve", "deny"], help="your decision")
+    dc.add_argument("--person", required=True, help="who in your company decides (recorded)")
     dc.set_defaults(handler=cmd_decide)
     return p
 
@@ -449,6 +653,9 @@ def main(argv: list[str] | None = None) -> None:
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         code = 2
+    except AdminError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        code = 1
     except KeyboardInterrupt:
         code = 130
     raise SystemExit(code)

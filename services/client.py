@@ -28,6 +28,7 @@ class GatewayClient:
         return call
 
 
+NOT_TRACED = "(not traced)"
 STATUS_NAMES = {v: k.removeprefix("RUN_STATUS_").lower() for k, v in common_pb2.RunStatus.items()}
 STEP_NAMES = {v: k.removeprefix("RUN_STEP_").lower() for k, v in common_pb2.RunStep.items()}
 OUTCOME_NAMES = {v: k.removeprefix("ACTION_OUTCOME_").lower() for k, v in common_pb2.ActionOutcome.items()}
@@ -39,7 +40,7 @@ def format_run(run: common_pb2.Run) -> str:
     lines = [
         f"run {run.run_id}  status={STATUS_NAMES[run.status]}  last step={STEP_NAMES[run.step]}",
         f"  agent {run.agent_id}  wake {run.wake_id}  active {run.active_ms} ms",
-        f"  trace {run.trace_id or '(not traced)'}",
+        f"  trace {run.trace_id or NOT_TRACED}",
         f"  posted: {run.posted_message_id or 'nothing'}",
     ]
     for action in run.actions:

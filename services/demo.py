@@ -19,7 +19,7 @@ import grpc
 from quayutec.config import RUNTIME
 from quayutec.db import create_pool
 from quayutec.tls import ADMIN, GATEWAY
-from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.client import STATUS_NAMES, GatewayClient, format_run
 from services.gateway.auth import create_api_key
 from services.runtime.run import run_id_for
@@ -99,12 +99,49 @@ async def ended_run(client: GatewayClient, run_id: str) -> common_pb2.Run:
     return result
 
 
+REDELIVERIES = 5
+_DELIVERED_LINE = re.compile(r"wake (\S+) delivered \(attempt (\d+)\): StartRun answered (\w+)")
+
+
+def delivery_answers(stack: LocalStack, wake_id: str) -> list[str]:
+    """What Runtime answered each time the Gateway delivered ``wake_id``, from the Gateway's log."""
+    log = stack.log_dir / "gateway.log"
+    text = log.read_text(errors="replace") if log.exists() else ""
+    return [
+        f"delivery attempt {m.group(2)}, Runtime answered {m.group(3)}"
+        for m in _DELIVERED_LINE.finditer(text)
+        if m.group(1) == wake_id
+    ]
+
+
+async def redeliver(stack: LocalStack, wake_id: str, n: int) -> str:
+    """Make the delivered wake due again in the Room's outbox, as a settlement lost on the way would
+    leave it, and wait for the running Gateway to deliver it once more; returns Runtime's answer."""
+    before = len(delivery_answers(stack, wake_id))
+    pool = await create_pool(stack.database_url, min_size=1, max_size=1)
+    try:
+        await pool.execute(
+            "UPDATE wake_outbox SET delivered_at = NULL, due_at = now(), lease_owner = NULL, "
+            "lease_expires_at = NULL WHERE wake_id = $1",
+            uuid.UUID(wake_id),
+        )
+
+        async def delivered_again() -> str | None:
+            answers = delivery_answers(stack, wake_id)
+            done = await pool.fetchval("SELECT delivered_at FROM wake_outbox WHERE wake_id = $1", uuid.UUID(wake_id))
+            return answers[before] if done is not None and len(answers) > before else None
+
+        answer: str = await wait_for(delivered_again, f"redelivery {n} of wake {wake_id}")
+    finally:
+        await pool.close()
+    return answer
+
+
 async def demo(stack: LocalStack, standin: StandinProvider) -> None:
     tag = uuid.uuid4().hex[:6]
     async with (
         stack.channel("room", ADMIN) as room_channel,
         stack.channel("gateway", GATEWAY) as gw_channel,
-        stack.channel("runtime", GATEWAY) as rt_channel,
     ):
         room = room_pb2_grpc.RoomServiceStub(room_channel)
         say("\n== 1. Two companies, each with an API key (admin commands)")
@@ -195,22 +232,10 @@ async def demo(stack: LocalStack, standin: StandinProvider) -> None:
         say("   runtime killed while the model was answering")
         stack.start("runtime")
         await stack.wait_serving(RUNTIME)
-        say("   runtime restarted; the same wake is delivered again, 5 times at once:")
-        runtime = runtime_pb2_grpc.RuntimeServiceStub(rt_channel)
-        again = await asyncio.gather(
-            *(
-                runtime.StartRun(
-                    runtime_pb2.StartRunRequest(
-                        agent_id=planner.agent_id,
-                        wake_id=crash_wake,
-                        room_id=r.room_id,
-                        wake_kind=common_pb2.WAKE_KIND_MESSAGE,
-                    )
-                )
-                for _ in range(5)
-            )
-        )
-        say(f"   answers: {sorted({runtime_pb2.StartRunResult.Name(x.result) for x in again})}")
+        say("   runtime restarted; the Gateway delivers the same wake again, 5 times, as a lost settlement would:")
+        for n in range(1, REDELIVERIES + 1):
+            answer = await redeliver(stack, crash_wake, n)
+            say(f"   redelivery {n}: {answer}")
         dead = (await a.GetRun(gateway_pb2.GetRunRequest(run_id=run_id_for(planner.agent_id, crash_wake)))).run
         say(format_run(dead))
         say(f"   -> the killed run stays {STATUS_NAMES[dead.status]} at its last step; nothing posted, not redone")
@@ -249,15 +274,17 @@ async def run_demo() -> int:
                 "QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.1",
             },
         )
-        say("starting the embedded PostgreSQL and applying migrations ...")
-        await stack.prepare_database()
-        say("starting gateway, room, claims and runtime ...")
         try:
+            say("starting the embedded PostgreSQL and applying migrations ...")
+            await stack.prepare_database()
+            say("starting gateway, room, claims and runtime ...")
             await stack.start_all()
             for name in stack.ports:
                 say(f"   {name:8s} {stack.addr(name)}")
             await demo(stack, standin)
         finally:
             stack.stop_all()
+            # The embedded PostgreSQL goes too, unless it was running before the demo.
+            await asyncio.to_thread(stack.stop_database)
     say(f"\ndemo finished in {time.monotonic() - started:.1f} s (service logs in {stack.log_dir})")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from quayutec.authz import CALLER_PREFERENCE, CallersStub
 from quayutec.channels import channel_as
 from quayutec.config import CLAIMS, GATEWAY, ROOM, RUNTIME, SERVICES, DatabaseConfig, ServiceSpec
-from quayutec.db import create_pool, resolve_database_url
+from quayutec.db import create_pool, embedded_ctl, embedded_pgdata, embedded_pid, resolve_database_url
 from quayutec.migrate import migrate
 from quayutec.tls import ADMIN, MtlsConfig
 
@@ -36,6 +37,24 @@ def port_is_free(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def orphan_guard() -> list[str]:
+    """A command prefix that has the kernel send SIGTERM to a service when the process that started
+    it dies, even by SIGKILL, so a killed `quayutec up` leaves no service behind (Linux's
+    ``setpriv --pdeathsig``, from util-linux; none where it is missing)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--"] if setpriv and sys.platform.startswith("linux") else []
+
+
+def port_of(addr: str, name: str) -> int | None:
+    """The port of ``host:port`` (``[::]:50051``, ``localhost:50051``); None for an empty address."""
+    if not addr:
+        return None
+    _, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise SystemExit(f"{name} must be host:port, got {addr!r}")
+    return int(port)
 
 
 def free_port() -> int:
@@ -89,31 +108,88 @@ class LocalStack:
     database_url: str = ""
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     log_dir: Path = field(default_factory=lambda: Path(".quayutec") / "logs")
+    # Where each service listens and how the others dial it; a name missing uses 127.0.0.1:<port>.
+    listens: dict[str, str] = field(default_factory=dict)
+    addrs: dict[str, str] = field(default_factory=dict)
+    # The embedded PostgreSQL folder this stack started (and so stops), if any.
+    started_pgdata: Path | None = None
 
     @classmethod
-    def with_ports(cls, *, ephemeral: bool, extra_env: Mapping[str, str] | None = None) -> LocalStack:
-        ports = {s.name: (free_port() if ephemeral else s.port) for s in SERVICES}
+    def with_ports(
+        cls,
+        *,
+        ephemeral: bool,
+        extra_env: Mapping[str, str] | None = None,
+        base_port: int | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> LocalStack:
+        """Ports for the four services: ephemeral ones (demo, tests); ``base_port`` and the next three
+        (Gateway, Room, Claims, Runtime); or each service's ``QUAYUTEC_<SVC>_LISTEN`` / ``_ADDR`` when
+        set, its default port (50051-50054) when not."""
+        env = os.environ if env is None else env
+        ports: dict[str, int] = {}
+        listens: dict[str, str] = {}
+        addrs: dict[str, str] = {}
+        for s in SERVICES:
+            if ephemeral:
+                ports[s.name] = free_port()
+            elif base_port is not None:
+                ports[s.name] = base_port + (s.port - GATEWAY.port)
+            else:
+                listen = env.get(s.listen_env, "").strip()
+                addr = env.get(s.addr_env, "").strip()
+                ports[s.name] = port_of(listen or addr, s.listen_env if listen else s.addr_env) or s.port
+                if listen:
+                    listens[s.name] = listen
+                if addr:
+                    addrs[s.name] = addr
         if not ephemeral:
             taken = [f"{name} ({port})" for name, port in ports.items() if not port_is_free(port)]
             if taken:
-                raise SystemExit(f"ports in use: {', '.join(taken)}; stop what holds them or set the ports free")
-        return cls(ports=ports, extra_env=dict(extra_env or {}), log_dir=DatabaseConfig.from_env().data_dir / "logs")
+                raise SystemExit(
+                    f"ports in use: {', '.join(taken)}; stop what holds them, or choose others with "
+                    "--base-port or QUAYUTEC_<SVC>_LISTEN / QUAYUTEC_<SVC>_ADDR"
+                )
+        return cls(
+            ports=ports,
+            extra_env=dict(extra_env or {}),
+            log_dir=DatabaseConfig.from_env(env).data_dir / "logs",
+            listens=listens,
+            addrs=addrs,
+        )
 
     def addr(self, name: str) -> str:
-        return f"127.0.0.1:{self.ports[name]}"
+        """How the other services (and this process) dial ``name``."""
+        return self.addrs.get(name) or f"127.0.0.1:{self.ports[name]}"
+
+    def listen(self, name: str) -> str:
+        return self.listens.get(name) or f"127.0.0.1:{self.ports[name]}"
+
+    def exports(self) -> str:
+        """Shell lines that point the `quayutec` commands of another terminal at this stack."""
+        lines = [f"export {spec.addr_env}={self.addr(spec.name)}" for spec in SERVICES]
+        if self.started_pgdata is not None or not os.environ.get("DATABASE_URL", "").strip():
+            lines.append(f"export QUAYUTEC_DATA_DIR={DatabaseConfig.from_env().data_dir}")
+        return "\n".join(lines)
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, **self.extra_env, "DATABASE_URL": self.database_url}
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         for spec in SERVICES:
-            env[spec.listen_env] = self.addr(spec.name)
+            env[spec.listen_env] = self.listen(spec.name)
             env[spec.addr_env] = self.addr(spec.name)
             # The parent migrated already; replicas need not race for it.
             env[f"{spec.prefix}MIGRATE_ON_START"] = "false"
         return env
 
     async def prepare_database(self) -> str:
+        """Resolve the database (starting the embedded one when there is no ``DATABASE_URL``) and
+        migrate it. An embedded server that was not already running is stopped by ``stop_database``."""
         config = DatabaseConfig.from_env()
+        if config.url is None:
+            pgdata = embedded_pgdata(config.data_dir)
+            if embedded_pid(pgdata) is None:
+                self.started_pgdata = pgdata
         self.database_url = await resolve_database_url(config)
         pool = await create_pool(self.database_url, min_size=1, max_size=2)
         try:
@@ -126,7 +202,7 @@ class LocalStack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", f"services.{name}"],
+            [*orphan_guard(), sys.executable, "-m", f"services.{name}"],
             cwd=REPO,
             env=self.env(),
             stdout=log,
@@ -196,3 +272,13 @@ class LocalStack:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+
+    def stop_database(self) -> None:
+        """Stop the embedded PostgreSQL if this stack started it (one already running is left alone)."""
+        if self.started_pgdata is not None and embedded_pid(self.started_pgdata) is not None:
+            try:
+                embedded_ctl("stop", self.started_pgdata)
+            except subprocess.CalledProcessError as exc:
+                if embedded_pid(self.started_pgdata) is not None:  # not stopped by someone else meanwhile
+                    raise RuntimeError(f"could not stop the embedded PostgreSQL: {exc.stderr}") from exc
+        self.started_pgdata = None

@@ -7,6 +7,7 @@ clone of it (``CREATE DATABASE ... TEMPLATE``), which takes milliseconds.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import tempfile
 import uuid
@@ -17,11 +18,12 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from quayutec.db import create_pool, embedded_database_url, with_database
+from quayutec.db import create_pool, embedded_ctl, embedded_database_url, embedded_pgdata, embedded_pid, with_database
 from quayutec.migrate import migrate
 
 # One template per test session, so sessions running side by side never drop each other's.
 TEMPLATE_DB = f"quayutec_test_template_{os.getpid()}"
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -31,9 +33,20 @@ def pg_server_url() -> Iterator[str]:
     if url:
         yield url
         return
-    # A short folder: the server's Unix socket lives in it.
-    data_dir = Path(tempfile.gettempdir()) / f"qy-test-{os.getuid()}"
+    data_dir = checkout_data_dir()
+    pgdata = embedded_pgdata(data_dir)
+    started = embedded_pid(pgdata) is None
     yield embedded_database_url(data_dir)
+    if started:
+        # This session started it, so it stops it: no server outlives the checkout that ran it.
+        embedded_ctl("stop", pgdata)
+
+
+def checkout_data_dir() -> Path:
+    """The embedded PostgreSQL folder of this checkout's tests: short (the server's Unix socket
+    lives in it) and outside the clone, but its own, so clones on one machine never share a server."""
+    checkout = hashlib.sha256(str(REPO).encode()).hexdigest()[:10]
+    return Path(tempfile.gettempdir()) / f"qy-{checkout}"
 
 
 async def _make_template(admin_url: str) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,7 +37,9 @@ async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path)
     done = await quayutec("demo", env={"DATABASE_URL": empty_database_url, "QUAYUTEC_DATA_DIR": str(tmp_path)})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
-    assert "answers: ['START_RUN_RESULT_ALREADY_CLAIMED']" in out
+    # Each of the five redeliveries went through the Gateway and was answered "already claimed".
+    for n in range(1, 6):
+        assert re.search(rf"redelivery {n}: delivery attempt \d+, Runtime answered ALREADY_CLAIMED", out), out
     assert "the killed run stays running at its last step; nothing posted, not redone" in out
     assert "task 'Write launch copy': TASK_STATUS_DONE" in out
     assert "memory Acme can read: ['Launch is on Friday']" in out
@@ -54,6 +59,9 @@ async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:
     assert secret.startswith(KEY_PREFIX) and key_id in secret
     listed = await quayutec("keys", "list", "--company", company.company_id, env=env)
     assert key_id in listed.stdout and secret not in listed.stdout
+    assert listed.stdout.splitlines()[0].split() == ["KEY_ID", "LABEL", "CREATED_AT", "REVOKED_AT"]
+    [row] = json.loads((await quayutec("keys", "list", "--company", company.company_id, "--json", env=env)).stdout)
+    assert row["key_id"] == key_id and row["label"] == "ci" and row["revoked_at"] == ""
     revoked = await quayutec("keys", "revoke", key_id, env=env)
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
     unknown = await quayutec("keys", "revoke", "00000000-0000-0000-0000-000000000000", env=env)
@@ -122,20 +130,26 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
             posted = await ok("post", "--room", room_id, "--person", "ana", "--mention", agent_id, "plan it")
             assert "wakes ['" in posted
             for _ in range(300):  # bounded: the Gateway delivers, the Runtime runs
-                runs = await ok("runs", "--agent", agent_id)
-                if "status=succeeded" in runs:
+                runs = await ok("runs", "--agent", agent_id, "--json")
+                if '"status": "succeeded"' in runs:
                     break
                 await asyncio.sleep(0.1)
-            assert "status=succeeded" in runs
-            run_id = runs.split()[1]
+            listed = json.loads(runs)
+            assert [r["status"] for r in listed] == ["succeeded"]
+            run_id = listed[0]["run_id"]
+            table = await ok("runs", "--agent", agent_id)
+            header, row = table.splitlines()
+            assert header.split() == ["RUN_ID", "AGENT_ID", "STATUS", "LAST_STEP", "TRACE"]
+            assert row.startswith(run_id) and "(not traced)" in row
             record = await ok("run", run_id)
             assert "model request 1: 200 ok" in record and "posted: " in record
             messages = await ok("messages", "--room", room_id)
-            assert "ana (" in messages and "standin reply to:" in messages
+            assert "ana (" in messages and 'Noted, you asked "plan it"' in messages
             assert "sk-ant-cli-secret" not in record + messages + runs
             rights = await ok("rights", "set", "--create-task", "hold")
             assert "create_task=hold" in rights
-            assert (await ok("approvals")) == ""
+            assert (await ok("approvals")) == "(no held actions)\n"
+            assert json.loads(await ok("approvals", "--json")) == []
 
 
 async def test_invitations_leave_and_remove_from_the_command_line(database_url: str) -> None:
@@ -173,8 +187,10 @@ async def test_invitations_leave_and_remove_from_the_command_line(database_url: 
         assert "becomes a member when it accepts" in invited
         invitation_id = invited.split()[1].rstrip(":")
         listed = await ok(globex, "invitations")
-        assert invitation_id in listed and "'launch'" in listed and "from Acme" in listed
-        assert (await ok(acme, "invitations")) == ""
+        assert invitation_id in listed and " launch " in listed and f"Acme ({acme_id})" in listed
+        assert (await ok(acme, "invitations")) == "(no pending invitations)\n"
+        [as_json] = json.loads(await ok(globex, "invitations", "--json"))
+        assert as_json["invitation_id"] == invitation_id and as_json["room"] == "launch"
         # Not a member before it accepts.
         outside = await run(globex, "messages", "--room", room_id)
         assert outside.returncode == 2 and "NOT_FOUND" in outside.stderr
@@ -201,3 +217,59 @@ async def test_invitations_leave_and_remove_from_the_command_line(database_url: 
         assert creator.returncode == 2 and "FAILED_PRECONDITION" in creator.stderr and "creator" in creator.stderr
         left = await run(globex, "messages", "--room", room_id)
         assert left.returncode == 2 and "NOT_FOUND" in left.stderr
+
+
+async def test_admin_commands_refuse_a_company_that_does_not_exist(database_url: str) -> None:
+    env = {"DATABASE_URL": database_url}
+    unknown = "00000000-0000-0000-0000-000000000000"
+    made = await quayutec("keys", "create", "--company", unknown, env=env)
+    assert made.returncode == 1 and f"no company {unknown}" in made.stderr and made.stdout == ""
+    listed = await quayutec("keys", "list", "--company", unknown, env=env)
+    assert listed.returncode == 1 and f"no company {unknown}" in listed.stderr
+    malformed = await quayutec("keys", "create", "--company", "acme", env=env)
+    assert malformed.returncode == 1 and "must be a company id" in malformed.stderr
+
+
+async def test_admin_commands_do_not_start_a_database_in_a_wrong_folder(tmp_path: Path) -> None:
+    env = {"DATABASE_URL": "", "QUAYUTEC_DATA_DIR": str(tmp_path / "wrong")}
+    made = await quayutec("keys", "create", "--company", "00000000-0000-0000-0000-000000000000", env=env)
+    assert made.returncode == 1 and "no PostgreSQL is running in" in made.stderr
+    assert not (tmp_path / "wrong" / "pgdata").exists()
+
+
+def _all_parsers(p: argparse.ArgumentParser, path: str = "quayutec") -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(path, p)]
+    for action in p._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found += _all_parsers(child, f"{path} {name}")
+    return found
+
+
+def test_every_command_and_option_has_help() -> None:
+    from services.cli import parser
+
+    missing = []
+    for path, p in _all_parsers(parser()):
+        for action in p._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                missing += [f"{path} {c.dest}" for c in action._choices_actions if not c.help]
+            elif not action.help:
+                missing.append(f"{path} {'/'.join(action.option_strings) or action.dest}")
+    assert missing == []
+
+
+async def test_each_service_prints_help_and_does_not_start() -> None:
+    for name in ("gateway", "room", "claims", "runtime"):
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-m", f"services.{name}", "--help"],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.startswith(f"usage: python -m services.{name}"), done.stdout
+        assert f"QUAYUTEC_{name.upper()}_LISTEN" in done.stdout and "listening" not in done.stderr

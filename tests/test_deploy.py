@@ -9,6 +9,7 @@ and a small NetworkPolicy evaluator that proves only the Gateway is reachable fr
 from __future__ import annotations
 
 import base64
+import importlib.util
 import ipaddress
 import shutil
 import subprocess
@@ -39,7 +40,7 @@ APP_LABEL = ("app.kubernetes.io/part-of", "quayutec")
 NAME_LABEL = "app.kubernetes.io/name"
 APP_UID = 10001
 
-# Which service needs which secret, and whom it dials (DESIGN.md; the brief's wiring).
+# Which service needs which secret, and whom it dials (the services' wiring).
 NEEDS_DATABASE = {"gateway", "room", "claims", "migrate"}
 # Only Room decrypts provider keys; Runtime gets a run's key from Room and never holds the key of keys.
 NEEDS_ENCRYPTION_KEY = {"room"}
@@ -58,16 +59,26 @@ PROD_EXTERNAL_SECRETS = {"quayutec-database", "quayutec-secrets", "quayutec-gate
 
 
 def _kubectl() -> str:
+    """kubectl renders the overlays; without it these tests fail (never skip) and say what to install."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
-        pytest.skip("kubectl is not on PATH: cannot render the kustomize overlays")
+        pytest.fail(
+            "kubectl is not on PATH, so the kustomize overlays cannot be rendered and validated: install kubectl "
+            "(for example `apt-get install kubectl` or the release binary) and run the tests again"
+        )
     return kubectl
 
 
 def _validator() -> list[str]:
+    """kubernetes-validate (the dev extra) checks the rendered objects; its absence fails the tests."""
     script = Path(sys.executable).with_name("kubernetes-validate")
     if script.exists():
         return [str(script)]
+    if importlib.util.find_spec("kubernetes_validate") is None:
+        pytest.fail(
+            "kubernetes-validate is not installed in this Python, so the overlays cannot be validated: "
+            "install the dev extra (`pip install -e '.[dev]'`, as `make test` does)"
+        )
     return [sys.executable, "-m", "kubernetes_validate"]
 
 

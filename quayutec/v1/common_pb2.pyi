@@ -231,7 +231,7 @@ class _RunStepEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStep.Value
     RUN_STEP_ENDED: _RunStep.ValueType  # 8
 
 class RunStep(_RunStep, metaclass=_RunStepEnumTypeWrapper):
-    """RunStep is the last step of DESIGN.md's run the ledger has seen completed."""
+    """RunStep is the last step of a run (docs/architecture.md) the ledger has seen completed."""
 
 RUN_STEP_UNSPECIFIED: RunStep.ValueType  # 0
 RUN_STEP_CLAIMED: RunStep.ValueType  # 1

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from quayutec.config import CLAIMS, DatabaseConfig, ServerConfig, env_bool, env_float, env_int
+from quayutec.settings import setting
 
 # Measured by bench/claims.py at concurrency 64: one batch in flight (claims arriving meanwhile join
 # the next one) doubles gRPC throughput over one statement per claim.
@@ -36,10 +37,8 @@ class ClaimsConfig:
         return cls(
             server=ServerConfig.from_env(CLAIMS, env),
             database=DatabaseConfig.from_env(env, prefix=prefix),
-            migrate_on_start=env_bool(env, f"{prefix}MIGRATE_ON_START", True),
-            batch_max=env_int(env, f"{prefix}BATCH_MAX", DEFAULT_BATCH_MAX, minimum=1),
-            batch_in_flight=env_int(env, f"{prefix}BATCH_IN_FLIGHT", DEFAULT_BATCH_IN_FLIGHT, minimum=1),
-            acquire_timeout_seconds=env_float(
-                env, f"{prefix}ACQUIRE_TIMEOUT_SECONDS", DEFAULT_ACQUIRE_TIMEOUT_SECONDS, minimum=0.001
-            ),
+            migrate_on_start=env_bool(env, setting(f"{prefix}MIGRATE_ON_START")),
+            batch_max=env_int(env, setting(f"{prefix}BATCH_MAX"), minimum=1),
+            batch_in_flight=env_int(env, setting(f"{prefix}BATCH_IN_FLIGHT"), minimum=1),
+            acquire_timeout_seconds=env_float(env, setting(f"{prefix}ACQUIRE_TIMEOUT_SECONDS"), minimum=0.001),
         )

@@ -20,6 +20,7 @@ from quayutec.config import (
     env_str,
     service_addr,
 )
+from quayutec.settings import setting
 
 
 @dataclass(frozen=True)
@@ -100,43 +101,43 @@ class GatewayConfig:
     def from_env(cls, env: Mapping[str, str] | None = None) -> GatewayConfig:
         env = os.environ if env is None else env
         p = GATEWAY.prefix
-        cert = env_str(env, f"{p}TLS_CERT", "")
-        key = env_str(env, f"{p}TLS_KEY", "")
+        cert = env_str(env, setting(f"{p}TLS_CERT"))
+        key = env_str(env, setting(f"{p}TLS_KEY"))
         if bool(cert) != bool(key):
             raise ConfigError(f"set both {p}TLS_CERT and {p}TLS_KEY (file paths) for TLS, or neither")
         delivery = DeliveryConfig(
-            enabled=env_bool(env, f"{p}DELIVERY_ENABLED", True),
-            batch_size=env_int(env, f"{p}DELIVERY_BATCH_SIZE", 100, minimum=1),
-            lease_seconds=env_int(env, f"{p}LEASE_SECONDS", 30, minimum=1),
-            poll_interval_seconds=env_float(env, f"{p}POLL_INTERVAL_SECONDS", 0.2, minimum=0.001),
-            wake_notify=env_bool(env, f"{p}WAKE_NOTIFY", True),
-            backoff_base_seconds=env_float(env, f"{p}BACKOFF_BASE_SECONDS", 0.5, minimum=0.001),
-            backoff_ceiling_seconds=env_float(env, f"{p}BACKOFF_CEILING_SECONDS", 30.0, minimum=0.001),
-            concurrency=env_int(env, f"{p}DELIVERY_CONCURRENCY", 64, minimum=1),
-            start_run_timeout_seconds=env_float(env, f"{p}START_RUN_TIMEOUT_SECONDS", 10.0, minimum=0.001),
-            stop_grace_seconds=env_float(env, f"{p}DELIVERY_STOP_GRACE_SECONDS", 5.0),
-            expire_interval_seconds=env_float(env, f"{p}EXPIRE_INTERVAL_SECONDS", 5.0, minimum=0.001),
-            abandon_after_seconds=env_int(env, f"{p}ABANDON_AFTER_SECONDS", 600, minimum=60),
+            enabled=env_bool(env, setting(f"{p}DELIVERY_ENABLED")),
+            batch_size=env_int(env, setting(f"{p}DELIVERY_BATCH_SIZE"), minimum=1),
+            lease_seconds=env_int(env, setting(f"{p}LEASE_SECONDS"), minimum=1),
+            poll_interval_seconds=env_float(env, setting(f"{p}POLL_INTERVAL_SECONDS"), minimum=0.001),
+            wake_notify=env_bool(env, setting(f"{p}WAKE_NOTIFY")),
+            backoff_base_seconds=env_float(env, setting(f"{p}BACKOFF_BASE_SECONDS"), minimum=0.001),
+            backoff_ceiling_seconds=env_float(env, setting(f"{p}BACKOFF_CEILING_SECONDS"), minimum=0.001),
+            concurrency=env_int(env, setting(f"{p}DELIVERY_CONCURRENCY"), minimum=1),
+            start_run_timeout_seconds=env_float(env, setting(f"{p}START_RUN_TIMEOUT_SECONDS"), minimum=0.001),
+            stop_grace_seconds=env_float(env, setting(f"{p}DELIVERY_STOP_GRACE_SECONDS")),
+            expire_interval_seconds=env_float(env, setting(f"{p}EXPIRE_INTERVAL_SECONDS"), minimum=0.001),
+            abandon_after_seconds=env_int(env, setting(f"{p}ABANDON_AFTER_SECONDS"), minimum=60),
         )
         if delivery.batch_size > 500:
             raise ConfigError(f"{p}DELIVERY_BATCH_SIZE must be at most 500, got {delivery.batch_size}")
         if delivery.lease_seconds > 3600:
             raise ConfigError(f"{p}LEASE_SECONDS must be at most 3600, got {delivery.lease_seconds}")
         rate_limit = RateLimitConfig(
-            rate_per_second=env_float(env, f"{p}POST_RATE", 20.0),
-            burst=env_int(env, f"{p}POST_BURST", 40, minimum=1),
-            max_companies=env_int(env, f"{p}RATE_LIMIT_MAX_COMPANIES", 10_000, minimum=1),
+            rate_per_second=env_float(env, setting(f"{p}POST_RATE")),
+            burst=env_int(env, setting(f"{p}POST_BURST"), minimum=1),
+            max_companies=env_int(env, setting(f"{p}RATE_LIMIT_MAX_COMPANIES"), minimum=1),
         )
         return cls(
             server=ServerConfig.from_env(GATEWAY, env),
             database=DatabaseConfig.from_env(env, prefix=p),
             room_addr=service_addr(ROOM, env),
             runtime_addr=service_addr(RUNTIME, env),
-            migrate_on_start=env_bool(env, f"{p}MIGRATE_ON_START", True),
+            migrate_on_start=env_bool(env, setting(f"{p}MIGRATE_ON_START")),
             tls_cert_path=Path(cert) if cert else None,
             tls_key_path=Path(key) if key else None,
-            room_timeout_seconds=env_float(env, f"{p}ROOM_TIMEOUT_SECONDS", 10.0, minimum=0.001),
-            reconnect_backoff_max_ms=env_int(env, f"{p}RECONNECT_BACKOFF_MAX_MS", 5000, minimum=100),
+            room_timeout_seconds=env_float(env, setting(f"{p}ROOM_TIMEOUT_SECONDS"), minimum=0.001),
+            reconnect_backoff_max_ms=env_int(env, setting(f"{p}RECONNECT_BACKOFF_MAX_MS"), minimum=100),
             rate_limit=rate_limit,
             delivery=delivery,
         )

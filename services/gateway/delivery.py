@@ -198,6 +198,12 @@ class WakeDelivery:
             error = _describe(exc)
         else:
             if response.result in _DELIVERED_RESULTS:
+                _log.info(
+                    "wake %s delivered (attempt %d): StartRun answered %s",
+                    wake.wake_id,
+                    wake.delivery_attempts,
+                    runtime_pb2.StartRunResult.Name(response.result).removeprefix("START_RUN_RESULT_"),
+                )
                 await self._settle(wake, room_pb2.WAKE_SETTLEMENT_DELIVERED)
                 return
             error = f"unexpected StartRun result {response.result}"

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from quayutec.config import ROOM, DatabaseConfig, ServerConfig, env_bool
 from quayutec.crypto import MultiFernet, load_fernet
 from quayutec.egress import EgressPolicy
+from quayutec.settings import setting
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,6 @@ class RoomConfig:
             server=ServerConfig.from_env(ROOM, env),
             database=database,
             cipher=load_fernet(env, database.data_dir),
-            migrate_on_start=env_bool(env, f"{prefix}MIGRATE_ON_START", True),
+            migrate_on_start=env_bool(env, setting(f"{prefix}MIGRATE_ON_START")),
             egress=EgressPolicy.from_env(env),
         )

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from quayutec.config import CLAIMS, ROOM, RUNTIME, ConfigError, ServerConfig, env_float, env_int, env_str, service_addr
 from quayutec.egress import EgressPolicy
+from quayutec.settings import setting
 
 P = RUNTIME.prefix
 
@@ -49,14 +50,14 @@ class RuntimeConfig:
             server=ServerConfig.from_env(RUNTIME, env),
             claims_addr=service_addr(CLAIMS, env),
             room_addr=service_addr(ROOM, env),
-            max_runs=env_int(env, f"{P}MAX_RUNS", 32, minimum=1),
-            run_seconds=env_float(env, f"{P}RUN_SECONDS", 300.0, minimum=0.001),
-            model_timeout_seconds=env_float(env, f"{P}MODEL_TIMEOUT_SECONDS", 60.0, minimum=0.001),
-            backend_timeout_seconds=env_float(env, f"{P}BACKEND_TIMEOUT_SECONDS", 10.0, minimum=0.001),
-            anthropic_base_url=env_str(env, f"{P}ANTHROPIC_BASE_URL", "https://api.anthropic.com").rstrip("/"),
-            openai_base_url=env_str(env, f"{P}OPENAI_BASE_URL", "https://api.openai.com").rstrip("/"),
-            recent_messages=env_int(env, f"{P}RECENT_MESSAGES", 20, minimum=1),
-            waitpoint_ttl_seconds=env_int(env, f"{P}WAITPOINT_TTL_SECONDS", 86_400, minimum=1),
+            max_runs=env_int(env, setting(f"{P}MAX_RUNS"), minimum=1),
+            run_seconds=env_float(env, setting(f"{P}RUN_SECONDS"), minimum=0.001),
+            model_timeout_seconds=env_float(env, setting(f"{P}MODEL_TIMEOUT_SECONDS"), minimum=0.001),
+            backend_timeout_seconds=env_float(env, setting(f"{P}BACKEND_TIMEOUT_SECONDS"), minimum=0.001),
+            anthropic_base_url=env_str(env, setting(f"{P}ANTHROPIC_BASE_URL")).rstrip("/"),
+            openai_base_url=env_str(env, setting(f"{P}OPENAI_BASE_URL")).rstrip("/"),
+            recent_messages=env_int(env, setting(f"{P}RECENT_MESSAGES"), minimum=1),
+            waitpoint_ttl_seconds=env_int(env, setting(f"{P}WAITPOINT_TTL_SECONDS"), minimum=1),
             egress=EgressPolicy.from_env(env),
             failpoints=failpoints,
         )

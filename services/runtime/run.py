@@ -1,4 +1,4 @@
-"""A run, step by step, in the order DESIGN.md gives: claim, read, call, decide, post, write, end.
+"""A run, step by step, in a fixed order (docs/architecture.md): claim, read, call, decide, post, write, end.
 
 The claim comes first and is never undone: whatever happens after it (an error, the time limit,
 a crash), the wake is not acted on again. The ledger row is written whole, in the same transaction
@@ -269,7 +269,7 @@ class RunExecutor:
             self._active -= 1
 
     async def run(self, wake: Wake, run_id: str) -> None:
-        """One claimed run, in DESIGN.md's order. Nothing here is ever redone."""
+        """One claimed run, step by step in the fixed order. Nothing here is ever redone."""
         annotate(agent_id=wake.agent_id, room_id=wake.room_id, wake_id=wake.wake_id)
         row = self._new_run_row(wake, run_id)
         ledger = Ledger(self._room, row, self._config.backend_timeout_seconds, metrics=self._metrics)

@@ -476,12 +476,29 @@ def _masked(authorization: str) -> str:
     return key[:3] + "*" * max(0, len(key) - 7) + key[-4:] if len(key) > 10 else "***"
 
 
-def _default_text(wire: Wire, body: Mapping[str, Any]) -> str:
+WOKEN_BY = "You were woken by: "
+ASK_CHARS = 80
+
+
+def asked(body: Mapping[str, Any]) -> str:
+    """What the request asks: the line that woke the agent (our prompt's last line) when there is
+    one, else the last user message's last line; cut at a word, never mid-word or mid-id."""
     last_user = ""
     for message in body.get("messages") or []:
         if isinstance(message, dict) and message.get("role") == "user":
             last_user = _content_text(message.get("content"))
-    return f"standin reply to: {last_user[:80]}"
+    lines = [line.strip() for line in last_user.splitlines() if line.strip()]
+    woken = [line.removeprefix(WOKEN_BY) for line in lines if line.startswith(WOKEN_BY)]
+    text = (woken or lines or ["(nothing)"])[-1]
+    if len(text) <= ASK_CHARS:
+        return text
+    cut = text[:ASK_CHARS].rsplit(" ", 1)[0].rstrip(" ,.;:")
+    return f"{cut} ..."
+
+
+def _default_text(wire: Wire, body: Mapping[str, Any]) -> str:
+    """A short, deterministic answer that names what it was asked, as an agent would reply."""
+    return f'Noted, you asked "{asked(body)}"; I will take it from here and report back in this room.'
 
 
 def _content_text(content: Any) -> str:

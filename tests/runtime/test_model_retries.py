@@ -287,7 +287,9 @@ async def test_owner_supplied_base_url_gets_exactly_one_request(
 async def test_owner_supplied_success(http: httpx.AsyncClient, standin: StandinProvider) -> None:
     outcome, _ = await call(http, target(standin, "openai_compatible", owner_supplied=True))
     assert outcome.reply is not None
-    assert outcome.reply.text == "standin reply to: Please summarise the open tasks."
+    assert outcome.reply.text == (
+        'Noted, you asked "Please summarise the open tasks."; I will take it from here and report back in this room.'
+    )
     assert len(standin.requests()) == 1
     assert standin.requests()[0].body["max_tokens"] == 256
 

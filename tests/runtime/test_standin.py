@@ -33,15 +33,21 @@ def client(timeout: float = 5.0) -> httpx.Client:
 
 
 def test_default_replies_are_deterministic(standin: StandinProvider) -> None:
-    long_text = "x" * 200
+    long_text = "plan the launch " * 12
     with client() as http:
         a = http.post(f"{standin.base_url}/v1/messages", headers=ANTHROPIC, json=anthropic_body(text=long_text))
         o = http.post(f"{standin.base_url}/v1/chat/completions", headers=OPENAI, json=openai_body(text="hi"))
     assert a.status_code == o.status_code == 200
-    assert a.json()["content"] == [{"type": "text", "text": "standin reply to: " + "x" * 80}]
+    cut = "plan the launch plan the launch plan the launch plan the launch plan the launch ..."
+    assert a.json()["content"] == [
+        {"type": "text", "text": f'Noted, you asked "{cut}"; I will take it from here and report back in this room.'}
+    ]
     assert a.json()["stop_reason"] == "end_turn"
     message = o.json()["choices"][0]["message"]
-    assert message == {"role": "assistant", "content": "standin reply to: hi"}
+    assert message == {
+        "role": "assistant",
+        "content": 'Noted, you asked "hi"; I will take it from here and report back in this room.',
+    }
     assert o.json()["usage"]["total_tokens"] > 0
 
 
@@ -56,7 +62,7 @@ def test_scripts_are_per_model_then_any_model(standin: StandinProvider) -> None:
     assert first_m2.json()["content"][0]["text"] == "for anyone"
     assert first_m1.status_code == 529
     assert first_m1.json() == {"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}
-    assert second_m1.json()["content"][0]["text"].startswith("standin reply to:")
+    assert second_m1.json()["content"][0]["text"].startswith("Noted, you asked ")
     assert [r.answer for r in standin.requests("m1")] == ["fault:overloaded", "default"]
     assert len(standin.requests()) == 3
 
@@ -213,3 +219,12 @@ def test_module_entry_point_serves_until_sigterm() -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_the_default_reply_names_the_line_that_woke_the_agent(standin: StandinProvider) -> None:
+    prompt = "Recent messages:\n- [ana] earlier\nYou were woken by: plan the launch with Bolt"
+    with client() as http:
+        got = http.post(f"{standin.base_url}/v1/messages", headers=ANTHROPIC, json=anthropic_body(text=prompt))
+    assert got.json()["content"][0]["text"] == (
+        'Noted, you asked "plan the launch with Bolt"; I will take it from here and report back in this room.'
+    )

@@ -1,0 +1,24 @@
+#!/bin/sh
+# Call the Gateway with grpcurl: who am I, a room, one message posted twice with the same
+# idempotency key (posted once), then the room's messages. The Gateway serves gRPC reflection, so
+# grpcurl needs no .proto files; with -import-path protos -proto quayutec/v1/gateway.proto it
+# works from the files instead.
+set -eu
+ADDR="${QUAYUTEC_GATEWAY_ADDR:-localhost:50051}"
+AUTH="authorization: Bearer ${QUAYUTEC_API_KEY:?set QUAYUTEC_API_KEY to your API key}"
+GW=quayutec.v1.GatewayService
+
+grpcurl -plaintext -H "$AUTH" "$ADDR" "$GW/WhoAmI"
+
+ROOM=$(grpcurl -plaintext -H "$AUTH" -d '{"name": "from-grpcurl"}' "$ADDR" "$GW/CreateRoom" |
+  python3 -c 'import json, sys; print(json.load(sys.stdin)["room"]["room_id"])')
+echo "room $ROOM"
+
+for attempt in 1 2; do
+  grpcurl -plaintext -H "$AUTH" \
+    -d "{\"room_id\": \"$ROOM\", \"person\": \"ana\", \"body\": \"hello\", \"idempotency_key\": \"hello-1\"}" \
+    "$ADDR" "$GW/PostMessage" |
+    python3 -c 'import json, sys; m = json.load(sys.stdin)["message"]; print("posted", m["message_id"], "seq", m["seq"])'
+done
+
+grpcurl -plaintext -H "$AUTH" -d "{\"room_id\": \"$ROOM\", \"page_size\": 10}" "$ADDR" "$GW/ListMessages"

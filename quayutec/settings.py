@@ -1,0 +1,351 @@
+"""Every setting the project reads, declared once: name, default, meaning and who reads it.
+
+The services' ``Config.from_env`` readers take their names and defaults from here
+(``setting(name)``); ``quayutec config`` prints them with the values in effect, ``python -m
+services.X --help`` lists a service's own, and ``scripts/gen_settings_table.py`` writes the README's
+configuration table from them (a test fails when it is stale, and another when the code reads an
+environment variable that is not declared here).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from quayutec.config import SERVICES, ServiceSpec
+
+Value = str | int | float | bool | None
+
+ALL = ("gateway", "room", "claims", "runtime")
+WITH_DATABASE = ("gateway", "room", "claims")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable. ``default`` is the typed value the reader uses when the variable
+    is unset or empty; ``shown`` is how the table shows it when that is not the plain value."""
+
+    name: str
+    default: Value
+    meaning: str
+    services: tuple[str, ...]
+    shown: str = ""
+    secret: bool = False
+
+    @property
+    def default_text(self) -> str:
+        if self.shown:
+            return self.shown
+        if isinstance(self.default, bool):
+            return "true" if self.default else "false"
+        if self.default is None or self.default == "":
+            return "unset"
+        return str(self.default)
+
+
+def _g(name: str, default: Value, meaning: str, services: Iterable[str], **kw: str | bool) -> Setting:
+    return Setting(name, default, meaning, tuple(services), **kw)  # type: ignore[arg-type]
+
+
+def _per_service(spec: ServiceSpec) -> list[Setting]:
+    """The settings every service has under its own prefix."""
+    p, name = spec.prefix, spec.name
+    found = [
+        _g(f"{p}LISTEN", spec.default_listen, f"where {name} listens (host:port)", [name]),
+        _g(
+            f"{p}ADDR",
+            spec.default_addr,
+            f"how the others dial {name} (host:port)",
+            {"gateway": ["cli"], "room": ["gateway", "runtime", "cli"], "claims": ["runtime"], "runtime": ["gateway"]}[
+                name
+            ],
+        ),
+        _g(f"{p}GRACE_SECONDS", 10.0, f"drain time of {name} on SIGTERM", [name], shown="10"),
+        _g(
+            f"{p}HEALTH_LISTEN",
+            "",
+            f"a second, plaintext port of {name} serving only grpc.health.v1, for probes without a client certificate",
+            [name],
+        ),
+    ]
+    if name in WITH_DATABASE:
+        found += [
+            _g(f"{p}MIGRATE_ON_START", True, f"{name} applies its own migrations at start-up", [name]),
+            _g(f"{p}DB_POOL_MIN", 1, f"fewest open database connections of {name}", [name]),
+            _g(f"{p}DB_POOL_MAX", 10, f"most open database connections of {name}", [name]),
+        ]
+    return found
+
+
+_DECLARED: list[Setting] = [
+    _g(
+        "DATABASE_URL",
+        "",
+        "PostgreSQL of Room, Claims, Gateway, migrations and the admin commands; unset: the embedded one",
+        [*WITH_DATABASE, "cli"],
+        shown="(embedded)",
+        secret=True,
+    ),
+    _g(
+        "QUAYUTEC_DATA_DIR",
+        ".quayutec",
+        "folder of the embedded PostgreSQL, the service logs of `quayutec up`, the dev encryption key file"
+        " and the dev certificates (`pki/`)",
+        [*WITH_DATABASE, "cli"],
+    ),
+    _g(
+        "QUAYUTEC_ENCRYPTION_KEY",
+        "",
+        "Fernet key(s), comma-separated, newest first, encrypting provider keys at rest",
+        ["room"],
+        shown="(dev: key file in the data dir)",
+        secret=True,
+    ),
+    _g(
+        "QUAYUTEC_MTLS_CA",
+        "",
+        "PEM file of the CA every service trusts; with MTLS_CERT and MTLS_KEY (all three or none)",
+        [*ALL, "cli"],
+        shown="unset (dev PKI in <data dir>/pki/)",
+    ),
+    _g("QUAYUTEC_MTLS_CERT", "", "PEM certificate of this process, naming its identity", [*ALL, "cli"]),
+    _g("QUAYUTEC_MTLS_KEY", "", "PEM private key of MTLS_CERT", [*ALL, "cli"], secret=True),
+    _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
+    _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
+    _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),
+    _g("QUAYUTEC_PROVIDER_KEY", "", "the model provider key `agent register` sends", ["cli"], secret=True),
+    # Claims
+    _g("QUAYUTEC_CLAIMS_BATCH_MAX", 256, "most claims combined into one INSERT (1: one statement each)", ["claims"]),
+    _g("QUAYUTEC_CLAIMS_BATCH_IN_FLIGHT", 1, "most claim batches sent at once", ["claims"]),
+    _g(
+        "QUAYUTEC_CLAIMS_ACQUIRE_TIMEOUT_SECONDS",
+        5.0,
+        "longest wait for a pooled connection before a claim answers UNAVAILABLE",
+        ["claims"],
+        shown="5",
+    ),
+    # Runtime
+    _g(
+        "QUAYUTEC_RUNTIME_MAX_RUNS",
+        32,
+        "runs executing at once; over it StartRun is RESOURCE_EXHAUSTED (nothing claimed)",
+        ["runtime"],
+    ),
+    _g("QUAYUTEC_RUNTIME_RUN_SECONDS", 300.0, "active time of one run", ["runtime"], shown="300"),
+    _g("QUAYUTEC_RUNTIME_MODEL_TIMEOUT_SECONDS", 60.0, "timeout of one model request", ["runtime"], shown="60"),
+    _g(
+        "QUAYUTEC_RUNTIME_BACKEND_TIMEOUT_SECONDS",
+        10.0,
+        "deadline of one Runtime call to Claims or Room",
+        ["runtime"],
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL",
+        "https://api.anthropic.com",
+        "our own Anthropic address (e.g. the stand-in); retried per the policy",
+        ["runtime"],
+    ),
+    _g(
+        "QUAYUTEC_RUNTIME_OPENAI_BASE_URL",
+        "https://api.openai.com",
+        "our own OpenAI address (e.g. the stand-in); retried per the policy",
+        ["runtime"],
+    ),
+    _g("QUAYUTEC_RUNTIME_RECENT_MESSAGES", 20, "room messages a run reads before its model call", ["runtime"]),
+    _g(
+        "QUAYUTEC_RUNTIME_WAITPOINT_TTL_SECONDS",
+        86_400,
+        "how long held actions wait for their company's decision before they end undone",
+        ["runtime"],
+    ),
+    _g(
+        "QUAYUTEC_RUNTIME_EGRESS_ALLOW",
+        "",
+        "comma list of CIDRs and host names an agent owner's base_url may reach besides public https "
+        "addresses (plain http only to these); Room checks it at registration, Runtime at each connection: "
+        "set it on both",
+        ["room", "runtime"],
+    ),
+    _g(
+        "QUAYUTEC_RUNTIME_FAILPOINTS",
+        "",
+        "comma-separated step boundaries where a run pauses forever (crash tests only)",
+        ["runtime"],
+    ),
+    # Gateway
+    _g(
+        "QUAYUTEC_GATEWAY_TLS_CERT",
+        "",
+        "PEM certificate file; the Gateway serves TLS when it and TLS_KEY are set",
+        ["gateway"],
+    ),
+    _g("QUAYUTEC_GATEWAY_TLS_KEY", "", "PEM private key file of TLS_CERT", ["gateway"]),
+    _g(
+        "QUAYUTEC_GATEWAY_DELIVERY_ENABLED",
+        True,
+        "this Gateway delivers wakes to Runtime (false: API only)",
+        ["gateway"],
+    ),
+    _g("QUAYUTEC_GATEWAY_DELIVERY_BATCH_SIZE", 100, "wakes leased per delivery round (at most 500)", ["gateway"]),
+    _g(
+        "QUAYUTEC_GATEWAY_LEASE_SECONDS",
+        30,
+        "wake delivery lease; an expired lease makes the wake due again (at most 3600)",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS",
+        0.2,
+        "the delivery loop's poll, the fallback for notifications",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WAKE_NOTIFY",
+        True,
+        "LISTEN for the Room's new-wake notifications (same PostgreSQL) and deliver at once",
+        ["gateway"],
+    ),
+    _g("QUAYUTEC_GATEWAY_BACKOFF_BASE_SECONDS", 0.5, "first pause before a wake is redelivered", ["gateway"]),
+    _g(
+        "QUAYUTEC_GATEWAY_BACKOFF_CEILING_SECONDS",
+        30.0,
+        "longest pause before a wake is redelivered",
+        ["gateway"],
+        shown="30",
+    ),
+    _g("QUAYUTEC_GATEWAY_DELIVERY_CONCURRENCY", 64, "StartRun calls in flight at once", ["gateway"]),
+    _g(
+        "QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS",
+        10.0,
+        "deadline of one StartRun call",
+        ["gateway"],
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_DELIVERY_STOP_GRACE_SECONDS",
+        5.0,
+        "how long deliveries in flight may finish on shutdown",
+        ["gateway"],
+        shown="5",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS",
+        5.0,
+        "how often expired waitpoints and abandoned runs are ended",
+        ["gateway"],
+        shown="5",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_ABANDON_AFTER_SECONDS",
+        600,
+        "a RUNNING run untouched this long is ended FAILED as abandoned; keep it above the Runtime's RUN_SECONDS",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_POST_RATE",
+        20.0,
+        "per-company posts per second (per Gateway replica)",
+        ["gateway"],
+        shown="20",
+    ),
+    _g("QUAYUTEC_GATEWAY_POST_BURST", 40, "per-company burst of posts above the rate", ["gateway"]),
+    _g(
+        "QUAYUTEC_GATEWAY_RATE_LIMIT_MAX_COMPANIES",
+        10_000,
+        "companies whose rate buckets are kept (least recent dropped)",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_ROOM_TIMEOUT_SECONDS",
+        10.0,
+        "deadline of one Gateway call to Room",
+        ["gateway"],
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_RECONNECT_BACKOFF_MAX_MS",
+        5000,
+        "longest pause between the Gateway's reconnects to Room and Runtime",
+        ["gateway"],
+    ),
+    # OpenTelemetry (the standard variables we read)
+    _g("OTEL_EXPORTER_OTLP_ENDPOINT", "", "OTLP/gRPC endpoint for traces and metrics; unset: no export", ALL),
+    _g("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "", "OTLP endpoint for traces only", ALL),
+    _g("OTEL_EXPORTER_OTLP_METRICS_ENDPOINT", "", "OTLP endpoint for metrics only", ALL),
+    _g("OTEL_TRACES_EXPORTER", "", "otlp, console or none (unset: otlp when an endpoint is set)", ALL),
+    _g("OTEL_METRICS_EXPORTER", "", "otlp, console or none (unset: otlp when an endpoint is set)", ALL),
+    _g("OTEL_SERVICE_NAME", "", "service name in traces", ALL, shown="quayutec-<service>"),
+    _g("OTEL_RESOURCE_ATTRIBUTES", "", "extra resource attributes, key=value,...", ALL),
+    _g("OTEL_SDK_DISABLED", False, "true turns telemetry off", ALL),
+]
+for _spec in SERVICES:
+    _DECLARED += _per_service(_spec)
+
+SETTINGS: dict[str, Setting] = {s.name: s for s in _DECLARED}
+if len(SETTINGS) != len(_DECLARED):  # pragma: no cover - a declaration error
+    raise RuntimeError("a setting is declared twice")
+
+
+def setting(name: str) -> Setting:
+    """The declaration of ``name``; reading a variable that is not declared is a programming error."""
+    try:
+        return SETTINGS[name]
+    except KeyError:
+        raise KeyError(f"{name} is not declared in quayutec/settings.py") from None
+
+
+def for_service(service: str) -> list[Setting]:
+    """The settings one service (or ``cli``) reads, in table order."""
+    return [s for s in ordered() if service in s.services]
+
+
+def ordered() -> list[Setting]:
+    """Every setting: the shared ones first, then each service's, then OpenTelemetry's."""
+
+    def key(s: Setting) -> int:
+        if s.name.startswith("OTEL_"):
+            return 9
+        for i, spec in enumerate(SERVICES):
+            if s.name.startswith(spec.prefix):
+                return 1 + i
+        return 0
+
+    return sorted(_DECLARED, key=key)
+
+
+def in_effect(s: Setting, env: Mapping[str, str]) -> tuple[str, bool]:
+    """The value in effect (secrets masked) and whether the environment sets it."""
+    raw = env.get(s.name, "").strip()
+    if not raw:
+        return s.default_text, False
+    return ("(set, hidden)" if s.secret else raw), True
+
+
+def markdown_table() -> str:
+    """The README's configuration table."""
+    lines = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
+    for s in ordered():
+        default = (
+            f"`{s.default_text}`"
+            if not s.default_text.startswith("(") and s.default_text != "unset"
+            else s.default_text
+        )
+        lines.append(
+            f"| `{s.name}` | {default} | {', '.join(s.services) if s.services != ALL else 'all'} | {s.meaning} |"
+        )
+    return "\n".join(lines)
+
+
+def service_arguments(spec: ServiceSpec, argv: list[str]) -> None:
+    """``python -m services.<name> [--help]``: the services take no arguments, only settings."""
+    lines = [f"  {s.name}  (default {s.default_text})\n      {s.meaning}" for s in for_service(spec.name)]
+    p = argparse.ArgumentParser(
+        prog=f"python -m services.{spec.name}",
+        description=f"Serve {spec.grpc_service} until SIGTERM or Ctrl-C. It takes no arguments: "
+        "every setting is an environment variable, read once at start-up.",
+        epilog="settings:\n" + "\n".join(lines),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.parse_args(argv)
