@@ -657,7 +657,11 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--name", required=True, help="the agent's name, as people mention it")
     ar.add_argument("--provider", required=True, choices=sorted(PROVIDERS), help="which API its model speaks")
     ar.add_argument("--model", required=True, help="the provider's model name")
-    ar.add_argument("--base-url", help="your own model address (one request per call, never retried)")
+    ar.add_argument(
+        "--base-url",
+        help="your own model address: https to a public address unless the operator allow-lists it "
+        "(one request per call, never retried)",
+    )
     ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
     ms = sub.add_parser("messages", help="a room's latest messages, oldest of them first")
