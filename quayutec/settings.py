@@ -152,7 +152,7 @@ _DECLARED: list[Setting] = [
         "QUAYUTEC_RUNTIME_ROOM_RETRY_SECONDS",
         30.0,
         "how long a Room call that is safe to repeat (reads, ledger rows, writes with a dedupe key) is retried on "
-        "UNAVAILABLE / DEADLINE_EXCEEDED, within the run's active time",
+        "UNAVAILABLE / DEADLINE_EXCEEDED / ABORTED, within the run's active time",
         ["runtime"],
         shown="30",
     ),
