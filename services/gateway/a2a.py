@@ -443,7 +443,7 @@ class RoomAgentHandler(RequestHandler):
         raise PushNotificationNotSupportedError("push notifications are not supported: use SubscribeToTask")
 
 
-def _state(task: common_pb2.Task, runs: list[common_pb2.Run]) -> int:
+def _state(task: common_pb2.Task, runs: list[common_pb2.Run]) -> a2a_pb2.TaskState:
     if task.status == common_pb2.TASK_STATUS_DONE:
         return a2a_pb2.TASK_STATE_COMPLETED
     if task.status == common_pb2.TASK_STATUS_CANCELLED:
