@@ -218,10 +218,11 @@ async def test_each_refusal_reads_as_a2a_and_grpc_define_it(
     globex_gw: GatewayStub,
     globex: CompanyKey,
     initech: CompanyKey,
+    initech_gw: GatewayStub,
 ) -> None:
     room = await create_room(acme_gw)
     agent = await register_agent(acme_gw, "helper")
-    outsider_agent = await register_agent(globex_gw, "outsider")
+    outsider_agent = await register_agent(initech_gw, "outsider")
     invited = await invite(acme_gw, room.room_id, globex.company_id)
     await globex_gw.AcceptInvitation(
         gateway_pb2.AcceptInvitationRequest(invitation_id=invited.invitation_id), timeout=10
