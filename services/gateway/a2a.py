@@ -58,7 +58,9 @@ _TERMINAL = (
     a2a_pb2.TASK_STATE_FAILED,
     a2a_pb2.TASK_STATE_REJECTED,
 )
-# A blocking SendMessage returns once the task is in none of these.
+# A blocking SendMessage returns, and a SendStreamingMessage stream ends, once the task is in none of
+# these (terminal, or interrupted: input-required), as A2A 1.0 defines; SubscribeToTask follows the
+# task until it is terminal.
 _IN_PROGRESS = (a2a_pb2.TASK_STATE_SUBMITTED, a2a_pb2.TASK_STATE_WORKING)
 _STATUS_FILTER = {
     a2a_pb2.TASK_STATE_UNSPECIFIED: common_pb2.TASK_STATUS_UNSPECIFIED,
@@ -328,8 +330,12 @@ class RoomAgentHandler(RequestHandler):
         task = await self._send(params)
         view = await self._view(task)
         yield view
+        if view.status.state not in _IN_PROGRESS:
+            return
         async for event in self._updates(task, view):
             yield event
+            if isinstance(event, a2a_pb2.TaskStatusUpdateEvent) and event.status.state not in _IN_PROGRESS:
+                return
 
     async def on_subscribe_to_task(
         self, params: a2a_pb2.SubscribeToTaskRequest, context: ServerCallContext

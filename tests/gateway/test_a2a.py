@@ -190,8 +190,14 @@ async def test_another_company_sends_follows_lists_and_cancels_over_a2a(
             open_id = blocking.id
             assert blocking.status.state == a2a_pb2.TASK_STATE_INPUT_REQUIRED, blocking.status
             assert blocking.status.message.parts[0].text == "answer to look at the numbers"
+            # A streamed send ends when the agent has answered without closing the task (input-required).
+            asked_again = [e async for e in client.send_message(a2a_pb2.SendMessageRequest(message=_message("why")))]
+            assert [a.artifact_update.artifact.parts[0].text for a in asked_again if a.HasField("artifact_update")] == [
+                "answer to why"
+            ]
+            assert asked_again[-1].status_update.status.state == a2a_pb2.TASK_STATE_INPUT_REQUIRED, asked_again[-1]
             listed = await client.list_tasks(a2a_pb2.ListTasksRequest(include_artifacts=True))
-            assert {t.id for t in listed.tasks} == {task_id, open_id}
+            assert {t.id for t in listed.tasks} == {task_id, open_id, asked_again[0].task.id}
             only_done = await client.list_tasks(a2a_pb2.ListTasksRequest(status=a2a_pb2.TASK_STATE_COMPLETED))
             assert [t.id for t in only_done.tasks] == [task_id]
             canceled = await client.cancel_task(a2a_pb2.CancelTaskRequest(id=open_id))
@@ -207,7 +213,7 @@ async def test_another_company_sends_follows_lists_and_cancels_over_a2a(
             followed = [e async for e in client.subscribe(a2a_pb2.SubscribeToTaskRequest(id=sent.id))]
             assert followed[0].HasField("task") and followed[0].task.id == sent.id
             assert followed[-1].status_update.status.state == a2a_pb2.TASK_STATE_COMPLETED, followed[-1]
-    assert len(standin.requests("claude-test")) == 3
+    assert len(standin.requests("claude-test")) == 4
 
 
 async def test_each_refusal_reads_as_a2a_and_grpc_define_it(
