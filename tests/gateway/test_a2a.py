@@ -3,6 +3,7 @@ Gateway + Room + Runtime + stand-in model on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import uuid
 from collections.abc import AsyncIterator, Mapping
@@ -298,3 +299,32 @@ async def test_each_refusal_reads_as_a2a_and_grpc_define_it(
                 await stub.CancelTask(a2a_pb2.CancelTaskRequest(tenant=tenant, id=sent.id), metadata=metadata)
                 await stub.CancelTask(a2a_pb2.CancelTaskRequest(tenant=tenant, id=sent.id), metadata=metadata)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a2a_sends_count_against_the_company_rate_limit_and_reflection_lists_the_service(
+    database_url: str, room_addr: str, acme_gw: GatewayStub, acme: CompanyKey
+) -> None:
+    room = await create_room(acme_gw)
+    agent = await register_agent(acme_gw, "helper")
+    async with running_gateway(
+        database_url,
+        room_addr,
+        "127.0.0.1:9",
+        QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false",
+        QUAYUTEC_GATEWAY_POST_RATE="0.001",
+        QUAYUTEC_GATEWAY_POST_BURST="1",
+    ) as addr:
+        async with a2a_client(addr, tenant_of(room.room_id, agent.agent_id), acme.secret) as (_, card):
+            await send_once(card, acme.secret, _message("the first one"), wait=False)
+            with pytest.raises(A2AError, match="RESOURCE_EXHAUSTED"):
+                await send_once(card, acme.secret, _message("one too many"), wait=False)
+
+        def services() -> list[str]:
+            from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+                ProtoReflectionDescriptorDatabase,
+            )
+
+            with grpc.insecure_channel(addr) as channel:
+                return list(ProtoReflectionDescriptorDatabase(channel).get_services())
+
+        assert "lf.a2a.v1.A2AService" in await asyncio.to_thread(services)
