@@ -312,6 +312,20 @@ _DECLARED: list[Setting] = [
         " the server's 1,024 concurrent RPCs",
         ["gateway"],
     ),
+    _g(
+        "QUAYUTEC_GATEWAY_A2A_URL",
+        "",
+        "the gRPC address (host:port) A2A agent cards name for this Gateway; unset: the address it listens on",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_A2A_BLOCK_SECONDS",
+        30.0,
+        "longest a blocking A2A SendMessage waits for the task to leave submitted/working (a shorter client"
+        " deadline wins)",
+        ["gateway"],
+        shown="30",
+    ),
     # Room
     _g(
         "QUAYUTEC_ROOM_EVENT_RETENTION_HOURS",

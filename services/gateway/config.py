@@ -109,6 +109,10 @@ class GatewayConfig:
     rate_limit: RateLimitConfig = RateLimitConfig()
     delivery: DeliveryConfig = DeliveryConfig()
     watch: WatchConfig = WatchConfig()
+    # The address A2A agent cards name ("" : the address the server is bound to).
+    a2a_url: str = ""
+    # Longest wait of a blocking A2A SendMessage.
+    a2a_block_seconds: float = 30.0
 
     @property
     def tls_enabled(self) -> bool:
@@ -164,4 +168,6 @@ class GatewayConfig:
             rate_limit=rate_limit,
             delivery=delivery,
             watch=watch,
+            a2a_url=env_str(env, setting(f"{p}A2A_URL")).strip(),
+            a2a_block_seconds=env_float(env, setting(f"{p}A2A_BLOCK_SECONDS"), minimum=0.0),
         )
