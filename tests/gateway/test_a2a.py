@@ -299,6 +299,11 @@ async def test_each_refusal_reads_as_a2a_and_grpc_define_it(
                 await stub.CancelTask(a2a_pb2.CancelTaskRequest(tenant=tenant, id=sent.id), metadata=metadata)
                 await stub.CancelTask(a2a_pb2.CancelTaskRequest(tenant=tenant, id=sent.id), metadata=metadata)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            # A page token we never handed out is the caller's error, never INTERNAL.
+            for forged in (str(2**63), "not-a-token"):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await stub.ListTasks(a2a_pb2.ListTasksRequest(tenant=tenant, page_token=forged), metadata=metadata)
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
 
 
 async def test_a2a_sends_count_against_the_company_rate_limit_and_reflection_lists_the_service(
