@@ -53,6 +53,7 @@ PAGE = 50
 WATCHED_ROOMS = 50
 CALL_SECONDS = 10.0
 MAX_FIELD_CHARS = 20_000
+MAX_MENTIONS = 20
 
 RUN_EVENTS = {
     common_pb2.ROOM_EVENT_KIND_RUN_STARTED,
@@ -209,7 +210,7 @@ def csrf_token(request: Request) -> str:
 
 async def form_of(request: Request) -> FormData:
     """The posted form, after checking its CSRF token against the session's."""
-    form = await request.form(max_files=0, max_fields=20)
+    form = await request.form(max_files=0, max_fields=20 + MAX_MENTIONS)
     sent = form.get("csrf")
     kept = request.session.get("csrf")
     if not isinstance(sent, str) or not isinstance(kept, str) or not secrets.compare_digest(sent, kept):
@@ -225,6 +226,16 @@ def field(form: FormData, name: str, what: str, *, required: bool = True, limit:
     if len(text) > limit:
         raise FormError(f"{what} is too long (at most {limit} characters).")
     return text
+
+
+def mentions(form: FormData) -> list[str]:
+    """The agents a message wakes: the ticked ones of the company and any ids typed in."""
+    ticked = [v.strip() for v in form.getlist("mention") if isinstance(v, str) and v.strip()]
+    typed = field(form, "mention_other", "The other agents", required=False, limit=2000)
+    found = list(dict.fromkeys([*ticked, *typed.replace(",", " ").split()]))
+    if len(found) > MAX_MENTIONS or any(len(x) > 64 for x in found):
+        raise FormError(f"Mention at most {MAX_MENTIONS} agents, by their ids.")
+    return found
 
 
 def remember_person(request: Request, person: str) -> None:
@@ -359,7 +370,11 @@ async def room(request: Request) -> Response:
                 await s.call(
                     "PostMessage",
                     gateway_pb2.PostMessageRequest(
-                        room_id=room_id, person=person, body=field(form, "body", "The message"), idempotency_key=key
+                        room_id=room_id,
+                        person=person,
+                        body=field(form, "body", "The message"),
+                        mention_agent_ids=mentions(form),
+                        idempotency_key=key,
                     ),
                 )
                 return RedirectResponse(f"/rooms/{room_id}", 303)
