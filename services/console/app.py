@@ -128,15 +128,15 @@ def timeline(run: common_pb2.Run) -> list[dict[str, str]]:
         items.append({"what": "room read", "detail": ""})
     for attempt in run.model_attempts:
         parts = [str(attempt.status_code) if attempt.status_code else "no answer"]
-        if attempt.error_class:
+        ok = 200 <= attempt.status_code < 300 and attempt.error_class in ("", "ok")
+        if not ok and attempt.error_class:
             parts.append(attempt.error_class)
         if attempt.duration_ms:
             parts.append(f"took {attempt.duration_ms} ms")
         if attempt.wait_seconds:
             parts.append(f"waited {attempt.wait_seconds:g} s before the next")
-        if attempt.detail:
+        if attempt.detail and not ok:
             parts.append(attempt.detail)
-        ok = 200 <= attempt.status_code < 300 and not attempt.error_class
         items.append(
             {"what": f"model request {attempt.number}", "detail": ", ".join(parts), "state": "" if ok else "bad"}
         )
@@ -768,7 +768,16 @@ def main() -> int:
         return 2
     app = create_app(config)
     server = uvicorn.Server(
-        uvicorn.Config(app, host=host, port=port, log_level="info", proxy_headers=False, server_header=False)
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            log_level="info",
+            proxy_headers=False,
+            server_header=False,
+            # Open event streams would hold a graceful stop forever: they are cut after this long.
+            timeout_graceful_shutdown=5,
+        )
     )
     server.run()
     return 0

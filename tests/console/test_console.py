@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import uvicorn
-from playwright.async_api import Browser, Page, async_playwright, expect
+from playwright.async_api import Browser, Page, ViewportSize, async_playwright, expect
 
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.console.app import create_app
@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(
 FAST = {"QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.02", "QUAYUTEC_GATEWAY_POST_RATE": "0"}
 HOLD = common_pb2.ACTION_RIGHT_HOLD
 WAIT_MS = 30_000
-PHONE = {"width": 390, "height": 844}
+PHONE = ViewportSize(width=390, height=844)
 
 
 def console_config(gateway_addr: str) -> ConsoleConfig:
