@@ -329,6 +329,24 @@ _DECLARED: list[Setting] = [
         shown="12",
     ),
     _g(
+        "QUAYUTEC_CONSOLE_GATEWAY_TLS",
+        False,
+        "the console dials the Gateway over TLS (set when the Gateway serves TLS_CERT / TLS_KEY)",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_GATEWAY_CA",
+        "",
+        "PEM file of the CA that signed the Gateway's certificate; unset: the system's roots",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME",
+        "",
+        "the name the Gateway's certificate must carry, when not the host of QUAYUTEC_GATEWAY_ADDR",
+        ["console"],
+    ),
+    _g(
         "QUAYUTEC_CONSOLE_JAEGER_URL",
         "http://localhost:16686",
         "base URL of the Jaeger UI that a run page links its trace to",

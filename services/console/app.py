@@ -698,13 +698,27 @@ def session_box(secret: str) -> Fernet:
     return Fernet(base64.urlsafe_b64encode(digest))
 
 
+def gateway_channel(config: ConsoleConfig) -> grpc.aio.Channel:
+    """The console's one channel to the Gateway's public port: plaintext, or TLS when configured."""
+    if config.gateway_ca is None:
+        return grpc.aio.insecure_channel(config.gateway_addr)
+    credentials = grpc.ssl_channel_credentials(root_certificates=config.gateway_ca or None)
+    options = [("grpc.ssl_target_name_override", config.gateway_tls_name)] if config.gateway_tls_name else []
+    return grpc.aio.secure_channel(config.gateway_addr, credentials, options=options)
+
+
+async def healthz(request: Request) -> Response:
+    """For probes: the process serves (it keeps no state; the Gateway's health is the Gateway's)."""
+    return Response("ok\n", media_type="text/plain")
+
+
 def create_app(config: ConsoleConfig, *, channel: grpc.aio.Channel | None = None) -> Starlette:
     """The console app; it opens its Gateway channel at start-up (or uses ``channel``)."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         own = channel is None
-        app.state.channel = channel or grpc.aio.insecure_channel(config.gateway_addr)
+        app.state.channel = channel or gateway_channel(config)
         try:
             yield
         finally:
@@ -718,6 +732,7 @@ def create_app(config: ConsoleConfig, *, channel: grpc.aio.Channel | None = None
 
     routes = [
         Route("/", home),
+        Route("/healthz", healthz),
         Route("/signin", signin_form, methods=["GET"]),
         Route("/signin", signin, methods=["POST"]),
         Route("/signout", signout, methods=["POST"]),

@@ -23,6 +23,9 @@ class ConsoleConfig:
     secure_cookie: bool
     session_seconds: int
     jaeger_url: str
+    # TLS to the Gateway: None for plaintext; otherwise the CA's PEM (b"" for the system's roots).
+    gateway_ca: bytes | None = None
+    gateway_tls_name: str = ""
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -39,6 +42,13 @@ class ConsoleConfig:
             secret = dev_secret(Path(env_str(env, setting(DATA_DIR_ENV))).absolute())
         if len(secret) < MIN_SECRET_CHARS:
             raise ConfigError(f"QUAYUTEC_CONSOLE_SESSION_SECRET must be at least {MIN_SECRET_CHARS} characters")
+        gateway_ca: bytes | None = None
+        if env_bool(env, setting("QUAYUTEC_CONSOLE_GATEWAY_TLS")):
+            ca_path = env_str(env, setting("QUAYUTEC_CONSOLE_GATEWAY_CA"))
+            try:
+                gateway_ca = Path(ca_path).read_bytes() if ca_path else b""
+            except OSError as exc:
+                raise ConfigError(f"cannot read QUAYUTEC_CONSOLE_GATEWAY_CA ({ca_path}): {exc.strerror}") from exc
         hours = env_float(env, setting("QUAYUTEC_CONSOLE_SESSION_HOURS"), minimum=0.01)
         return cls(
             listen=env_str(env, setting("QUAYUTEC_CONSOLE_LISTEN")),
@@ -47,6 +57,8 @@ class ConsoleConfig:
             secure_cookie=env_bool(env, setting("QUAYUTEC_CONSOLE_SECURE_COOKIE")),
             session_seconds=int(hours * 3600),
             jaeger_url=env_str(env, setting("QUAYUTEC_CONSOLE_JAEGER_URL")).rstrip("/"),
+            gateway_ca=gateway_ca,
+            gateway_tls_name=env_str(env, setting("QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME")),
         )
 
 
