@@ -57,9 +57,12 @@ def _per_service(spec: ServiceSpec) -> list[Setting]:
             f"{p}ADDR",
             spec.default_addr,
             f"how the others dial {name} (host:port)",
-            {"gateway": ["cli", "console"], "room": ["gateway", "runtime", "cli"], "claims": ["runtime"], "runtime": ["gateway"]}[
-                name
-            ],
+            {
+                "gateway": ["cli", "console"],
+                "room": ["gateway", "runtime", "cli"],
+                "claims": ["runtime"],
+                "runtime": ["gateway"],
+            }[name],
         ),
         _g(f"{p}GRACE_SECONDS", 10.0, f"drain time of {name} on SIGTERM", [name], shown="10"),
         _g(

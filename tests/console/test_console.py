@@ -43,6 +43,7 @@ pytestmark = pytest.mark.skipif(
 FAST = {"QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.02", "QUAYUTEC_GATEWAY_POST_RATE": "0"}
 HOLD = common_pb2.ACTION_RIGHT_HOLD
 WAIT_MS = 30_000
+PAGE_WEIGHT_LIMIT = 32_000
 PHONE = ViewportSize(width=390, height=844)
 
 
@@ -182,6 +183,13 @@ async def _scenario(
     await g.goto(f"{base}/rooms/{launch.room_id}")
     await expect(a.locator("#live-state")).to_have_text("Live")
     await a.evaluate("window.notReloaded = true")
+    # Small pages: the room page with its stylesheet and script (bytes as sent, the live stream aside).
+    weight = await a.evaluate(
+        "[...performance.getEntriesByType('navigation'), ...performance.getEntriesByType('resource')]"
+        ".filter(e => !e.name.includes('/events')).reduce((sum, e) => sum + e.encodedBodySize, 0)"
+    )
+    print(f"room page weight: {weight} bytes")
+    assert 0 < weight < PAGE_WEIGHT_LIMIT
     await g.get_by_label("Your name").first.fill("Gus")
     await g.get_by_label("Message", exact=True).fill("Hello from Globex")
     await g.get_by_role("button", name="Post").click()
