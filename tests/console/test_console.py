@@ -281,6 +281,21 @@ async def _scenario(
     refused = await a.request.post(f"{base}/rooms/{launch.room_id}", form={"csrf": "forged", "body": "x"})
     assert refused.status == 403 and "expired" in await refused.text()
 
+    # A form the Gateway or the console cannot use is answered in words on the page, never a trace.
+    await a.goto(f"{base}/rooms/{launch.room_id}")
+    csrf = await a.locator("input[name=csrf]").first.get_attribute("value")
+    assert csrf
+    empty = await a.request.post(
+        f"{base}/rooms/{launch.room_id}", form={"csrf": csrf, "person": "Ana", "idem": "k1", "body": " "}
+    )
+    assert empty.status == 400 and "The message is required." in await empty.text()
+    nobody = await a.request.post(
+        f"{base}/rooms/{launch.room_id}",
+        form={"csrf": csrf, "person": "Ana", "idem": "k2", "what": "task", "to_agent_id": "nobody", "title": "x"},
+    )
+    text = await nobody.text()
+    assert nobody.status == 400 and 'role="alert"' in text and "Traceback" not in text
+
     # Signing out ends access: the pages send the person to sign in, the live stream is refused.
     await a.goto(f"{base}/rooms")
     await a.get_by_role("button", name="Sign out").click()
