@@ -179,6 +179,14 @@ _DECLARED: list[Setting] = [
         ["runtime"],
     ),
     _g(
+        "QUAYUTEC_RUNTIME_EGRESS_ALLOW",
+        "",
+        "comma list of CIDRs and host names an agent owner's base_url may reach besides public https "
+        "addresses (plain http only to these); Room checks it at registration, Runtime at each connection: "
+        "set it on both",
+        ["room", "runtime"],
+    ),
+    _g(
         "QUAYUTEC_RUNTIME_FAILPOINTS",
         "",
         "comma-separated step boundaries where a run pauses forever (crash tests only)",

@@ -661,7 +661,11 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--name", required=True, help="the agent's name, as people mention it")
     ar.add_argument("--provider", required=True, choices=sorted(PROVIDERS), help="which API its model speaks")
     ar.add_argument("--model", required=True, help="the provider's model name")
-    ar.add_argument("--base-url", help="your own model address (one request per call, never retried)")
+    ar.add_argument(
+        "--base-url",
+        help="your own model address: https to a public address unless the operator allow-lists it "
+        "(one request per call, never retried)",
+    )
     ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
     ms = sub.add_parser("messages", help="a room's latest messages, oldest of them first")
@@ -670,7 +674,7 @@ def parser() -> argparse.ArgumentParser:
     _json(ms)
     ms.set_defaults(handler=cmd_messages)
     wt = sub.add_parser("watch", help="print a room's events as they happen (like tail -f)")
-    wt.add_argument("--room", required=True)
+    wt.add_argument("--room", required=True, metavar="ROOM_ID", help="the room to follow (you must be a member)")
     wt.add_argument("--after", type=int, help="start after this cursor (0: from the oldest kept); default: from now")
     wt.set_defaults(handler=cmd_watch)
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(

@@ -466,7 +466,9 @@ class RegisterAgentRequest(_message.Message):
     provider: _common_pb2.Provider.ValueType
     model: _builtins.str
     base_url: _builtins.str
-    """Optional owner-supplied model address; such an agent's model calls are never retried."""
+    """Optional owner-supplied model address; such an agent's model calls are never retried. https, to
+    public addresses only, unless the operator's egress allow-list names the host or network.
+    """
     provider_key: _builtins.str
     """The company's provider key; stored encrypted, never returned, logged or traced."""
     system_prompt: _builtins.str

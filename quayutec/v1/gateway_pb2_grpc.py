@@ -32,7 +32,8 @@ class GatewayServiceStub:
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     def __init__(self, channel):
@@ -195,7 +196,8 @@ class GatewayServiceServicer:
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     def WhoAmI(self, request, context):
@@ -289,7 +291,9 @@ class GatewayServiceServicer:
 
     def RegisterAgent(self, request, context):
         """RegisterAgent registers an always-on agent of the caller's company.
-        Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed).
+        Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
+        base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
+        could not be resolved just now).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -605,7 +609,8 @@ class GatewayService:
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     @staticmethod

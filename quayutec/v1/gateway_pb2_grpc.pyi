@@ -33,7 +33,8 @@ class GatewayServiceStub:
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     @_typing.overload
@@ -87,7 +88,9 @@ class GatewayServiceStub:
     """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     RegisterAgent: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]
     """RegisterAgent registers an always-on agent of the caller's company.
-    Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed).
+    Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
+    base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
+    could not be resolved just now).
     """
     ListAgents: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]
     """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
@@ -165,7 +168,8 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -216,7 +220,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     RegisterAgent: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]  # type: ignore[assignment]
     """RegisterAgent registers an always-on agent of the caller's company.
-    Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed).
+    Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
+    base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
+    could not be resolved just now).
     """
     ListAgents: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]  # type: ignore[assignment]
     """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
@@ -293,7 +299,8 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     @_abc_1.abstractmethod
@@ -408,7 +415,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.RegisterAgentResponse, _abc.Awaitable[_gateway_pb2.RegisterAgentResponse]]:
         """RegisterAgent registers an always-on agent of the caller's company.
-        Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed).
+        Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
+        base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
+        could not be resolved just now).
         """
 
     @_abc_1.abstractmethod

@@ -611,7 +611,9 @@ class RoomServiceRegisterAgentRequest(_message.Message):
     provider: _common_pb2.Provider.ValueType
     model: _builtins.str
     base_url: _builtins.str
-    """Optional owner-supplied model address (http or https URL)."""
+    """Optional owner-supplied model address: https to a public address, or what the egress allow-list
+    admits (quayutec/egress.py).
+    """
     provider_key: _builtins.str
     """The company's provider key; stored encrypted, never returned."""
     system_prompt: _builtins.str

@@ -367,7 +367,8 @@ class RoomServiceServicer:
 
     def RegisterAgent(self, request, context):
         """RegisterAgent stores an agent; the provider key is encrypted at rest.
-        Errors: INVALID_ARGUMENT (bad provider, model, base URL or name), NOT_FOUND (company).
+        Errors: INVALID_ARGUMENT (bad provider, model, base URL or name; a base URL the egress rules
+        refuse, naming the rule), UNAVAILABLE (its host could not be resolved just now), NOT_FOUND (company).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

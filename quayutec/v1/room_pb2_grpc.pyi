@@ -89,7 +89,8 @@ class RoomServiceStub:
     """ListMembers. Errors: INVALID_ARGUMENT, NOT_FOUND (room)."""
     RegisterAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRegisterAgentRequest, _room_pb2.RoomServiceRegisterAgentResponse]
     """RegisterAgent stores an agent; the provider key is encrypted at rest.
-    Errors: INVALID_ARGUMENT (bad provider, model, base URL or name), NOT_FOUND (company).
+    Errors: INVALID_ARGUMENT (bad provider, model, base URL or name; a base URL the egress rules
+    refuse, naming the rule), UNAVAILABLE (its host could not be resolved just now), NOT_FOUND (company).
     """
     GetAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -276,7 +277,8 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """ListMembers. Errors: INVALID_ARGUMENT, NOT_FOUND (room)."""
     RegisterAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRegisterAgentRequest, _room_pb2.RoomServiceRegisterAgentResponse]  # type: ignore[assignment]
     """RegisterAgent stores an agent; the provider key is encrypted at rest.
-    Errors: INVALID_ARGUMENT (bad provider, model, base URL or name), NOT_FOUND (company).
+    Errors: INVALID_ARGUMENT (bad provider, model, base URL or name; a base URL the egress rules
+    refuse, naming the rule), UNAVAILABLE (its host could not be resolved just now), NOT_FOUND (company).
     """
     GetAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]  # type: ignore[assignment]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -538,7 +540,8 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceRegisterAgentResponse, _abc.Awaitable[_room_pb2.RoomServiceRegisterAgentResponse]]:
         """RegisterAgent stores an agent; the provider key is encrypted at rest.
-        Errors: INVALID_ARGUMENT (bad provider, model, base URL or name), NOT_FOUND (company).
+        Errors: INVALID_ARGUMENT (bad provider, model, base URL or name; a base URL the egress rules
+        refuse, naming the rule), UNAVAILABLE (its host could not be resolved just now), NOT_FOUND (company).
         """
 
     @_abc_1.abstractmethod

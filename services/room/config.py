@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from quayutec.config import ROOM, DatabaseConfig, ServerConfig, env_bool, env_float
 from quayutec.crypto import MultiFernet, load_fernet
+from quayutec.egress import EgressPolicy
 from quayutec.settings import setting
 
 
@@ -23,6 +24,9 @@ class RoomConfig:
     event_retention_hours: float = 168.0
     # How often this replica removes events older than that (seconds).
     event_cleanup_seconds: float = 300.0
+    # The Runtime's egress allow-list (QUAYUTEC_RUNTIME_EGRESS_ALLOW): agent base URLs are checked
+    # against the same rules at registration.
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RoomConfig:
@@ -36,4 +40,5 @@ class RoomConfig:
             migrate_on_start=env_bool(env, setting(f"{prefix}MIGRATE_ON_START")),
             event_retention_hours=env_float(env, setting(f"{prefix}EVENT_RETENTION_HOURS"), minimum=0.01),
             event_cleanup_seconds=env_float(env, setting(f"{prefix}EVENT_CLEANUP_SECONDS"), minimum=1.0),
+            egress=EgressPolicy.from_env(env),
         )

@@ -10,6 +10,7 @@ import asyncpg
 import grpc
 
 from quayutec.config import ROOM
+from quayutec.egress import Resolver
 from quayutec.migrate import ROOM as ROOM_COMPONENT
 from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
@@ -40,13 +41,16 @@ async def clean_events(store: RoomStore, config: RoomConfig, stopping: asyncio.E
             await asyncio.wait_for(stopping.wait(), timeout=config.event_cleanup_seconds)
 
 
-async def create_server(config: RoomConfig, *, pool: asyncpg.Pool | None = None) -> GrpcServer:
-    """A Room server, not yet started; it opens (and on stop closes) its own pool unless given one."""
+async def create_server(
+    config: RoomConfig, *, pool: asyncpg.Pool | None = None, resolver: Resolver | None = None
+) -> GrpcServer:
+    """A Room server, not yet started; it opens (and on stop closes) its own pool unless given one.
+    ``resolver`` resolves agents' base URL hosts (default: the system's)."""
     identity = load_identity(ROOM.name, config.server.mtls)
     held = await service_pool(config.database, ROOM_COMPONENT, migrate_on_start=config.migrate_on_start, pool=pool)
     pool = held.pool
     store = RoomStore(pool, config.cipher)
-    servicer = RoomServicer(store, event_retention_hours=config.event_retention_hours)
+    servicer = RoomServicer(store, config.egress, resolver, event_retention_hours=config.event_retention_hours)
     stopping = asyncio.Event()
     cleanup: list[asyncio.Task[None]] = []
 

@@ -8,7 +8,8 @@ from typing import Any, TypeAlias
 
 import grpc
 
-from quayutec.errors import InvalidArgument
+from quayutec.egress import EgressPolicy, EgressRefused, ResolutionFailed, Resolver, system_resolver
+from quayutec.errors import InvalidArgument, Unavailable
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.room import convert
 from services.room import validate as v
@@ -60,8 +61,17 @@ def _resume(scope: str, rows: Sequence[Any], key: str, page_token: str) -> str:
 class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     """Every RoomService RPC over a ``RoomStore``; error codes come from quayutec.errors."""
 
-    def __init__(self, store: RoomStore, *, event_retention_hours: float = 168.0) -> None:
+    def __init__(
+        self,
+        store: RoomStore,
+        egress: EgressPolicy | None = None,
+        resolver: Resolver | None = None,
+        *,
+        event_retention_hours: float = 168.0,
+    ) -> None:
         self._store = store
+        self._egress = egress or EgressPolicy()
+        self._resolver = resolver or system_resolver
         self._event_retention_hours = event_retention_hours
 
     # -- companies, rooms, members --------------------------------------------------------------------------
@@ -190,6 +200,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         base_url = v.base_url(request.base_url)
         if request.provider == common_pb2.PROVIDER_OPENAI_COMPATIBLE and base_url is None:
             raise InvalidArgument("base_url is required for PROVIDER_OPENAI_COMPATIBLE")
+        if base_url is not None:
+            await self._check_egress(base_url)
         row = await self._store.register_agent(
             company_id=company_id,
             name=v.text(request.name, "name", v.MAX_NAME_BYTES),
@@ -200,6 +212,18 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             system_prompt=v.text(request.system_prompt, "system_prompt", v.MAX_BODY_BYTES, required=False),
         )
         return room_pb2.RoomServiceRegisterAgentResponse(agent=convert.agent(row))
+
+    async def _check_egress(self, base_url: str) -> None:
+        """The Runtime's egress rules, applied now so a refused address is refused at registration
+        (the Runtime checks again on the address it dials)."""
+        try:
+            await self._egress.check_url(base_url, self._resolver)
+        except EgressRefused as exc:
+            raise InvalidArgument(f"base_url refused ({exc.rule}): {exc.message}") from None
+        except ResolutionFailed as exc:
+            if exc.temporary:
+                raise Unavailable(f"base_url: {exc}; try again later") from None
+            raise InvalidArgument(f"base_url: {exc}; name a host that resolves") from None
 
     async def GetAgent(
         self, request: room_pb2.RoomServiceGetAgentRequest, context: Ctx

@@ -39,7 +39,7 @@ _RUN_EVENTS = {
     "parked": common_pb2.ROOM_EVENT_KIND_RUN_PARKED,
     **{status: common_pb2.ROOM_EVENT_KIND_RUN_ENDED for status in _RUN_ENDED},
 }
-# ReadRunContext runs in REPEATABLE READ; a run event's room-row update may meet a concurrent one.
+# A REPEATABLE READ run-context read retried on a serialization failure (kept as a safety net).
 _SERIALIZATION_ATTEMPTS = 5
 
 Record = Any  # asyncpg.Record; asyncpg is untyped here
@@ -681,11 +681,14 @@ class RoomStore:
         max_passages: int,
         run: common_pb2.Run | None,
     ) -> RunContext:
-        async with (
-            self._pool.acquire() as conn,
-            conn.transaction(isolation="repeatable_read", readonly=run is None),
-        ):
+        # A plain read is one REPEATABLE READ snapshot. With a ledger row to record (and maybe its room
+        # event, which updates the room row), REPEATABLE READ would fail whenever any write of the room
+        # commits meanwhile; instead the room row is locked first, as every change of the room that
+        # appends an event does, so what the reads below see cannot move until this commits.
+        isolation = "repeatable_read" if run is None else "read_committed"
+        async with self._pool.acquire() as conn, conn.transaction(isolation=isolation, readonly=run is None):
             if run is not None:
+                await conn.fetchrow(self._q["lock_room_for_post"], room_id)
                 await self._upsert_run(conn, run)
             agent = await conn.fetchrow(self._q["run_context_agent"], agent_id, room_id)
             if agent is None:

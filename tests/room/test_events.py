@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 
 import asyncpg
 import grpc
-import pytest
 
+from quayutec.config import ROOM
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
-from tests.harness.channels import service_channel
+from tests.harness.channels import callers_stub
 from tests.harness.room import add_member, running_room
 from tests.room.conftest import Stub, World, agent_author, expect_error, person, post
 from tests.room.test_memory_files import remember, upload
@@ -23,12 +22,6 @@ from tests.room.test_tasks import create, update
 K = common_pb2
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 COMPANY_ONLY = common_pb2.MEMORY_VISIBILITY_COMPANY
-
-
-@pytest.fixture
-async def room(room_addr: str) -> AsyncIterator[Stub]:
-    async with service_channel(room_addr, "gateway") as channel:
-        yield room_pb2_grpc.RoomServiceStub(channel)
 
 
 async def read(
@@ -148,9 +141,8 @@ async def test_retention_removes_old_events_and_an_older_cursor_is_out_of_range(
         running_room(
             database_url, QUAYUTEC_ROOM_EVENT_RETENTION_HOURS="1", QUAYUTEC_ROOM_EVENT_CLEANUP_SECONDS="1"
         ) as addr,
-        service_channel(addr, "gateway") as channel,
+        callers_stub(addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as room,
     ):
-        room = room_pb2_grpc.RoomServiceStub(channel)
         company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name="Keep"))).company
         room_id = (
             await room.CreateRoom(room_pb2.RoomServiceCreateRoomRequest(company_id=company.company_id, name="r"))
