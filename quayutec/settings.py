@@ -57,9 +57,12 @@ def _per_service(spec: ServiceSpec) -> list[Setting]:
             f"{p}ADDR",
             spec.default_addr,
             f"how the others dial {name} (host:port)",
-            {"gateway": ["cli"], "room": ["gateway", "runtime", "cli"], "claims": ["runtime"], "runtime": ["gateway"]}[
-                name
-            ],
+            {
+                "gateway": ["cli", "console"],
+                "room": ["gateway", "runtime", "cli"],
+                "claims": ["runtime"],
+                "runtime": ["gateway"],
+            }[name],
         ),
         _g(f"{p}GRACE_SECONDS", 10.0, f"drain time of {name} on SIGTERM", [name], shown="10"),
         _g(
@@ -92,7 +95,7 @@ _DECLARED: list[Setting] = [
         ".quayutec",
         "folder of the embedded PostgreSQL, the service logs of `quayutec up`, the dev encryption key file"
         " and the dev certificates (`pki/`)",
-        [*WITH_DATABASE, "cli"],
+        [*WITH_DATABASE, "cli", "console"],
     ),
     _g(
         "QUAYUTEC_ENCRYPTION_KEY",
@@ -325,6 +328,54 @@ _DECLARED: list[Setting] = [
         " deadline wins)",
         ["gateway"],
         shown="30",
+    ),
+    # Console (services/console: the web page; not a gRPC service)
+    _g("QUAYUTEC_CONSOLE_LISTEN", "127.0.0.1:8080", "where the console serves HTTP (host:port)", ["console"]),
+    _g(
+        "QUAYUTEC_CONSOLE_SESSION_SECRET",
+        "",
+        "secret signing and encrypting the console's session cookie (holds the signed-in API key); at least 32"
+        " characters",
+        ["console"],
+        shown="(dev: key file in the data dir)",
+        secret=True,
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_SECURE_COOKIE",
+        True,
+        "mark the session cookie Secure (sent over https only); false only for plain http on loopback (dev)",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_SESSION_HOURS",
+        12.0,
+        "how long a console sign-in lasts",
+        ["console"],
+        shown="12",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_GATEWAY_TLS",
+        False,
+        "the console dials the Gateway over TLS (set when the Gateway serves TLS_CERT / TLS_KEY)",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_GATEWAY_CA",
+        "",
+        "PEM file of the CA that signed the Gateway's certificate; unset: the system's roots",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME",
+        "",
+        "the name the Gateway's certificate must carry, when not the host of QUAYUTEC_GATEWAY_ADDR",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_JAEGER_URL",
+        "http://localhost:16686",
+        "base URL of the Jaeger UI that a run page links its trace to",
+        ["console"],
     ),
     # Room
     _g(

@@ -49,8 +49,10 @@ async def cmd_up(opts: argparse.Namespace) -> int:
         await stack.prepare_database()
         print("starting services ...", flush=True)
         await stack.start_all()
+        await stack.start_console()
         for name in stack.ports:
             print(f"  {name:8s} {stack.addr(name)}", flush=True)
+        print(f"  console  {stack.console_url} (sign in with an API key: `quayutec keys create`)", flush=True)
         if standin is not None:
             print(f"  standin  {standin.base_url} (stand-in model provider)", flush=True)
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
@@ -559,14 +561,14 @@ def parser() -> argparse.ArgumentParser:
         "(DATABASE_URL, or the embedded PostgreSQL of QUAYUTEC_DATA_DIR). `quayutec config` lists every setting.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    up = sub.add_parser("up", help="embedded PostgreSQL and all four services here; Ctrl-C stops them")
+    up = sub.add_parser("up", help="embedded PostgreSQL, the four services and the console here; Ctrl-C stops them")
     up.add_argument("--standin", action="store_true", help="point Runtime at a local stand-in model provider")
     up.add_argument(
         "--base-port",
         type=int,
         metavar="PORT",
-        help="Gateway on PORT, Room, Claims and Runtime on the next three "
-        "(default: each QUAYUTEC_<SVC>_LISTEN or _ADDR when set, else 50051-50054)",
+        help="Gateway on PORT, Room, Claims and Runtime on the next three, the console on PORT+4 "
+        "(default: each QUAYUTEC_<SVC>_LISTEN or _ADDR when set, else 50051-50054, and the console on 8080)",
     )
     up.set_defaults(handler=cmd_up)
     db = sub.add_parser("db", help="the embedded PostgreSQL in the data folder").add_subparsers(
@@ -578,7 +580,9 @@ def parser() -> argparse.ArgumentParser:
     )
     cf = sub.add_parser("config", help="every setting: default, the value in effect here, who reads it")
     cf.add_argument(
-        "--service", choices=["gateway", "room", "claims", "runtime", "cli"], help="only the settings it reads"
+        "--service",
+        choices=["gateway", "room", "claims", "runtime", "console", "cli"],
+        help="only the settings it reads",
     )
     _json(cf)
     cf.set_defaults(handler=cmd_config)

@@ -1,5 +1,7 @@
 """`quayutec demo`: two companies' agents work in one room; Runtime is killed mid-run and the wake
-is redelivered, and the ledger shows it was not acted on twice.
+is redelivered, and the ledger shows it was not acted on twice. The console serves the same stack:
+the demo prints its address and both companies' API keys (and, run from a terminal, stays up until
+Enter so a person can look).
 
 Everything runs on this machine: an embedded PostgreSQL, the four services as processes and the
 stand-in model provider (no real provider key is needed or used).
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -155,6 +158,9 @@ async def demo(stack: LocalStack, standin: StandinProvider) -> None:
             await pool.close()
         a, b = GatewayClient(gw_channel, key_a), GatewayClient(gw_channel, key_b)
         say(f"   {acme.name} = {acme.company_id}\n   {bolt.name} = {bolt.company_id}")
+        if stack.console_listen:
+            say(f"   watch it in the console, {stack.console_url}, signed in with either demo key:")
+            say(f"     {acme.name}: {key_a}\n     {bolt.name}: {key_b}")
 
         say("\n== 2. Acme opens a room and invites Bolt, Bolt accepts; each registers an always-on agent")
         r = (await a.CreateRoom(gateway_pb2.CreateRoomRequest(name="friday-launch"))).room
@@ -279,9 +285,14 @@ async def run_demo() -> int:
             await stack.prepare_database()
             say("starting gateway, room, claims and runtime ...")
             await stack.start_all()
+            await stack.start_console()
             for name in stack.ports:
                 say(f"   {name:8s} {stack.addr(name)}")
+            say(f"   console  {stack.console_url}")
             await demo(stack, standin)
+            if sys.stdin.isatty():
+                say(f"\nthe stack stays up for the console at {stack.console_url}; press Enter to stop it")
+                await asyncio.to_thread(sys.stdin.readline)
         finally:
             stack.stop_all()
             # The embedded PostgreSQL goes too, unless it was running before the demo.

@@ -27,6 +27,9 @@ from quayutec.tls import ADMIN, MtlsConfig
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 15.0
+CONSOLE_LISTEN_ENV = "QUAYUTEC_CONSOLE_LISTEN"
+CONSOLE_SECURE_COOKIE_ENV = "QUAYUTEC_CONSOLE_SECURE_COOKIE"
+CONSOLE_DEFAULT_LISTEN = "127.0.0.1:8080"
 
 
 def port_is_free(port: int) -> bool:
@@ -113,6 +116,8 @@ class LocalStack:
     addrs: dict[str, str] = field(default_factory=dict)
     # The embedded PostgreSQL folder this stack started (and so stops), if any.
     started_pgdata: Path | None = None
+    # Where the console (services/console, HTTP) listens; None: the stack has no console.
+    console_listen: str | None = None
 
     @classmethod
     def with_ports(
@@ -125,7 +130,8 @@ class LocalStack:
     ) -> LocalStack:
         """Ports for the four services: ephemeral ones (demo, tests); ``base_port`` and the next three
         (Gateway, Room, Claims, Runtime); or each service's ``QUAYUTEC_<SVC>_LISTEN`` / ``_ADDR`` when
-        set, its default port (50051-50054) when not."""
+        set, its default port (50051-50054) when not. The console's: ephemeral, ``base_port`` + 4, or
+        ``QUAYUTEC_CONSOLE_LISTEN`` (8080 by default)."""
         env = os.environ if env is None else env
         ports: dict[str, int] = {}
         listens: dict[str, str] = {}
@@ -143,8 +149,17 @@ class LocalStack:
                     listens[s.name] = listen
                 if addr:
                     addrs[s.name] = addr
+        if ephemeral:
+            console = f"127.0.0.1:{free_port()}"
+        elif base_port is not None:
+            console = f"127.0.0.1:{base_port + 4}"
+        else:
+            console = env.get(CONSOLE_LISTEN_ENV, "").strip() or CONSOLE_DEFAULT_LISTEN
         if not ephemeral:
+            console_port = port_of(console, CONSOLE_LISTEN_ENV)
             taken = [f"{name} ({port})" for name, port in ports.items() if not port_is_free(port)]
+            if console_port is not None and not port_is_free(console_port):
+                taken.append(f"console ({console_port})")
             if taken:
                 raise SystemExit(
                     f"ports in use: {', '.join(taken)}; stop what holds them, or choose others with "
@@ -156,6 +171,7 @@ class LocalStack:
             log_dir=DatabaseConfig.from_env(env).data_dir / "logs",
             listens=listens,
             addrs=addrs,
+            console_listen=console,
         )
 
     def addr(self, name: str) -> str:
@@ -180,7 +196,38 @@ class LocalStack:
             env[spec.addr_env] = self.addr(spec.name)
             # The parent migrated already; replicas need not race for it.
             env[f"{spec.prefix}MIGRATE_ON_START"] = "false"
+        if self.console_listen:
+            env[CONSOLE_LISTEN_ENV] = self.console_listen
+            # The local console serves plain http on this machine: a Secure cookie would never come back.
+            env.setdefault(CONSOLE_SECURE_COOKIE_ENV, "false")
         return env
+
+    @property
+    def console_url(self) -> str:
+        """The console's address for a browser on this machine."""
+        host, _, port = (self.console_listen or "").rpartition(":")
+        host = host.strip("[]")
+        return f"http://{'127.0.0.1' if host in ('', '0.0.0.0', '::') else host}:{port}"
+
+    async def start_console(self, limit: float = 30.0) -> None:
+        """Start the console and wait until it answers its sign-in page."""
+        import httpx
+
+        self.start("console")
+        proc = self.procs["console"]
+        deadline = time.monotonic() + limit
+        async with httpx.AsyncClient(timeout=1.0) as client:
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"console exited with {proc.returncode} (log: {self.log_dir}/console.log)")
+                try:
+                    if (await client.get(f"{self.console_url}/signin")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the console did not answer in {limit:g} s (log: {self.log_dir}/console.log)")
+                await asyncio.sleep(0.1)
 
     async def prepare_database(self) -> str:
         """Resolve the database (starting the embedded one when there is no ``DATABASE_URL``) and

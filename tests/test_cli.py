@@ -45,6 +45,9 @@ async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path)
     assert "memory Acme can read: ['Launch is on Friday']" in out
     assert "planner replies: 2 for 3 wakes" in out
     assert "sk-ant-demo" not in out and "sk-openai-demo" not in out
+    # The console's address and the demo's keys, for a person to look.
+    assert re.search(r"console  http://127\.0\.0\.1:\d+", out), out
+    assert re.search(r"Acme-\w+: qyk_", out), out
 
 
 async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:

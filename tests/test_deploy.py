@@ -47,7 +47,7 @@ NEEDS_ENCRYPTION_KEY = {"room"}
 DIALS = {"gateway": {"room", "runtime"}, "runtime": {"claims", "room"}, "room": set(), "claims": set()}
 SPECS = {spec.name: spec for spec in SERVICES}
 # (workload, port) pairs that may be reached from outside the app. Nothing else.
-EXTERNALLY_REACHABLE = {("gateway", GATEWAY.port), ("jaeger", 16686)}
+EXTERNALLY_REACHABLE = {("gateway", GATEWAY.port), ("console", 8080), ("jaeger", 16686)}
 # Secrets the prod overlay expects the operator to create (documented in deploy/k8s/README.md).
 Obj = dict[str, Any]  # one parsed Kubernetes object (or part of one)
 # Each service's mutual-TLS certificate: ca.crt, tls.crt, tls.key (a cert-manager Certificate's Secret).
@@ -610,3 +610,28 @@ def test_internal_services_admit_only_their_callers(rendered: Rendered) -> None:
             assert ingress_allowed(
                 rendered, rendered.pod_labels(pg), 5432, _ports(rendered, pg), Peer(rendered.pod_labels(pods[source]))
             ), f"{source} cannot reach postgres"
+
+
+def test_console(rendered: Rendered, overlay: str) -> None:
+    """The console: its own Deployment on 8080 behind the policies, its session secret from a Secret,
+    probes on /healthz, a Secure cookie except in dev (plain http through a port-forward)."""
+    container = app_container(rendered, "console")
+    assert container["command"] == ["python", "-m", "services.console"]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": 8080}
+    env = effective_env(rendered, container)
+    assert env["QUAYUTEC_CONSOLE_LISTEN"] == "0.0.0.0:8080"
+    assert env["QUAYUTEC_GATEWAY_ADDR"] == f"gateway:{GATEWAY.port}"
+    ref = env["QUAYUTEC_CONSOLE_SESSION_SECRET"]
+    assert isinstance(ref, dict) and ref["secretKeyRef"]["name"].startswith("quayutec-secrets")
+    if ref["secretKeyRef"]["name"] in rendered.secret_names():
+        data = rendered.get("Secret", ref["secretKeyRef"]["name"]).get("data", {})
+        assert len(base64.b64decode(data["QUAYUTEC_CONSOLE_SESSION_SECRET"])) >= 32
+    assert env.get("QUAYUTEC_CONSOLE_SECURE_COOKIE", "true") == ("false" if overlay == "dev" else "true")
+    assert env.get("QUAYUTEC_CONSOLE_GATEWAY_TLS", "false") == ("true" if overlay == "prod" else "false")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
+    for name in ("QUAYUTEC_DATABASE_URL", DATABASE_URL_ENV, ENCRYPTION_KEY_ENV):
+        assert name not in env, f"the console must not receive {name}"
+    service = rendered.get("Service", "console")
+    assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
+    assert rendered.get("PodDisruptionBudget", "console")["spec"]["minAvailable"] == 1

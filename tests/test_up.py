@@ -54,12 +54,12 @@ def data_dir() -> Iterator[Path]:
 
 
 def _base_port() -> int:
-    """A port with the next three free too (bounded tries)."""
+    """A port with the next four free too (four services and the console; bounded tries)."""
     for _ in range(50):
         base = free_port()
-        if base + 3 < 65536 and all(port_is_free(base + i) for i in range(4)):
+        if base + 4 < 65536 and all(port_is_free(base + i) for i in range(5)):
             return base
-    raise AssertionError("found no four consecutive free ports")
+    raise AssertionError("found no five consecutive free ports")
 
 
 def test_up_on_a_base_port_then_ctrl_c_stops_everything_it_started(data_dir: Path) -> None:
@@ -85,6 +85,7 @@ def test_up_on_a_base_port_then_ctrl_c_stops_everything_it_started(data_dir: Pat
         assert "Ctrl-C stops everything" in out, out
         for i, spec in enumerate(sorted(SERVICES, key=lambda s: s.port)):
             assert f"export {spec.addr_env}=127.0.0.1:{base + i}" in out
+        assert f"console  http://127.0.0.1:{base + 4}" in out
         pgdata = embedded_pgdata(data_dir)
         pid = embedded_pid(pgdata)
         assert pid is not None
@@ -102,7 +103,7 @@ def test_up_on_a_base_port_then_ctrl_c_stops_everything_it_started(data_dir: Pat
     assert "stopping the embedded PostgreSQL this command started" in rest and "RuntimeDirWarning" not in out + rest
     assert embedded_pid(pgdata) is None
     assert not _alive(pid)
-    for i in range(4):
+    for i in range(5):
         assert port_is_free(base + i)
 
 
@@ -164,7 +165,7 @@ def test_services_end_when_up_itself_is_killed(data_dir: Path) -> None:
             if line.startswith("export QUAYUTEC_DATA_DIR"):
                 break
         services = [c for c in psutil.Process(up.pid).children() if "services." in " ".join(c.cmdline())]
-        assert len(services) == 4
+        assert len(services) == 5  # the four services and the console
         up.kill()
         up.wait()
         _, alive = psutil.wait_procs(services, timeout=60)

@@ -1,0 +1,80 @@
+"""Settings of the console, read once from the environment (prefix ``QUAYUTEC_CONSOLE_``)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from quayutec.config import DATA_DIR_ENV, GATEWAY, ConfigError, env_bool, env_float, env_str, service_addr
+from quayutec.settings import setting
+
+SECRET_FILE = "console-session.key"
+MIN_SECRET_CHARS = 32
+
+
+@dataclass(frozen=True)
+class ConsoleConfig:
+    listen: str
+    gateway_addr: str
+    session_secret: str
+    secure_cookie: bool
+    session_seconds: int
+    jaeger_url: str
+    # TLS to the Gateway: None for plaintext; otherwise the CA's PEM (b"" for the system's roots).
+    gateway_ca: bytes | None = None
+    gateway_tls_name: str = ""
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not port.isdigit():
+            raise ConfigError(f"QUAYUTEC_CONSOLE_LISTEN must be host:port, got {self.listen!r}")
+        return host.strip("[]") or "127.0.0.1", int(port)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ConsoleConfig:
+        env = os.environ if env is None else env
+        secret = env_str(env, setting("QUAYUTEC_CONSOLE_SESSION_SECRET"))
+        if not secret:
+            secret = dev_secret(Path(env_str(env, setting(DATA_DIR_ENV))).absolute())
+        if len(secret) < MIN_SECRET_CHARS:
+            raise ConfigError(f"QUAYUTEC_CONSOLE_SESSION_SECRET must be at least {MIN_SECRET_CHARS} characters")
+        gateway_ca: bytes | None = None
+        if env_bool(env, setting("QUAYUTEC_CONSOLE_GATEWAY_TLS")):
+            ca_path = env_str(env, setting("QUAYUTEC_CONSOLE_GATEWAY_CA"))
+            try:
+                gateway_ca = Path(ca_path).read_bytes() if ca_path else b""
+            except OSError as exc:
+                raise ConfigError(f"cannot read QUAYUTEC_CONSOLE_GATEWAY_CA ({ca_path}): {exc.strerror}") from exc
+        hours = env_float(env, setting("QUAYUTEC_CONSOLE_SESSION_HOURS"), minimum=0.01)
+        return cls(
+            listen=env_str(env, setting("QUAYUTEC_CONSOLE_LISTEN")),
+            gateway_addr=service_addr(GATEWAY, env),
+            session_secret=secret,
+            secure_cookie=env_bool(env, setting("QUAYUTEC_CONSOLE_SECURE_COOKIE")),
+            session_seconds=int(hours * 3600),
+            jaeger_url=env_str(env, setting("QUAYUTEC_CONSOLE_JAEGER_URL")).rstrip("/"),
+            gateway_ca=gateway_ca,
+            gateway_tls_name=env_str(env, setting("QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME")),
+        )
+
+
+def dev_secret(data_dir: Path) -> str:
+    """The development session secret: a random one kept in the data folder (mode 0600), made once."""
+    path = data_dir / SECRET_FILE
+    try:
+        return path.read_text().strip()
+    except FileNotFoundError:
+        pass
+    data_dir.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_urlsafe(48)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:  # another process made it first
+        return path.read_text().strip()
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return value
