@@ -21,6 +21,9 @@ import pytest
 from quayutec.db import create_pool, embedded_ctl, embedded_database_url, embedded_pgdata, embedded_pid, with_database
 from quayutec.migrate import migrate
 
+# Fixtures shared by modules that own a PostgreSQL of their own (outage tests).
+pytest_plugins = ["tests.harness.postgres"]
+
 # One template per test session, so sessions running side by side never drop each other's.
 TEMPLATE_DB = f"quayutec_test_template_{os.getpid()}"
 REPO = Path(__file__).resolve().parent.parent

@@ -3,64 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
 import socket
-import tempfile
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
-from typing import Literal
+from collections.abc import AsyncIterator
 
 import asyncpg
 import grpc
 import pytest
 
-from quayutec.db import create_pool, embedded_ctl
+from quayutec.db import create_pool
 from quayutec.v1 import claims_pb2
 from tests.harness.channels import service_channel
 from tests.harness.claims import claims_stub, running_claims
+from tests.harness.postgres import OwnPostgres
 
 TIMEOUT = 30.0
-
-
-class OwnPostgres:
-    """A PostgreSQL this module alone starts and stops, in a short tmp folder (Unix socket limit)."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="qy-rs-", dir="/tmp"))
-        # pgserver runs PostgreSQL as its own user when we are root; it must reach the folder.
-        self.root.chmod(0o755)
-        self.pgdata = self.root / "pg"
-        self.running = False
-        self.url = self._ctl("start")
-        self.running = True
-
-    def _ctl(self, action: Literal["start", "stop"]) -> str:
-        return embedded_ctl(action, self.pgdata)
-
-    def stop(self) -> None:
-        if self.running:
-            self._ctl("stop")
-            self.running = False
-
-    def start(self) -> None:
-        if not self.running:
-            url = self._ctl("start")
-            assert url == self.url
-            self.running = True
-
-    def remove(self) -> None:
-        self.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def own_postgres() -> Iterator[OwnPostgres]:
-    pg = OwnPostgres()
-    try:
-        yield pg
-    finally:
-        pg.remove()
 
 
 @pytest.fixture

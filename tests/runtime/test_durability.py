@@ -9,24 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Literal
 
 import asyncpg
 import grpc
 import pytest
 
-from quayutec.db import embedded_ctl, with_database
+from quayutec.db import with_database
 from quayutec.v1 import claims_pb2, common_pb2, runtime_pb2
 from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
@@ -34,6 +30,7 @@ from services.stack import free_port
 from tests.harness.channels import mtls_env, service_channel
 from tests.harness.claims import claims_stub, running_claims
 from tests.harness.gateway import running_gateway
+from tests.harness.postgres import OwnPostgres
 from tests.harness.room import TEST_ENCRYPTION_KEY, running_room
 from tests.harness.runtime import REPO, RuntimeProcess, running_runtime
 from tests.runtime import test_held as held
@@ -53,44 +50,6 @@ GATEWAY_ENV = {
 # Each try of a Room or Claims call gives up soon, so a call caught by the fault is retried soon.
 BACKEND_TIMEOUT_SECONDS = 2.0
 ROOM_RETRY_SECONDS = 30.0
-
-
-class OwnPostgres:
-    """A PostgreSQL this module alone starts and stops, in a short tmp folder (Unix socket limit)."""
-
-    def __init__(self) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="qy-du-", dir="/tmp"))
-        self.root.chmod(0o755)  # pgserver runs PostgreSQL as its own user when we are root
-        self.pgdata = self.root / "pg"
-        self.running = False
-        self.url = self._ctl("start")
-        self.running = True
-
-    def _ctl(self, action: Literal["start", "stop"]) -> str:
-        return embedded_ctl(action, self.pgdata)
-
-    def stop(self) -> None:
-        if self.running:
-            self._ctl("stop")
-            self.running = False
-
-    def start(self) -> None:
-        if not self.running:
-            assert self._ctl("start") == self.url
-            self.running = True
-
-    def remove(self) -> None:
-        self.stop()
-        shutil.rmtree(self.root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def own_postgres() -> Iterator[OwnPostgres]:
-    pg = OwnPostgres()
-    try:
-        yield pg
-    finally:
-        pg.remove()
 
 
 @pytest.fixture
