@@ -128,8 +128,11 @@ _DECLARED: list[Setting] = [
     # Runtime
     _g(
         "QUAYUTEC_RUNTIME_MAX_RUNS",
-        32,
-        "runs executing at once; over it StartRun is RESOURCE_EXHAUSTED (nothing claimed)",
+        2048,
+        "runs executing at once; over it StartRun is RESOURCE_EXHAUSTED (nothing claimed). A run waiting on its "
+        "model holds a coroutine and one provider socket, so the cap is sized by file descriptors (the Runtime "
+        "raises its soft `ulimit -n` to the hard limit and refuses to start unless it covers this plus 256) and "
+        "memory (see docs/operations.md); the provider connection pool holds as many connections",
         ["runtime"],
     ),
     _g("QUAYUTEC_RUNTIME_RUN_SECONDS", 300.0, "active time of one run", ["runtime"], shown="300"),

@@ -26,13 +26,23 @@ def make_http_client(
     transport: httpx.AsyncBaseTransport | None = None,
     *,
     trust_env: bool = True,
+    max_connections: int = 100,
 ) -> httpx.AsyncClient:
     """The process's one shared client: explicit timeout, no redirects, no retries of its own.
-    ``timeout_seconds`` bounds each phase and also the whole request (see ``_send_once``)."""
+    ``timeout_seconds`` bounds each phase and also the whole request (see ``_send_once``).
+
+    ``max_connections`` is the Runtime's run cap: a run makes one model request at a time, so every
+    run in flight has its connection and none waits on the pool (httpx's own default is 100 open
+    and 20 kept alive, which would queue runs 101 and on behind the others' model time). Idle
+    connections are kept as many and closed after httpx's keep-alive expiry (5 s), so a burst does
+    not reconnect on its next request."""
     if timeout_seconds <= 0:
         raise ValueError("timeout_seconds must be positive")
+    if max_connections < 1:
+        raise ValueError("max_connections must be at least 1")
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_seconds),
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         transport=transport,
         follow_redirects=False,
         trust_env=trust_env,
