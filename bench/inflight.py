@@ -1,7 +1,8 @@
 """Many runs in flight on one Runtime: a burst of wakes posted at once through the Gateway while the
 stand-in model takes seconds to answer.
 
-``python bench/inflight.py [--wakes 2000] [--model-seconds 2,10] [--baseline-wakes 200] [--rooms 10]``
+``python bench/inflight.py [--wakes 2000] [--model-seconds 2,10] [--baseline-wakes 200] [--rooms 10]
+[--no-runtime-alone]``
 
 All four services run as processes on one PostgreSQL (``DATABASE_URL``'s server or an embedded
 one), with the Runtime's default settings. Each scenario gets a fresh database and stack: ``rooms``
@@ -15,6 +16,10 @@ stand-in answering each model request after ``model seconds``. Figures:
 - Runtime RSS and open fds at that peak, minus the idle Runtime's before the burst, per run in flight;
 - post-to-reply minus the run's model time (the ledger's model attempt durations), p50 and p99.
 
+"Runtime alone" (``--no-runtime-alone`` skips it) measures one Runtime without the Gateway's
+delivery path: the wakes are posted through RoomService first (not timed), then StartRun is called
+for all of them at once with the longest model time; "sent" is then the StartRun call.
+
 The baseline, in the same run, is the previous default cap (``QUAYUTEC_RUNTIME_MAX_RUNS=32``) with
 the first model latency on ``baseline wakes`` wakes (0 skips it); the ratios compare wakes/s.
 """
@@ -26,9 +31,11 @@ import asyncio
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
 
@@ -37,12 +44,16 @@ import httpx
 
 from bench.common import (
     BenchError,
+    PostedWake,
     ProcessSample,
+    World,
     base_env,
     create_migrated_database,
     drop_database,
+    make_room_world,
     model_ms,
     percentile,
+    post_wakes,
     postgres_server,
     print_table,
     room_callers,
@@ -50,18 +61,20 @@ from bench.common import (
     running_stack,
     scratch_dir,
     standin_process,
+    start_accepted,
     wait_for_room,
 )
 from bench.wakes import GatewayWorld, make_gateway_world
 from quayutec.db import create_pool
 from quayutec.tls import GATEWAY
-from quayutec.v1 import gateway_pb2
+from quayutec.v1 import common_pb2, gateway_pb2, runtime_pb2, runtime_pb2_grpc
 from services.runtime.capacity import raise_fd_limit
 from services.runtime.run import run_id_for
 
 ROOM_WAIT_SECONDS = 600.0
 POST_PARALLEL = 256
 SAMPLE_SECONDS = 0.1
+STALL_SECONDS = 30.0
 REPLIES_DONE = "SELECT count(*) FROM messages WHERE run_id = ANY($1::text[])"
 RESULTS = (
     "SELECT m.run_id, m.created_at, r.model_attempts FROM messages m JOIN runs r ON r.run_id = m.run_id "
@@ -76,6 +89,7 @@ class Scenario:
     model_seconds: float
     wakes: int
     max_runs: int | None  # None: the Runtime's default
+    direct: bool = False  # StartRun straight to the Runtime (no Gateway)
     drain_s: float = float("nan")
     peak_in_flight: int = 0
     rss_per_run_kib: float = float("nan")
@@ -85,10 +99,11 @@ class Scenario:
     p50_ms: float = float("nan")
     p99_ms: float = float("nan")
     post_s: float = float("nan")
+    answered: int = 0
 
     @property
     def rate(self) -> float:
-        return self.wakes / self.drain_s if self.drain_s > 0 else float("nan")
+        return self.answered / self.drain_s if self.drain_s > 0 else float("nan")
 
 
 class Sampler:
@@ -127,23 +142,42 @@ async def run_scenario(scenario: Scenario, admin_url: str, standin_url: str, roo
     if scenario.max_runs is not None:
         env["QUAYUTEC_RUNTIME_MAX_RUNS"] = str(scenario.max_runs)
     pool = await create_pool(url, min_size=2, max_size=4)
+    names = ("claims", "room", "runtime") if scenario.direct else ("claims", "room", "runtime", "gateway")
     try:
-        async with running_stack(url, ("claims", "room", "runtime", "gateway"), env, data_dir / "logs") as stack:
+        async with running_stack(url, names, env, data_dir / "logs") as stack:
             await wait_for_room(stack, ROOM_WAIT_SECONDS)
-            async with room_callers(stack) as room, stack.channel("gateway", GATEWAY) as channel:
+            async with room_callers(stack) as room:
                 tag = uuid.uuid4().hex[:6]
-                worlds = [await make_gateway_world(room, pool, channel, f"{tag}-{i}") for i in range(rooms)]
-                # Warm up every path (connections, caches) with answers at once, one wake per room.
-                await burst(worlds, rooms, pool)
-                _queue_delayed(standin_url, scenario.model_seconds, scenario.wakes)
-                pid = stack.procs["runtime"].pid
-                idle = ProcessSample.of(pid)
-                with Sampler(pool, pid) as sampler:
-                    results, post_s = await burst(worlds, scenario.wakes, pool)
-                fill(scenario, results, idle, sampler, post_s)
+                if scenario.direct:
+                    async with stack.channel("runtime", GATEWAY) as channel:
+                        worlds = [await make_room_world(room, f"{tag}-{i}") for i in range(rooms)]
+                        per_room = -(-(scenario.wakes + 1) // rooms)
+                        wakes = [await post_wakes(room, w, per_room, parallel=64) for w in worlds]
+                        warm = [w[-1:] for w in wakes]
+                        runtime = runtime_pb2_grpc.RuntimeServiceStub(channel)
+                        await burst(runtime_sender(runtime, worlds, warm), rooms, pool)
+                        send = runtime_sender(runtime, worlds, wakes)
+                        await measure(scenario, stack, pool, standin_url, send)
+                else:
+                    async with stack.channel("gateway", GATEWAY) as channel:
+                        gateway_worlds = [
+                            await make_gateway_world(room, pool, channel, f"{tag}-{i}") for i in range(rooms)
+                        ]
+                        # Warm up every path (connections, caches) with answers at once, one wake per room.
+                        await burst(gateway_sender(gateway_worlds), rooms, pool)
+                        await measure(scenario, stack, pool, standin_url, gateway_sender(gateway_worlds))
     finally:
         await pool.close()
         await drop_database(admin_url, url)
+
+
+async def measure(scenario: Scenario, stack: Any, pool: asyncpg.Pool, standin_url: str, send: Send) -> None:
+    _queue_delayed(standin_url, scenario.model_seconds, scenario.wakes)
+    pid = stack.procs["runtime"].pid
+    idle = ProcessSample.of(pid)
+    with Sampler(pool, pid) as sampler:
+        results, post_s = await burst(send, scenario.wakes, pool)
+    fill(scenario, results, idle, sampler, post_s)
 
 
 def _queue_delayed(standin_url: str, seconds: float, times: int) -> None:
@@ -154,40 +188,76 @@ def _queue_delayed(standin_url: str, seconds: float, times: int) -> None:
         raise BenchError(f"the stand-in refused the delayed replies: {answer.status_code} {answer.text}")
 
 
-async def burst(
-    worlds: list[GatewayWorld], count: int, pool: asyncpg.Pool
-) -> tuple[list[tuple[datetime, datetime, float]], float]:
-    """Post ``count`` wakes at once (spread over the worlds) and wait for every reply; per wake
-    (posted created_at, reply created_at, model ms), and the seconds the posting took."""
+Send = Callable[[int], Awaitable[tuple[str, datetime]]]
+
+
+def gateway_sender(worlds: list[GatewayWorld]) -> Send:
+    """Post wake ``i`` through Gateway PostMessage; its run id and the message's created_at."""
+
+    async def send(i: int) -> tuple[str, datetime]:
+        world = worlds[i % len(worlds)]
+        answer = await world.client.PostMessage(
+            gateway_pb2.PostMessageRequest(
+                room_id=world.room_id,
+                person="bench",
+                body=f"@bench-agent what is the plan for item {i}?",
+                mention_agent_ids=[world.agent_id],
+            ),
+            timeout=120,
+        )
+        if len(answer.wake_ids) != 1:
+            raise BenchError(f"a post mentioning one agent answered {len(answer.wake_ids)} wakes")
+        return run_id_for(world.agent_id, answer.wake_ids[0]), answer.message.created_at.ToDatetime(tzinfo=UTC)
+
+    return send
+
+
+def runtime_sender(runtime: Any, worlds: list[World], wakes: list[list[PostedWake]]) -> Send:
+    """StartRun of pending wake ``i`` straight to the Runtime; its run id and when it was sent."""
+
+    async def send(i: int) -> tuple[str, datetime]:
+        world = worlds[i % len(worlds)]
+        wake = wakes[i % len(worlds)][i // len(worlds)]
+        sent = datetime.now(UTC)
+        request = runtime_pb2.StartRunRequest(
+            agent_id=world.agent_id,
+            wake_id=wake.wake_id,
+            room_id=world.room_id,
+            wake_kind=common_pb2.WAKE_KIND_MESSAGE,
+            wake_source_id=wake.message_id,
+        )
+        run_id, _ = await start_accepted(runtime, request)
+        return run_id, sent
+
+    return send
+
+
+async def burst(send: Send, count: int, pool: asyncpg.Pool) -> tuple[list[tuple[datetime, datetime, float]], float]:
+    """Send ``count`` wakes at once (at most POST_PARALLEL calls open) and wait for every reply; per
+    wake (sent, reply created_at, model ms), and the seconds the sending took."""
     sem = asyncio.Semaphore(POST_PARALLEL)
     posted: dict[str, datetime] = {}
 
     async def one(i: int) -> None:
-        world = worlds[i % len(worlds)]
         async with sem:
-            answer = await world.client.PostMessage(
-                gateway_pb2.PostMessageRequest(
-                    room_id=world.room_id,
-                    person="bench",
-                    body=f"@bench-agent what is the plan for item {i}?",
-                    mention_agent_ids=[world.agent_id],
-                ),
-                timeout=120,
-            )
-        if len(answer.wake_ids) != 1:
-            raise BenchError(f"a post mentioning one agent answered {len(answer.wake_ids)} wakes")
-        posted[run_id_for(world.agent_id, answer.wake_ids[0])] = answer.message.created_at.ToDatetime(tzinfo=UTC)
+            run_id, sent = await send(i)
+        posted[run_id] = sent
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(i) for i in range(count)))
     post_s = time.perf_counter() - t0
     keys = list(posted)
-    deadline = time.monotonic() + 600
-    while int(await pool.fetchval(REPLIES_DONE, keys)) < len(keys):
-        if time.monotonic() > deadline:
-            raise BenchError(f"not every one of {len(keys)} wakes was answered within 600 s")
+    # Until every wake is answered, or none more is for STALL_SECONDS (a wake whose run failed or
+    # was lost shows as unanswered in the table instead of hanging the bench).
+    answered, changed = 0, time.monotonic()
+    while answered < len(keys) and time.monotonic() - changed < STALL_SECONDS:
         await asyncio.sleep(0.25)
+        now = int(await pool.fetchval(REPLIES_DONE, keys))
+        if now != answered:
+            answered, changed = now, time.monotonic()
     rows = await pool.fetch(RESULTS, keys)
+    if not rows:
+        raise BenchError(f"none of {len(keys)} wakes was answered")
     return [(posted[r["run_id"]], r["created_at"], model_ms(r["model_attempts"])) for r in rows], post_s
 
 
@@ -197,6 +267,7 @@ def fill(
     first = min(p for p, _, _ in results)
     last = max(r for _, r, _ in results)
     s.drain_s = (last - first).total_seconds()
+    s.answered = len(results)
     s.post_s = post_s
     added = [(r - p).total_seconds() * 1000 - m for p, r, m in results]
     s.p50_ms, s.p99_ms = percentile(added, 50), percentile(added, 99)
@@ -219,6 +290,8 @@ async def amain(opts: argparse.Namespace) -> None:
     if opts.baseline_wakes > 0:
         scenarios.append(Scenario("baseline MAX_RUNS=32", latencies[0], opts.baseline_wakes, 32))
     scenarios += [Scenario("defaults", m, opts.wakes, None) for m in latencies]
+    if opts.runtime_alone:
+        scenarios.append(Scenario("Runtime alone, StartRun", max(latencies), opts.wakes, None, direct=True))
     with scratch_dir("qy-bench-inflight-") as data_dir, standin_process() as standin_url, postgres_server() as admin:
         for s in scenarios:
             print(f"  {s.label}: {s.wakes} wakes, model {s.model_seconds:g} s ...", file=sys.stderr)
@@ -238,6 +311,7 @@ def report(scenarios: list[Scenario], fd_limit: int, seconds: float) -> None:
             "scenario",
             "model s",
             "wakes",
+            "unanswered",
             "posting s",
             "drain s",
             "wakes/s",
@@ -254,6 +328,7 @@ def report(scenarios: list[Scenario], fd_limit: int, seconds: float) -> None:
                 s.label,
                 s.model_seconds,
                 s.wakes,
+                s.wakes - s.answered,
                 s.post_s,
                 s.drain_s,
                 s.rate,
@@ -285,6 +360,12 @@ def main() -> int:
     parser.add_argument("--model-seconds", default="2,10", help="comma-separated stand-in latencies (default 2,10)")
     parser.add_argument(
         "--baseline-wakes", type=int, default=200, help="wakes of the MAX_RUNS=32 baseline (default 200; 0 skips)"
+    )
+    parser.add_argument(
+        "--runtime-alone",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also StartRun the wakes straight to the Runtime at the longest model time (default on)",
     )
     parser.add_argument("--rooms", type=int, default=10, help="rooms (each with its agent) the wakes spread over")
     return run_main(amain, parser.parse_args())

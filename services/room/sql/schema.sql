@@ -214,6 +214,8 @@ CREATE TABLE wake_outbox (
 );
 CREATE INDEX wake_outbox_pending_due ON wake_outbox (due_at) WHERE delivered_at IS NULL;
 CREATE INDEX wake_outbox_source ON wake_outbox (source_id);
+-- Delivered wakes by age, for the cleanup loop (pending rows are not in it).
+CREATE INDEX wake_outbox_delivered ON wake_outbox (delivered_at) WHERE delivered_at IS NOT NULL;
 
 -- A company's rules for its agents' declared actions: its default (agent_id NULL) and per-agent rows.
 CREATE TABLE agent_rights (

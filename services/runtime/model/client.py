@@ -13,6 +13,7 @@ from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 from . import anthropic, openai
 from .classify import Verdict, classify_exception, classify_response, sanitize
 from .policy import Clock, RetryPolicy
+from .pool import ShardedTransport
 from .types import Attempt, BadReply, ModelOutcome, ModelReply, ModelRequest, ModelTarget
 
 TRACER_NAME = "quayutec.runtime.model"
@@ -35,7 +36,8 @@ def make_http_client(
     run in flight has its connection and none waits on the pool (httpx's own default is 100 open
     and 20 kept alive, which would queue runs 101 and on behind the others' model time). Idle
     connections are kept as many and closed after httpx's keep-alive expiry (5 s), so a burst does
-    not reconnect on its next request."""
+    not reconnect on its next request. The pool is split into shards (``pool.ShardedTransport``) so
+    its per-request bookkeeping stays small at thousands of connections."""
     if timeout_seconds <= 0:
         raise ValueError("timeout_seconds must be positive")
     if max_connections < 1:
@@ -43,7 +45,7 @@ def make_http_client(
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_seconds),
         limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        transport=transport,
+        transport=transport or ShardedTransport(max_connections, trust_env=trust_env),
         follow_redirects=False,
         trust_env=trust_env,
     )
