@@ -194,6 +194,8 @@ CREATE TABLE runs (
 );
 CREATE INDEX runs_agent_pos ON runs (agent_id, pos);
 CREATE INDEX runs_company_pos ON runs (company_id, pos);
+-- Runs not ended, for the housekeeping that ends stale ones.
+CREATE INDEX runs_open ON runs (status, updated_at) WHERE ended_at IS NULL;
 
 -- The outbox: a wake per agent a message or task is meant for, written in the posting transaction
 -- and leased by Gateway's delivery loop (FOR UPDATE SKIP LOCKED).
