@@ -48,6 +48,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/runs.py
 	$(BIN)/python bench/wakes.py
 	$(BIN)/python bench/parked.py
+	$(BIN)/python bench/watch.py
 	$(BIN)/python bench/inflight.py
 	$(BIN)/python bench/tables.py
 

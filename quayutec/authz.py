@@ -56,6 +56,8 @@ _ROOM: dict[str, frozenset[str]] = {
     "LeaveRoom": _G,
     "RemoveMember": _G,
     "ListMembers": _G,
+    # The room event log behind WatchRoom: every audience when no company is named, so Gateway only.
+    "ReadRoomEvents": _G,
     # Agents: registered and read through the public API; their provider key only by the Runtime.
     "RegisterAgent": _G,
     "GetAgent": _G,

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
 import grpc
 
+from quayutec.ratelog import RateLimitedLog
+
 _log = logging.getLogger("quayutec.errors")
+_undecodable_log = logging.getLogger("quayutec.undecodable")
 
 # PostgreSQL SQLSTATE classes that mean "the database is not reachable right now".
 CONNECTION_SQLSTATE_CLASSES = ("08", "53", "57")
@@ -61,6 +65,10 @@ class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class OutOfRange(ServiceError):
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
 # Codes of a downstream service's answer that pass through unchanged to our caller.
 _PASS_THROUGH = frozenset(
     {
@@ -71,6 +79,8 @@ _PASS_THROUGH = frozenset(
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.RESOURCE_EXHAUSTED,
         grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.ABORTED,
     }
 )
 
@@ -107,13 +117,54 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INTERNAL, f"a backend failed: {code.name}"
     if isinstance(exc, NotImplementedError):
         return grpc.StatusCode.UNIMPLEMENTED, "this method is not implemented by this server version"
+    if isinstance(exc, (asyncpg.exceptions.SerializationError, asyncpg.exceptions.DeadlockDetectedError)):
+        # The transaction was rolled back whole: nothing of the call was written.
+        return grpc.StatusCode.ABORTED, "a concurrent change rolled this call back; nothing was written; retry"
     if is_connection_error(exc) or isinstance(exc, TimeoutError):
         return grpc.StatusCode.UNAVAILABLE, "the database is unavailable; retry later"
     return grpc.StatusCode.INTERNAL, "internal error"
 
 
+class Undecodable:
+    """Stands in for a request whose bytes did not decode (corrupt protobuf, a string field that is
+    not UTF-8), so the handler answers INVALID_ARGUMENT instead of gRPC's UNKNOWN and traceback."""
+
+    __slots__ = ("reason",)
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+
+def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserializer is None:
+        return None
+
+    def deserialize(raw: bytes) -> Any:
+        try:
+            return deserializer(raw)
+        except Exception as exc:
+            return Undecodable(type(exc).__name__)
+
+    return deserialize
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Turns exceptions raised by unary handlers into the status codes of ``status_for``."""
+    """Turns exceptions raised by unary handlers into the status codes of ``status_for``, and a
+    request that does not decode (any handler kind) into INVALID_ARGUMENT, logged at a bounded rate
+    without a traceback."""
+
+    def __init__(self, undecodable_log: RateLimitedLog | None = None) -> None:
+        self._undecodable_log = undecodable_log or RateLimitedLog(_undecodable_log)
+
+    async def _refuse_undecodable(self, method: str, request: Undecodable, context: grpc.aio.ServicerContext) -> None:
+        self._undecodable_log.warning(
+            "%s: refused a request that does not decode (%s) from %s", method, request.reason, context.peer()
+        )
+        await context.abort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"the request does not decode ({request.reason}): send a valid protobuf message of the method's "
+            "request type; string fields must be UTF-8",
+        )
 
     async def intercept_service(
         self,
@@ -121,11 +172,16 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.unary_unary is None:
+        if handler is None:
             return handler
+        method: str = handler_call_details.method
+        if handler.unary_unary is None:
+            return self._streaming(method, handler)
         inner = handler.unary_unary
 
         async def guarded(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            if isinstance(request, Undecodable):
+                await self._refuse_undecodable(method, request, context)
             try:
                 return await inner(request, context)
             except grpc.aio.AbortError:
@@ -133,13 +189,71 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except Exception as exc:
                 code, message = status_for(exc)
                 if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
-                    _log.warning("%s failed: %s", handler_call_details.method, message, exc_info=exc)
+                    _log.warning("%s failed: %s", method, message, exc_info=exc)
                 if isinstance(exc, ResourceExhausted) and exc.retry_after_ms is not None:
                     context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
                 await context.abort(code, message)
 
         return grpc.unary_unary_rpc_method_handler(
             guarded,
-            request_deserializer=handler.request_deserializer,
+            request_deserializer=_tolerant(handler.request_deserializer),
             response_serializer=handler.response_serializer,
         )
+
+    def _streaming(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+        """Health's Watch and reflection: only the undecodable-request refusal is added."""
+        refuse = self._refuse_undecodable
+        deserializer = _tolerant(handler.request_deserializer)
+        serializer = handler.response_serializer
+        if handler.unary_stream is not None:
+            unary_inner = handler.unary_stream
+            if inspect.isasyncgenfunction(unary_inner):
+
+                async def unary_stream_gen(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                    if isinstance(request, Undecodable):
+                        await refuse(method, request, context)
+                    async for item in unary_inner(request, context):
+                        yield item
+
+                wrapped_us: Any = unary_stream_gen
+            else:
+
+                async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                    if isinstance(request, Undecodable):
+                        await refuse(method, request, context)
+                    return await unary_inner(request, context)
+
+                wrapped_us = unary_stream
+            return grpc.unary_stream_rpc_method_handler(
+                wrapped_us, request_deserializer=deserializer, response_serializer=serializer
+            )
+
+        def checked(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def each() -> AsyncIterator[Any]:
+                async for request in requests:
+                    if isinstance(request, Undecodable):
+                        await refuse(method, request, context)
+                    yield request
+
+            return each()
+
+        stream_inner = handler.stream_stream or handler.stream_unary
+        if inspect.isasyncgenfunction(stream_inner):
+
+            async def stream_gen(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                async for item in stream_inner(checked(requests, context), context):
+                    yield item
+
+            wrapped: Any = stream_gen
+        else:
+
+            async def stream(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                return await stream_inner(checked(requests, context), context)
+
+            wrapped = stream
+        make = (
+            grpc.stream_stream_rpc_method_handler
+            if handler.stream_stream is not None
+            else grpc.stream_unary_rpc_method_handler
+        )
+        return make(wrapped, request_deserializer=deserializer, response_serializer=serializer)

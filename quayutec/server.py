@@ -98,7 +98,9 @@ class GrpcServer:
         self._register = register
         self._on_stop = on_stop
         authz = (AuthzInterceptor(),) if identity is not None else ()
-        self._interceptors = (*authz, *interceptors, ErrorMappingInterceptor())
+        # One per server, so the main and health ports share one budget of undecodable-request lines.
+        self._errors = ErrorMappingInterceptor()
+        self._interceptors = (*authz, *interceptors, self._errors)
         self._credentials = identity.server_credentials() if identity is not None else credentials
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -144,7 +146,11 @@ class GrpcServer:
 
     async def _start_health_server(self, listen: str) -> None:
         """Plaintext health checks only, for probes that cannot present a client certificate."""
-        health_server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4096)], maximum_concurrent_rpcs=16)
+        health_server = grpc.aio.server(
+            interceptors=(self._errors,),
+            options=[("grpc.max_receive_message_length", 4096)],
+            maximum_concurrent_rpcs=16,
+        )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)
         port = health_server.add_insecure_port(listen)
         if port == 0:

@@ -172,7 +172,7 @@ _DECLARED: list[Setting] = [
         "QUAYUTEC_RUNTIME_ROOM_RETRY_SECONDS",
         30.0,
         "how long a Room call that is safe to repeat (reads, ledger rows, writes with a dedupe key) is retried on "
-        "UNAVAILABLE / DEADLINE_EXCEEDED, within the run's active time",
+        "UNAVAILABLE / DEADLINE_EXCEEDED / ABORTED, within the run's active time",
         ["runtime"],
         shown="30",
     ),
@@ -194,6 +194,14 @@ _DECLARED: list[Setting] = [
         86_400,
         "how long held actions wait for their company's decision before they end undone",
         ["runtime"],
+    ),
+    _g(
+        "QUAYUTEC_RUNTIME_EGRESS_ALLOW",
+        "",
+        "comma list of CIDRs and host names an agent owner's base_url may reach besides public https "
+        "addresses (plain http only to these); Room checks it at registration, Runtime at each connection: "
+        "set it on both",
+        ["room", "runtime"],
     ),
     _g(
         "QUAYUTEC_RUNTIME_FAILPOINTS",
@@ -297,6 +305,61 @@ _DECLARED: list[Setting] = [
         5000,
         "longest pause between the Gateway's reconnects to Room and Runtime",
         ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_BUFFER_EVENTS",
+        256,
+        "events a WatchRoom stream holds for its caller; a live stream that overflows it ends RESOURCE_EXHAUSTED",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_HEARTBEAT_SECONDS",
+        15.0,
+        "an idle WatchRoom stream re-checks membership and sends a heartbeat this often",
+        ["gateway"],
+        shown="15",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_CHECK_SECONDS",
+        0.5,
+        "while the Gateway's LISTEN connection is down, streams re-read their room this often",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS",
+        900,
+        "WatchRoom streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also counts against"
+        " the server's 1,024 concurrent RPCs",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_A2A_URL",
+        "",
+        "the gRPC address (host:port) A2A agent cards name for this Gateway; unset: the address it listens on",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_A2A_BLOCK_SECONDS",
+        30.0,
+        "longest a blocking A2A SendMessage waits for the task to leave submitted/working (a shorter client"
+        " deadline wins)",
+        ["gateway"],
+        shown="30",
+    ),
+    # Room
+    _g(
+        "QUAYUTEC_ROOM_EVENT_RETENTION_HOURS",
+        168.0,
+        "how long room events are kept for watchers to resume from; an older cursor answers OUT_OF_RANGE",
+        ["room"],
+        shown="168",
+    ),
+    _g(
+        "QUAYUTEC_ROOM_EVENT_CLEANUP_SECONDS",
+        300.0,
+        "how often each Room replica removes events older than the retention",
+        ["room"],
+        shown="300",
     ),
     # OpenTelemetry (the standard variables we read)
     _g("OTEL_EXPORTER_OTLP_ENDPOINT", "", "OTLP/gRPC endpoint for traces and metrics; unset: no export", ALL),

@@ -422,6 +422,59 @@ async def cmd_messages(opts: argparse.Namespace) -> int:
     return 0
 
 
+EVENT_NAMES = {v: k.removeprefix("ROOM_EVENT_KIND_").lower() for k, v in common_pb2.RoomEventKind.items()}
+# Ends of a watch that resuming from the last cursor cures (`quayutec watch` resumes by itself).
+WATCH_RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
+WATCH_RESUME_PAUSE_SECONDS = 1.0
+
+
+def format_event(event: common_pb2.RoomEvent) -> str:
+    """One line per room event: its cursor, kind and what changed."""
+    what = ""
+    if event.HasField("message"):
+        m = event.message
+        who = m.author.person or f"agent {m.author.agent_id}"
+        what = f"#{m.seq} {who}: {m.body}"
+    elif event.HasField("task"):
+        t = event.task
+        what = f"{t.task_id} {t.title!r} -> agent {t.to_agent_id} ({common_pb2.TaskStatus.Name(t.status)})"
+    elif event.HasField("memory"):
+        scope = "company only" if event.memory.visibility == common_pb2.MEMORY_VISIBILITY_COMPANY else "room"
+        what = f"({scope}) {event.memory.text}"
+    elif event.HasField("file"):
+        what = f"{event.file.name} ({event.file.size_bytes} bytes)"
+    elif event.HasField("member"):
+        what = f"company {event.member.company_id}"
+    elif event.HasField("run"):
+        what = f"run {event.run.run_id} of agent {event.run.agent_id}"
+    elif event.HasField("approval"):
+        what = f"token {event.approval.token}: {len(event.approval.held)} held action(s) of run {event.approval.run_id}"
+    return f"[{event.cursor}] {EVENT_NAMES.get(event.kind, str(event.kind))} {what}".rstrip()
+
+
+async def cmd_watch(opts: argparse.Namespace) -> int:
+    """Prints the room's events as they happen, like `tail -f`; resumes by itself after a drop."""
+    after: int | None = opts.after
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        while True:
+            request = gateway_pb2.WatchRoomRequest(room_id=opts.room)
+            if after is not None:
+                request.after = after
+            try:
+                async for item in client.WatchRoom(request):
+                    for event in item.events:
+                        print(format_event(event), flush=True)
+                        after = event.cursor
+                    if item.HasField("heartbeat"):
+                        after = item.heartbeat.cursor
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in WATCH_RESUMABLE:
+                    raise
+                print(f"watch ended ({exc.code().name}: {exc.details()}); resuming after {after}", file=sys.stderr)
+                await asyncio.sleep(WATCH_RESUME_PAUSE_SECONDS)
+
+
 RIGHTS = {
     "auto": common_pb2.ACTION_RIGHT_AUTO,
     "hold": common_pb2.ACTION_RIGHT_HOLD,
@@ -604,7 +657,11 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--name", required=True, help="the agent's name, as people mention it")
     ar.add_argument("--provider", required=True, choices=sorted(PROVIDERS), help="which API its model speaks")
     ar.add_argument("--model", required=True, help="the provider's model name")
-    ar.add_argument("--base-url", help="your own model address (one request per call, never retried)")
+    ar.add_argument(
+        "--base-url",
+        help="your own model address: https to a public address unless the operator allow-lists it "
+        "(one request per call, never retried)",
+    )
     ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
     ms = sub.add_parser("messages", help="a room's latest messages, oldest of them first")
@@ -612,6 +669,10 @@ def parser() -> argparse.ArgumentParser:
     _limit(ms, 20)
     _json(ms)
     ms.set_defaults(handler=cmd_messages)
+    wt = sub.add_parser("watch", help="print a room's events as they happen (like tail -f)")
+    wt.add_argument("--room", required=True, metavar="ROOM_ID", help="the room to follow (you must be a member)")
+    wt.add_argument("--after", type=int, help="start after this cursor (0: from the oldest kept); default: from now")
+    wt.set_defaults(handler=cmd_watch)
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )

@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from quayutec.db import create_pool
-from quayutec.v1 import room_pb2, room_pb2_grpc
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
+from services.gateway.a2a import tenant_of
 from services.gateway.auth import create_api_key
 from tests.harness.channels import service_channel
-from tests.harness.gateway import running_gateway
+from tests.harness.gateway import authed_gateway, running_gateway
 from tests.harness.room import running_room
 
 REPO = Path(__file__).resolve().parent.parent
@@ -70,7 +71,12 @@ def test_nothing_refers_to_a_design_document_outside_the_project() -> None:
 
 def test_the_api_guide_shows_the_examples_as_they_are() -> None:
     shown = dict(_EXAMPLE.findall((DOCS / "api.md").read_text()))
-    assert set(shown) == {"examples/grpcurl.sh", "examples/python_client.py", "examples/node/client.js"}
+    assert set(shown) == {
+        "examples/grpcurl.sh",
+        "examples/python_client.py",
+        "examples/node/client.js",
+        "examples/a2a_client.py",
+    }
     for name, text in shown.items():
         assert text == (DOCS / name).read_text(), f"docs/api.md shows an old copy of docs/{name}"
 
@@ -99,17 +105,29 @@ async def test_the_api_examples_run_against_a_real_gateway(database_url: str) ->
                 room = room_pb2_grpc.RoomServiceStub(channel)
                 company = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name="Acme"))).company
             _, key = await create_api_key(pool, company.company_id, "docs")
+            async with authed_gateway(gateway_addr, key) as gw:
+                a2a_room = (await gw.CreateRoom(gateway_pb2.CreateRoomRequest(name="a2a"), timeout=10)).room
+                helper = (
+                    await gw.RegisterAgent(
+                        gateway_pb2.RegisterAgentRequest(
+                            name="helper", provider=common_pb2.PROVIDER_ANTHROPIC, model="m", provider_key="sk-docs"
+                        ),
+                        timeout=10,
+                    )
+                ).agent
             env = {
                 **os.environ,
                 "PATH": os.pathsep.join([str(Path(grpcurl).parent), os.environ.get("PATH", "")]),
                 "PYTHONPATH": str(REPO),
                 "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
                 "QUAYUTEC_API_KEY": key,
+                "QUAYUTEC_A2A_TENANT": tenant_of(a2a_room.room_id, helper.agent_id),
             }
             runs = {
                 "grpcurl": ["sh", str(DOCS / "examples" / "grpcurl.sh")],
                 "python": [sys.executable, str(DOCS / "examples" / "python_client.py")],
                 "node": [node, str(NODE_EXAMPLES / "client.js")],
+                "a2a": [sys.executable, str(DOCS / "examples" / "a2a_client.py")],
             }
             out = {}
             for name, argv in runs.items():
@@ -134,6 +152,12 @@ async def test_the_api_examples_run_against_a_real_gateway(database_url: str) ->
         assert lines[2].endswith(f"the retry returned the same message: {same}")
         assert lines[3] == f"messages, one page each: {bodies}"
         assert lines[4] == "unknown room: NOT_FOUND"
+    assert out["a2a"].splitlines() == [
+        "agent helper of Acme",
+        "task TASK_STATE_SUBMITTED; the retry returned it: True",
+        "canceled: TASK_STATE_CANCELED",
+        "unknown task: TaskNotFoundError",
+    ], out["a2a"]
 
 
 async def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:

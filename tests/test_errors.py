@@ -1,5 +1,6 @@
 """How database failures reach callers: a broken connection is UNAVAILABLE (a caller may retry what
-is safe to repeat), anything else unexpected is INTERNAL."""
+is safe to repeat), a transaction rolled back by a concurrent change is ABORTED, anything else
+unexpected is INTERNAL."""
 
 from __future__ import annotations
 
@@ -29,3 +30,17 @@ def test_a_broken_database_connection_is_unavailable(exc: Exception) -> None:
 def test_other_failures_are_internal() -> None:
     assert status_for(ValueError("a bug"))[0] == grpc.StatusCode.INTERNAL
     assert status_for(asyncpg.exceptions.UniqueViolationError("duplicate"))[0] == grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        asyncpg.exceptions.SerializationError("could not serialize access due to concurrent update"),
+        asyncpg.exceptions.DeadlockDetectedError("deadlock detected"),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_a_transaction_rolled_back_by_a_concurrent_change_is_aborted(exc: Exception) -> None:
+    code, message = status_for(exc)
+    assert code == grpc.StatusCode.ABORTED
+    assert "nothing was written" in message

@@ -343,6 +343,54 @@ INVITATION_STATUS_DECLINED: InvitationStatus.ValueType  # 3
 """Declined: it never became a member through this invitation."""
 Global___InvitationStatus: _TypeAlias = InvitationStatus  # noqa: Y015
 
+class _RoomEventKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RoomEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoomEventKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    ROOM_EVENT_KIND_UNSPECIFIED: _RoomEventKind.ValueType  # 0
+    ROOM_EVENT_KIND_MESSAGE_POSTED: _RoomEventKind.ValueType  # 1
+    ROOM_EVENT_KIND_TASK_CREATED: _RoomEventKind.ValueType  # 2
+    ROOM_EVENT_KIND_TASK_UPDATED: _RoomEventKind.ValueType  # 3
+    """A note on an open task (it stays open)."""
+    ROOM_EVENT_KIND_TASK_CLOSED: _RoomEventKind.ValueType  # 4
+    """The task was closed (done or cancelled)."""
+    ROOM_EVENT_KIND_MEMORY_WRITTEN: _RoomEventKind.ValueType  # 5
+    ROOM_EVENT_KIND_FILE_UPLOADED: _RoomEventKind.ValueType  # 6
+    ROOM_EVENT_KIND_MEMBER_JOINED: _RoomEventKind.ValueType  # 7
+    ROOM_EVENT_KIND_MEMBER_LEFT: _RoomEventKind.ValueType  # 8
+    """The company left or was removed."""
+    ROOM_EVENT_KIND_RUN_STARTED: _RoomEventKind.ValueType  # 9
+    """Runs are seen only by the company that owns the agent."""
+    ROOM_EVENT_KIND_RUN_PARKED: _RoomEventKind.ValueType  # 10
+    ROOM_EVENT_KIND_RUN_ENDED: _RoomEventKind.ValueType  # 11
+    ROOM_EVENT_KIND_APPROVAL_AWAITING: _RoomEventKind.ValueType  # 12
+    """Held actions await a decision of the agent's company (the only one that sees this event)."""
+
+class RoomEventKind(_RoomEventKind, metaclass=_RoomEventKindEnumTypeWrapper):
+    """RoomEventKind names what changed in a room."""
+
+ROOM_EVENT_KIND_UNSPECIFIED: RoomEventKind.ValueType  # 0
+ROOM_EVENT_KIND_MESSAGE_POSTED: RoomEventKind.ValueType  # 1
+ROOM_EVENT_KIND_TASK_CREATED: RoomEventKind.ValueType  # 2
+ROOM_EVENT_KIND_TASK_UPDATED: RoomEventKind.ValueType  # 3
+"""A note on an open task (it stays open)."""
+ROOM_EVENT_KIND_TASK_CLOSED: RoomEventKind.ValueType  # 4
+"""The task was closed (done or cancelled)."""
+ROOM_EVENT_KIND_MEMORY_WRITTEN: RoomEventKind.ValueType  # 5
+ROOM_EVENT_KIND_FILE_UPLOADED: RoomEventKind.ValueType  # 6
+ROOM_EVENT_KIND_MEMBER_JOINED: RoomEventKind.ValueType  # 7
+ROOM_EVENT_KIND_MEMBER_LEFT: RoomEventKind.ValueType  # 8
+"""The company left or was removed."""
+ROOM_EVENT_KIND_RUN_STARTED: RoomEventKind.ValueType  # 9
+"""Runs are seen only by the company that owns the agent."""
+ROOM_EVENT_KIND_RUN_PARKED: RoomEventKind.ValueType  # 10
+ROOM_EVENT_KIND_RUN_ENDED: RoomEventKind.ValueType  # 11
+ROOM_EVENT_KIND_APPROVAL_AWAITING: RoomEventKind.ValueType  # 12
+"""Held actions await a decision of the agent's company (the only one that sees this event)."""
+Global___RoomEventKind: _TypeAlias = RoomEventKind  # noqa: Y015
+
 @_typing.final
 class Author(_message.Message):
     """Author is who wrote a message, task, task update, memory line or file."""
@@ -1138,3 +1186,67 @@ class Invitation(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Invitation: _TypeAlias = Invitation  # noqa: Y015
+
+@_typing.final
+class RoomEvent(_message.Message):
+    """RoomEvent is one change of a room, in room order. Resuming a watch after `cursor` continues
+    exactly after this event. Cursors are gap-free per room, but a company sees only the events it
+    may read (private memory, runs and approvals of other companies are skipped).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CURSOR_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    MEMORY_FIELD_NUMBER: _builtins.int
+    FILE_FIELD_NUMBER: _builtins.int
+    MEMBER_FIELD_NUMBER: _builtins.int
+    RUN_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.int
+    room_id: _builtins.str
+    kind: Global___RoomEventKind.ValueType
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def message(self) -> Global___Message: ...
+    @_builtins.property
+    def task(self) -> Global___Task: ...
+    @_builtins.property
+    def memory(self) -> Global___MemoryLine: ...
+    @_builtins.property
+    def file(self) -> Global___File: ...
+    @_builtins.property
+    def member(self) -> Global___RoomMember: ...
+    @_builtins.property
+    def run(self) -> Global___Run: ...
+    @_builtins.property
+    def approval(self) -> Global___Waitpoint: ...
+    def __init__(
+        self,
+        *,
+        cursor: _builtins.int = ...,
+        room_id: _builtins.str = ...,
+        kind: Global___RoomEventKind.ValueType = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        message: Global___Message | None = ...,
+        task: Global___Task | None = ...,
+        memory: Global___MemoryLine | None = ...,
+        file: Global___File | None = ...,
+        member: Global___RoomMember | None = ...,
+        run: Global___Run | None = ...,
+        approval: Global___Waitpoint | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "created_at", b"created_at", "detail", b"detail", "file", b"file", "member", b"member", "memory", b"memory", "message", b"message", "run", b"run", "task", b"task"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "created_at", b"created_at", "cursor", b"cursor", "detail", b"detail", "file", b"file", "kind", b"kind", "member", b"member", "memory", b"memory", "message", b"message", "room_id", b"room_id", "run", b"run", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_detail: _TypeAlias = _typing.Literal["message", "task", "memory", "file", "member", "run", "approval"]  # noqa: Y015
+    _WhichOneofArgType_detail: _TypeAlias = _typing.Literal["detail", b"detail"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_detail) -> _WhichOneofReturnType_detail | None: ...
+
+Global___RoomEvent: _TypeAlias = RoomEvent  # noqa: Y015

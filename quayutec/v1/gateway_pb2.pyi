@@ -6,6 +6,7 @@ isort:skip_file
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 from quayutec.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
@@ -121,7 +122,12 @@ class ListRoomsResponse(_message.Message):
 
     ROOMS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def rooms(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Room]: ...
     def __init__(
@@ -129,10 +135,11 @@ class ListRoomsResponse(_message.Message):
         *,
         rooms: _abc.Iterable[_common_pb2.Room] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "rooms", b"rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "rooms", b"rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -214,7 +221,12 @@ class ListInvitationsResponse(_message.Message):
 
     INVITATIONS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def invitations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Invitation]: ...
     def __init__(
@@ -222,10 +234,11 @@ class ListInvitationsResponse(_message.Message):
         *,
         invitations: _abc.Iterable[_common_pb2.Invitation] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -416,7 +429,12 @@ class ListMembersResponse(_message.Message):
 
     MEMBERS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RoomMember]: ...
     def __init__(
@@ -424,10 +442,11 @@ class ListMembersResponse(_message.Message):
         *,
         members: _abc.Iterable[_common_pb2.RoomMember] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -447,7 +466,9 @@ class RegisterAgentRequest(_message.Message):
     provider: _common_pb2.Provider.ValueType
     model: _builtins.str
     base_url: _builtins.str
-    """Optional owner-supplied model address; such an agent's model calls are never retried."""
+    """Optional owner-supplied model address; such an agent's model calls are never retried. https, to
+    public addresses only, unless the operator's egress allow-list names the host or network.
+    """
     provider_key: _builtins.str
     """The company's provider key; stored encrypted, never returned, logged or traced."""
     system_prompt: _builtins.str
@@ -517,7 +538,12 @@ class ListAgentsResponse(_message.Message):
 
     AGENTS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Agent]: ...
     def __init__(
@@ -525,10 +551,11 @@ class ListAgentsResponse(_message.Message):
         *,
         agents: _abc.Iterable[_common_pb2.Agent] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -628,7 +655,12 @@ class ListMessagesResponse(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]: ...
     def __init__(
@@ -636,10 +668,11 @@ class ListMessagesResponse(_message.Message):
         *,
         messages: _abc.Iterable[_common_pb2.Message] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -795,7 +828,12 @@ class ListTasksResponse(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]: ...
     def __init__(
@@ -803,10 +841,11 @@ class ListTasksResponse(_message.Message):
         *,
         tasks: _abc.Iterable[_common_pb2.Task] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -988,7 +1027,12 @@ class ListFilesResponse(_message.Message):
 
     FILES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.File]: ...
     def __init__(
@@ -996,10 +1040,11 @@ class ListFilesResponse(_message.Message):
         *,
         files: _abc.Iterable[_common_pb2.File] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1272,7 +1317,12 @@ class ListApprovalsResponse(_message.Message):
 
     WAITPOINTS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def waitpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Waitpoint]: ...
     def __init__(
@@ -1280,10 +1330,11 @@ class ListApprovalsResponse(_message.Message):
         *,
         waitpoints: _abc.Iterable[_common_pb2.Waitpoint] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "waitpoints", b"waitpoints"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "waitpoints", b"waitpoints"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1343,3 +1394,83 @@ class DecideApprovalResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DecideApprovalResponse: _TypeAlias = DecideApprovalResponse  # noqa: Y015
+
+@_typing.final
+class WatchRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    after: _builtins.int
+    """Start after this cursor (0: from the oldest event kept); unset: from now."""
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        after: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_after", b"_after", "after", b"after"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_after", b"_after", "after", b"after", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__after: _TypeAlias = _typing.Literal["after"]  # noqa: Y015
+    _WhichOneofArgType__after: _TypeAlias = _typing.Literal["_after", b"_after"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__after) -> _WhichOneofReturnType__after | None: ...
+
+Global___WatchRoomRequest: _TypeAlias = WatchRoomRequest  # noqa: Y015
+
+@_typing.final
+class WatchHeartbeat(_message.Message):
+    """Heartbeat says the stream is alive and has delivered everything up to `cursor` that the caller
+    may see; resuming after it is exact.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CURSOR_FIELD_NUMBER: _builtins.int
+    SENT_AT_FIELD_NUMBER: _builtins.int
+    cursor: _builtins.int
+    @_builtins.property
+    def sent_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        cursor: _builtins.int = ...,
+        sent_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sent_at", b"sent_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "sent_at", b"sent_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchHeartbeat: _TypeAlias = WatchHeartbeat  # noqa: Y015
+
+@_typing.final
+class WatchRoomResponse(_message.Message):
+    """WatchRoomResponse carries either events (one or more, in room order: a caller that reads slower
+    than the room changes gets them batched) or a heartbeat.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RoomEvent]: ...
+    @_builtins.property
+    def heartbeat(self) -> Global___WatchHeartbeat: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[_common_pb2.RoomEvent] | None = ...,
+        heartbeat: Global___WatchHeartbeat | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat", b"heartbeat"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRoomResponse: _TypeAlias = WatchRoomResponse  # noqa: Y015

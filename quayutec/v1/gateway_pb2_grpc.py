@@ -32,7 +32,8 @@ class GatewayServiceStub:
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     def __init__(self, channel):
@@ -181,6 +182,11 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.DecideApprovalRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.DecideApprovalResponse.FromString,
                 _registered_method=True)
+        self.WatchRoom = channel.unary_stream(
+                '/quayutec.v1.GatewayService/WatchRoom',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -190,7 +196,8 @@ class GatewayServiceServicer:
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     def WhoAmI(self, request, context):
@@ -284,7 +291,9 @@ class GatewayServiceServicer:
 
     def RegisterAgent(self, request, context):
         """RegisterAgent registers an always-on agent of the caller's company.
-        Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed).
+        Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
+        base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
+        could not be resolved just now).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -417,6 +426,21 @@ class GatewayServiceServicer:
         continues once, whoever decides and however often.
         Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
         another company), FAILED_PRECONDITION (expired, or already decided the other way).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchRoom(self, request, context):
+        """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
+        the log), then live ones, each exactly once and in room order. Without `after`, from now.
+        To resume after a drop, pass the cursor of the last event (or heartbeat) received. A heartbeat
+        comes when the replay has caught up and whenever the stream is otherwise idle.
+        The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
+        OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
+        reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
+        too slowly to keep up (resume from the last cursor received). Each open stream counts
+        against the Gateway's limit of concurrent RPCs.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -565,6 +589,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.DecideApprovalRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.DecideApprovalResponse.SerializeToString,
             ),
+            'WatchRoom': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRoom,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'quayutec.v1.GatewayService', rpc_method_handlers)
@@ -580,7 +609,8 @@ class GatewayService:
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     @staticmethod
@@ -1329,6 +1359,33 @@ class GatewayService:
             '/quayutec.v1.GatewayService/DecideApproval',
             quayutec_dot_v1_dot_gateway__pb2.DecideApprovalRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.DecideApprovalResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/WatchRoom',
+            quayutec_dot_v1_dot_gateway__pb2.WatchRoomRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.WatchRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,

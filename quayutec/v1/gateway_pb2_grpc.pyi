@@ -33,7 +33,8 @@ class GatewayServiceStub:
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     @_typing.overload
@@ -87,7 +88,9 @@ class GatewayServiceStub:
     """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     RegisterAgent: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]
     """RegisterAgent registers an always-on agent of the caller's company.
-    Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed).
+    Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
+    base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
+    could not be resolved just now).
     """
     ListAgents: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]
     """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
@@ -145,6 +148,17 @@ class GatewayServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
     another company), FAILED_PRECONDITION (expired, or already decided the other way).
     """
+    WatchRoom: _grpc.UnaryStreamMultiCallable[_gateway_pb2.WatchRoomRequest, _gateway_pb2.WatchRoomResponse]
+    """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
+    the log), then live ones, each exactly once and in room order. Without `after`, from now.
+    To resume after a drop, pass the cursor of the last event (or heartbeat) received. A heartbeat
+    comes when the replay has caught up and whenever the stream is otherwise idle.
+    The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
+    OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
+    reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
+    too slowly to keep up (resume from the last cursor received). Each open stream counts
+    against the Gateway's limit of concurrent RPCs.
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -154,7 +168,8 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -205,7 +220,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     RegisterAgent: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]  # type: ignore[assignment]
     """RegisterAgent registers an always-on agent of the caller's company.
-    Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed).
+    Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
+    base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
+    could not be resolved just now).
     """
     ListAgents: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]  # type: ignore[assignment]
     """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
@@ -263,6 +280,17 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
     another company), FAILED_PRECONDITION (expired, or already decided the other way).
     """
+    WatchRoom: _aio.UnaryStreamMultiCallable[_gateway_pb2.WatchRoomRequest, _gateway_pb2.WatchRoomResponse]  # type: ignore[assignment]
+    """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
+    the log), then live ones, each exactly once and in room order. Without `after`, from now.
+    To resume after a drop, pass the cursor of the last event (or heartbeat) received. A heartbeat
+    comes when the replay has caught up and whenever the stream is otherwise idle.
+    The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
+    OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
+    reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
+    too slowly to keep up (resume from the last cursor received). Each open stream counts
+    against the Gateway's limit of concurrent RPCs.
+    """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """GatewayService is the only public door. Every call carries `authorization: Bearer <api key>`
@@ -271,7 +299,8 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     company's rate limit; the message and the `retry-after-ms` trailer say when to try again) and
     UNAVAILABLE (a backend is unreachable; safe to retry only for reads).
     A room the caller's company is not a member of answers NOT_FOUND, as if it did not exist.
-    List RPCs page with page_size (1..500, default 50) and an opaque page_token.
+    List RPCs page with page_size (1..500, default 50) and an opaque page_token; a token this server
+    did not hand out is INVALID_ARGUMENT, as is a request that does not decode.
     """
 
     @_abc_1.abstractmethod
@@ -386,7 +415,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.RegisterAgentResponse, _abc.Awaitable[_gateway_pb2.RegisterAgentResponse]]:
         """RegisterAgent registers an always-on agent of the caller's company.
-        Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed).
+        Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
+        base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
+        could not be resolved just now).
         """
 
     @_abc_1.abstractmethod
@@ -545,6 +576,23 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         continues once, whoever decides and however often.
         Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
         another company), FAILED_PRECONDITION (expired, or already decided the other way).
+        """
+
+    @_abc_1.abstractmethod
+    def WatchRoom(
+        self,
+        request: _gateway_pb2.WatchRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_pb2.WatchRoomResponse], _abc.AsyncIterator[_gateway_pb2.WatchRoomResponse]]:
+        """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
+        the log), then live ones, each exactly once and in room order. Without `after`, from now.
+        To resume after a drop, pass the cursor of the last event (or heartbeat) received. A heartbeat
+        comes when the replay has caught up and whenever the stream is otherwise idle.
+        The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
+        OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
+        reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
+        too slowly to keep up (resume from the last cursor received). Each open stream counts
+        against the Gateway's limit of concurrent RPCs.
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

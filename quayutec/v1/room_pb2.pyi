@@ -232,7 +232,12 @@ class RoomServiceListRoomsResponse(_message.Message):
 
     ROOMS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def rooms(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Room]: ...
     def __init__(
@@ -240,10 +245,11 @@ class RoomServiceListRoomsResponse(_message.Message):
         *,
         rooms: _abc.Iterable[_common_pb2.Room] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "rooms", b"rooms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "rooms", b"rooms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -332,7 +338,12 @@ class RoomServiceListInvitationsResponse(_message.Message):
 
     INVITATIONS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def invitations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Invitation]: ...
     def __init__(
@@ -340,10 +351,11 @@ class RoomServiceListInvitationsResponse(_message.Message):
         *,
         invitations: _abc.Iterable[_common_pb2.Invitation] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -560,7 +572,12 @@ class RoomServiceListMembersResponse(_message.Message):
 
     MEMBERS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def members(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RoomMember]: ...
     def __init__(
@@ -568,10 +585,11 @@ class RoomServiceListMembersResponse(_message.Message):
         *,
         members: _abc.Iterable[_common_pb2.RoomMember] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["members", b"members", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -593,7 +611,9 @@ class RoomServiceRegisterAgentRequest(_message.Message):
     provider: _common_pb2.Provider.ValueType
     model: _builtins.str
     base_url: _builtins.str
-    """Optional owner-supplied model address (http or https URL)."""
+    """Optional owner-supplied model address: https to a public address, or what the egress allow-list
+    admits (quayutec/egress.py).
+    """
     provider_key: _builtins.str
     """The company's provider key; stored encrypted, never returned."""
     system_prompt: _builtins.str
@@ -706,7 +726,12 @@ class RoomServiceListAgentsResponse(_message.Message):
 
     AGENTS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def agents(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Agent]: ...
     def __init__(
@@ -714,10 +739,11 @@ class RoomServiceListAgentsResponse(_message.Message):
         *,
         agents: _abc.Iterable[_common_pb2.Agent] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agents", b"agents", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -875,7 +901,12 @@ class RoomServiceListMessagesResponse(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Message]: ...
     def __init__(
@@ -883,10 +914,11 @@ class RoomServiceListMessagesResponse(_message.Message):
         *,
         messages: _abc.Iterable[_common_pb2.Message] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1125,7 +1157,12 @@ class RoomServiceListTasksResponse(_message.Message):
 
     TASKS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Task]: ...
     def __init__(
@@ -1133,10 +1170,11 @@ class RoomServiceListTasksResponse(_message.Message):
         *,
         tasks: _abc.Iterable[_common_pb2.Task] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "tasks", b"tasks"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "tasks", b"tasks"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1351,7 +1389,12 @@ class RoomServiceListFilesResponse(_message.Message):
 
     FILES_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def files(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.File]: ...
     def __init__(
@@ -1359,10 +1402,11 @@ class RoomServiceListFilesResponse(_message.Message):
         *,
         files: _abc.Iterable[_common_pb2.File] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "next_page_token", b"next_page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["files", b"files", "next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1907,7 +1951,12 @@ class RoomServiceListWaitpointsResponse(_message.Message):
 
     WAITPOINTS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    RESUME_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    resume_page_token: _builtins.str
+    """The page_token to pass later for what is added after this page, on every page including the
+    last (oldest-first listings; empty for a newest-first one).
+    """
     @_builtins.property
     def waitpoints(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Waitpoint]: ...
     def __init__(
@@ -1915,10 +1964,11 @@ class RoomServiceListWaitpointsResponse(_message.Message):
         *,
         waitpoints: _abc.Iterable[_common_pb2.Waitpoint] | None = ...,
         next_page_token: _builtins.str = ...,
+        resume_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "waitpoints", b"waitpoints"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "resume_page_token", b"resume_page_token", "waitpoints", b"waitpoints"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -2170,3 +2220,94 @@ class RoomServiceAbandonStaleRunsResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoomServiceAbandonStaleRunsResponse: _TypeAlias = RoomServiceAbandonStaleRunsResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceReadRoomEventsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    AFTER_FIELD_NUMBER: _builtins.int
+    FROM_NOW_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    company_id: _builtins.str
+    """The reading company; empty: every event, each with its audience."""
+    after: _builtins.int
+    """Read the events after this cursor (0: from the oldest kept)."""
+    from_now: _builtins.bool
+    """Read nothing; answer only the room's newest cursor (a watch "from now")."""
+    limit: _builtins.int
+    """1..1000, default 100: how many cursors to read (events the company may not see count too)."""
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        after: _builtins.int = ...,
+        from_now: _builtins.bool = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "company_id", b"company_id", "from_now", b"from_now", "limit", b"limit", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceReadRoomEventsRequest: _TypeAlias = RoomServiceReadRoomEventsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceRoomEventEntry(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENT_FIELD_NUMBER: _builtins.int
+    AUDIENCE_COMPANY_ID_FIELD_NUMBER: _builtins.int
+    audience_company_id: _builtins.str
+    """Empty: every member company sees it; otherwise only this company."""
+    @_builtins.property
+    def event(self) -> _common_pb2.RoomEvent: ...
+    def __init__(
+        self,
+        *,
+        event: _common_pb2.RoomEvent | None = ...,
+        audience_company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["audience_company_id", b"audience_company_id", "event", b"event"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRoomEventEntry: _TypeAlias = RoomServiceRoomEventEntry  # noqa: Y015
+
+@_typing.final
+class RoomServiceReadRoomEventsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    NEXT_AFTER_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
+    LAST_CURSOR_FIELD_NUMBER: _builtins.int
+    next_after: _builtins.int
+    """The cursor to continue after (the last one read, visible or not; `after` when none)."""
+    more: _builtins.bool
+    """Whether more events follow next_after already."""
+    last_cursor: _builtins.int
+    """The room's newest committed cursor."""
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomServiceRoomEventEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___RoomServiceRoomEventEntry] | None = ...,
+        next_after: _builtins.int = ...,
+        more: _builtins.bool = ...,
+        last_cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries", "last_cursor", b"last_cursor", "more", b"more", "next_after", b"next_after"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceReadRoomEventsResponse: _TypeAlias = RoomServiceReadRoomEventsResponse  # noqa: Y015

@@ -248,6 +248,11 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.FromString,
                 _registered_method=True)
+        self.ReadRoomEvents = channel.unary_unary(
+                '/quayutec.v1.RoomService/ReadRoomEvents',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRoomEventsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRoomEventsResponse.FromString,
+                _registered_method=True)
 
 
 class RoomServiceServicer:
@@ -362,7 +367,8 @@ class RoomServiceServicer:
 
     def RegisterAgent(self, request, context):
         """RegisterAgent stores an agent; the provider key is encrypted at rest.
-        Errors: INVALID_ARGUMENT (bad provider, model, base URL or name), NOT_FOUND (company).
+        Errors: INVALID_ARGUMENT (bad provider, model, base URL or name; a base URL the egress rules
+        refuse, naming the rule), UNAVAILABLE (its host could not be resolved just now), NOT_FOUND (company).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -609,6 +615,17 @@ class RoomServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadRoomEvents(self, request, context):
+        """ReadRoomEvents reads a room's event log after a cursor, oldest first (called only by the
+        Gateway, for WatchRoom). With company_id, only the events that company may see, and NOT_FOUND
+        unless it is a member; without, every event with its audience (the Gateway's shared fan-out,
+        which filters per stream). Errors: INVALID_ARGUMENT, NOT_FOUND (room, or not a member),
+        OUT_OF_RANGE (events after the cursor were removed by retention; the message says what is kept).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RoomServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -821,6 +838,11 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.AbandonStaleRuns,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.SerializeToString,
+            ),
+            'ReadRoomEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReadRoomEvents,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRoomEventsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRoomEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1961,6 +1983,33 @@ class RoomService:
             '/quayutec.v1.RoomService/AbandonStaleRuns',
             quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadRoomEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/ReadRoomEvents',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceReadRoomEventsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceReadRoomEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,

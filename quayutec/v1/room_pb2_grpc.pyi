@@ -89,7 +89,8 @@ class RoomServiceStub:
     """ListMembers. Errors: INVALID_ARGUMENT, NOT_FOUND (room)."""
     RegisterAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRegisterAgentRequest, _room_pb2.RoomServiceRegisterAgentResponse]
     """RegisterAgent stores an agent; the provider key is encrypted at rest.
-    Errors: INVALID_ARGUMENT (bad provider, model, base URL or name), NOT_FOUND (company).
+    Errors: INVALID_ARGUMENT (bad provider, model, base URL or name; a base URL the egress rules
+    refuse, naming the rule), UNAVAILABLE (its host could not be resolved just now), NOT_FOUND (company).
     """
     GetAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -207,6 +208,13 @@ class RoomServiceStub:
     The run is not redone, and a late write from it is refused.
     Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
     """
+    ReadRoomEvents: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceReadRoomEventsRequest, _room_pb2.RoomServiceReadRoomEventsResponse]
+    """ReadRoomEvents reads a room's event log after a cursor, oldest first (called only by the
+    Gateway, for WatchRoom). With company_id, only the events that company may see, and NOT_FOUND
+    unless it is a member; without, every event with its audience (the Gateway's shared fan-out,
+    which filters per stream). Errors: INVALID_ARGUMENT, NOT_FOUND (room, or not a member),
+    OUT_OF_RANGE (events after the cursor were removed by retention; the message says what is kept).
+    """
 
 @_typing.type_check_only
 class RoomServiceAsyncStub(RoomServiceStub):
@@ -269,7 +277,8 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """ListMembers. Errors: INVALID_ARGUMENT, NOT_FOUND (room)."""
     RegisterAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRegisterAgentRequest, _room_pb2.RoomServiceRegisterAgentResponse]  # type: ignore[assignment]
     """RegisterAgent stores an agent; the provider key is encrypted at rest.
-    Errors: INVALID_ARGUMENT (bad provider, model, base URL or name), NOT_FOUND (company).
+    Errors: INVALID_ARGUMENT (bad provider, model, base URL or name; a base URL the egress rules
+    refuse, naming the rule), UNAVAILABLE (its host could not be resolved just now), NOT_FOUND (company).
     """
     GetAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]  # type: ignore[assignment]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -386,6 +395,13 @@ class RoomServiceAsyncStub(RoomServiceStub):
     with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
     The run is not redone, and a late write from it is refused.
     Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
+    """
+    ReadRoomEvents: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceReadRoomEventsRequest, _room_pb2.RoomServiceReadRoomEventsResponse]  # type: ignore[assignment]
+    """ReadRoomEvents reads a room's event log after a cursor, oldest first (called only by the
+    Gateway, for WatchRoom). With company_id, only the events that company may see, and NOT_FOUND
+    unless it is a member; without, every event with its audience (the Gateway's shared fan-out,
+    which filters per stream). Errors: INVALID_ARGUMENT, NOT_FOUND (room, or not a member),
+    OUT_OF_RANGE (events after the cursor were removed by retention; the message says what is kept).
     """
 
 class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -524,7 +540,8 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceRegisterAgentResponse, _abc.Awaitable[_room_pb2.RoomServiceRegisterAgentResponse]]:
         """RegisterAgent stores an agent; the provider key is encrypted at rest.
-        Errors: INVALID_ARGUMENT (bad provider, model, base URL or name), NOT_FOUND (company).
+        Errors: INVALID_ARGUMENT (bad provider, model, base URL or name; a base URL the egress rules
+        refuse, naming the rule), UNAVAILABLE (its host could not be resolved just now), NOT_FOUND (company).
         """
 
     @_abc_1.abstractmethod
@@ -815,6 +832,19 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
         The run is not redone, and a late write from it is refused.
         Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
+        """
+
+    @_abc_1.abstractmethod
+    def ReadRoomEvents(
+        self,
+        request: _room_pb2.RoomServiceReadRoomEventsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceReadRoomEventsResponse, _abc.Awaitable[_room_pb2.RoomServiceReadRoomEventsResponse]]:
+        """ReadRoomEvents reads a room's event log after a cursor, oldest first (called only by the
+        Gateway, for WatchRoom). With company_id, only the events that company may see, and NOT_FOUND
+        unless it is a member; without, every event with its audience (the Gateway's shared fan-out,
+        which filters per stream). Errors: INVALID_ARGUMENT, NOT_FOUND (room, or not a member),
+        OUT_OF_RANGE (events after the cursor were removed by retention; the message says what is kept).
         """
 
 def add_RoomServiceServicer_to_server(servicer: RoomServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

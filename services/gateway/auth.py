@@ -7,13 +7,14 @@ key stops working at once.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import hashlib
 import hmac
 import logging
 import secrets
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import asyncpg
@@ -148,8 +149,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method: str = handler_call_details.method
         if handler is None or method.startswith(UNAUTHENTICATED_SERVICES):
             return handler
+        if handler.unary_stream is not None:
+            return self._authenticated_stream(handler, method)
         if handler.unary_unary is None:
-            return None  # every Gateway RPC is unary; anything else is not served
+            return None  # every Gateway RPC is unary or server streaming; anything else is not served
         inner = handler.unary_unary
 
         async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -167,6 +170,32 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 self._caller.reset(token)
 
         return grpc.unary_unary_rpc_method_handler(
+            authenticated,
+            request_deserializer=handler.request_deserializer,
+            response_serializer=handler.response_serializer,
+        )
+
+    def _authenticated_stream(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        """The same authentication for a server-streaming RPC (WatchRoom), before its first item."""
+        inner = handler.unary_stream
+
+        async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            try:
+                company_id = await self._authenticator.company_for(_authorization(context.invocation_metadata()))
+            except Exception as exc:
+                code, message = status_for(exc)
+                if code != grpc.StatusCode.UNAUTHENTICATED:
+                    _log.warning("authenticating %s failed: %s", method, message, exc_info=exc)
+                await context.abort(code, message)
+            token = self._caller.set(company_id)
+            try:
+                async for item in inner(request, context):
+                    yield item
+            finally:
+                with contextlib.suppress(ValueError):  # closed from another context: that task ends anyway
+                    self._caller.reset(token)
+
+        return grpc.unary_stream_rpc_method_handler(
             authenticated,
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,

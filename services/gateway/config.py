@@ -77,6 +77,21 @@ class RateLimitConfig:
 
 
 @dataclass(frozen=True)
+class WatchConfig:
+    """WatchRoom streams: per-stream buffer, heartbeats, membership checks and how many at once."""
+
+    # Events a stream holds for its caller; a live stream that overflows it ends RESOURCE_EXHAUSTED.
+    buffer_events: int = 256
+    # An idle stream re-checks membership and sends a heartbeat this often.
+    heartbeat_seconds: float = 15.0
+    # While the LISTEN connection is down, streams re-read their room this often instead.
+    check_seconds: float = 0.5
+    # Most WatchRoom streams this replica serves at once (each also counts against the server's
+    # concurrent RPC limit); beyond it WatchRoom answers RESOURCE_EXHAUSTED.
+    max_streams: int = 900
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Where the Gateway listens, whom it calls, its key database, TLS, rate limits and delivery."""
 
@@ -93,6 +108,11 @@ class GatewayConfig:
     reconnect_backoff_max_ms: int = 5000
     rate_limit: RateLimitConfig = RateLimitConfig()
     delivery: DeliveryConfig = DeliveryConfig()
+    watch: WatchConfig = WatchConfig()
+    # The address A2A agent cards name ("" : the address the server is bound to).
+    a2a_url: str = ""
+    # Longest wait of a blocking A2A SendMessage.
+    a2a_block_seconds: float = 30.0
 
     @property
     def tls_enabled(self) -> bool:
@@ -129,6 +149,12 @@ class GatewayConfig:
             burst=env_int(env, setting(f"{p}POST_BURST"), minimum=1),
             max_companies=env_int(env, setting(f"{p}RATE_LIMIT_MAX_COMPANIES"), minimum=1),
         )
+        watch = WatchConfig(
+            buffer_events=env_int(env, setting(f"{p}WATCH_BUFFER_EVENTS"), minimum=1),
+            heartbeat_seconds=env_float(env, setting(f"{p}WATCH_HEARTBEAT_SECONDS"), minimum=0.01),
+            check_seconds=env_float(env, setting(f"{p}WATCH_CHECK_SECONDS"), minimum=0.01),
+            max_streams=env_int(env, setting(f"{p}WATCH_MAX_STREAMS"), minimum=1),
+        )
         return cls(
             server=ServerConfig.from_env(GATEWAY, env),
             database=DatabaseConfig.from_env(env, prefix=p),
@@ -141,4 +167,7 @@ class GatewayConfig:
             reconnect_backoff_max_ms=env_int(env, setting(f"{p}RECONNECT_BACKOFF_MAX_MS"), minimum=100),
             rate_limit=rate_limit,
             delivery=delivery,
+            watch=watch,
+            a2a_url=env_str(env, setting(f"{p}A2A_URL")).strip(),
+            a2a_block_seconds=env_float(env, setting(f"{p}A2A_BLOCK_SECONDS"), minimum=0.0),
         )

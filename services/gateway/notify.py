@@ -1,5 +1,7 @@
-"""PostgreSQL LISTEN for the Room's "new wakes" notifications: the delivery loop polls at once
-instead of at the end of its interval. Polling stays the fallback whenever the listener is down."""
+"""PostgreSQL LISTEN for the Room's notifications, one connection per channel per Gateway replica:
+"new wakes" (the delivery loop polls at once instead of at the end of its interval) and "room events"
+(payload: the room id; WatchRoom streams read their room's new events). Polling stays the fallback
+whenever a listener is down."""
 
 from __future__ import annotations
 
@@ -14,22 +16,32 @@ import asyncpg
 _log = logging.getLogger("quayutec.gateway.notify")
 
 CHANNEL = "quayutec_wakes"
+ROOM_EVENTS_CHANNEL = "quayutec_room_events"
 RECONNECT_SECONDS = 2.0
 
 
-class WakeListener:
-    """Holds one pooled connection LISTENing on ``CHANNEL``; calls ``on_wakes`` for each notification."""
+class Listener:
+    """Holds one pooled connection LISTENing on ``channel``; calls ``on_notify(payload)`` for each
+    notification and ``on_listening()`` each time LISTEN takes effect (anything committed before)."""
 
-    def __init__(self, pool: asyncpg.Pool, on_wakes: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        pool: asyncpg.Pool,
+        channel: str,
+        on_notify: Callable[[str], None],
+        on_listening: Callable[[], None],
+    ) -> None:
         self._pool = pool
-        self._on_wakes = on_wakes
+        self._channel = channel
+        self._on_notify = on_notify
+        self._on_listening = on_listening
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self.listening = asyncio.Event()
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.create_task(self._run(), name="wake-listener")
+            self._task = asyncio.create_task(self._run(), name=f"listener-{self._channel}")
 
     async def stop(self) -> None:
         """Stop listening and give the connection back; idempotent."""
@@ -39,15 +51,15 @@ class WakeListener:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _notified(self, *_: Any) -> None:
-        self._on_wakes()
+    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
+        self._on_notify(payload)
 
     async def _run(self) -> None:
         while not self._stopping.is_set():
             try:
                 await self._listen_once()
             except Exception as exc:
-                _log.warning("listening for new wakes failed (%s); polling meanwhile", type(exc).__name__)
+                _log.warning("listening on %s failed (%s); polling meanwhile", self._channel, type(exc).__name__)
             self.listening.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stopping.wait(), timeout=RECONNECT_SECONDS)
@@ -57,9 +69,9 @@ class WakeListener:
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _conn: lost.set())
         try:
-            await conn.add_listener(CHANNEL, self._notified)
+            await conn.add_listener(self._channel, self._notified)
             self.listening.set()
-            self._on_wakes()  # anything committed before LISTEN took effect
+            self._on_listening()  # anything committed before LISTEN took effect
             waiters = {asyncio.ensure_future(lost.wait()), asyncio.ensure_future(self._stopping.wait())}
             try:
                 await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
@@ -71,5 +83,12 @@ class WakeListener:
                 conn.terminate()
             else:
                 with contextlib.suppress(Exception):
-                    await conn.remove_listener(CHANNEL, self._notified)  # UNLISTEN before it goes back
+                    await conn.remove_listener(self._channel, self._notified)  # UNLISTEN before it goes back
             await self._pool.release(conn)
+
+
+class WakeListener(Listener):
+    """LISTEN ``quayutec_wakes``; calls ``on_wakes`` for each notification and after (re)connecting."""
+
+    def __init__(self, pool: asyncpg.Pool, on_wakes: Callable[[], None]) -> None:
+        super().__init__(pool, CHANNEL, lambda _payload: on_wakes(), on_wakes)

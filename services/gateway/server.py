@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncpg
 import grpc
+from a2a.types import a2a_pb2_grpc
 
 from quayutec.channels import internal_channel
 from quayutec.config import GATEWAY, ROOM, RUNTIME, ConfigError
@@ -12,13 +13,16 @@ from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
 from quayutec.tls import Identity, load_identity
 from quayutec.v1 import gateway_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
+from services.gateway.a2a import SERVICE_NAME as A2A_SERVICE
+from services.gateway.a2a import A2AGrpcHandler, RoomAgentHandler
 from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
 from services.gateway.config import GatewayConfig
 from services.gateway.delivery import WakeDelivery
-from services.gateway.notify import WakeListener
+from services.gateway.notify import ROOM_EVENTS_CHANNEL, Listener, WakeListener
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.servicer import GatewayServicer
 from services.gateway.store import ApiKeyStore
+from services.gateway.watch import RoomEventHub
 
 # Files and messages up to 10 MiB pass through to the Room.
 
@@ -65,14 +69,50 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
     runtime_channel = backend_channel(config.runtime_addr, RUNTIME.name, identity, config)
     room = room_pb2_grpc.RoomServiceStub(room_channel)
     caller = CallerContext()
+    # One LISTEN connection of this replica for every WatchRoom stream it serves.
+    hub = RoomEventHub(
+        room,
+        config.watch,
+        room_timeout_seconds=config.room_timeout_seconds,
+        listening=lambda: events_listener.listening.is_set(),
+    )
+    events_listener = Listener(pool, ROOM_EVENTS_CHANNEL, hub.notified, hub.reconnected)
     servicer = GatewayServicer(
-        room, caller, PostRateLimiter(config.rate_limit), room_timeout_seconds=config.room_timeout_seconds
+        room,
+        caller,
+        PostRateLimiter(config.rate_limit),
+        room_timeout_seconds=config.room_timeout_seconds,
+        watch=hub,
+    )
+    limiter = servicer.limiter
+
+    def card_url() -> str:
+        if config.a2a_url:
+            return config.a2a_url
+        host = config.server.listen.rpartition(":")[0] or "127.0.0.1"
+        if host in ("0.0.0.0", "[::]", "::"):
+            host = "127.0.0.1"
+        return f"{host}:{grpc_server.port}"
+
+    a2a = A2AGrpcHandler(
+        RoomAgentHandler(
+            room,
+            caller,
+            limiter,
+            servicer,
+            room_timeout_seconds=config.room_timeout_seconds,
+            block_seconds=config.a2a_block_seconds,
+            card_url=card_url,
+            watch=hub,
+        )
     )
     delivery = WakeDelivery(room, runtime_pb2_grpc.RuntimeServiceStub(runtime_channel), config.delivery)
     listener = WakeListener(pool, delivery.nudge)
 
     def register(server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        a2a_pb2_grpc.add_A2AServiceServicer_to_server(a2a, server)  # type: ignore[no-untyped-call]
+        events_listener.start()
         if config.delivery.enabled:
             delivery.start()
             if config.delivery.wake_notify:
@@ -81,20 +121,22 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
     async def on_stop() -> None:
         try:
             await listener.stop()
+            await events_listener.stop()
             await delivery.stop()
             await room_channel.close()
             await runtime_channel.close()
         finally:
             await held.close()
 
-    return GrpcServer(
-        service_names=(GATEWAY.grpc_service,),
+    grpc_server = GrpcServer(
+        service_names=(GATEWAY.grpc_service, A2A_SERVICE),
         config=config.server,
         register=register,
         on_stop=on_stop,
         interceptors=(AuthInterceptor(Authenticator(ApiKeyStore(pool)), caller),),
         credentials=credentials,
     )
+    return grpc_server
 
 
 async def main() -> None:

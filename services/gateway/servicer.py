@@ -7,16 +7,19 @@ company owns is ever returned.
 
 from __future__ import annotations
 
+import asyncio
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
 
-from quayutec.errors import InvalidArgument, NotFound, PermissionDenied
+from quayutec.errors import InvalidArgument, NotFound, PermissionDenied, status_for
 from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2
 from services.gateway.auth import CallerContext
 from services.gateway.ratelimit import PostRateLimiter
+from services.gateway.watch import RoomEventHub
 
 MAX_NAME_BYTES = 200
 MAX_BODY_BYTES = 64 * 1024
@@ -89,12 +92,20 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     """The public API over the Room, scoped to the calling company."""
 
     def __init__(
-        self, room: Any, caller: CallerContext, limiter: PostRateLimiter, *, room_timeout_seconds: float
+        self,
+        room: Any,
+        caller: CallerContext,
+        limiter: PostRateLimiter,
+        *,
+        room_timeout_seconds: float,
+        watch: RoomEventHub | None = None,
     ) -> None:
         self._room = room
         self._caller = caller
         self._limiter = limiter
+        self.limiter = limiter
         self._timeout = room_timeout_seconds
+        self._watch = watch
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -176,7 +187,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListRoomsResponse(rooms=response.rooms, next_page_token=response.next_page_token)
+        return gateway_pb2.ListRoomsResponse(
+            rooms=response.rooms, next_page_token=response.next_page_token, resume_page_token=response.resume_page_token
+        )
 
     async def InviteCompany(
         self, request: gateway_pb2.InviteCompanyRequest, context: Any
@@ -210,7 +223,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         # Only invitations to the caller's company, whatever the Room returns.
         invitations = [i for i in response.invitations if i.company_id == company_id]
-        return gateway_pb2.ListInvitationsResponse(invitations=invitations, next_page_token=response.next_page_token)
+        return gateway_pb2.ListInvitationsResponse(
+            invitations=invitations,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     def _invitation_id(self, invitation_id: str) -> str:
         """A well-formed invitation id; a malformed one answers like an unknown one."""
@@ -283,7 +300,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListMembersResponse(members=response.members, next_page_token=response.next_page_token)
+        return gateway_pb2.ListMembersResponse(
+            members=response.members,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     # --- agents --------------------------------------------------------------------------------
 
@@ -329,7 +350,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListAgentsResponse(agents=response.agents, next_page_token=response.next_page_token)
+        return gateway_pb2.ListAgentsResponse(
+            agents=response.agents,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     # --- messages ------------------------------------------------------------------------------
 
@@ -376,7 +401,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListMessagesResponse(messages=response.messages, next_page_token=response.next_page_token)
+        return gateway_pb2.ListMessagesResponse(
+            messages=response.messages,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     # --- tasks ---------------------------------------------------------------------------------
 
@@ -463,7 +492,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListTasksResponse(tasks=response.tasks, next_page_token=response.next_page_token)
+        return gateway_pb2.ListTasksResponse(
+            tasks=response.tasks, next_page_token=response.next_page_token, resume_page_token=response.resume_page_token
+        )
 
     async def GetTask(self, request: gateway_pb2.GetTaskRequest, context: Any) -> gateway_pb2.GetTaskResponse:
         company_id = self._caller.company_id()
@@ -534,7 +565,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
-        return gateway_pb2.ListFilesResponse(files=response.files, next_page_token=response.next_page_token)
+        return gateway_pb2.ListFilesResponse(
+            files=response.files, next_page_token=response.next_page_token, resume_page_token=response.resume_page_token
+        )
 
     async def SearchPassages(
         self, request: gateway_pb2.SearchPassagesRequest, context: Any
@@ -650,7 +683,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         )
         # Only the owning company's approvals, whatever the Room returns.
         waitpoints = [w for w in response.waitpoints if w.company_id == company_id]
-        return gateway_pb2.ListApprovalsResponse(waitpoints=waitpoints, next_page_token=response.next_page_token)
+        return gateway_pb2.ListApprovalsResponse(
+            waitpoints=waitpoints,
+            next_page_token=response.next_page_token,
+            resume_page_token=response.resume_page_token,
+        )
 
     async def DecideApproval(
         self, request: gateway_pb2.DecideApprovalRequest, context: Any
@@ -687,3 +724,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         return gateway_pb2.DecideApprovalResponse(
             waitpoint=response.waitpoint, completed=response.completed, already_decided=response.already_decided
         )
+
+    # --- live rooms ----------------------------------------------------------------------------
+
+    async def WatchRoom(
+        self, request: gateway_pb2.WatchRoomRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.WatchRoomResponse]:
+        try:
+            company_id = self._caller.company_id()
+            if self._watch is None:
+                raise NotImplementedError("WatchRoom is not served by this Gateway")
+            if not request.room_id:
+                raise InvalidArgument("room_id is required")
+            if not _is_uuid(request.room_id):
+                raise NotFound(f"room {request.room_id[:64]!r} not found")
+            after = request.after if request.HasField("after") else None
+            if after is not None and after < 0:
+                raise InvalidArgument(f"after must be a cursor (0 or more) or unset (from now), got {after}")
+            async for item in self._watch.watch(request.room_id, company_id, after):
+                yield item
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            code, message = status_for(exc)
+            await context.abort(code, message)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 
-from quayutec.errors import InvalidArgument
+from quayutec.egress import EgressPolicy, EgressRefused, ResolutionFailed, Resolver, system_resolver
+from quayutec.errors import InvalidArgument, Unavailable
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.room import convert
 from services.room import validate as v
@@ -50,11 +51,28 @@ _PARKED_STATUS = (common_pb2.RUN_STATUS_UNSPECIFIED, common_pb2.RUN_STATUS_PARKE
 _PARKED_STEP = (common_pb2.RUN_STEP_UNSPECIFIED, common_pb2.RUN_STEP_PARKED)
 
 
+def _resume(scope: str, rows: Sequence[Any], key: str, page_token: str) -> str:
+    """An oldest-first page's resume_page_token: after its last row, or where it started when empty."""
+    if rows:
+        return v.encode_page_token(scope, int(rows[-1][key]))
+    return page_token
+
+
 class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     """Every RoomService RPC over a ``RoomStore``; error codes come from quayutec.errors."""
 
-    def __init__(self, store: RoomStore) -> None:
+    def __init__(
+        self,
+        store: RoomStore,
+        egress: EgressPolicy | None = None,
+        resolver: Resolver | None = None,
+        *,
+        event_retention_hours: float = 168.0,
+    ) -> None:
         self._store = store
+        self._egress = egress or EgressPolicy()
+        self._resolver = resolver or system_resolver
+        self._event_retention_hours = event_retention_hours
 
     # -- companies, rooms, members --------------------------------------------------------------------------
 
@@ -92,7 +110,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             company_id, v.decode_page_token(request.page_token, "rooms"), v.page_size(request.page_size)
         )
         return room_pb2.RoomServiceListRoomsResponse(
-            rooms=[convert.room(r) for r in page.rows], next_page_token=v.encode_page_token("rooms", page.next_key)
+            rooms=[convert.room(r) for r in page.rows],
+            next_page_token=v.encode_page_token("rooms", page.next_key),
+            resume_page_token=_resume("rooms", page.rows, "pos", request.page_token),
         )
 
     async def CreateInvitation(
@@ -118,6 +138,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceListInvitationsResponse(
             invitations=[convert.invitation(r) for r in page.rows],
             next_page_token=v.encode_page_token(scope, page.next_key),
+            resume_page_token=_resume(scope, page.rows, "pos", request.page_token),
         )
 
     async def AcceptInvitation(
@@ -164,6 +185,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceListMembersResponse(
             members=[convert.member(r) for r in page.rows],
             next_page_token=v.encode_page_token("members", page.next_key),
+            resume_page_token=_resume("members", page.rows, "pos", request.page_token),
         )
 
     # -- agents ---------------------------------------------------------------------------------------------
@@ -178,6 +200,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         base_url = v.base_url(request.base_url)
         if request.provider == common_pb2.PROVIDER_OPENAI_COMPATIBLE and base_url is None:
             raise InvalidArgument("base_url is required for PROVIDER_OPENAI_COMPATIBLE")
+        if base_url is not None:
+            await self._check_egress(base_url)
         row = await self._store.register_agent(
             company_id=company_id,
             name=v.text(request.name, "name", v.MAX_NAME_BYTES),
@@ -188,6 +212,18 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             system_prompt=v.text(request.system_prompt, "system_prompt", v.MAX_BODY_BYTES, required=False),
         )
         return room_pb2.RoomServiceRegisterAgentResponse(agent=convert.agent(row))
+
+    async def _check_egress(self, base_url: str) -> None:
+        """The Runtime's egress rules, applied now so a refused address is refused at registration
+        (the Runtime checks again on the address it dials)."""
+        try:
+            await self._egress.check_url(base_url, self._resolver)
+        except EgressRefused as exc:
+            raise InvalidArgument(f"base_url refused ({exc.rule}): {exc.message}") from None
+        except ResolutionFailed as exc:
+            if exc.temporary:
+                raise Unavailable(f"base_url: {exc}; try again later") from None
+            raise InvalidArgument(f"base_url: {exc}; name a host that resolves") from None
 
     async def GetAgent(
         self, request: room_pb2.RoomServiceGetAgentRequest, context: Ctx
@@ -203,7 +239,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             company_id, v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
         )
         return room_pb2.RoomServiceListAgentsResponse(
-            agents=[convert.agent(r) for r in page.rows], next_page_token=v.encode_page_token("agents", page.next_key)
+            agents=[convert.agent(r) for r in page.rows],
+            next_page_token=v.encode_page_token("agents", page.next_key),
+            resume_page_token=_resume("agents", page.rows, "pos", request.page_token),
         )
 
     async def GetAgentCredentials(
@@ -252,7 +290,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             newest_first=request.newest_first,
         )
         return room_pb2.RoomServiceListMessagesResponse(
-            messages=[convert.message(r) for r in page.rows], next_page_token=v.encode_page_token(scope, page.next_key)
+            messages=[convert.message(r) for r in page.rows],
+            next_page_token=v.encode_page_token(scope, page.next_key),
+            resume_page_token="" if request.newest_first else _resume(scope, page.rows, "seq", request.page_token),
         )
 
     # -- tasks ----------------------------------------------------------------------------------------------
@@ -328,6 +368,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceListTasksResponse(
             tasks=[convert.task(r, updates[str(r["task_id"])]) for r in page.rows],
             next_page_token=v.encode_page_token("tasks", page.next_key),
+            resume_page_token=_resume("tasks", page.rows, "pos", request.page_token),
         )
 
     # -- memory ---------------------------------------------------------------------------------------------
@@ -400,7 +441,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             room_id, v.decode_page_token(request.page_token, "files"), v.page_size(request.page_size)
         )
         return room_pb2.RoomServiceListFilesResponse(
-            files=[convert.file(r) for r in page.rows], next_page_token=v.encode_page_token("files", page.next_key)
+            files=[convert.file(r) for r in page.rows],
+            next_page_token=v.encode_page_token("files", page.next_key),
+            resume_page_token=_resume("files", page.rows, "pos", request.page_token),
         )
 
     async def SearchPassages(
@@ -539,6 +582,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         return room_pb2.RoomServiceListWaitpointsResponse(
             waitpoints=[convert.waitpoint(r, held[str(r["token"])]) for r in page.rows],
             next_page_token=v.encode_page_token(scope, page.next_key),
+            resume_page_token=_resume(scope, page.rows, "pos", request.page_token),
         )
 
     async def DecideHeldAction(
@@ -568,6 +612,38 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         limit = v.in_range(request.limit or 100, "limit", 1, 1000)
         return room_pb2.RoomServiceAbandonStaleRunsResponse(
             abandoned=await self._store.abandon_stale_runs(older, limit)
+        )
+
+    # -- the room event log ---------------------------------------------------------------------------------
+
+    async def ReadRoomEvents(
+        self, request: room_pb2.RoomServiceReadRoomEventsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceReadRoomEventsResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        company_id = v.optional_id(request.company_id, "company_id")
+        if request.after < 0:
+            raise InvalidArgument(f"after must be a cursor (0 or more), got {request.after}")
+        limit = v.in_range(request.limit or 100, "limit", 1, 1000)
+        if request.from_now:
+            last = await self._store.last_event_cursor(room_id, company_id)
+            return room_pb2.RoomServiceReadRoomEventsResponse(next_after=last, last_cursor=last)
+        page = await self._store.read_events(
+            room_id, company_id, request.after, limit, retention_hours=self._event_retention_hours
+        )
+        entries = []
+        for row in page.rows:
+            if row["detail"] is None:
+                continue  # another company's private event: its cursor still counts
+            event = common_pb2.RoomEvent.FromString(bytes(row["detail"]))
+            event.cursor = row["seq"]
+            event.room_id = room_id
+            event.created_at.FromDatetime(row["created_at"])
+            audience = row["audience_company_id"]
+            entries.append(
+                room_pb2.RoomServiceRoomEventEntry(event=event, audience_company_id=str(audience) if audience else "")
+            )
+        return room_pb2.RoomServiceReadRoomEventsResponse(
+            entries=entries, next_after=page.next_after, more=page.more, last_cursor=page.last_cursor
         )
 
     # -- a run's view of its room ---------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any
 import asyncpg
 
 from quayutec.crypto import InvalidToken, MultiFernet
-from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied
 from quayutec.ledger import mark_undone
 from quayutec.sql import Queries
 from quayutec.v1 import common_pb2
@@ -21,6 +21,26 @@ QUERIES_PATH = Path(__file__).resolve().parent / "sql" / "queries.sql"
 
 # The largest bigint: the "before" key of a newest-first listing's first page.
 _MAX_KEY = 2**63 - 1
+
+# The oneof field of RoomEvent.detail for each kind of changed resource.
+_EVENT_FIELDS: dict[type, str] = {
+    common_pb2.Message: "message",
+    common_pb2.Task: "task",
+    common_pb2.MemoryLine: "memory",
+    common_pb2.File: "file",
+    common_pb2.RoomMember: "member",
+    common_pb2.Run: "run",
+    common_pb2.Waitpoint: "approval",
+}
+_RUN_ENDED = ("succeeded", "failed", "timed_out")
+# A run's ledger write that moves into one of these statuses is a room event (for its company only).
+_RUN_EVENTS = {
+    "running": common_pb2.ROOM_EVENT_KIND_RUN_STARTED,
+    "parked": common_pb2.ROOM_EVENT_KIND_RUN_PARKED,
+    **{status: common_pb2.ROOM_EVENT_KIND_RUN_ENDED for status in _RUN_ENDED},
+}
+# A REPEATABLE READ run-context read retried on a serialization failure (kept as a safety net).
+_SERIALIZATION_ATTEMPTS = 5
 
 Record = Any  # asyncpg.Record; asyncpg is untyped here
 # Called inside a posting transaction between its writes; tests use it to interrupt the transaction.
@@ -119,6 +139,16 @@ class RunContext:
     passages: list[Record]
 
 
+@dataclass(frozen=True)
+class EventsPage:
+    """Events read after a cursor: (seq, kind, created_at, audience, detail or None when not visible)."""
+
+    rows: list[Record]
+    next_after: int
+    more: bool
+    last_cursor: int
+
+
 # ReadRunContext's fixed bounds (the Runtime's view of a room).
 ROOM_AGENTS_LIMIT = 200
 OPEN_TASKS_LIMIT = 50
@@ -213,10 +243,16 @@ class RoomStore:
                 raise FailedPrecondition(
                     f"invitation {invitation_id} was declined; a member of the room must invite you again"
                 )
+            joined = False
             if invitation["status"] == "pending":
                 await conn.execute(self._q["respond_invitation"], invitation_id, "accepted")
                 await conn.execute(self._q["add_member"], room_id, company_id)
+                joined = True
             member = await conn.fetchrow(self._q["get_member"], room_id, company_id)
+            if joined and member is not None:
+                await self.append_event(
+                    conn, str(room_id), common_pb2.ROOM_EVENT_KIND_MEMBER_JOINED, convert.member(member)
+                )
             if member is None:
                 raise FailedPrecondition(
                     f"invitation {invitation_id} was accepted and your company has left room {room_id} since; "
@@ -275,6 +311,8 @@ class RoomStore:
         """Deletes the membership and expires the company's pending waitpoints in the room (with their
         decision wakes), in the caller's transaction."""
         await conn.execute(self._q["delete_member"], room_id, company_id)
+        left = common_pb2.RoomMember(room_id=room_id, company_id=company_id)
+        await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_MEMBER_LEFT, left)
         return int(await conn.fetchval(self._q["expire_waitpoints_of_company_in_room"], room_id, company_id))
 
     async def list_members(self, room_id: str, after: int | None, limit: int) -> Page:
@@ -371,6 +409,7 @@ class RoomStore:
             woken = [a for a in mention_agent_ids if a != author.agent_id]
             wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "message", str(row["message_id"]))
             await self._record_write(conn, run, row["message_id"])
+            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED, convert.message(row))
             return Posted(row, list(wakes), False)
 
     async def list_messages(self, room_id: str, after: int | None, limit: int, *, newest_first: bool) -> Page:
@@ -425,6 +464,7 @@ class RoomStore:
             woken = [to_agent_id] if to_agent_id != author.agent_id else []
             wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]))
             await self._record_write(conn, run, row["task_id"])
+            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_TASK_CREATED, convert.task(row))
             return Posted(row, list(wakes), False)
 
     async def _earlier_task(self, conn: asyncpg.Connection, room_id: str, dedupe_key: str | None) -> Posted | None:
@@ -469,6 +509,12 @@ class RoomStore:
             task = await conn.fetchrow(self._q["set_task_status"], task_id, new_status)
             await self._record_write(conn, run, update["update_id"])
             updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+            kind = (
+                common_pb2.ROOM_EVENT_KIND_TASK_UPDATED
+                if new_status == "open"
+                else common_pb2.ROOM_EVENT_KIND_TASK_CLOSED
+            )
+            await self.append_event(conn, str(task["room_id"]), kind, convert.task(task, updates))
             return TaskUpdated(task, update, list(updates), False)
 
     async def get_task(self, task_id: str, room_id: str | None) -> tuple[Record, list[Record]]:
@@ -522,6 +568,10 @@ class RoomStore:
                 if row is None:  # a concurrent write with the same dedupe_key committed first
                     row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
                     deduplicated = True
+                else:
+                    audience = author.company_id if visibility == "company" else None
+                    line = convert.memory_line(row)
+                    await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_MEMORY_WRITTEN, line, audience)
             await self._record_write(conn, run, row["memory_id"])
             return row, deduplicated
 
@@ -567,6 +617,7 @@ class RoomStore:
             await conn.execute(
                 self._q["insert_passages"], row["file_id"], room_id, list(range(len(passages))), list(passages)
             )
+            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_FILE_UPLOADED, convert.file(row))
             return row
 
     async def list_files(self, room_id: str, after: int | None, limit: int) -> Page:
@@ -601,12 +652,43 @@ class RoomStore:
         run: common_pb2.Run | None = None,
     ) -> RunContext:
         """Everything a run reads of its room, on one connection in one REPEATABLE READ snapshot;
-        with ``run``, that ledger row is recorded first in the same transaction."""
-        async with (
-            self._pool.acquire() as conn,
-            conn.transaction(isolation="repeatable_read", readonly=run is None),
-        ):
+        with ``run``, that ledger row is recorded first in the same transaction (and its room event, so
+        a concurrent change of the room may force a retry of the whole read)."""
+        for attempt in range(_SERIALIZATION_ATTEMPTS):
+            try:
+                return await self._read_run_context(
+                    agent_id=agent_id,
+                    room_id=room_id,
+                    wake_kind=wake_kind,
+                    wake_source_id=wake_source_id,
+                    recent_messages=recent_messages,
+                    max_passages=max_passages,
+                    run=run,
+                )
+            except asyncpg.SerializationError:
+                if attempt + 1 == _SERIALIZATION_ATTEMPTS:
+                    raise
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _read_run_context(
+        self,
+        *,
+        agent_id: str,
+        room_id: str,
+        wake_kind: str,
+        wake_source_id: str | None,
+        recent_messages: int,
+        max_passages: int,
+        run: common_pb2.Run | None,
+    ) -> RunContext:
+        # A plain read is one REPEATABLE READ snapshot. With a ledger row to record (and maybe its room
+        # event, which updates the room row), REPEATABLE READ would fail whenever any write of the room
+        # commits meanwhile; instead the room row is locked first, as every change of the room that
+        # appends an event does, so what the reads below see cannot move until this commits.
+        isolation = "repeatable_read" if run is None else "read_committed"
+        async with self._pool.acquire() as conn, conn.transaction(isolation=isolation, readonly=run is None):
             if run is not None:
+                await conn.fetchrow(self._q["lock_room_for_post"], room_id)
                 await self._upsert_run(conn, run)
             agent = await conn.fetchrow(self._q["run_context_agent"], agent_id, room_id)
             if agent is None:
@@ -643,16 +725,80 @@ class RoomStore:
             passages=passages,
         )
 
+    # -- the room event log --------------------------------------------------------------------------------
+
+    async def append_event(
+        self,
+        conn: asyncpg.Connection,
+        room_id: str,
+        kind: int,
+        detail: Any,
+        audience_company_id: str | None = None,
+    ) -> int | None:
+        """Appends one event in the caller's transaction with the room's next cursor (taken under the room
+        row's lock, held to commit); ``audience_company_id`` limits it to one company. None: no such room."""
+        seq = await conn.fetchval(self._q["next_event_seq"], room_id)
+        if seq is None:
+            return None
+        event = common_pb2.RoomEvent(kind=kind)  # type: ignore[arg-type]
+        getattr(event, _EVENT_FIELDS[type(detail)]).CopyFrom(detail)
+        kind_text = convert.enum_to_text(common_pb2.RoomEventKind, kind, "ROOM_EVENT_KIND_")
+        await conn.execute(
+            self._q["insert_room_event"], room_id, seq, kind_text, event.SerializeToString(), audience_company_id
+        )
+        return int(seq)
+
+    async def read_events(
+        self, room_id: str, company_id: str | None, after: int, limit: int, *, retention_hours: float
+    ) -> EventsPage:
+        """Events after ``after``, oldest first, with the detail only where ``company_id`` may see it (all
+        when None). NOT_FOUND unless the company is a member; OUT_OF_RANGE when retention removed some."""
+        async with self._pool.acquire() as conn, conn.transaction(isolation="repeatable_read", readonly=True):
+            bounds = await conn.fetchrow(self._q["room_event_bounds"], room_id)
+            if bounds is None or (
+                company_id is not None and not await conn.fetchval(self._q["is_member"], room_id, company_id)
+            ):
+                raise NotFound(f"room {room_id} not found")
+            pruned = int(bounds["events_pruned_through"])
+            if after < pruned:
+                raise OutOfRange(
+                    f"events of room {room_id} up to cursor {pruned} were removed (events are kept "
+                    f"{retention_hours:g} hours); resume after cursor {pruned} or later, or reload the room "
+                    "with the List RPCs and watch from now"
+                )
+            rows = list(await conn.fetch(self._q["read_room_events"], room_id, after, company_id, limit))
+        next_after = int(rows[-1]["seq"]) if rows else after
+        return EventsPage(rows, next_after, len(rows) == limit, int(bounds["last_event_seq"]))
+
+    async def last_event_cursor(self, room_id: str, company_id: str | None) -> int:
+        """The room's newest committed cursor (a watch from now); NOT_FOUND unless the company is a member."""
+        async with self._pool.acquire() as conn:
+            bounds = await conn.fetchrow(self._q["room_event_bounds"], room_id)
+            if bounds is None or (
+                company_id is not None and not await conn.fetchval(self._q["is_member"], room_id, company_id)
+            ):
+                raise NotFound(f"room {room_id} not found")
+            return int(bounds["last_event_seq"])
+
+    async def prune_events(self, older_than_seconds: float, limit: int) -> int:
+        """Removes up to ``limit`` events older than the retention, recording the newest cursor removed."""
+        return int(await self._pool.fetchval(self._q["prune_room_events"], older_than_seconds, limit))
+
     # -- the run ledger -------------------------------------------------------------------------------------
 
     async def record_run(self, run: common_pb2.Run) -> Record:
-        """Upserts the run's row in one statement; an ended row may only be rewritten unchanged."""
-        async with self._pool.acquire() as conn:
+        """Upserts the run's row (and its room event, when its status changes) in one transaction; an ended
+        row may only be rewritten unchanged."""
+        async with self._pool.acquire() as conn, conn.transaction():
             return await self._upsert_run(conn, run)
 
     async def _upsert_run(self, conn: asyncpg.Connection, run: common_pb2.Run) -> Record:
+        before = await conn.fetchrow(self._q["run_status"], run.run_id)
         row = await conn.fetchrow(self._q["upsert_run"], *_run_args(run))
         if row is not None:
+            kind = _RUN_EVENTS.get(row["status"])
+            if kind is not None and (before is None or before["status"] != row["status"]) and row["company_id"]:
+                await self.append_event(conn, str(row["room_id"]), kind, convert.run(row), str(row["company_id"]))
             return row
         stored = await conn.fetchrow(self._q["get_run"], run.run_id)
         if stored is None or not _same_run(convert.run(stored), run):
@@ -784,7 +930,12 @@ class RoomStore:
                 [h.kind for h in held],
                 [h.arguments_json for h in held],
             )
-            return await self._waitpoint_rows(conn, row)
+            rows = await self._waitpoint_rows(conn, row)
+            owner = str(company_id)
+            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_RUN_PARKED, convert.run(parked), owner)
+            approval = convert.waitpoint(rows.waitpoint, rows.held)
+            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_APPROVAL_AWAITING, approval, owner)
+            return rows
 
     async def get_waitpoint(self, token: str) -> WaitpointRows:
         async with self._pool.acquire() as conn:

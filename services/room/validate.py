@@ -32,6 +32,7 @@ MAX_HELD_ACTIONS = 100
 MAX_EXPIRES_IN_SECONDS = 30 * 24 * 3600
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 500
+MAX_PAGE_KEY = 2**63 - 1  # page keys are PostgreSQL bigints
 
 
 def required_id(value: str, field: str) -> str:
@@ -124,8 +125,11 @@ def decode_page_token(token: str, scope: str) -> int | None:
         name, _, key = raw.partition(":")
         if name != scope:
             raise ValueError(name)
+        # Digits only (int() would also take signs, spaces and underscores), and a key a bigint holds.
+        if not key.isascii() or not key.isdigit():
+            raise ValueError(key)
         value = int(key)
-        if value < 0:
+        if value > MAX_PAGE_KEY:
             raise ValueError(key)
         return value
     except (ValueError, UnicodeError, binascii.Error):

@@ -1,6 +1,6 @@
 """Runtime's calls to Room and Claims, retried where a second try cannot do anything twice.
 
-A call is retried on UNAVAILABLE or DEADLINE_EXCEEDED (Room or PostgreSQL restarting, a slow
+A call is retried on UNAVAILABLE, DEADLINE_EXCEEDED or ABORTED (Room or PostgreSQL restarting, a slow
 database) with backoff, for a bounded time, when it is one of:
 - a read (GetRun, GetWaitpoint);
 - a ledger write (RecordRun, ReadRunContext, which records the claimed row; CreateWaitpoint, which
@@ -24,7 +24,8 @@ _log = logging.getLogger("quayutec.runtime")
 
 T = TypeVar("T")
 
-RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED})
+# ABORTED: Room's transaction was rolled back whole by a concurrent change (nothing written).
+RETRYABLE_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.ABORTED})
 # Room methods that are safe to repeat as they are.
 IDEMPOTENT_ROOM_METHODS = frozenset({"GetRun", "GetWaitpoint", "RecordRun", "ReadRunContext", "CreateWaitpoint"})
 # Room methods safe to repeat only with a non-empty dedupe_key.

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quayutec.config import CLAIMS, ROOM, RUNTIME, ConfigError, ServerConfig, env_float, env_int, env_str, service_addr
+from quayutec.egress import EgressPolicy
 from quayutec.settings import setting
 
 P = RUNTIME.prefix
@@ -37,6 +38,8 @@ class RuntimeConfig:
     recent_messages: int = 20
     # How long held actions wait for their company's decision before they end undone.
     waitpoint_ttl_seconds: int = 86_400
+    # Where an owner-supplied base URL may lead besides public https addresses (EGRESS_ALLOW).
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
     # Comma-separated step boundaries at which a run pauses forever (crash tests only).
     failpoints: frozenset[str] = frozenset()
 
@@ -60,6 +63,7 @@ class RuntimeConfig:
             openai_base_url=env_str(env, setting(f"{P}OPENAI_BASE_URL")).rstrip("/"),
             recent_messages=env_int(env, setting(f"{P}RECENT_MESSAGES"), minimum=1),
             waitpoint_ttl_seconds=env_int(env, setting(f"{P}WAITPOINT_TTL_SECONDS"), minimum=1),
+            egress=EgressPolicy.from_env(env),
             failpoints=failpoints,
         )
 

@@ -203,6 +203,7 @@ class RunExecutor:
         claims: Any,  # ClaimsServiceStub
         room: Any,  # RoomServiceStub
         http: httpx.AsyncClient,
+        owner_http: httpx.AsyncClient,
         policy: RetryPolicy,
         clock: Clock,
         metrics: Metrics | None = None,
@@ -211,6 +212,7 @@ class RunExecutor:
         self._claims = claims
         self._room = room
         self._http = http
+        self._owner_http = owner_http
         self._policy = policy
         self._clock = clock
         self._metrics = metrics or Metrics()
@@ -502,7 +504,8 @@ class RunExecutor:
             await ledger.add_attempt(attempt)
 
         outcome = await call_model(
-            self._http,
+            # An owner's address goes through the egress guard; our own configured ones do not.
+            self._owner_http if owner_supplied else self._http,
             target,
             build_request(view),
             policy=self._policy,

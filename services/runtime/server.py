@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import grpc
+import httpcore
 import httpx
 
 from quayutec.channels import internal_channel
 from quayutec.config import CLAIMS, ROOM, RUNTIME
+from quayutec.egress import EgressTransport, Resolver
 from quayutec.server import GrpcServer
 from quayutec.tls import load_identity
 from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
@@ -24,11 +26,21 @@ async def create_server(
     http: httpx.AsyncClient | None = None,
     clock: Clock | None = None,
     policy: RetryPolicy | None = None,
+    resolver: Resolver | None = None,
+    dialer: httpcore.AsyncNetworkBackend | None = None,
 ) -> GrpcServer:
-    """The Runtime server; it owns (and closes) its channels and, unless given one, its HTTP client."""
+    """The Runtime server; it owns (and closes) its channels and, unless given one, its HTTP client.
+
+    Owner-supplied base URLs go through a second client whose transport applies the egress policy
+    to the address it dials; ``resolver`` and ``dialer`` replace the system's there (tests)."""
     identity = load_identity(RUNTIME.name, config.server.mtls)
     own_http = http is None
     http_client = http or make_http_client(config.model_timeout_seconds, max_connections=config.max_runs)
+    owner_http = make_http_client(
+        config.model_timeout_seconds,
+        EgressTransport(config.egress, resolver=resolver, dialer=dialer),
+        trust_env=False,
+    )
     # No transparent retries: the executor retries what is safe to repeat itself (services.runtime.backend).
     claims_channel = internal_channel(
         config.claims_addr, identity=identity, server=CLAIMS.name, retry_unavailable=False
@@ -39,6 +51,7 @@ async def create_server(
         claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
         room=RetryingRoom(room_pb2_grpc.RoomServiceStub(room_channel), retry_seconds=config.room_retry_seconds),
         http=http_client,
+        owner_http=owner_http,
         policy=policy or RetryPolicy(),
         clock=clock or RealClock(),
     )
@@ -52,6 +65,7 @@ async def create_server(
         await room_channel.close()
         if own_http:
             await http_client.aclose()
+        await owner_http.aclose()
 
     return GrpcServer(
         service_names=[RUNTIME.grpc_service],

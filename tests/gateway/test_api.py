@@ -85,13 +85,13 @@ async def test_register_and_list_agents(acme_gw: GatewayStub, globex_gw: Gateway
             name="local",
             provider=common_pb2.PROVIDER_OPENAI_COMPATIBLE,
             model="llama",
-            base_url="http://127.0.0.1:8000/v1",
+            base_url="https://models.acme.test/v1",  # resolves to a public address (tests.harness.egress)
             provider_key="k",
             system_prompt="be brief",
         ),
         timeout=10,
     )
-    assert compatible.agent.base_url == "http://127.0.0.1:8000/v1"
+    assert compatible.agent.base_url == "https://models.acme.test/v1"
     assert "sk-test-secret" not in str(compatible) + str(agent)
     listed = await acme_gw.ListAgents(gateway_pb2.ListAgentsRequest(), timeout=10)
     assert {a.agent_id for a in listed.agents} == {agent.agent_id, compatible.agent.agent_id}
@@ -105,6 +105,8 @@ async def test_register_and_list_agents(acme_gw: GatewayStub, globex_gw: Gateway
         ({"model": ""}, "model"),
         ({"base_url": "ftp://example.com"}, "base_url"),
         ({"base_url": "not a url"}, "base_url"),
+        ({"base_url": "http://127.0.0.1:8000/v1"}, "plain_http"),  # the Room's egress rules, passed on
+        ({"base_url": "https://169.254.169.254/v1"}, "metadata"),
         ({"provider": common_pb2.PROVIDER_OPENAI_COMPATIBLE}, "base_url"),
         ({"provider_key": ""}, "provider_key"),
     ]

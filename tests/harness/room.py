@@ -13,10 +13,12 @@ from typing import Any
 
 import asyncpg
 
+from quayutec.egress import Resolver
 from quayutec.v1 import common_pb2, room_pb2
 from services.room.config import RoomConfig
 from services.room.server import create_server
 from tests.harness.channels import TEST_MTLS
+from tests.harness.egress import TableResolver
 
 # A fixed key, so servers restarted on one database can read each other's provider keys.
 TEST_ENCRYPTION_KEY = "dGVzdC1vbmx5LWtleS1xdWF5dXRlYy1yb29tcy0wMDA="
@@ -40,10 +42,13 @@ def room_config(database_url: str, **env_overrides: str) -> RoomConfig:
 
 @asynccontextmanager
 async def running_room(
-    database_url: str, *, pool: asyncpg.Pool | None = None, **env_overrides: str
+    database_url: str, *, pool: asyncpg.Pool | None = None, resolver: Resolver | None = None, **env_overrides: str
 ) -> AsyncIterator[str]:
-    """Yields "127.0.0.1:PORT" of a started Room server; stops it on exit."""
-    server = await create_server(room_config(database_url, **env_overrides), pool=pool)
+    """Yields "127.0.0.1:PORT" of a started Room server; stops it on exit. Agent base URL hosts
+    resolve through ``resolver`` (default: the test table; no DNS query leaves the machine)."""
+    server = await create_server(
+        room_config(database_url, **env_overrides), pool=pool, resolver=resolver or TableResolver()
+    )
     port = await server.start()
     try:
         yield f"127.0.0.1:{port}"

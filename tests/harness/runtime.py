@@ -13,7 +13,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import httpcore
+
 from quayutec.config import ServerConfig
+from quayutec.egress import Resolver
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import Clock, RetryPolicy
 from services.runtime.server import create_server
@@ -43,11 +46,18 @@ async def running_runtime(
     standin_url: str | None = None,
     clock: Clock | None = None,
     policy: RetryPolicy | None = None,
+    resolver: Resolver | None = None,
+    dialer: httpcore.AsyncNetworkBackend | None = None,
     **overrides: Any,
 ) -> AsyncIterator[str]:
-    """Yields "127.0.0.1:PORT" of a Runtime started in this process."""
+    """Yields "127.0.0.1:PORT" of a Runtime started in this process. ``resolver`` and ``dialer``
+    replace the system's for owner-supplied addresses (tests.harness.egress)."""
     server = await create_server(
-        runtime_config(claims_addr, room_addr, standin_url, **overrides), clock=clock, policy=policy
+        runtime_config(claims_addr, room_addr, standin_url, **overrides),
+        clock=clock,
+        policy=policy,
+        resolver=resolver,
+        dialer=dialer,
     )
     port = await server.start()
     try:

@@ -164,8 +164,9 @@ async def test_agent_without_key_and_agent_errors(room: Stub) -> None:
     await expect_error(
         NOT_FOUND, room.GetAgentCredentials(room_pb2.RoomServiceGetAgentCredentialsRequest(agent_id=MISSING))
     )
-    ok = await room.RegisterAgent(reg(base_url="http://127.0.0.1:8080/v1"))
-    assert ok.agent.base_url == "http://127.0.0.1:8080/v1" and not ok.agent.has_provider_key
+    await expect_error(INVALID, room.RegisterAgent(reg(base_url="http://127.0.0.1:8080/v1")), "plain_http")
+    ok = await room.RegisterAgent(reg(base_url="https://models.acme.test/v1"))
+    assert ok.agent.base_url == "https://models.acme.test/v1" and not ok.agent.has_provider_key
 
 
 async def test_list_agents_pages(room: Stub) -> None:

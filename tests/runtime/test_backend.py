@@ -21,14 +21,14 @@ FAST_RECONNECT = [("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconne
 
 async def test_deduped_writes_and_reads_are_retried_and_others_are_not(database_url: str) -> None:
     port = free_port()
-    listen = {"QUAYUTEC_ROOM_LISTEN": f"127.0.0.1:{port}"}
+    listen = f"127.0.0.1:{port}"
     addr = f"127.0.0.1:{port}"
     async with (
         service_channel(addr, "runtime", options=FAST_RECONNECT) as channel,
         callers_stub(addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as admin,
     ):
         room = RetryingRoom(room_pb2_grpc.RoomServiceStub(channel), retry_seconds=30.0)
-        async with running_room(database_url, **listen):
+        async with running_room(database_url, QUAYUTEC_ROOM_LISTEN=listen):
             company = (await admin.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name="Acme"))).company
             created = await admin.CreateRoom(
                 room_pb2.RoomServiceCreateRoomRequest(company_id=company.company_id, name="launch")
@@ -51,7 +51,7 @@ async def test_deduped_writes_and_reads_are_retried_and_others_are_not(database_
         await asyncio.sleep(0.5)
         assert not write.done() and not read.done()
         # ... and are answered once Room is back on the same port.
-        async with running_room(database_url, **listen):
+        async with running_room(database_url, QUAYUTEC_ROOM_LISTEN=listen):
             posted = await asyncio.wait_for(write, 30)
             with pytest.raises(grpc.aio.AioRpcError) as answered:
                 await asyncio.wait_for(read, 30)

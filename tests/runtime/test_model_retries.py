@@ -538,7 +538,9 @@ async def test_key_never_leaks(
     standin.enqueue_fault("rate_limit", times=3)
     standin.enqueue_fault("drop", times=3)
     standin.enqueue_fault("key_rejected")
-    standin.enqueue_fault("raw", status=400, body={"error": {"message": f"bad header {KEY}", "type": "x"}})
+    standin.enqueue_fault(
+        "raw", status=400, body={"type": "error", "error": {"message": f"bad header {KEY}", "type": "x"}}
+    )
     for _ in range(4):
         outcomes.append((await call(http, tgt, tracer=tracer))[0])
     assert [o.error_class for o in outcomes] == ["rate_limited", "connection", "key_rejected", "malformed"]

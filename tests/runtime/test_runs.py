@@ -10,6 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
+from quayutec.egress import EgressPolicy
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
 from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
@@ -17,6 +18,8 @@ from tests.harness.claims import running_claims
 from tests.harness.room import running_room
 from tests.harness.runtime import running_runtime
 from tests.runtime.world import World, make_world, runtime_stub, start_request
+
+LOOPBACK = "127.0.0.1/32"
 
 
 @dataclass
@@ -42,12 +45,17 @@ class Stack:
 
 @pytest.fixture
 async def backends(database_url: str) -> AsyncIterator[tuple[str, str]]:
-    async with running_claims(database_url) as claims_addr, running_room(database_url) as room_addr:
+    # The stand-in on 127.0.0.1 is allow-listed, so an owner-supplied address may name it.
+    async with (
+        running_claims(database_url) as claims_addr,
+        running_room(database_url, QUAYUTEC_RUNTIME_EGRESS_ALLOW=LOOPBACK) as room_addr,
+    ):
         yield claims_addr, room_addr
 
 
 async def _stack(backends: tuple[str, str], standin: StandinProvider, **overrides: Any) -> AsyncIterator[Stack]:
     claims_addr, room_addr = backends
+    overrides.setdefault("egress", EgressPolicy.parse(LOOPBACK))
     clock = FakeClock()
     channels: list[grpc.aio.Channel] = []
     async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url, clock=clock, **overrides) as addr:

@@ -573,3 +573,46 @@ LIMIT $2;
 SELECT body AS text FROM messages WHERE $2::text = 'message' AND room_id = $1 AND message_id = $3
 UNION ALL
 SELECT title || E'\n' || body FROM tasks WHERE $2::text = 'task' AND room_id = $1 AND task_id = $3;
+
+-- name: next_event_seq
+-- The room's next event cursor; the row lock it takes is held to commit, so cursors commit in order.
+UPDATE rooms SET last_event_seq = last_event_seq + 1 WHERE room_id = $1 RETURNING last_event_seq;
+
+-- name: insert_room_event
+INSERT INTO room_events (room_id, seq, kind, detail, audience_company_id) VALUES ($1, $2, $3, $4, $5);
+
+-- name: room_event_bounds
+SELECT last_event_seq, events_pruned_through FROM rooms WHERE room_id = $1;
+
+-- name: read_room_events
+-- Events after a cursor; the detail only where $3 (a company, or NULL for all) may see it.
+SELECT seq, kind, created_at, audience_company_id,
+    CASE WHEN $3::uuid IS NULL OR audience_company_id IS NULL OR audience_company_id = $3 THEN detail END AS detail
+FROM room_events
+WHERE room_id = $1 AND seq > $2
+ORDER BY seq
+LIMIT $4;
+
+-- name: prune_room_events
+-- Removes up to $2 events older than $1 seconds, and records the newest removed cursor per room.
+WITH removed AS (
+    DELETE FROM room_events e
+    USING (
+        SELECT room_id, seq FROM room_events
+        WHERE created_at < now() - make_interval(secs => $1)
+        ORDER BY created_at
+        LIMIT $2
+    ) old
+    WHERE e.room_id = old.room_id AND e.seq = old.seq
+    RETURNING e.room_id, e.seq
+), newest AS (
+    SELECT room_id, max(seq) AS seq FROM removed GROUP BY room_id
+), marked AS (
+    UPDATE rooms r SET events_pruned_through = greatest(r.events_pruned_through, newest.seq)
+    FROM newest WHERE r.room_id = newest.room_id
+    RETURNING 1
+)
+SELECT count(*) FROM removed;
+
+-- name: run_status
+SELECT status, company_id FROM runs WHERE run_id = $1;

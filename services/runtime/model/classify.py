@@ -74,7 +74,7 @@ def classify_response(
 ) -> Verdict:
     """Classify a non-success HTTP answer from `wire`'s protocol."""
     h = httpx.Headers(headers)
-    error = _error_object(body)
+    error = _error_object(wire, body)
     if wire == "anthropic":
         error_class, retryable = _anthropic(status, error)
         named = _seconds(h.get("retry-after"), now) if retryable else None
@@ -154,17 +154,29 @@ def _openai(status: int, error: Mapping[str, Any]) -> tuple[str, bool]:
     return "unexpected_status", False
 
 
-def _error_object(body: bytes) -> Mapping[str, Any]:
-    """The provider's `error` object; empty when the body is absent or not the usual JSON."""
+def _error_object(wire: Wire, body: bytes) -> Mapping[str, Any]:
+    """The provider's `error` object when the body has the provider's error shape; empty otherwise.
+
+    Only a provider-shaped error informs the class and the recorded detail: any other body (an
+    internal page, a proxy's answer) is never read further nor passed on."""
     try:
         parsed = json.loads(body)
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return {}
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict):
-            return error
-    return {}
+    if not isinstance(parsed, dict):
+        return {}
+    error = parsed.get("error")
+    if not isinstance(error, dict) or not isinstance(error.get("message"), str):
+        return {}
+    if wire == "anthropic":
+        # {"type": "error", "error": {"type": ..., "message": ...}}
+        shaped = parsed.get("type") == "error" and isinstance(error.get("type"), str)
+    else:
+        # {"error": {"message", "type", "param", "code"}}; type and code may be null
+        shaped = "type" in error and all(
+            error.get(k) is None or isinstance(error.get(k), str) for k in ("type", "code")
+        )
+    return error if shaped else {}
 
 
 def _openai_wait(headers: httpx.Headers, now: datetime | None) -> float | None:

@@ -10,6 +10,8 @@ import httpx
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
+from quayutec.egress import EgressRefused
+
 from . import anthropic, openai
 from .classify import Verdict, classify_exception, classify_response, sanitize
 from .policy import Clock, RetryPolicy
@@ -133,6 +135,9 @@ async def _send_once(
     try:
         async with asyncio.timeout(total):
             response = await http.post(url, headers=headers, json=body)
+    except EgressRefused as exc:
+        # Nothing was sent: the address the host resolved to is not one we send requests to.
+        return None, None, Verdict("egress_refused", False, None, sanitize(f"egress refused ({exc.rule}): {exc}", ""))
     except TimeoutError:
         return None, None, Verdict("timeout", True, None, f"TimeoutError: no whole answer within {total:g} s")
     except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:
