@@ -49,6 +49,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/wakes.py
 	$(BIN)/python bench/parked.py
 	$(BIN)/python bench/watch.py
+	$(BIN)/python bench/inflight.py
+	$(BIN)/python bench/tables.py
 
 # Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
 # a server that no command can reach.

@@ -6,7 +6,9 @@ stand-in answering at once), beside the Gateway's post-only rate at the same con
 All four services run as processes on one PostgreSQL (``DATABASE_URL``'s server or an embedded
 one). P posters each post a message mentioning the agent through Gateway PostMessage and wait for
 its reply (closed loop: P wakes in flight). Latency per wake = the reply's created_at minus the
-posted message's created_at (both stamped by PostgreSQL); the reply is found by its run_id
+posted message's created_at (both stamped by PostgreSQL); CPU per wake = each service process's
+user + system CPU over the measured wakes, divided by their number (``QY_BENCH_PROFILE=runtime,room``
+runs the named services under cProfile for where it goes); the reply is found by its run_id
 (run_id_for(agent, wake)) with one batched query on the messages table every 2 ms.
 """
 
@@ -63,6 +65,7 @@ class Measured:
     count: int
     seconds: float
     latency_ms: list[float] = field(default_factory=list)
+    cpu_ms_per_wake: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -178,7 +181,10 @@ async def amain(opts: argparse.Namespace) -> None:
                             # A fresh room per level, so every level starts from the same room size.
                             world = await make_gateway_world(room, pool, gateway_channel, f"{tag}-{c}")
                             await end_to_end(world, watcher, opts.warmup, c)
+                            before = cpu_seconds(stack)
                             e2e = await end_to_end(world, watcher, opts.wakes, c)
+                            after = cpu_seconds(stack)
+                            e2e.cpu_ms_per_wake = {n: (after[n] - before[n]) * 1000 / opts.wakes for n in sorted(after)}
                             base = await post_only(world, opts.wakes, c)
                             results += [e2e, base]
                             print(f"  c={c}: {e2e.rate:.0f} wakes/s, {base.rate:.0f} posts/s", file=sys.stderr)
@@ -186,6 +192,17 @@ async def amain(opts: argparse.Namespace) -> None:
             await pool.close()
             await drop_database(admin_url, url)
     report(results, concurrencies, opts.poll_interval, time.monotonic() - started)
+
+
+def cpu_seconds(stack: Any) -> dict[str, float]:
+    """User + system CPU seconds each service process has used so far."""
+    import psutil
+
+    out = {}
+    for name, proc in stack.procs.items():
+        times = psutil.Process(proc.pid).cpu_times()
+        out[name] = times.user + times.system
+    return out
 
 
 def report(results: Sequence[Measured], concurrencies: list[int], poll: float, seconds: float) -> None:
@@ -203,6 +220,14 @@ def report(results: Sequence[Measured], concurrencies: list[int], poll: float, s
     pairs = {(m.kind.split(" ")[0], m.concurrency): m for m in results}
     ratios = [f"c={c}: {pairs[('end', c)].rate / pairs[('post', c)].rate:.2f}" for c in concurrencies]
     print(f"\nend-to-end / post-only: {', '.join(ratios)}")
+    cpu = [m for m in results if m.cpu_ms_per_wake]
+    if cpu:
+        names = sorted(cpu[0].cpu_ms_per_wake)
+        print("\nCPU ms per end-to-end wake, by service process (user + system over the measured wakes):\n")
+        print_table(
+            ["posters", *names, "all"],
+            [[m.concurrency, *(m.cpu_ms_per_wake[n] for n in names), sum(m.cpu_ms_per_wake.values())] for m in cpu],
+        )
     print(f"bench took {seconds:.0f} s")
 
 

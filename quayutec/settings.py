@@ -118,6 +118,23 @@ _DECLARED: list[Setting] = [
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),
     _g("QUAYUTEC_PROVIDER_KEY", "", "the model provider key `agent register` sends", ["cli"], secret=True),
+    # Room
+    _g(
+        "QUAYUTEC_ROOM_DELIVERED_WAKES_KEEP_SECONDS",
+        604_800,
+        "how long a delivered wake stays in the outbox (for inspection) before the Room deletes it; the "
+        "claim, not the outbox row, keeps a delivered wake from running twice",
+        ["room"],
+        shown="604800 (7 days)",
+    ),
+    _g(
+        "QUAYUTEC_ROOM_OUTBOX_CLEANUP_INTERVAL_SECONDS",
+        60.0,
+        "how often the Room deletes delivered wakes older than DELIVERED_WAKES_KEEP_SECONDS (in batches of "
+        "1,000; a full batch is followed at once by another); 0 turns the cleanup off",
+        ["room"],
+        shown="60",
+    ),
     # Claims
     _g("QUAYUTEC_CLAIMS_BATCH_MAX", 256, "most claims combined into one INSERT (1: one statement each)", ["claims"]),
     _g("QUAYUTEC_CLAIMS_BATCH_IN_FLIGHT", 1, "most claim batches sent at once", ["claims"]),
@@ -131,8 +148,11 @@ _DECLARED: list[Setting] = [
     # Runtime
     _g(
         "QUAYUTEC_RUNTIME_MAX_RUNS",
-        32,
-        "runs executing at once; over it StartRun is RESOURCE_EXHAUSTED (nothing claimed)",
+        2048,
+        "runs executing at once; over it StartRun is RESOURCE_EXHAUSTED (nothing claimed). A run waiting on its "
+        "model holds a coroutine and one provider socket, so the cap is sized by file descriptors (the Runtime "
+        "raises its soft `ulimit -n` to the hard limit and refuses to start unless it covers this plus 256) and "
+        "memory (see docs/operations.md); the provider connection pool holds as many connections",
         ["runtime"],
     ),
     _g("QUAYUTEC_RUNTIME_RUN_SECONDS", 300.0, "active time of one run", ["runtime"], shown="300"),

@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from quayutec.config import ROOM, DatabaseConfig, ServerConfig, env_bool, env_float
+from quayutec.config import ROOM, DatabaseConfig, ServerConfig, env_bool, env_float, env_int
 from quayutec.crypto import MultiFernet, load_fernet
 from quayutec.egress import EgressPolicy
 from quayutec.settings import setting
@@ -20,6 +20,9 @@ class RoomConfig:
     database: DatabaseConfig
     cipher: MultiFernet = field(repr=False, compare=False)
     migrate_on_start: bool = True
+    # Delivered wakes are kept this long, then deleted by a loop every ``outbox_cleanup_interval_seconds``.
+    delivered_wakes_keep_seconds: int = 604_800
+    outbox_cleanup_interval_seconds: float = 60.0
     # How long room events are kept for watchers to resume from (hours).
     event_retention_hours: float = 168.0
     # How often this replica removes events older than that (seconds).
@@ -38,6 +41,10 @@ class RoomConfig:
             database=database,
             cipher=load_fernet(env, database.data_dir),
             migrate_on_start=env_bool(env, setting(f"{prefix}MIGRATE_ON_START")),
+            delivered_wakes_keep_seconds=env_int(env, setting(f"{prefix}DELIVERED_WAKES_KEEP_SECONDS"), minimum=0),
+            outbox_cleanup_interval_seconds=env_float(
+                env, setting(f"{prefix}OUTBOX_CLEANUP_INTERVAL_SECONDS"), minimum=0.0
+            ),
             event_retention_hours=env_float(env, setting(f"{prefix}EVENT_RETENTION_HOURS"), minimum=0.01),
             event_cleanup_seconds=env_float(env, setting(f"{prefix}EVENT_CLEANUP_SECONDS"), minimum=1.0),
             egress=EgressPolicy.from_env(env),

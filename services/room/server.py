@@ -16,6 +16,7 @@ from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
 from quayutec.tls import load_identity
 from quayutec.v1 import room_pb2_grpc
+from services.room.cleanup import OutboxCleaner
 from services.room.config import RoomConfig
 from services.room.servicer import RoomServicer
 from services.room.store import RoomStore
@@ -53,14 +54,21 @@ async def create_server(
     servicer = RoomServicer(store, config.egress, resolver, event_retention_hours=config.event_retention_hours)
     stopping = asyncio.Event()
     cleanup: list[asyncio.Task[None]] = []
+    cleaner = OutboxCleaner(
+        store,
+        keep_seconds=config.delivered_wakes_keep_seconds,
+        interval_seconds=config.outbox_cleanup_interval_seconds,
+    )
 
     def register(server: grpc.aio.Server) -> None:
         room_pb2_grpc.add_RoomServiceServicer_to_server(servicer, server)
         cleanup.append(asyncio.create_task(clean_events(store, config, stopping), name="room-event-cleanup"))
+        cleaner.start()
 
     async def on_stop() -> None:
         stopping.set()
         try:
+            await cleaner.stop()
             for task in cleanup:
                 await task
         finally:

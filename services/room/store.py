@@ -840,6 +840,11 @@ class RoomStore:
         rows = await self._pool.fetch(self._q["lease_wakes"], lease_owner, max_wakes, lease_seconds)
         return sorted(rows, key=lambda r: (r["due_at"], r["created_at"], str(r["wake_id"])))
 
+    async def delete_delivered_wakes(self, keep_seconds: int, limit: int) -> int:
+        """Deletes up to ``limit`` wakes delivered more than ``keep_seconds`` ago; how many it deleted."""
+        status = await self._pool.execute(self._q["delete_delivered_wakes"], keep_seconds, limit)
+        return int(status.split()[-1])
+
     async def settle_wake(
         self, wake_id: str, lease_owner: str, *, delivered: bool, retry_after_ms: int, last_error: str
     ) -> Any:

@@ -20,8 +20,9 @@ class RuntimeConfig:
     server: ServerConfig
     claims_addr: str
     room_addr: str
-    # Runs executing at once in this process; over that StartRun answers RESOURCE_EXHAUSTED.
-    max_runs: int = 32
+    # Runs executing at once in this process; over that StartRun answers RESOURCE_EXHAUSTED. The
+    # provider connection pool holds as many connections (a run makes one model request at a time).
+    max_runs: int = 2048
     # Active time of one run (time parked on a waitpoint does not count).
     run_seconds: float = 300.0
     # Timeout of one model request: of each phase (connect, read, write, pool) and of the whole request.

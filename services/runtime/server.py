@@ -13,6 +13,7 @@ from quayutec.server import GrpcServer
 from quayutec.tls import load_identity
 from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.runtime.backend import RetryingRoom
+from services.runtime.capacity import ensure_fd_budget
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import Clock, RealClock, RetryPolicy, make_http_client
 from services.runtime.run import RunExecutor
@@ -34,7 +35,7 @@ async def create_server(
     to the address it dials; ``resolver`` and ``dialer`` replace the system's there (tests)."""
     identity = load_identity(RUNTIME.name, config.server.mtls)
     own_http = http is None
-    http_client = http or make_http_client(config.model_timeout_seconds)
+    http_client = http or make_http_client(config.model_timeout_seconds, max_connections=config.max_runs)
     owner_http = make_http_client(
         config.model_timeout_seconds,
         EgressTransport(config.egress, resolver=resolver, dialer=dialer),
@@ -76,5 +77,7 @@ async def create_server(
 
 
 async def main() -> None:
-    server = await create_server(RuntimeConfig.from_env())
+    config = RuntimeConfig.from_env()
+    ensure_fd_budget(config.max_runs)
+    server = await create_server(config)
     await server.serve_until_signal()

@@ -225,6 +225,8 @@ class StandinProvider:
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Many runs call at once (bench/inflight.py: 2,000): the default listen backlog of 5 drops SYNs.
+    request_queue_size = 4096
     block_on_close = False
 
     def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], state: _State) -> None:

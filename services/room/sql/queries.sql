@@ -428,6 +428,17 @@ RETURNING now() AS settled_at;
 -- name: get_wake_lease
 SELECT lease_owner, delivered_at FROM wake_outbox WHERE wake_id = $1;
 
+-- name: delete_delivered_wakes
+-- Delivered before now() - $1 seconds, oldest first, at most $2; rows another cleaner holds are skipped.
+DELETE FROM wake_outbox
+WHERE wake_id IN (
+    SELECT wake_id FROM wake_outbox
+    WHERE delivered_at < now() - $1::integer * interval '1 second'
+    ORDER BY delivered_at
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+);
+
 -- name: count_pending_wakes
 SELECT count(*) AS pending,
     COALESCE((extract(epoch FROM now() - min(created_at)) * 1000)::bigint, 0) AS oldest_pending_age_ms

@@ -198,6 +198,8 @@ CREATE TABLE runs (
 );
 CREATE INDEX runs_agent_pos ON runs (agent_id, pos);
 CREATE INDEX runs_company_pos ON runs (company_id, pos);
+-- Runs not ended, for the housekeeping that ends stale ones.
+CREATE INDEX runs_open ON runs (status, updated_at) WHERE ended_at IS NULL;
 
 -- The outbox: a wake per agent a message or task is meant for, written in the posting transaction
 -- and leased by Gateway's delivery loop (FOR UPDATE SKIP LOCKED).
@@ -218,6 +220,8 @@ CREATE TABLE wake_outbox (
 );
 CREATE INDEX wake_outbox_pending_due ON wake_outbox (due_at) WHERE delivered_at IS NULL;
 CREATE INDEX wake_outbox_source ON wake_outbox (source_id);
+-- Delivered wakes by age, for the cleanup loop (pending rows are not in it).
+CREATE INDEX wake_outbox_delivered ON wake_outbox (delivered_at) WHERE delivered_at IS NOT NULL;
 
 -- A company's rules for its agents' declared actions: its default (agent_id NULL) and per-agent rows.
 CREATE TABLE agent_rights (

@@ -15,6 +15,7 @@ from quayutec.egress import EgressRefused
 from . import anthropic, openai
 from .classify import Verdict, classify_exception, classify_response, sanitize
 from .policy import Clock, RetryPolicy
+from .pool import ShardedTransport
 from .types import Attempt, BadReply, ModelOutcome, ModelReply, ModelRequest, ModelTarget
 
 TRACER_NAME = "quayutec.runtime.model"
@@ -28,14 +29,25 @@ def make_http_client(
     transport: httpx.AsyncBaseTransport | None = None,
     *,
     trust_env: bool = True,
+    max_connections: int = 100,
 ) -> httpx.AsyncClient:
     """The process's one shared client: explicit timeout, no redirects, no retries of its own.
-    ``timeout_seconds`` bounds each phase and also the whole request (see ``_send_once``)."""
+    ``timeout_seconds`` bounds each phase and also the whole request (see ``_send_once``).
+
+    ``max_connections`` is the Runtime's run cap: a run makes one model request at a time, so every
+    run in flight has its connection and none waits on the pool (httpx's own default is 100 open
+    and 20 kept alive, which would queue runs 101 and on behind the others' model time). Idle
+    connections are kept as many and closed after httpx's keep-alive expiry (5 s), so a burst does
+    not reconnect on its next request. The pool is split into shards (``pool.ShardedTransport``) so
+    its per-request bookkeeping stays small at thousands of connections."""
     if timeout_seconds <= 0:
         raise ValueError("timeout_seconds must be positive")
+    if max_connections < 1:
+        raise ValueError("max_connections must be at least 1")
     return httpx.AsyncClient(
         timeout=httpx.Timeout(timeout_seconds),
-        transport=transport,
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        transport=transport or ShardedTransport(max_connections, trust_env=trust_env),
         follow_redirects=False,
         trust_env=trust_env,
     )
