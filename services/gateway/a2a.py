@@ -208,6 +208,10 @@ class RoomAgentHandler(RequestHandler):
 
     async def _view(self, task: common_pb2.Task, history_length: int | None = None) -> a2a_pb2.Task:
         runs = await self._runs(task)
+        if runs and task.status == common_pb2.TASK_STATUS_OPEN:
+            # Read the task again after its runs: a run closes its task before its ledger row ends, so
+            # a run seen ended comes with the task as that run left it (not "replied but still open").
+            task = await self._gateway._task_in_room(task.room_id, task.task_id)
         replies = await self._replies(task, runs)
         state = _state(task, runs)
         view = a2a_pb2.Task(id=task.task_id, context_id=task.task_id)
