@@ -156,13 +156,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         inner = handler.unary_unary
 
         async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            try:
-                company_id = await self._authenticator.company_for(_authorization(context.invocation_metadata()))
-            except Exception as exc:
-                code, message = status_for(exc)
-                if code != grpc.StatusCode.UNAUTHENTICATED:
-                    _log.warning("authenticating %s failed: %s", method, message, exc_info=exc)
-                await context.abort(code, message)
+            company_id = await self._authenticate(method, context)
             token = self._caller.set(company_id)
             try:
                 return await inner(request, context)
@@ -175,18 +169,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             response_serializer=handler.response_serializer,
         )
 
+    async def _authenticate(self, method: str, context: grpc.aio.ServicerContext) -> str:
+        """The caller's company from its API key, or the call is aborted (UNAUTHENTICATED, or what failed)."""
+        try:
+            return await self._authenticator.company_for(_authorization(context.invocation_metadata()))
+        except Exception as exc:
+            code, message = status_for(exc)
+            if code != grpc.StatusCode.UNAUTHENTICATED:
+                _log.warning("authenticating %s failed: %s", method, message, exc_info=exc)
+            await context.abort(code, message)
+            raise  # abort raises; this line is never reached
+
     def _authenticated_stream(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         """The same authentication for a server-streaming RPC (WatchRoom), before its first item."""
         inner = handler.unary_stream
 
         async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
-                company_id = await self._authenticator.company_for(_authorization(context.invocation_metadata()))
-            except Exception as exc:
-                code, message = status_for(exc)
-                if code != grpc.StatusCode.UNAUTHENTICATED:
-                    _log.warning("authenticating %s failed: %s", method, message, exc_info=exc)
-                await context.abort(code, message)
+            company_id = await self._authenticate(method, context)
             token = self._caller.set(company_id)
             try:
                 async for item in inner(request, context):
