@@ -39,8 +39,6 @@ _RUN_EVENTS = {
     "parked": common_pb2.ROOM_EVENT_KIND_RUN_PARKED,
     **{status: common_pb2.ROOM_EVENT_KIND_RUN_ENDED for status in _RUN_ENDED},
 }
-# A REPEATABLE READ run-context read retried on a serialization failure (kept as a safety net).
-_SERIALIZATION_ATTEMPTS = 5
 
 Record = Any  # asyncpg.Record; asyncpg is untyped here
 # Called inside a posting transaction between its writes; tests use it to interrupt the transaction.
@@ -651,36 +649,8 @@ class RoomStore:
         max_passages: int,
         run: common_pb2.Run | None = None,
     ) -> RunContext:
-        """Everything a run reads of its room, on one connection in one REPEATABLE READ snapshot;
-        with ``run``, that ledger row is recorded first in the same transaction (and its room event, so
-        a concurrent change of the room may force a retry of the whole read)."""
-        for attempt in range(_SERIALIZATION_ATTEMPTS):
-            try:
-                return await self._read_run_context(
-                    agent_id=agent_id,
-                    room_id=room_id,
-                    wake_kind=wake_kind,
-                    wake_source_id=wake_source_id,
-                    recent_messages=recent_messages,
-                    max_passages=max_passages,
-                    run=run,
-                )
-            except asyncpg.SerializationError:
-                if attempt + 1 == _SERIALIZATION_ATTEMPTS:
-                    raise
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    async def _read_run_context(
-        self,
-        *,
-        agent_id: str,
-        room_id: str,
-        wake_kind: str,
-        wake_source_id: str | None,
-        recent_messages: int,
-        max_passages: int,
-        run: common_pb2.Run | None,
-    ) -> RunContext:
+        """Everything a run reads of its room, on one connection in one transaction; with ``run``, that
+        ledger row (and its room event, when its status changes) is recorded first in the same transaction."""
         # A plain read is one REPEATABLE READ snapshot. With a ledger row to record (and maybe its room
         # event, which updates the room row), REPEATABLE READ would fail whenever any write of the room
         # commits meanwhile; instead the room row is locked first, as every change of the room that
