@@ -20,6 +20,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,7 +38,8 @@ from quayutec.config import ROOM, SERVICES  # noqa: E402
 from quayutec.db import create_pool, embedded_ctl, with_database  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
 from quayutec.tls import GATEWAY  # noqa: E402
-from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc, runtime_pb2  # noqa: E402
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtime_pb2  # noqa: E402
+from services.runtime.run import run_id_for  # noqa: E402
 from services.stack import LocalStack, free_port  # noqa: E402
 
 ENDED_STATUSES = ("succeeded", "failed", "timed_out")
@@ -272,6 +274,23 @@ async def make_room_world(room: Any, tag: str, *, model: str = "bench-model") ->
 class PostedWake:
     wake_id: str
     message_id: str
+
+
+async def post_mention(client: Any, room_id: str, agent_id: str, i: int, *, deadline: float) -> tuple[str, datetime]:
+    """Post message ``i`` mentioning ``agent_id`` through the Gateway (``client``: a GatewayClient); the run id
+    its one wake will have and the message's created_at; ``deadline``: the call's, in seconds."""
+    posted = await client.PostMessage(
+        gateway_pb2.PostMessageRequest(
+            room_id=room_id,
+            person="bench",
+            body=f"@bench-agent what is the plan for item {i}?",
+            mention_agent_ids=[agent_id],
+        ),
+        timeout=deadline,
+    )
+    if len(posted.wake_ids) != 1:
+        raise BenchError(f"a post mentioning one agent answered {len(posted.wake_ids)} wakes")
+    return run_id_for(agent_id, posted.wake_ids[0]), posted.message.created_at.ToDatetime(tzinfo=UTC)
 
 
 async def post_wakes(room: Any, world: World, count: int, *, parallel: int = 16) -> list[PostedWake]:

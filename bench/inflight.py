@@ -53,6 +53,7 @@ from bench.common import (
     make_room_world,
     model_ms,
     percentile,
+    post_mention,
     post_wakes,
     postgres_server,
     print_table,
@@ -67,9 +68,8 @@ from bench.common import (
 from bench.wakes import GatewayWorld, make_gateway_world
 from quayutec.db import create_pool
 from quayutec.tls import GATEWAY
-from quayutec.v1 import common_pb2, gateway_pb2, runtime_pb2, runtime_pb2_grpc
+from quayutec.v1 import common_pb2, runtime_pb2, runtime_pb2_grpc
 from services.runtime.capacity import raise_fd_limit
-from services.runtime.run import run_id_for
 
 ROOM_WAIT_SECONDS = 600.0
 POST_PARALLEL = 256
@@ -196,18 +196,7 @@ def gateway_sender(worlds: list[GatewayWorld]) -> Send:
 
     async def send(i: int) -> tuple[str, datetime]:
         world = worlds[i % len(worlds)]
-        answer = await world.client.PostMessage(
-            gateway_pb2.PostMessageRequest(
-                room_id=world.room_id,
-                person="bench",
-                body=f"@bench-agent what is the plan for item {i}?",
-                mention_agent_ids=[world.agent_id],
-            ),
-            timeout=120,
-        )
-        if len(answer.wake_ids) != 1:
-            raise BenchError(f"a post mentioning one agent answered {len(answer.wake_ids)} wakes")
-        return run_id_for(world.agent_id, answer.wake_ids[0]), answer.message.created_at.ToDatetime(tzinfo=UTC)
+        return await post_mention(world.client, world.room_id, world.agent_id, i, deadline=120)
 
     return send
 

@@ -21,7 +21,6 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +31,12 @@ import grpc
 
 from bench.common import (
     BatchWatcher,
-    BenchError,
     base_env,
     create_migrated_database,
     drop_database,
     parse_concurrency,
     percentile,
+    post_mention,
     postgres_server,
     print_table,
     room_callers,
@@ -52,7 +51,6 @@ from quayutec.tls import GATEWAY
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
 from services.client import GatewayClient
 from services.gateway.auth import create_api_key
-from services.runtime.run import run_id_for
 
 REPLIES_QUERY = "SELECT run_id, created_at FROM messages WHERE run_id = ANY($1::text[])"
 ROOM_WAIT_SECONDS = 600.0
@@ -131,19 +129,8 @@ async def post_only(world: GatewayWorld, count: int, concurrency: int) -> Measur
 
 async def end_to_end(world: GatewayWorld, watcher: BatchWatcher, count: int, concurrency: int) -> Measured:
     async def one(i: int) -> float:
-        posted = await world.client.PostMessage(
-            gateway_pb2.PostMessageRequest(
-                room_id=world.room_id,
-                person="bench",
-                body=f"@bench-agent what is the plan for item {i}?",
-                mention_agent_ids=[world.agent_id],
-            ),
-            timeout=30,
-        )
-        if len(posted.wake_ids) != 1:
-            raise BenchError(f"a post mentioning one agent answered {len(posted.wake_ids)} wakes")
-        reply = await asyncio.wait_for(watcher.wait(run_id_for(world.agent_id, posted.wake_ids[0])), timeout=60)
-        sent = posted.message.created_at.ToDatetime(tzinfo=UTC)
+        run_id, sent = await post_mention(world.client, world.room_id, world.agent_id, i, deadline=30)
+        reply = await asyncio.wait_for(watcher.wait(run_id), timeout=60)
         return float((reply["created_at"] - sent).total_seconds() * 1000)
 
     measured = await closed_loop(count, concurrency, one)
