@@ -77,14 +77,9 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         listening=lambda: events_listener.listening.is_set(),
     )
     events_listener = Listener(pool, ROOM_EVENTS_CHANNEL, hub.notified, hub.reconnected)
-    servicer = GatewayServicer(
-        room,
-        caller,
-        PostRateLimiter(config.rate_limit),
-        room_timeout_seconds=config.room_timeout_seconds,
-        watch=hub,
-    )
-    limiter = servicer.limiter
+    # One per-company rate limit for the Gateway's own API and the A2A door.
+    limiter = PostRateLimiter(config.rate_limit)
+    servicer = GatewayServicer(room, caller, limiter, room_timeout_seconds=config.room_timeout_seconds, watch=hub)
 
     def card_url() -> str:
         if config.a2a_url:

@@ -103,7 +103,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._room = room
         self._caller = caller
         self._limiter = limiter
-        self.limiter = limiter
         self._timeout = room_timeout_seconds
         self._watch = watch
 
