@@ -7,7 +7,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
@@ -66,27 +66,16 @@ async def running_runtime(
         await server.stop()
 
 
-class RuntimeProcess:
-    """``python -m services.runtime`` as a child process, to be killed with SIGKILL."""
+class ServiceProcess:
+    """``python -m services.<name>`` as a child process presenting its own test certificate, to be killed
+    with SIGKILL. ``env`` adds to this process's environment."""
 
-    def __init__(self, claims_addr: str, room_addr: str, standin_url: str, failpoints: str = "") -> None:
-        self.port = free_port()
-        self.addr = f"127.0.0.1:{self.port}"
-        env = {
-            **os.environ,
-            "QUAYUTEC_RUNTIME_LISTEN": self.addr,
-            "QUAYUTEC_CLAIMS_ADDR": claims_addr,
-            "QUAYUTEC_ROOM_ADDR": room_addr,
-            "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin_url,
-            "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin_url,
-            "QUAYUTEC_RUNTIME_FAILPOINTS": failpoints,
-            **mtls_env("runtime"),
-            "PYTHONPATH": str(REPO),
-        }
+    def __init__(self, name: str, env: Mapping[str, str]) -> None:
+        self.name = name
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.runtime"],
+            [sys.executable, "-m", f"services.{name}"],
             cwd=REPO,
-            env=env,
+            env={**os.environ, **env, **mtls_env(name), "PYTHONPATH": str(REPO)},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
@@ -106,7 +95,7 @@ class RuntimeProcess:
                 self.stderr_lines.append(line)
                 if needle in line:
                     return line
-            raise AssertionError(f"runtime exited before {needle!r}:\n{''.join(self.stderr_lines[-30:])}")
+            raise AssertionError(f"{self.name} exited before {needle!r}:\n{''.join(self.stderr_lines[-30:])}")
 
         return await asyncio.wait_for(asyncio.to_thread(scan), limit)
 
@@ -116,3 +105,22 @@ class RuntimeProcess:
         self.proc.wait(timeout=10)
         if self.proc.stderr is not None:
             self.proc.stderr.close()
+
+
+class RuntimeProcess(ServiceProcess):
+    """``python -m services.runtime`` against the given Claims, Room and model stand-in."""
+
+    def __init__(self, claims_addr: str, room_addr: str, standin_url: str, failpoints: str = "") -> None:
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        super().__init__(
+            "runtime",
+            {
+                "QUAYUTEC_RUNTIME_LISTEN": self.addr,
+                "QUAYUTEC_CLAIMS_ADDR": claims_addr,
+                "QUAYUTEC_ROOM_ADDR": room_addr,
+                "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin_url,
+                "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin_url,
+                "QUAYUTEC_RUNTIME_FAILPOINTS": failpoints,
+            },
+        )

@@ -8,10 +8,6 @@ Each test prints its figures (wakes acted, lost, doubled; seconds to finish): ru
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -27,12 +23,12 @@ from quayutec.v1 import claims_pb2, common_pb2, runtime_pb2
 from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from services.stack import free_port
-from tests.harness.channels import mtls_env, service_channel
+from tests.harness.channels import service_channel
 from tests.harness.claims import claims_stub, running_claims
 from tests.harness.gateway import running_gateway
 from tests.harness.postgres import OwnPostgres
 from tests.harness.room import TEST_ENCRYPTION_KEY, running_room
-from tests.harness.runtime import REPO, RuntimeProcess, running_runtime
+from tests.harness.runtime import RuntimeProcess, ServiceProcess, running_runtime
 from tests.runtime import test_held as held
 from tests.runtime.world import World, make_world, runtime_stub, start_request
 
@@ -65,49 +61,26 @@ async def own_database_url(own_postgres: OwnPostgres) -> str:
     return with_database(own_postgres.url, name)
 
 
-class RoomProcess:
-    """``python -m services.room`` on a fixed port, to be killed with SIGKILL and started again."""
+class RoomProcess(ServiceProcess):
+    """``python -m services.room`` on a fixed port, so a restarted one answers at the same address."""
 
     def __init__(self, database_url: str, port: int) -> None:
         self.addr = f"127.0.0.1:{port}"
-        env = {
-            **os.environ,
-            "DATABASE_URL": database_url,
-            "QUAYUTEC_ROOM_LISTEN": self.addr,
-            "QUAYUTEC_ROOM_GRACE_SECONDS": "1",
-            "QUAYUTEC_ENCRYPTION_KEY": TEST_ENCRYPTION_KEY,
-            **mtls_env("room"),
-            "PYTHONPATH": str(REPO),
-        }
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "services.room"],
-            cwd=REPO,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
+        super().__init__(
+            "room",
+            {
+                "DATABASE_URL": database_url,
+                "QUAYUTEC_ROOM_LISTEN": self.addr,
+                "QUAYUTEC_ROOM_GRACE_SECONDS": "1",
+                "QUAYUTEC_ENCRYPTION_KEY": TEST_ENCRYPTION_KEY,
+            },
         )
-        self.lines: list[str] = []
 
     async def wait_ready(self, limit: float = 30.0) -> None:
-        assert self.proc.stderr is not None
-        stream = self.proc.stderr
-
-        def scan() -> None:
-            for line in stream:
-                self.lines.append(line)
-                if "listening on port" in line:
-                    return
-            raise AssertionError(f"room exited before listening:\n{''.join(self.lines[-30:])}")
-
-        await asyncio.wait_for(asyncio.to_thread(scan), limit)
+        await super().wait_ready(limit)
         # Keep draining its log so the child never blocks on a full pipe.
-        threading.Thread(target=_drain, args=(stream,), daemon=True).start()
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        assert self.proc.stderr is not None
+        threading.Thread(target=_drain, args=(self.proc.stderr,), daemon=True).start()
 
 
 def _drain(stream: Iterator[str]) -> None:
