@@ -22,6 +22,7 @@ from services.runtime.model import Clock, RetryPolicy
 from services.runtime.server import create_server
 from services.stack import free_port
 from tests.harness.channels import TEST_MTLS, mtls_env
+from tests.harness.egress import TableResolver
 
 REPO = Path(__file__).resolve().parent.parent.parent
 
@@ -51,12 +52,13 @@ async def running_runtime(
     **overrides: Any,
 ) -> AsyncIterator[str]:
     """Yields "127.0.0.1:PORT" of a Runtime started in this process. ``resolver`` and ``dialer``
-    replace the system's for owner-supplied addresses (tests.harness.egress)."""
+    replace the system's for owner-supplied addresses (tests.harness.egress); the resolver defaults to
+    the test table, as the Room's does, so no DNS query leaves the machine."""
     server = await create_server(
         runtime_config(claims_addr, room_addr, standin_url, **overrides),
         clock=clock,
         policy=policy,
-        resolver=resolver,
+        resolver=resolver or TableResolver(),
         dialer=dialer,
     )
     port = await server.start()
