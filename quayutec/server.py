@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import grpc
+import uvloop
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from quayutec.authz import AuthzInterceptor
-from quayutec.config import ServerConfig, ServiceSpec
+from quayutec.config import ConfigError, ServerConfig, ServiceSpec, env_str
 from quayutec.errors import ErrorMappingInterceptor
+from quayutec.settings import setting
 from quayutec.telemetry import setup_telemetry
 from quayutec.tls import Identity
 
@@ -194,13 +197,30 @@ class GrpcServer:
 
 def run_service(main: Callable[[], Coroutine[Any, Any, None]], service: ServiceSpec | str) -> None:
     """The ``python -m services.<name>`` entry: logging, telemetry (before any server, channel or
-    pool exists, so the instrumentation sees them), then ``main``; flushes at exit.
-
-    The default asyncio loop: uvloop made no measurable difference to grpc.aio here
-    (bench/claims.py --experiments), so it is one dependency fewer."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    pool exists, so the instrumentation sees them), then ``main`` on the configured event loop;
+    flushes at exit."""
+    loop_name, level = process_settings(os.environ)
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     telemetry = setup_telemetry(service.name if isinstance(service, ServiceSpec) else service)
     try:
-        asyncio.run(main())
+        if loop_name == "uvloop":
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
     finally:
         telemetry.shutdown()
+
+
+_LOOPS = ("uvloop", "asyncio")
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def process_settings(env: Mapping[str, str]) -> tuple[str, int]:
+    """QUAYUTEC_EVENT_LOOP and QUAYUTEC_LOG_LEVEL, checked: a wrong value stops the service at start."""
+    loop_name = env_str(env, setting("QUAYUTEC_EVENT_LOOP")).strip().lower()
+    if loop_name not in _LOOPS:
+        raise ConfigError(f"QUAYUTEC_EVENT_LOOP must be one of {', '.join(_LOOPS)}, got {loop_name!r}")
+    level = env_str(env, setting("QUAYUTEC_LOG_LEVEL")).strip().upper()
+    if level not in _LEVELS:
+        raise ConfigError(f"QUAYUTEC_LOG_LEVEL must be one of {', '.join(_LEVELS)}, got {level!r}")
+    return loop_name, logging.getLevelNamesMapping()[level]

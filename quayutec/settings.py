@@ -114,6 +114,14 @@ _DECLARED: list[Setting] = [
     ),
     _g("QUAYUTEC_MTLS_CERT", "", "PEM certificate of this process, naming its identity", [*ALL, "cli"]),
     _g("QUAYUTEC_MTLS_KEY", "", "PEM private key of MTLS_CERT", [*ALL, "cli"], secret=True),
+    _g(
+        "QUAYUTEC_EVENT_LOOP",
+        "uvloop",
+        "the asyncio event loop a service runs on: `uvloop` (libuv; cut the CPU per wake by about a fifth in"
+        " bench/wakes.py) or `asyncio` (the standard library's)",
+        ALL,
+    ),
+    _g("QUAYUTEC_LOG_LEVEL", "INFO", "the services' log level: DEBUG, INFO, WARNING or ERROR", ALL),
     _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),

@@ -5,12 +5,17 @@ prints them with the values in effect."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from quayutec.config import ConfigError
+from quayutec.server import process_settings
 from quayutec.settings import SETTINGS, for_service, setting
 from services.claims.config import ClaimsConfig
 from services.gateway.config import GatewayConfig
@@ -129,3 +134,34 @@ def test_quayutec_config_prints_the_values_in_effect() -> None:
     ).stdout.splitlines()
     assert table[0].split()[:4] == ["NAME", "VALUE", "FROM", "READ_BY"]
     assert len(table) == 1 + len(for_service("claims"))
+
+
+def test_the_process_settings_default_to_uvloop_and_info_and_refuse_other_values() -> None:
+    assert process_settings({}) == ("uvloop", logging.INFO)
+    assert process_settings({"QUAYUTEC_EVENT_LOOP": "asyncio", "QUAYUTEC_LOG_LEVEL": "warning"}) == (
+        "asyncio",
+        logging.WARNING,
+    )
+    with pytest.raises(ConfigError, match=r"QUAYUTEC_EVENT_LOOP must be one of uvloop, asyncio, got 'trio'"):
+        process_settings({"QUAYUTEC_EVENT_LOOP": "trio"})
+    with pytest.raises(ConfigError, match=r"QUAYUTEC_LOG_LEVEL must be one of DEBUG, INFO, WARNING, ERROR"):
+        process_settings({"QUAYUTEC_LOG_LEVEL": "loud"})
+
+
+def test_a_service_process_runs_on_the_configured_event_loop(tmp_path: Path) -> None:
+    """run_service, as `python -m services.<name>` calls it, on each loop (a tiny main, no server)."""
+    script = (
+        "import asyncio, sys\n"
+        "from quayutec.server import run_service\n"
+        "async def main():\n"
+        "    print(type(asyncio.get_running_loop()).__module__)\n"
+        "run_service(main, 'claims')\n"
+    )
+    seen = {}
+    for name in ("uvloop", "asyncio"):
+        env = {**os.environ, "QUAYUTEC_EVENT_LOOP": name, "OTEL_TRACES_EXPORTER": "none"}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        seen[name] = out.stdout.strip()
+    assert seen["uvloop"].startswith("uvloop")
+    assert seen["asyncio"].startswith("asyncio")
