@@ -8,14 +8,14 @@ import httpx
 
 from quayutec.channels import internal_channel
 from quayutec.config import CLAIMS, ROOM, RUNTIME
-from quayutec.egress import EgressTransport, Resolver
+from quayutec.egress import Resolver
 from quayutec.server import GrpcServer
 from quayutec.tls import load_identity
 from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.runtime.backend import RetryingRoom
 from services.runtime.capacity import ensure_fd_budget
 from services.runtime.config import RuntimeConfig
-from services.runtime.model import Clock, RealClock, RetryPolicy, make_http_client
+from services.runtime.model import Clock, RealClock, RetryPolicy, make_http_client, make_owner_http_client
 from services.runtime.run import RunExecutor
 from services.runtime.servicer import RuntimeServicer
 
@@ -36,10 +36,12 @@ async def create_server(
     identity = load_identity(RUNTIME.name, config.server.mtls)
     own_http = http is None
     http_client = http or make_http_client(config.model_timeout_seconds, max_connections=config.max_runs)
-    owner_http = make_http_client(
+    owner_http = make_owner_http_client(
         config.model_timeout_seconds,
-        EgressTransport(config.egress, resolver=resolver, dialer=dialer),
-        trust_env=False,
+        config.egress,
+        max_connections=config.max_runs,
+        resolver=resolver,
+        dialer=dialer,
     )
     # No transparent retries: the executor retries what is safe to repeat itself (services.runtime.backend).
     claims_channel = internal_channel(

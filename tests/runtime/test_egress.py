@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
+import json
 import ssl
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
@@ -27,7 +28,7 @@ from cryptography.x509.oid import NameOID
 from quayutec.egress import EgressPolicy, EgressRefused, EgressTransport, address_class
 from quayutec.v1 import common_pb2, room_pb2
 from services.runtime.model import ChatMessage, ModelRequest, ModelTarget, Provider, RealClock, RetryPolicy, call_model
-from services.runtime.model.client import make_http_client
+from services.runtime.model.client import make_http_client, make_owner_http_client
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.egress import PUBLIC, RecordingDialer, TableResolver
@@ -37,6 +38,7 @@ from tests.runtime.world import make_world, runtime_stub, start_request
 
 HOST = "models.acme.test"
 REQUEST = ModelRequest(system="s", messages=(ChatMessage("user", "hi"),), max_tokens=16)
+OPENAI_OK = {"model": "m", "choices": [{"message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}]}
 
 # What HOST resolves to at connect time, and the rule that refuses it.
 REFUSED = [
@@ -332,3 +334,53 @@ async def test_a_rebound_name_is_refused_by_the_runtime(database_url: str, stand
     assert at_registration.asked == [(HOST, 443)] and at_connect.asked == [(HOST, 443)]
     assert dialer.dialled == []
     assert standin.requests() == []
+
+
+async def test_the_owner_client_holds_a_connection_for_every_run_in_flight() -> None:
+    """More owner-supplied requests open at once than httpx's default pool of 100: a server that
+    answers only when all of them are open at the same time still answers every one."""
+    in_flight = 150
+    opened = 0
+    all_open = asyncio.Event()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal opened
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(
+                    (int(h.split(b":", 1)[1]) for h in head.split(b"\r\n") if h.lower().startswith(b"content-length:")),
+                    0,
+                )
+                await reader.readexactly(length)
+                opened += 1
+                if opened >= in_flight:
+                    all_open.set()
+                await all_open.wait()
+                body = json.dumps(OPENAI_OK).encode()
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                    + f"content-length: {len(body)}\r\n\r\n".encode()
+                    + body
+                )
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        http = make_owner_http_client(
+            30.0, EgressPolicy.parse("127.0.0.1/32"), max_connections=in_flight, resolver=TableResolver({})
+        )
+        async with http:
+            target = ModelTarget(
+                "openai_compatible", "m", "sk-x", base_url=f"http://127.0.0.1:{port}", owner_supplied=True
+            )
+            outcomes = await asyncio.gather(
+                *(call_model(http, target, REQUEST, policy=RetryPolicy(), clock=RealClock()) for _ in range(in_flight))
+            )
+    finally:
+        server.close()
+    assert [o.error for o in outcomes if o.reply is None] == []
+    assert opened == in_flight

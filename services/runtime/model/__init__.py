@@ -2,7 +2,7 @@
 formats, classifying each answer per provider-errors.md."""
 
 from .classify import Verdict, classify_exception, classify_response, sanitize
-from .client import RETRY_WAIT_EVENT, TRACER_NAME, OnAttempt, call_model, make_http_client
+from .client import RETRY_WAIT_EVENT, TRACER_NAME, OnAttempt, call_model, make_http_client, make_owner_http_client
 from .policy import Clock, RealClock, RetryPolicy
 from .types import (
     DECLARED_ACTIONS,
@@ -41,5 +41,6 @@ __all__ = [
     "classify_exception",
     "classify_response",
     "make_http_client",
+    "make_owner_http_client",
     "sanitize",
 ]

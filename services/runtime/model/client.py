@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import httpcore
 import httpx
 from opentelemetry import trace
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer
 
-from quayutec.egress import EgressRefused
+from quayutec.egress import EgressPolicy, EgressRefused, EgressTransport, Resolver
 
 from . import anthropic, openai
 from .classify import Verdict, classify_exception, classify_response, sanitize
@@ -51,6 +53,25 @@ def make_http_client(
         follow_redirects=False,
         trust_env=trust_env,
     )
+
+
+def make_owner_http_client(
+    timeout_seconds: float,
+    policy: EgressPolicy,
+    *,
+    max_connections: int,
+    resolver: Resolver | None = None,
+    dialer: httpcore.AsyncNetworkBackend | None = None,
+) -> httpx.AsyncClient:
+    """The client for owner-supplied base URLs: like ``make_http_client`` (one connection per run in
+    flight, sharded) but every shard is an egress-guarded transport, and no proxy from the environment."""
+    context = ssl.create_default_context()  # one, shared by the shards: loading the CA store is not free
+
+    def guarded(limits: httpx.Limits) -> httpx.AsyncBaseTransport:
+        return EgressTransport(policy, resolver=resolver, dialer=dialer, ssl_context=context, limits=limits)
+
+    transport = ShardedTransport(max_connections, trust_env=False, shard=guarded)
+    return make_http_client(timeout_seconds, transport, trust_env=False, max_connections=max_connections)
 
 
 async def call_model(

@@ -10,7 +10,7 @@ open, which always has a free connection while fewer than ``max_connections`` ar
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import httpx
 
@@ -19,15 +19,25 @@ SHARD_CONNECTIONS = 64
 
 
 class ShardedTransport(httpx.AsyncBaseTransport):
-    """``max_connections`` connections in shards of at most SHARD_CONNECTIONS, as one transport."""
+    """``max_connections`` connections in shards of at most SHARD_CONNECTIONS, as one transport.
 
-    def __init__(self, max_connections: int, *, trust_env: bool = True) -> None:
+    ``shard`` makes one shard from its limits (default: httpx's own transport); the Runtime's client
+    for owner-supplied addresses shards its egress-guarded transport the same way."""
+
+    def __init__(
+        self,
+        max_connections: int,
+        *,
+        trust_env: bool = True,
+        shard: Callable[[httpx.Limits], httpx.AsyncBaseTransport] | None = None,
+    ) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         count = -(-max_connections // SHARD_CONNECTIONS)
         size = -(-max_connections // count)
         limits = httpx.Limits(max_connections=size, max_keepalive_connections=size)
-        self.shards = [httpx.AsyncHTTPTransport(limits=limits, trust_env=trust_env) for _ in range(count)]
+        make = shard or (lambda limits: httpx.AsyncHTTPTransport(limits=limits, trust_env=trust_env))
+        self.shards = [make(limits) for _ in range(count)]
         self.open = [0] * count  # requests whose response is not closed yet, per shard
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
