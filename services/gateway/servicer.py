@@ -35,6 +35,17 @@ MAX_PAGE_SIZE = 500
 MAX_PASSAGES = 50
 
 _CLOSING_STATUSES = (common_pb2.TASK_STATUS_DONE, common_pb2.TASK_STATUS_CANCELLED)
+# The Room's answers that refuse a write for what it names (not for a fault of the Room's own).
+_REFUSALS = frozenset(
+    {
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.OUT_OF_RANGE,
+    }
+)
 
 
 def _bytes(value: str) -> int:
@@ -113,13 +124,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         name = _required_text(person, "person", MAX_NAME_BYTES).strip()
         return common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=company_id, person=name)
 
-    async def _member_room(self, room_id: str, company_id: str) -> common_pb2.Room:
-        """The room, when the caller's company is a member; NOT_FOUND otherwise (or when malformed)."""
+    @staticmethod
+    def _room_not_found(room_id: str) -> NotFound:
+        return NotFound(f"room {room_id[:64]!r} not found")
+
+    def _checked_room_id(self, room_id: str) -> str:
+        """A well-formed room id; a malformed one answers like a room that does not exist."""
         if not room_id:
             raise InvalidArgument("room_id is required")
-        not_found = NotFound(f"room {room_id[:64]!r} not found")
         if not _is_uuid(room_id):
-            raise not_found
+            raise self._room_not_found(room_id)
+        return room_id
+
+    async def _member_room(self, room_id: str, company_id: str) -> common_pb2.Room:
+        """The room, when the caller's company is a member; NOT_FOUND otherwise (or when malformed)."""
+        self._checked_room_id(room_id)
         try:
             response = await self._room.GetRoom(
                 room_pb2.RoomServiceGetRoomRequest(room_id=room_id, member_company_id=company_id),
@@ -127,7 +146,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
-                raise not_found from None
+                raise self._room_not_found(room_id) from None
             raise
         room: common_pb2.Room = response.room
         return room
@@ -143,18 +162,31 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise
         return str(response.agent.company_id)
 
-    async def _post_to_room(self, call: Any, request: Any) -> Any:
-        """Post through the Room, the room's membership already checked: any NOT_FOUND is about an agent.
+    async def _post_to_room(self, call: Any, request: Any, company_id: str) -> Any:
+        """A write that wakes agents (PostMessage, CreateTask), sent to the Room without asking first
+        whether the caller's company is a member: the Room admits the author in the write's own
+        transaction. Its answer is translated to what a membership check first would have answered.
 
-        One message for an unknown agent and for one whose company is not a member, so agent ids
-        of other companies cannot be probed.
+        The Room checks the room before the author, so its refusals alone would tell a non-member
+        whether the room exists, and it returns an earlier write of the same dedupe key before
+        admitting the author. So on a refusal, and on a deduplicated answer, the membership is asked
+        (a rare path): a non-member gets NOT_FOUND for the room, as for a room that does not exist.
+        A member's NOT_FOUND is about an agent: one message for an unknown agent and for one whose
+        company is not a member, so agent ids of other companies cannot be probed.
         """
+        room_id = self._checked_room_id(request.room_id)
         try:
-            return await call(request, timeout=self._timeout)
+            response = await call(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _REFUSALS:
+                raise
+            await self._member_room(room_id, company_id)
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise NotFound("agent not found in this room (unknown, or its company is not a member)") from None
             raise
+        if response.deduplicated:  # the Room answered before admitting the author
+            await self._member_room(room_id, company_id)
+        return response
 
     @staticmethod
     def _dedupe_key(company_id: str, key: str) -> str:
@@ -372,7 +404,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         for agent_id in request.mention_agent_ids:
             _required_id(agent_id, "mention_agent_ids")
         key = _idempotency_key(request.idempotency_key)
-        await self._member_room(request.room_id, company_id)
         response = await self._post_to_room(
             self._room.PostMessage,
             room_pb2.RoomServicePostMessageRequest(
@@ -382,6 +413,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 mention_agent_ids=request.mention_agent_ids,
                 dedupe_key=self._dedupe_key(company_id, key),
             ),
+            company_id,
         )
         return gateway_pb2.PostMessageResponse(message=response.message, wake_ids=[w.wake_id for w in response.wakes])
 
@@ -416,7 +448,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         title = _required_text(request.title, "title", MAX_TITLE_BYTES)
         body = _optional_text(request.body, "body", MAX_BODY_BYTES)
         key = _idempotency_key(request.idempotency_key)
-        await self._member_room(request.room_id, company_id)
         create = room_pb2.RoomServiceCreateTaskRequest(
             room_id=request.room_id,
             to_agent_id=to_agent_id,
@@ -425,7 +456,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             dedupe_key=self._dedupe_key(company_id, key),
         )
         getattr(create, "from").CopyFrom(author)  # `from` is a Python keyword
-        response = await self._post_to_room(self._room.CreateTask, create)
+        response = await self._post_to_room(self._room.CreateTask, create, company_id)
         return gateway_pb2.SendTaskResponse(task=response.task, wake_ids=[w.wake_id for w in response.wakes])
 
     async def _task_in_room(self, room_id: str, task_id: str) -> common_pb2.Task:

@@ -282,6 +282,40 @@ async def test_leaving_loses_access_at_once_and_wakes_nothing_more(
     await expect_error(INVALID, acme_gw.LeaveRoom(gateway_pb2.LeaveRoomRequest(), timeout=10), "room_id")
 
 
+async def test_writes_sent_straight_to_the_room_answer_as_a_membership_check_first_would(
+    acme_gw: GatewayStub, globex_gw: GatewayStub
+) -> None:
+    """PostMessage and SendTask go to the Room without a GetRoom first; what a company outside the
+    room learns is still only NOT_FOUND for the room, whatever the Room would have refused first
+    (a body it cannot store) or answered before admitting the author (a retried idempotency key)."""
+    room = await create_room(acme_gw)
+    agent = await register_agent(acme_gw, "planner")
+    await join_room(acme_gw, globex_gw, room.room_id)
+    keyed = gateway_pb2.PostMessageRequest(room_id=room.room_id, person="Bo", body="once", idempotency_key="k1")
+    task = gateway_pb2.SendTaskRequest(
+        room_id=room.room_id, person="Bo", to_agent_id=agent.agent_id, title="t", idempotency_key="k2"
+    )
+    first = await globex_gw.PostMessage(keyed, timeout=10)
+    first_task = await globex_gw.SendTask(task, timeout=10)
+    # A member's retry returns the first write; a NUL body is the Room's INVALID_ARGUMENT.
+    assert (await globex_gw.PostMessage(keyed, timeout=10)).message.message_id == first.message.message_id
+    assert (await globex_gw.SendTask(task, timeout=10)).task.task_id == first_task.task.task_id
+    nul = gateway_pb2.PostMessageRequest(room_id=room.room_id, person="Bo", body="a\x00b")
+    await expect_error(INVALID, globex_gw.PostMessage(nul, timeout=10), "NUL")
+
+    await globex_gw.LeaveRoom(gateway_pb2.LeaveRoomRequest(room_id=room.room_id), timeout=10)
+
+    for call in (
+        globex_gw.PostMessage(keyed, timeout=10),
+        globex_gw.SendTask(task, timeout=10),
+        globex_gw.PostMessage(nul, timeout=10),
+    ):
+        err = await expect_error(NOT_FOUND, call, "room")
+        assert err.details() == f"room {room.room_id!r} not found"
+    messages = await acme_gw.ListMessages(gateway_pb2.ListMessagesRequest(room_id=room.room_id), timeout=10)
+    assert [m.message_id for m in messages.messages] == [first.message.message_id]
+
+
 async def test_only_the_creator_removes_a_member(
     acme_gw: GatewayStub,
     globex_gw: GatewayStub,
