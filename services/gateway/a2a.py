@@ -286,7 +286,7 @@ class RoomAgentHandler(RequestHandler):
         getattr(create, "from").CopyFrom(
             common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=company_id, person=A2A_PERSON)
         )
-        response = await self._gateway._post_to_room(self._room.CreateTask, create)
+        response = await self._gateway._post_to_room(self._room.CreateTask, create, company_id)
         task: common_pb2.Task = response.task
         return task
 
