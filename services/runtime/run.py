@@ -314,7 +314,10 @@ class RunExecutor:
                 except DecisionError as exc:
                     await ledger.end(common_pb2.RUN_STATUS_FAILED, f"declared actions refused: {exc}")
                     return
-                await ledger.step(common_pb2.RUN_STEP_ACTIONS_DECIDED)
+                if ledger.run.actions:
+                    await ledger.step(common_pb2.RUN_STEP_ACTIONS_DECIDED)
+                else:  # nothing declared: the reply (or the end) that follows at once records the row
+                    ledger.run.step = common_pb2.RUN_STEP_ACTIONS_DECIDED
 
                 await self.post_reply(wake.room_id, view.agent, reply, ledger)  # 5. post the reply first
                 await self._failpoint("reply_posted", run_id)
