@@ -83,6 +83,7 @@ _ROOM: dict[str, frozenset[str]] = {
     # Wake delivery and housekeeping: the Gateway's delivery loop.
     "LeaseWakes": _G,
     "SettleWake": _G,
+    "SettleWakes": _G,
     "CountPendingWakes": _G,
     "ExpireWaitpoints": _G,
     "AbandonStaleRuns": _G,

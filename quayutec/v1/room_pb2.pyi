@@ -1690,6 +1690,122 @@ class RoomServiceSettleWakeResponse(_message.Message):
 Global___RoomServiceSettleWakeResponse: _TypeAlias = RoomServiceSettleWakeResponse  # noqa: Y015
 
 @_typing.final
+class WakeToSettle(_message.Message):
+    """WakeToSettle is one item of SettleWakes: the fields of a SettleWake request."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAKE_ID_FIELD_NUMBER: _builtins.int
+    LEASE_OWNER_FIELD_NUMBER: _builtins.int
+    SETTLEMENT_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_MS_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    wake_id: _builtins.str
+    lease_owner: _builtins.str
+    settlement: Global___WakeSettlement.ValueType
+    retry_after_ms: _builtins.int
+    """For RETRY: how long until the wake is due again."""
+    last_error: _builtins.str
+    """For RETRY: why delivery failed."""
+    def __init__(
+        self,
+        *,
+        wake_id: _builtins.str = ...,
+        lease_owner: _builtins.str = ...,
+        settlement: Global___WakeSettlement.ValueType = ...,
+        retry_after_ms: _builtins.int = ...,
+        last_error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["last_error", b"last_error", "lease_owner", b"lease_owner", "retry_after_ms", b"retry_after_ms", "settlement", b"settlement", "wake_id", b"wake_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WakeToSettle: _TypeAlias = WakeToSettle  # noqa: Y015
+
+@_typing.final
+class RoomServiceSettleWakesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAKES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def wakes(self) -> _containers.RepeatedCompositeFieldContainer[Global___WakeToSettle]:
+        """1..500 items, each wake at most once."""
+
+    def __init__(
+        self,
+        *,
+        wakes: _abc.Iterable[Global___WakeToSettle] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["wakes", b"wakes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceSettleWakesRequest: _TypeAlias = RoomServiceSettleWakesRequest  # noqa: Y015
+
+@_typing.final
+class SettledWake(_message.Message):
+    """SettledWake is the result of one item of SettleWakes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    WAKE_ID_FIELD_NUMBER: _builtins.int
+    SETTLED_FIELD_NUMBER: _builtins.int
+    SETTLED_AT_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    wake_id: _builtins.str
+    settled: _builtins.bool
+    """True when this call settled the wake (or repeated its owner's DELIVERED)."""
+    error: _builtins.str
+    """When not settled, why: the wake is unknown, was already delivered, or its lease is held by
+    another owner (or by none: it expired and the wake is due again).
+    """
+    @_builtins.property
+    def settled_at(self) -> _timestamp_pb2.Timestamp:
+        """When settled."""
+
+    def __init__(
+        self,
+        *,
+        wake_id: _builtins.str = ...,
+        settled: _builtins.bool = ...,
+        settled_at: _timestamp_pb2.Timestamp | None = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["settled_at", b"settled_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "settled", b"settled", "settled_at", b"settled_at", "wake_id", b"wake_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SettledWake: _TypeAlias = SettledWake  # noqa: Y015
+
+@_typing.final
+class RoomServiceSettleWakesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___SettledWake]:
+        """One per item, in the request's order."""
+
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___SettledWake] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceSettleWakesResponse: _TypeAlias = RoomServiceSettleWakesResponse  # noqa: Y015
+
+@_typing.final
 class RoomServiceCountPendingWakesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

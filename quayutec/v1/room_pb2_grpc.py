@@ -198,6 +198,11 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakeRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakeResponse.FromString,
                 _registered_method=True)
+        self.SettleWakes = channel.unary_unary(
+                '/quayutec.v1.RoomService/SettleWakes',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakesRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakesResponse.FromString,
+                _registered_method=True)
         self.CountPendingWakes = channel.unary_unary(
                 '/quayutec.v1.RoomService/CountPendingWakes',
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCountPendingWakesRequest.SerializeToString,
@@ -525,6 +530,16 @@ class RoomServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SettleWakes(self, request, context):
+        """SettleWakes settles up to 500 leases in one statement, each by the rules of SettleWake: only
+        the lease owner settles (a repeated DELIVERED from it answers settled again). One result per
+        item, in the request's order; a wake not settled says why. Errors: INVALID_ARGUMENT (no items,
+        more than 500, a wake named twice, or a malformed item: nothing is settled then).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CountPendingWakes(self, request, context):
         """CountPendingWakes for metrics and tests. Errors: none beyond UNAVAILABLE.
         """
@@ -788,6 +803,11 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.SettleWake,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakeRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakeResponse.SerializeToString,
+            ),
+            'SettleWakes': grpc.unary_unary_rpc_method_handler(
+                    servicer.SettleWakes,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakesRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakesResponse.SerializeToString,
             ),
             'CountPendingWakes': grpc.unary_unary_rpc_method_handler(
                     servicer.CountPendingWakes,
@@ -1713,6 +1733,33 @@ class RoomService:
             '/quayutec.v1.RoomService/SettleWake',
             quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakeRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SettleWakes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/SettleWakes',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakesRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceSettleWakesResponse.FromString,
             options,
             channel_credentials,
             insecure,

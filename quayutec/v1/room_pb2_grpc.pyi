@@ -160,6 +160,12 @@ class RoomServiceStub:
     """SettleWake ends a lease: DELIVERED marks the wake done; RETRY makes it due after retry_after_ms.
     Errors: INVALID_ARGUMENT, NOT_FOUND (wake), FAILED_PRECONDITION (lease lost to another owner).
     """
+    SettleWakes: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSettleWakesRequest, _room_pb2.RoomServiceSettleWakesResponse]
+    """SettleWakes settles up to 500 leases in one statement, each by the rules of SettleWake: only
+    the lease owner settles (a repeated DELIVERED from it answers settled again). One result per
+    item, in the request's order; a wake not settled says why. Errors: INVALID_ARGUMENT (no items,
+    more than 500, a wake named twice, or a malformed item: nothing is settled then).
+    """
     CountPendingWakes: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCountPendingWakesRequest, _room_pb2.RoomServiceCountPendingWakesResponse]
     """CountPendingWakes for metrics and tests. Errors: none beyond UNAVAILABLE."""
     SetAgentRights: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSetAgentRightsRequest, _room_pb2.RoomServiceSetAgentRightsResponse]
@@ -347,6 +353,12 @@ class RoomServiceAsyncStub(RoomServiceStub):
     SettleWake: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSettleWakeRequest, _room_pb2.RoomServiceSettleWakeResponse]  # type: ignore[assignment]
     """SettleWake ends a lease: DELIVERED marks the wake done; RETRY makes it due after retry_after_ms.
     Errors: INVALID_ARGUMENT, NOT_FOUND (wake), FAILED_PRECONDITION (lease lost to another owner).
+    """
+    SettleWakes: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSettleWakesRequest, _room_pb2.RoomServiceSettleWakesResponse]  # type: ignore[assignment]
+    """SettleWakes settles up to 500 leases in one statement, each by the rules of SettleWake: only
+    the lease owner settles (a repeated DELIVERED from it answers settled again). One result per
+    item, in the request's order; a wake not settled says why. Errors: INVALID_ARGUMENT (no items,
+    more than 500, a wake named twice, or a malformed item: nothing is settled then).
     """
     CountPendingWakes: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCountPendingWakesRequest, _room_pb2.RoomServiceCountPendingWakesResponse]  # type: ignore[assignment]
     """CountPendingWakes for metrics and tests. Errors: none beyond UNAVAILABLE."""
@@ -724,6 +736,18 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_room_pb2.RoomServiceSettleWakeResponse, _abc.Awaitable[_room_pb2.RoomServiceSettleWakeResponse]]:
         """SettleWake ends a lease: DELIVERED marks the wake done; RETRY makes it due after retry_after_ms.
         Errors: INVALID_ARGUMENT, NOT_FOUND (wake), FAILED_PRECONDITION (lease lost to another owner).
+        """
+
+    @_abc_1.abstractmethod
+    def SettleWakes(
+        self,
+        request: _room_pb2.RoomServiceSettleWakesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceSettleWakesResponse, _abc.Awaitable[_room_pb2.RoomServiceSettleWakesResponse]]:
+        """SettleWakes settles up to 500 leases in one statement, each by the rules of SettleWake: only
+        the lease owner settles (a repeated DELIVERED from it answers settled again). One result per
+        item, in the request's order; a wake not settled says why. Errors: INVALID_ARGUMENT (no items,
+        more than 500, a wake named twice, or a malformed item: nothing is settled then).
         """
 
     @_abc_1.abstractmethod

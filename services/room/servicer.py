@@ -14,7 +14,7 @@ from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.room import convert
 from services.room import validate as v
 from services.room.passages import split_passages
-from services.room.store import HeldSpec, RoomStore, RunRecord
+from services.room.store import HeldSpec, RoomStore, RunRecord, WakeToSettle
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
 
@@ -49,6 +49,8 @@ _INVITATION_STATUS = {
 }
 _PARKED_STATUS = (common_pb2.RUN_STATUS_UNSPECIFIED, common_pb2.RUN_STATUS_PARKED)
 _PARKED_STEP = (common_pb2.RUN_STEP_UNSPECIFIED, common_pb2.RUN_STEP_PARKED)
+# Most wakes one SettleWakes call settles (as many as one LeaseWakes call leases).
+MAX_SETTLE_WAKES = 500
 
 
 def _resume(scope: str, rows: Sequence[Any], key: str, page_token: str) -> str:
@@ -511,6 +513,38 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         else:
             raise InvalidArgument("settlement must be WAKE_SETTLEMENT_DELIVERED or WAKE_SETTLEMENT_RETRY")
         return room_pb2.RoomServiceSettleWakeResponse(settled_at=convert.timestamp(settled))
+
+    async def SettleWakes(
+        self, request: room_pb2.RoomServiceSettleWakesRequest, context: Ctx
+    ) -> room_pb2.RoomServiceSettleWakesResponse:
+        if not 1 <= len(request.wakes) <= MAX_SETTLE_WAKES:
+            raise InvalidArgument(
+                f"wakes must hold 1 to {MAX_SETTLE_WAKES} items, got {len(request.wakes)}; split a larger batch"
+            )
+        items: list[WakeToSettle] = []
+        for n, wake in enumerate(request.wakes):
+            field = f"wakes[{n}]"
+            wake_id = v.required_id(wake.wake_id, f"{field}.wake_id")
+            owner = v.text(wake.lease_owner, f"{field}.lease_owner", v.MAX_KEY_BYTES)
+            if wake.settlement == room_pb2.WAKE_SETTLEMENT_DELIVERED:
+                items.append(WakeToSettle(wake_id, owner, delivered=True))
+            elif wake.settlement == room_pb2.WAKE_SETTLEMENT_RETRY:
+                retry_after_ms = v.in_range(wake.retry_after_ms, f"{field}.retry_after_ms", 0, v.MAX_RETRY_AFTER_MS)
+                last_error = wake.last_error.replace("\x00", "")[: v.MAX_LAST_ERROR_CHARS]
+                items.append(WakeToSettle(wake_id, owner, False, retry_after_ms, last_error))
+            else:
+                raise InvalidArgument(f"{field}.settlement must be WAKE_SETTLEMENT_DELIVERED or WAKE_SETTLEMENT_RETRY")
+        if len({i.wake_id for i in items}) < len(items):
+            raise InvalidArgument("wakes names a wake more than once; settle each wake once per call")
+        response = room_pb2.RoomServiceSettleWakesResponse()
+        for result in await self._store.settle_wakes(items):
+            response.results.add(
+                wake_id=result.wake_id,
+                settled=result.settled_at is not None,
+                settled_at=convert.timestamp(result.settled_at),
+                error=result.error,
+            )
+        return response
 
     async def CountPendingWakes(
         self, request: room_pb2.RoomServiceCountPendingWakesRequest, context: Ctx

@@ -18,6 +18,29 @@ from quayutec.v1 import common_pb2
 from services.room import convert
 
 QUERIES_PATH = Path(__file__).resolve().parent / "sql" / "queries.sql"
+SETTLE_WAKES_PATH = Path(__file__).resolve().parent / "sql" / "settle_wakes.sql"
+_SETTLE_WAKES_SQL = Queries(SETTLE_WAKES_PATH)["settle_wakes"]
+
+
+@dataclass(frozen=True)
+class WakeToSettle:
+    """One item of ``settle_wakes``: the arguments of ``settle_wake``."""
+
+    wake_id: str
+    lease_owner: str
+    delivered: bool
+    retry_after_ms: int = 0
+    last_error: str = ""
+
+
+@dataclass(frozen=True)
+class WakeSettled:
+    """What ``settle_wakes`` made of one item: when it was settled, or why not."""
+
+    wake_id: str
+    settled_at: Any | None
+    error: str = ""
+
 
 # The largest bigint: the "before" key of a newest-first listing's first page.
 _MAX_KEY = 2**63 - 1
@@ -836,6 +859,37 @@ class RoomStore:
         if state["delivered_at"] is not None:
             raise FailedPrecondition(f"wake {wake_id} was already delivered")
         raise FailedPrecondition(f"the lease on wake {wake_id} is no longer held by {lease_owner!r}")
+
+    async def settle_wakes(self, items: Sequence[WakeToSettle]) -> list[WakeSettled]:
+        """``settle_wake`` for many wakes in one statement (distinct wake ids, in canonical form); one result
+        per item, in order.
+
+        The items go to the statement in wake id order, so two batches meeting on a row take rows in one
+        order. Only a lease's owner settles, so two batches meet only on a lease that changed hands."""
+        ordered = sorted(items, key=lambda i: i.wake_id)
+        rows = await self._pool.fetch(
+            _SETTLE_WAKES_SQL,
+            [i.wake_id for i in ordered],
+            [i.lease_owner for i in ordered],
+            [i.delivered for i in ordered],
+            [i.retry_after_ms for i in ordered],
+            [i.last_error for i in ordered],
+        )
+        by_id: dict[str, WakeSettled] = {}
+        for row in rows:
+            wake_id = str(row["wake_id"])
+            if row["settled_at"] is not None:
+                by_id[wake_id] = WakeSettled(wake_id, row["settled_at"])
+            elif not row["known"]:
+                by_id[wake_id] = WakeSettled(wake_id, None, f"wake {wake_id} not found")
+            elif row["delivered_at"] is not None and row["held_by"] == row["lease_owner"] and row["delivered"]:
+                by_id[wake_id] = WakeSettled(wake_id, row["delivered_at"])  # a repeated DELIVERED from the owner
+            elif row["delivered_at"] is not None:
+                by_id[wake_id] = WakeSettled(wake_id, None, f"wake {wake_id} was already delivered")
+            else:
+                error = f"the lease on wake {wake_id} is no longer held by {row['lease_owner']!r}"
+                by_id[wake_id] = WakeSettled(wake_id, None, error)
+        return [by_id[i.wake_id] for i in items]
 
     async def count_pending_wakes(self) -> Record:
         return await self._pool.fetchrow(self._q["count_pending_wakes"])
