@@ -189,7 +189,7 @@ async def test_one_wake_is_one_trace_across_the_services(
 
             def settled() -> bool:
                 names = {s.name for s in received.spans() if s.span.kind == Span.SPAN_KIND_SERVER}
-                return "/quayutec.v1.RoomService/SettleWake" in names
+                return "/quayutec.v1.RoomService/SettleWakes" in names
 
             for _ in range(200):  # until the delivery has settled the wake and its spans are out
                 await asyncio.to_thread(export.force_flush)
@@ -258,7 +258,7 @@ async def test_one_wake_is_one_trace_across_the_services(
     assert (root.attr("quayutec.agent_id"), root.attr("quayutec.room_id")) == (agent.agent_id, room.room_id)
     starts = [s for s in in_trace if s.name == "/quayutec.v1.RuntimeService/StartRun"]
     assert {s.span.kind for s in starts} == {Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_SERVER}
-    assert "/quayutec.v1.RoomService/SettleWake" in in_trace_names
+    assert "/quayutec.v1.RoomService/SettleWakes" in in_trace_names
     (run_span,) = [s for s in spans if s.name == "run" and s.attr("quayutec.run_id") == run_id]
     assert run_span.trace_id == trace_id
     assert run_span.span.parent_span_id == start_servers[0].span.span_id

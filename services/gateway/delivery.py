@@ -5,6 +5,11 @@ it claimed or had already claimed it; anything else settles it for a later retry
 replica that dies holding leases loses nothing: the leases expire and another replica delivers.
 Beside it, every ``expire_interval_seconds`` the loop has the Room expire overdue waitpoints, whose
 DECISION wakes it then delivers like any other.
+
+Settling is batched: each delivery queues its settlement and waits for it; one SettleWakes call is
+in flight at a time, and the next carries whatever queued meanwhile (the first goes at once, so an
+idle loop adds no delay). A call that fails is logged; those wakes' leases expire and they are
+delivered again, which the claim makes harmless.
 """
 
 from __future__ import annotations
@@ -15,9 +20,11 @@ import logging
 import random
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
 
 from quayutec.telemetry import Metrics, wake_delivery_span
 from quayutec.v1 import common_pb2, room_pb2, runtime_pb2
@@ -33,6 +40,23 @@ _JITTER_FRACTION = 0.1
 _MAX_ERROR_CHARS = 1000
 # Most waitpoints one ExpireWaitpoints call expires; a full batch is followed at once by another.
 _EXPIRE_BATCH = 1000
+# Most settlements one SettleWakes call carries (the Room's limit).
+_SETTLE_BATCH = 500
+# How long a SettleWakes call that found the Room UNAVAILABLE is tried again (at most a quarter of
+# the lease), and the first pause between tries (doubling up to a second).
+_SETTLE_RETRY_SECONDS = 5.0
+_SETTLE_RETRY_FIRST_PAUSE = 0.1
+
+
+@dataclass
+class _Settlement:
+    """One delivery's settlement, queued for the next SettleWakes call."""
+
+    item: room_pb2.WakeToSettle
+    # The delivery's trace context: a batch's call is traced in the trace of its first wake.
+    context: otel_context.Context
+    # True when the Room settled it.
+    done: asyncio.Future[bool]
 
 
 class WakeDelivery:
@@ -59,6 +83,8 @@ class WakeDelivery:
         self._stopping = asyncio.Event()
         self._nudged = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
+        self._settle_queue: list[_Settlement] = []
+        self._settler: asyncio.Task[None] | None = None
         # Counters for tests and logs.
         self.delivered = 0
         self.retried = 0
@@ -115,14 +141,19 @@ class WakeDelivery:
                 await self._idle(self._config.poll_interval_seconds)
 
     async def _drain(self) -> None:
-        if not self._in_flight:
-            return
-        _, pending = await asyncio.wait(set(self._in_flight), timeout=self._config.stop_grace_seconds)
-        for task in pending:
-            task.cancel()
-        if pending:
-            _log.info("stopped with %d deliveries in flight; their leases will expire", len(pending))
-            await asyncio.gather(*pending, return_exceptions=True)
+        if self._in_flight:
+            _, pending = await asyncio.wait(set(self._in_flight), timeout=self._config.stop_grace_seconds)
+            for task in pending:
+                task.cancel()
+            if pending:
+                _log.info("stopped with %d deliveries in flight; their leases will expire", len(pending))
+                await asyncio.gather(*pending, return_exceptions=True)
+        settler = self._settler
+        if settler is not None and not settler.done():  # settlements of cancelled deliveries
+            _, unfinished = await asyncio.wait({settler}, timeout=self._config.stop_grace_seconds)
+            for task in unfinished:
+                task.cancel()
+            await asyncio.gather(settler, return_exceptions=True)
 
     def nudge(self) -> None:
         """New wakes were committed: poll now rather than at the end of the interval."""
@@ -212,30 +243,86 @@ class WakeDelivery:
     async def _settle(
         self, wake: common_pb2.Wake, settlement: room_pb2.WakeSettlement.ValueType, *, error: str = ""
     ) -> None:
+        """Queue the wake's settlement for the next SettleWakes call and wait until it is answered."""
         retry_after_ms = 0
         if settlement == room_pb2.WAKE_SETTLEMENT_RETRY:
             delay = self._config.retry_delay_seconds(wake.delivery_attempts)
             retry_after_ms = int(delay * (1.0 + _JITTER_FRACTION * self._random()) * 1000)
-        try:
-            await self._room.SettleWake(
-                room_pb2.RoomServiceSettleWakeRequest(
-                    wake_id=wake.wake_id,
-                    lease_owner=self.lease_owner,
-                    settlement=settlement,
-                    retry_after_ms=retry_after_ms,
-                    last_error=error[:_MAX_ERROR_CHARS],
-                ),
-                timeout=_ROOM_TIMEOUT_SECONDS,
-            )
-        except Exception as exc:
-            # The lease will expire and the wake be delivered again; the claim makes that harmless.
-            _log.warning("settling wake %s failed: %s", wake.wake_id, _describe(exc))
-            return
+        queued = _Settlement(
+            item=room_pb2.WakeToSettle(
+                wake_id=wake.wake_id,
+                lease_owner=self.lease_owner,
+                settlement=settlement,
+                retry_after_ms=retry_after_ms,
+                last_error=error[:_MAX_ERROR_CHARS],
+            ),
+            context=otel_context.get_current(),
+            done=asyncio.get_running_loop().create_future(),
+        )
+        self._settle_queue.append(queued)
+        if self._settler is None or self._settler.done():
+            self._settler = asyncio.create_task(self._settle_queued(), name=f"wake-settling-{self.lease_owner}")
+        if not await queued.done:
+            return  # logged; the lease will expire and the wake be delivered again
         if settlement == room_pb2.WAKE_SETTLEMENT_DELIVERED:
             self.delivered += 1
         else:
             self.retried += 1
             _log.info("wake %s not delivered (%s); retry in %d ms", wake.wake_id, error, retry_after_ms)
+
+    async def _settle_queued(self) -> None:
+        """Send what is queued in SettleWakes calls, one at a time, until the queue is empty."""
+        while self._settle_queue:
+            batch = self._settle_queue[:_SETTLE_BATCH]
+            del self._settle_queue[:_SETTLE_BATCH]
+            try:
+                token = otel_context.attach(batch[0].context)
+                try:
+                    response = await self._settle_batch(batch)
+                finally:
+                    otel_context.detach(token)
+            except Exception as exc:
+                # The leases will expire and the wakes be delivered again; the claim makes that harmless.
+                _log.warning(
+                    "settling %d wakes failed (%s); their leases will expire and they will be delivered again",
+                    len(batch),
+                    _describe(exc),
+                )
+                _answer(batch, [False] * len(batch))
+                continue
+            except BaseException:
+                _answer(batch, [False] * len(batch))
+                raise
+            for result in response.results:
+                if not result.settled:
+                    _log.warning("settling wake %s failed: %s", result.wake_id, result.error)
+            settled = [r.settled for r in response.results]
+            _answer(batch, settled + [False] * (len(batch) - len(settled)))
+
+    async def _settle_batch(self, batch: list[_Settlement]) -> room_pb2.RoomServiceSettleWakesResponse:
+        """One SettleWakes call, tried again on UNAVAILABLE for a bounded time well inside the lease
+        (settling twice is harmless: a repeated DELIVERED answers settled, a repeated RETRY refused)."""
+        request = room_pb2.RoomServiceSettleWakesRequest(wakes=[s.item for s in batch])
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + min(_SETTLE_RETRY_SECONDS, self._config.lease_seconds / 4)
+        pause = _SETTLE_RETRY_FIRST_PAUSE
+        while True:
+            try:
+                response: room_pb2.RoomServiceSettleWakesResponse = await self._room.SettleWakes(
+                    request, timeout=_ROOM_TIMEOUT_SECONDS
+                )
+                return response
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or loop.time() + pause > give_up:
+                    raise
+            await asyncio.sleep(pause)
+            pause = min(1.0, pause * 2)
+
+
+def _answer(batch: list[_Settlement], settled: list[bool]) -> None:
+    for queued, ok in zip(batch, settled, strict=True):
+        if not queued.done.done():  # its delivery may have been cancelled meanwhile
+            queued.done.set_result(ok)
 
 
 def _describe(exc: BaseException) -> str:
