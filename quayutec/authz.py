@@ -100,6 +100,7 @@ _ROOM: dict[str, frozenset[str]] = {
 _CLAIMS: dict[str, frozenset[str]] = {
     # Burning a wake is the Runtime's alone; reading a claim also for the operator.
     "ClaimOnce": _R,
+    "ClaimMany": _R,
     "GetClaim": frozenset({RUNTIME, ADMIN}),
 }
 _RUNTIME: dict[str, frozenset[str]] = {
