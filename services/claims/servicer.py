@@ -40,7 +40,8 @@ class ClaimsServicer(claims_pb2_grpc.ClaimsServiceServicer):
             raise InvalidArgument("claims is empty; send 1 to 1000 items")
         if len(items) > MAX_CLAIM_MANY_ITEMS:
             raise InvalidArgument(
-                f"claims has {len(items)} items; at most {MAX_CLAIM_MANY_ITEMS} are allowed, send the rest in another call"
+                f"claims has {len(items)} items; at most {MAX_CLAIM_MANY_ITEMS} are allowed,"
+                " send the rest in another call"
             )
         # Every item is checked before anything is written.
         requests = []
