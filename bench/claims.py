@@ -292,7 +292,7 @@ async def mtls_cost(url: str, concurrencies: list[int], seconds: float, data_dir
 
 async def amain(opts: argparse.Namespace) -> None:
     concurrencies = parse_concurrency(opts.concurrency)
-    variants = DEFAULT_VARIANTS[:1] if opts.default_only else DEFAULT_VARIANTS
+    variants: tuple[Variant, ...] = DEFAULT_VARIANTS[:1] if opts.default_only else DEFAULT_VARIANTS
     variants += EXPERIMENT_VARIANTS if opts.experiments else ()
     with postgres_server() as admin_url, tempfile.TemporaryDirectory(prefix="qy-bench-claims-") as data_dir:
         url = await create_scratch_database(admin_url)
