@@ -1,6 +1,12 @@
 """Claims throughput: gRPC ClaimOnce against a real Claims server vs raw asyncpg inserts, same database.
 
-``python bench/claims.py [--seconds 5] [--concurrency 1,64] [--experiments] [--mtls-cost [--rounds 3]]``.
+Two gRPC rows per server variant and concurrency: "ClaimOnce per call" (each worker sends its own
+ClaimOnce over 4 channels) and "Runtime client, ClaimMany" (the workers claim through the Runtime's
+coalescing ``ClaimsClient`` on one channel, as the Runtime does: concurrent claims leave together in
+one ClaimMany, one call in flight). Each is set beside a raw figure measured just before it.
+
+``python bench/claims.py [--seconds 5] [--concurrency 1,64] [--default-only] [--no-coalesced] [--experiments]
+[--mtls-cost [--rounds 3]]``.
 The database is ``DATABASE_URL`` (a scratch database is created on it and dropped) or an embedded PostgreSQL in a
 tmp folder. The server runs as a separate process (``python -m services.claims``), so client load
 and server do not share an event loop. Every claim is a distinct pair; every one must be claimed.
@@ -38,6 +44,7 @@ from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
 from quayutec.tls import Identity, MtlsConfig, load_identity  # noqa: E402
 from quayutec.v1 import claims_pb2, claims_pb2_grpc  # noqa: E402
+from services.runtime.claims_client import ClaimsClient  # noqa: E402
 from services.stack import free_port, wait_serving  # noqa: E402
 
 RAW_INSERT = (
@@ -153,6 +160,24 @@ async def grpc_rate(addr: str, concurrency: int, seconds: float, identity: Ident
             await c.close()
 
 
+async def coalesced_rate(addr: str, concurrency: int, seconds: float, identity: Identity | None) -> float:
+    """Claims/s through the Runtime's coalescing client over ClaimMany, on one channel as the Runtime."""
+    channel = claims_channel(addr, identity)
+    client = ClaimsClient(claims_pb2_grpc.ClaimsServiceStub(channel))
+    try:
+
+        async def claim(agent_id: str, n: int) -> bool:
+            request = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=f"many-{n}", claimant=agent_id)
+            answer = await client.ClaimOnce(request, timeout=30)
+            return bool(answer.claimed)
+
+        await run_workers(concurrency, min(0.5, seconds), claim)  # warm up the channel and the server's pool
+        return await run_workers(concurrency, seconds, claim)
+    finally:
+        await client.close()
+        await channel.close()
+
+
 @contextmanager
 def claims_process(url: str, variant: Variant, data_dir: Path) -> Iterator[str]:
     """A Claims server in its own process, with ``variant``'s settings; yields its address."""
@@ -194,7 +219,13 @@ def claims_process(url: str, variant: Variant, data_dir: Path) -> Iterator[str]:
 
 
 async def bench(
-    url: str, concurrencies: list[int], seconds: float, variants: tuple[Variant, ...], data_dir: Path
+    url: str,
+    concurrencies: list[int],
+    seconds: float,
+    variants: tuple[Variant, ...],
+    data_dir: Path,
+    *,
+    coalesced: bool = True,
 ) -> None:
     # The machine may be shared: each gRPC figure is set beside a raw figure measured just before it.
     caches: list[tuple[int, float, float]] = []
@@ -213,7 +244,13 @@ async def bench(
             )
             for c in concurrencies:
                 raw = await raw_rate(url, c, seconds)
-                rows.append((variant.name, c, await grpc_rate(addr, c, seconds, identity), raw))
+                rows.append(
+                    (f"{variant.name}: ClaimOnce per call", c, await grpc_rate(addr, c, seconds, identity), raw)
+                )
+                if coalesced:
+                    raw = await raw_rate(url, c, seconds)
+                    rate = await coalesced_rate(addr, c, seconds, identity)
+                    rows.append((f"{variant.name}: Runtime client, ClaimMany", c, rate, raw))
         print(f"  measured {variant.name}", file=sys.stderr, flush=True)
 
     print(f"\nClaims bench: {seconds:g} s per measurement, distinct pairs, {os.cpu_count()} CPUs")
@@ -222,9 +259,9 @@ async def bench(
     )
     for c, on, off in caches:
         print(f"{'  statement_cache_size 100 vs 0':<36} {c:>5} {on:>10.0f} {off:>11.0f} {off / on:>7.2f}")
-    print(f"\n{'gRPC ClaimOnce, server variant':<36} {'conc':>5} {'claims/s':>10} {'raw/s':>11} {'gRPC/raw':>8}")
+    print(f"\n{'gRPC (mTLS), server variant: client':<52} {'conc':>5} {'claims/s':>10} {'raw/s':>11} {'gRPC/raw':>8}")
     for name, c, rate, raw in rows:
-        print(f"{name:<36} {c:>5} {rate:>10.0f} {raw:>11.0f} {rate / raw:>8.2f}")
+        print(f"{name:<52} {c:>5} {rate:>10.0f} {raw:>11.0f} {rate / raw:>8.2f}")
 
 
 async def mtls_cost(url: str, concurrencies: list[int], seconds: float, data_dir: Path, rounds: int) -> None:
@@ -255,14 +292,15 @@ async def mtls_cost(url: str, concurrencies: list[int], seconds: float, data_dir
 
 async def amain(opts: argparse.Namespace) -> None:
     concurrencies = parse_concurrency(opts.concurrency)
-    variants = DEFAULT_VARIANTS + (EXPERIMENT_VARIANTS if opts.experiments else ())
+    variants: tuple[Variant, ...] = DEFAULT_VARIANTS[:1] if opts.default_only else DEFAULT_VARIANTS
+    variants += EXPERIMENT_VARIANTS if opts.experiments else ()
     with postgres_server() as admin_url, tempfile.TemporaryDirectory(prefix="qy-bench-claims-") as data_dir:
         url = await create_scratch_database(admin_url)
         try:
             if opts.mtls_cost:
                 await mtls_cost(url, concurrencies, opts.seconds, Path(data_dir), opts.rounds)
             else:
-                await bench(url, concurrencies, opts.seconds, variants, Path(data_dir))
+                await bench(url, concurrencies, opts.seconds, variants, Path(data_dir), coalesced=not opts.no_coalesced)
         finally:
             await drop_database(admin_url, url)
 
@@ -271,6 +309,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--seconds", type=float, default=3.0, help="length of each measurement (default 3)")
     parser.add_argument("--concurrency", default="1,64", help="comma-separated concurrency levels (default 1,64)")
+    parser.add_argument("--default-only", action="store_true", help="only the default server (not batch off)")
+    parser.add_argument(
+        "--no-coalesced", action="store_true", help="only ClaimOnce per call, not the Runtime's client over ClaimMany"
+    )
     parser.add_argument("--experiments", action="store_true", help="also measure loop, pool and batch variants")
     parser.add_argument(
         "--mtls-cost",

@@ -101,6 +101,7 @@ _ROOM: dict[str, frozenset[str]] = {
 _CLAIMS: dict[str, frozenset[str]] = {
     # Burning a wake is the Runtime's alone; reading a claim also for the operator.
     "ClaimOnce": _R,
+    "ClaimMany": _R,
     "GetClaim": frozenset({RUNTIME, ADMIN}),
 }
 _RUNTIME: dict[str, frozenset[str]] = {
@@ -125,6 +126,9 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def __init__(self, table: Mapping[str, frozenset[str]] = RPC_CALLERS) -> None:
         self._table = table
+        # The guarded handler of each method, built once: per call only the caller's certificate is
+        # read. Kept with the handler it wraps, and rebuilt if the server ever answers another one.
+        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def intercept_service(
         self,
@@ -135,6 +139,9 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method: str = handler_call_details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
+        cached = self._guarded.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
         allowed = self._table.get(method, frozenset())
 
         async def admit(context: grpc.aio.ServicerContext) -> None:
@@ -151,7 +158,9 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     grpc.StatusCode.PERMISSION_DENIED, f"{caller} may not call {method}; only {who} may"
                 )
 
-        return _guarded(handler, admit)
+        guarded = _guarded(handler, admit)
+        self._guarded[method] = (handler, guarded)
+        return guarded
 
 
 def _guarded(

@@ -155,6 +155,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def __init__(self, undecodable_log: RateLimitedLog | None = None) -> None:
         self._undecodable_log = undecodable_log or RateLimitedLog(_undecodable_log)
+        # The wrapped handler of each method, built once (with the handler it wraps) rather than per call.
+        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
 
     async def _refuse_undecodable(self, method: str, request: Undecodable, context: grpc.aio.ServicerContext) -> None:
         self._undecodable_log.warning(
@@ -175,6 +177,14 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return handler
         method: str = handler_call_details.method
+        cached = self._wrapped.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = self._wrap(method, handler)
+        self._wrapped[method] = (handler, wrapped)
+        return wrapped
+
+    def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if handler.unary_unary is None:
             return self._streaming(method, handler)
         inner = handler.unary_unary

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18quayutec/v1/claims.proto\x12\x0bquayutec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"G\n\x10\x43laimOnceRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07wake_id\x18\x02 \x01(\t\x12\x10\n\x08\x63laimant\x18\x03 \x01(\t\"T\n\x11\x43laimOnceResponse\x12\x0f\n\x07\x63laimed\x18\x01 \x01(\x08\x12.\n\nclaimed_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"4\n\x0fGetClaimRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07wake_id\x18\x02 \x01(\t\"e\n\x10GetClaimResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07wake_id\x18\x02 \x01(\t\x12.\n\nclaimed_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\xa4\x01\n\rClaimsService\x12J\n\tClaimOnce\x12\x1d.quayutec.v1.ClaimOnceRequest\x1a\x1e.quayutec.v1.ClaimOnceResponse\x12G\n\x08GetClaim\x12\x1c.quayutec.v1.GetClaimRequest\x1a\x1d.quayutec.v1.GetClaimResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18quayutec/v1/claims.proto\x12\x0bquayutec.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"G\n\x10\x43laimOnceRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07wake_id\x18\x02 \x01(\t\x12\x10\n\x08\x63laimant\x18\x03 \x01(\t\"T\n\x11\x43laimOnceResponse\x12\x0f\n\x07\x63laimed\x18\x01 \x01(\x08\x12.\n\nclaimed_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"A\n\x10\x43laimManyRequest\x12-\n\x06\x63laims\x18\x01 \x03(\x0b\x32\x1d.quayutec.v1.ClaimOnceRequest\"D\n\x11\x43laimManyResponse\x12/\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1e.quayutec.v1.ClaimOnceResponse\"4\n\x0fGetClaimRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07wake_id\x18\x02 \x01(\t\"e\n\x10GetClaimResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07wake_id\x18\x02 \x01(\t\x12.\n\nclaimed_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\xf0\x01\n\rClaimsService\x12J\n\tClaimOnce\x12\x1d.quayutec.v1.ClaimOnceRequest\x1a\x1e.quayutec.v1.ClaimOnceResponse\x12J\n\tClaimMany\x12\x1d.quayutec.v1.ClaimManyRequest\x1a\x1e.quayutec.v1.ClaimManyResponse\x12G\n\x08GetClaim\x12\x1c.quayutec.v1.GetClaimRequest\x1a\x1d.quayutec.v1.GetClaimResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,10 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CLAIMONCEREQUEST']._serialized_end=145
   _globals['_CLAIMONCERESPONSE']._serialized_start=147
   _globals['_CLAIMONCERESPONSE']._serialized_end=231
-  _globals['_GETCLAIMREQUEST']._serialized_start=233
-  _globals['_GETCLAIMREQUEST']._serialized_end=285
-  _globals['_GETCLAIMRESPONSE']._serialized_start=287
-  _globals['_GETCLAIMRESPONSE']._serialized_end=388
-  _globals['_CLAIMSSERVICE']._serialized_start=391
-  _globals['_CLAIMSSERVICE']._serialized_end=555
+  _globals['_CLAIMMANYREQUEST']._serialized_start=233
+  _globals['_CLAIMMANYREQUEST']._serialized_end=298
+  _globals['_CLAIMMANYRESPONSE']._serialized_start=300
+  _globals['_CLAIMMANYRESPONSE']._serialized_end=368
+  _globals['_GETCLAIMREQUEST']._serialized_start=370
+  _globals['_GETCLAIMREQUEST']._serialized_end=422
+  _globals['_GETCLAIMRESPONSE']._serialized_start=424
+  _globals['_GETCLAIMRESPONSE']._serialized_end=525
+  _globals['_CLAIMSSERVICE']._serialized_start=528
+  _globals['_CLAIMSSERVICE']._serialized_end=768
 # @@protoc_insertion_point(module_scope)

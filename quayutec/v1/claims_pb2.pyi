@@ -3,9 +3,11 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -70,6 +72,50 @@ class ClaimOnceResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClaimOnceResponse: _TypeAlias = ClaimOnceResponse  # noqa: Y015
+
+@_typing.final
+class ClaimManyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CLAIMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def claims(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimOnceRequest]:
+        """Each item is what one ClaimOnce call would send."""
+
+    def __init__(
+        self,
+        *,
+        claims: _abc.Iterable[Global___ClaimOnceRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["claims", b"claims"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimManyRequest: _TypeAlias = ClaimManyRequest  # noqa: Y015
+
+@_typing.final
+class ClaimManyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClaimOnceResponse]:
+        """One answer per item of the request, in the same order."""
+
+    def __init__(
+        self,
+        *,
+        answers: _abc.Iterable[Global___ClaimOnceResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers", b"answers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClaimManyResponse: _TypeAlias = ClaimManyResponse  # noqa: Y015
 
 @_typing.final
 class GetClaimRequest(_message.Message):

@@ -40,6 +40,11 @@ class ClaimsServiceStub:
                 request_serializer=quayutec_dot_v1_dot_claims__pb2.ClaimOnceRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_claims__pb2.ClaimOnceResponse.FromString,
                 _registered_method=True)
+        self.ClaimMany = channel.unary_unary(
+                '/quayutec.v1.ClaimsService/ClaimMany',
+                request_serializer=quayutec_dot_v1_dot_claims__pb2.ClaimManyRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_claims__pb2.ClaimManyResponse.FromString,
+                _registered_method=True)
         self.GetClaim = channel.unary_unary(
                 '/quayutec.v1.ClaimsService/GetClaim',
                 request_serializer=quayutec_dot_v1_dot_claims__pb2.GetClaimRequest.SerializeToString,
@@ -63,6 +68,19 @@ class ClaimsServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClaimMany(self, request, context):
+        """ClaimMany makes up to 1,000 claims in one call (one database statement), answering each item
+        exactly as ClaimOnce would answer it alone, in request order. Items naming the same
+        (agent_id, wake_id) are answered as if asked one after the other in request order: the first
+        claims it (unless an earlier call did), a later item is claimed=true only when its non-empty
+        claimant is the one that holds the claim. A claim is never released, updated or deleted.
+        Errors: INVALID_ARGUMENT (no items, more than 1,000, or an invalid item, named by its index;
+        nothing is written), UNAVAILABLE (database unreachable; never a false claimed=true).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetClaim(self, request, context):
         """GetClaim reads one claim.
         Errors: INVALID_ARGUMENT, NOT_FOUND (no such claim), UNAVAILABLE.
@@ -78,6 +96,11 @@ def add_ClaimsServiceServicer_to_server(servicer, server):
                     servicer.ClaimOnce,
                     request_deserializer=quayutec_dot_v1_dot_claims__pb2.ClaimOnceRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_claims__pb2.ClaimOnceResponse.SerializeToString,
+            ),
+            'ClaimMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClaimMany,
+                    request_deserializer=quayutec_dot_v1_dot_claims__pb2.ClaimManyRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_claims__pb2.ClaimManyResponse.SerializeToString,
             ),
             'GetClaim': grpc.unary_unary_rpc_method_handler(
                     servicer.GetClaim,
@@ -113,6 +136,33 @@ class ClaimsService:
             '/quayutec.v1.ClaimsService/ClaimOnce',
             quayutec_dot_v1_dot_claims__pb2.ClaimOnceRequest.SerializeToString,
             quayutec_dot_v1_dot_claims__pb2.ClaimOnceResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClaimMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.ClaimsService/ClaimMany',
+            quayutec_dot_v1_dot_claims__pb2.ClaimManyRequest.SerializeToString,
+            quayutec_dot_v1_dot_claims__pb2.ClaimManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

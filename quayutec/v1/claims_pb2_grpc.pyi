@@ -41,6 +41,15 @@ class ClaimsServiceStub:
     Errors: INVALID_ARGUMENT (an id empty or over 200 bytes, a claimant over 200 bytes),
     UNAVAILABLE (database unreachable; never a false claimed=true).
     """
+    ClaimMany: _grpc.UnaryUnaryMultiCallable[_claims_pb2.ClaimManyRequest, _claims_pb2.ClaimManyResponse]
+    """ClaimMany makes up to 1,000 claims in one call (one database statement), answering each item
+    exactly as ClaimOnce would answer it alone, in request order. Items naming the same
+    (agent_id, wake_id) are answered as if asked one after the other in request order: the first
+    claims it (unless an earlier call did), a later item is claimed=true only when its non-empty
+    claimant is the one that holds the claim. A claim is never released, updated or deleted.
+    Errors: INVALID_ARGUMENT (no items, more than 1,000, or an invalid item, named by its index;
+    nothing is written), UNAVAILABLE (database unreachable; never a false claimed=true).
+    """
     GetClaim: _grpc.UnaryUnaryMultiCallable[_claims_pb2.GetClaimRequest, _claims_pb2.GetClaimResponse]
     """GetClaim reads one claim.
     Errors: INVALID_ARGUMENT, NOT_FOUND (no such claim), UNAVAILABLE.
@@ -58,6 +67,15 @@ class ClaimsServiceAsyncStub(ClaimsServiceStub):
     ("already claimed" is an answer, not an error). A claim is never released, updated or deleted.
     Errors: INVALID_ARGUMENT (an id empty or over 200 bytes, a claimant over 200 bytes),
     UNAVAILABLE (database unreachable; never a false claimed=true).
+    """
+    ClaimMany: _aio.UnaryUnaryMultiCallable[_claims_pb2.ClaimManyRequest, _claims_pb2.ClaimManyResponse]  # type: ignore[assignment]
+    """ClaimMany makes up to 1,000 claims in one call (one database statement), answering each item
+    exactly as ClaimOnce would answer it alone, in request order. Items naming the same
+    (agent_id, wake_id) are answered as if asked one after the other in request order: the first
+    claims it (unless an earlier call did), a later item is claimed=true only when its non-empty
+    claimant is the one that holds the claim. A claim is never released, updated or deleted.
+    Errors: INVALID_ARGUMENT (no items, more than 1,000, or an invalid item, named by its index;
+    nothing is written), UNAVAILABLE (database unreachable; never a false claimed=true).
     """
     GetClaim: _aio.UnaryUnaryMultiCallable[_claims_pb2.GetClaimRequest, _claims_pb2.GetClaimResponse]  # type: ignore[assignment]
     """GetClaim reads one claim.
@@ -79,6 +97,21 @@ class ClaimsServiceServicer(metaclass=_abc_1.ABCMeta):
         ("already claimed" is an answer, not an error). A claim is never released, updated or deleted.
         Errors: INVALID_ARGUMENT (an id empty or over 200 bytes, a claimant over 200 bytes),
         UNAVAILABLE (database unreachable; never a false claimed=true).
+        """
+
+    @_abc_1.abstractmethod
+    def ClaimMany(
+        self,
+        request: _claims_pb2.ClaimManyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_claims_pb2.ClaimManyResponse, _abc.Awaitable[_claims_pb2.ClaimManyResponse]]:
+        """ClaimMany makes up to 1,000 claims in one call (one database statement), answering each item
+        exactly as ClaimOnce would answer it alone, in request order. Items naming the same
+        (agent_id, wake_id) are answered as if asked one after the other in request order: the first
+        claims it (unless an earlier call did), a later item is claimed=true only when its non-empty
+        claimant is the one that holds the claim. A claim is never released, updated or deleted.
+        Errors: INVALID_ARGUMENT (no items, more than 1,000, or an invalid item, named by its index;
+        nothing is written), UNAVAILABLE (database unreachable; never a false claimed=true).
         """
 
     @_abc_1.abstractmethod

@@ -12,10 +12,12 @@ from quayutec.v1 import claims_pb2, claims_pb2_grpc
 from services.claims.store import ClaimStore
 
 MAX_ID_BYTES = 200
+# Most items of one ClaimMany call (they go in one statement).
+MAX_CLAIM_MANY_ITEMS = 1000
 
 
 class ClaimsServicer(claims_pb2_grpc.ClaimsServiceServicer):
-    """ClaimOnce and GetClaim over a ``ClaimStore``."""
+    """ClaimOnce, ClaimMany and GetClaim over a ``ClaimStore``."""
 
     def __init__(self, store: ClaimStore) -> None:
         self._store = store
@@ -29,6 +31,32 @@ class ClaimsServicer(claims_pb2_grpc.ClaimsServiceServicer):
             validate_id("claimant", claimant)
         claim = await self._store.claim_once(agent_id, wake_id, claimant)
         return claims_pb2.ClaimOnceResponse(claimed=claim.claimed, claimed_at=_timestamp(claim.claimed_at))
+
+    async def ClaimMany(
+        self, request: claims_pb2.ClaimManyRequest, context: grpc.aio.ServicerContext
+    ) -> claims_pb2.ClaimManyResponse:
+        items = request.claims
+        if not items:
+            raise InvalidArgument("claims is empty; send 1 to 1000 items")
+        if len(items) > MAX_CLAIM_MANY_ITEMS:
+            raise InvalidArgument(
+                f"claims has {len(items)} items; at most {MAX_CLAIM_MANY_ITEMS} are allowed,"
+                " send the rest in another call"
+            )
+        # Every item is checked before anything is written.
+        requests = []
+        for i, item in enumerate(items):
+            agent_id = validate_id(f"claims[{i}].agent_id", item.agent_id)
+            wake_id = validate_id(f"claims[{i}].wake_id", item.wake_id)
+            if item.claimant:
+                validate_id(f"claims[{i}].claimant", item.claimant)
+            requests.append((agent_id, wake_id, item.claimant))
+        answers = await self._store.claim_many(requests)
+        return claims_pb2.ClaimManyResponse(
+            answers=[
+                claims_pb2.ClaimOnceResponse(claimed=a.claimed, claimed_at=_timestamp(a.claimed_at)) for a in answers
+            ]
+        )
 
     async def GetClaim(
         self, request: claims_pb2.GetClaimRequest, context: grpc.aio.ServicerContext

@@ -14,6 +14,7 @@ from quayutec.tls import load_identity
 from quayutec.v1 import claims_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
 from services.runtime.backend import RetryingRoom
 from services.runtime.capacity import ensure_fd_budget
+from services.runtime.claims_client import ClaimsClient
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import Clock, RealClock, RetryPolicy, make_http_client, make_owner_http_client
 from services.runtime.run import RunExecutor
@@ -48,9 +49,11 @@ async def create_server(
         config.claims_addr, identity=identity, server=CLAIMS.name, retry_unavailable=False
     )
     room_channel = internal_channel(config.room_addr, identity=identity, server=ROOM.name, retry_unavailable=False)
+    # Concurrent claims share one ClaimMany call (services.runtime.claims_client).
+    claims = ClaimsClient(claims_pb2_grpc.ClaimsServiceStub(claims_channel))
     executor = RunExecutor(
         config=config,
-        claims=claims_pb2_grpc.ClaimsServiceStub(claims_channel),
+        claims=claims,
         room=RetryingRoom(room_pb2_grpc.RoomServiceStub(room_channel), retry_seconds=config.room_retry_seconds),
         http=http_client,
         owner_http=owner_http,
@@ -63,6 +66,7 @@ async def create_server(
 
     async def on_stop() -> None:
         await executor.shutdown(config.server.grace_seconds)
+        await claims.close()
         await claims_channel.close()
         await room_channel.close()
         if own_http:
