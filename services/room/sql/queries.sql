@@ -605,44 +605,6 @@ WITH expired AS (
 )
 SELECT count(*) FROM expired;
 
--- name: run_context_agent
--- ReadRunContext's first read: the agent with its key, whether its company is a member of room $2,
--- and its company's default and its own rights (default_*, own_*; NULL where not set).
-SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
-    a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
-    EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $2 AND m.company_id = a.company_id) AS member,
-    d.remember AS default_remember, d.create_task AS default_create_task, d.update_task AS default_update_task,
-    d.close_task AS default_close_task, d.cross_company_task AS default_cross_company_task,
-    o.remember AS own_remember, o.create_task AS own_create_task, o.update_task AS own_update_task,
-    o.close_task AS own_close_task, o.cross_company_task AS own_cross_company_task
-FROM agents a
-LEFT JOIN agent_rights d ON d.company_id = a.company_id AND d.agent_id IS NULL
-LEFT JOIN agent_rights o ON o.company_id = a.company_id AND o.agent_id = a.agent_id
-WHERE a.agent_id = $1;
-
--- name: room_agents
--- Agents of the room's member companies (never their keys), by membership then registration.
-SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
-    a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at
-FROM room_members m
-JOIN agents a ON a.company_id = m.company_id
-WHERE m.room_id = $1
-ORDER BY m.pos, a.pos
-LIMIT $2;
-
--- name: wake_text
--- The text of what woke an agent in room $1: a message's body, or a task's title and body; no row otherwise.
-SELECT body AS text FROM messages WHERE $2::text = 'message' AND room_id = $1 AND message_id = $3
-UNION ALL
-SELECT title || E'\n' || body FROM tasks WHERE $2::text = 'task' AND room_id = $1 AND task_id = $3;
-
--- name: next_event_seq
--- The room's next event cursor; the row lock it takes is held to commit, so cursors commit in order.
-UPDATE rooms SET last_event_seq = last_event_seq + 1 WHERE room_id = $1 RETURNING last_event_seq;
-
--- name: insert_room_event
-INSERT INTO room_events (room_id, seq, kind, detail, audience_company_id) VALUES ($1, $2, $3, $4, $5);
-
 -- name: room_event_bounds
 SELECT last_event_seq, events_pruned_through FROM rooms WHERE room_id = $1;
 
@@ -790,8 +752,8 @@ SELECT agent.*,
     ) AS messages,
     ARRAY(SELECT t FROM open_tasks) AS open_tasks,
     ARRAY(
-        SELECT u FROM task_updates AS u
-        WHERE u.task_id IN (SELECT (t).task_id FROM open_tasks)
+        SELECT u FROM open_tasks AS o
+        JOIN task_updates AS u ON u.task_id = (o.t).task_id
         ORDER BY u.pos
     ) AS task_updates,
     ARRAY(

@@ -32,3 +32,7 @@ CREATE TYPE room_context_passage AS (
     text text,
     rank real
 );
+
+-- A run's open tasks (ReadRunContext, ListTasks of one assignee's open tasks): an index of the open ones
+-- alone, so closed tasks, however many, are never scanned.
+CREATE INDEX tasks_open_to_agent ON tasks (room_id, to_agent_id, pos) WHERE status = 'open';
