@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import asyncpg
 import pytest
@@ -23,6 +24,7 @@ from services.room.store import AuthorRef, Posted, RoomStore, RunRecord
 from tests.room.conftest import Stub, World
 
 WAIT_SECONDS = 20.0
+Hook = Callable[[asyncpg.Connection], Awaitable[None]]
 
 
 @pytest.fixture
@@ -45,16 +47,20 @@ def held_open() -> tuple[asyncio.Event, asyncio.Event, Callable[[asyncpg.Connect
     return inside, release, hold
 
 
+async def locks_awaited(pool: asyncpg.Pool) -> int:
+    """How many backends of this database wait for a lock now."""
+    return int(
+        await pool.fetchval(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE NOT l.granted AND a.datname = current_database()"
+        )
+    )
+
+
 async def until_locks_are_awaited(pool: asyncpg.Pool, count: int = 1) -> None:
     """Returns once ``count`` backends of this database wait for a lock (bounded)."""
     async with asyncio.timeout(WAIT_SECONDS):
-        while (
-            await pool.fetchval(  # noqa: ASYNC110 - the wait is in PostgreSQL; nothing to await
-                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
-                "WHERE NOT l.granted AND a.datname = current_database()"
-            )
-            < count
-        ):
+        while await locks_awaited(pool) < count:  # noqa: ASYNC110 - the waits are in PostgreSQL
             await asyncio.sleep(0.02)
 
 
@@ -116,7 +122,9 @@ async def test_a_departure_waits_for_a_post_past_its_checks_and_its_event_comes_
 async def test_two_posts_with_one_dedupe_key_record_one_message(
     store: RoomStore, pool: asyncpg.Pool, world: World
 ) -> None:
-    def post(between_writes: Callable[[asyncpg.Connection], Awaitable[None]] | None = None) -> Awaitable[Posted]:
+    def post(
+        between_writes: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
+    ) -> Coroutine[Any, Any, Posted]:
         return store.post_message(
             room_id=world.room_id,
             author=bolt_person(world),
