@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import UTC
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,22 @@ MEMORY_LIMIT = 50
 PASSAGE_QUERY_BYTES = 1000  # validate.MAX_QUERY_BYTES: a longer wake text is searched by its start
 
 
+@dataclass
+class _Events:
+    """The room events of one transaction, appended together by its last statement before COMMIT
+    (``RoomStore._append_events``): the room row's lock, which the event cursor takes, is taken last and
+    held only to COMMIT, so writes in one room wait on each other for that long only."""
+
+    rows: list[tuple[str, str, bytes, str | None]] = field(default_factory=list)
+
+    def add(self, room_id: str, kind: int, detail: Any, audience_company_id: str | None = None) -> None:
+        """One event of ``room_id``; ``audience_company_id`` limits it to one company."""
+        event = common_pb2.RoomEvent(kind=kind)  # type: ignore[arg-type]
+        getattr(event, _EVENT_FIELDS[type(detail)]).CopyFrom(detail)
+        kind_text = convert.enum_to_text(common_pb2.RoomEventKind, kind, "ROOM_EVENT_KIND_")
+        self.rows.append((room_id, kind_text, event.SerializeToString(), audience_company_id))
+
+
 def _page(rows: Sequence[Record], limit: int, key: str) -> Page:
     if len(rows) > limit:
         kept = list(rows[:limit])
@@ -259,7 +276,6 @@ class RoomStore:
         async with self._pool.acquire() as conn, conn.transaction():
             invitation = await self._lock_own_invitation(conn, invitation_id, company_id)
             room_id = invitation["room_id"]
-            await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
             if invitation["status"] == "declined":
                 raise FailedPrecondition(
                     f"invitation {invitation_id} was declined; a member of the room must invite you again"
@@ -271,9 +287,9 @@ class RoomStore:
                 joined = True
             member = await conn.fetchrow(self._q["get_member"], room_id, company_id)
             if joined and member is not None:
-                await self.append_event(
-                    conn, str(room_id), common_pb2.ROOM_EVENT_KIND_MEMBER_JOINED, convert.member(member)
-                )
+                events = _Events()
+                events.add(str(room_id), common_pb2.ROOM_EVENT_KIND_MEMBER_JOINED, convert.member(member))
+                await self._append_events(conn, events)  # the room row last (membership rows, then the room)
             if member is None:
                 raise FailedPrecondition(
                     f"invitation {invitation_id} was accepted and your company has left room {room_id} since; "
@@ -303,7 +319,7 @@ class RoomStore:
     async def leave_room(self, room_id: str, company_id: str) -> int:
         """Ends the company's membership; returns how many of its pending waitpoints in the room expired."""
         async with self._pool.acquire() as conn, conn.transaction():
-            room = await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
+            room = await conn.fetchrow(self._q["get_room"], room_id)
             if room is None or not await conn.fetchval(self._q["is_member"], room_id, company_id):
                 raise NotFound(f"room {room_id} not found")
             if str(room["created_by_company_id"]) == company_id:
@@ -311,12 +327,15 @@ class RoomStore:
                     f"your company created room {room_id}; its creator cannot leave it (remove the other members "
                     "instead)"
                 )
-            return await self._end_membership(conn, room_id, company_id)
+            expired = await self._end_membership(conn, room_id, company_id)
+            if expired is None:  # a concurrent departure committed first
+                raise NotFound(f"room {room_id} not found")
+            return expired
 
     async def remove_member(self, room_id: str, company_id: str, removed_by_company_id: str) -> int:
         """The creator ends another company's membership; returns how many of its pending waitpoints expired."""
         async with self._pool.acquire() as conn, conn.transaction():
-            room = await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
+            room = await conn.fetchrow(self._q["get_room"], room_id)
             if room is None or not await conn.fetchval(self._q["is_member"], room_id, removed_by_company_id):
                 raise NotFound(f"room {room_id} not found")
             creator = str(room["created_by_company_id"])
@@ -324,17 +343,27 @@ class RoomStore:
                 raise PermissionDenied(f"only the company that created room {room_id} may remove its members")
             if company_id == creator:
                 raise FailedPrecondition(f"the creator of room {room_id} cannot remove itself")
-            if not await conn.fetchval(self._q["is_member"], room_id, company_id):
+            expired = None
+            if await conn.fetchval(self._q["is_member"], room_id, company_id):
+                expired = await self._end_membership(conn, room_id, company_id)
+            if expired is None:
                 raise NotFound(f"company {company_id} is not a member of room {room_id}")
-            return await self._end_membership(conn, room_id, company_id)
+            return expired
 
-    async def _end_membership(self, conn: asyncpg.Connection, room_id: str, company_id: str) -> int:
+    async def _end_membership(self, conn: asyncpg.Connection, room_id: str, company_id: str) -> int | None:
         """Deletes the membership and expires the company's pending waitpoints in the room (with their
-        decision wakes), in the caller's transaction."""
-        await conn.execute(self._q["delete_member"], room_id, company_id)
+        decision wakes), in the caller's transaction; None when it had no membership left to delete.
+
+        Lock order: the membership row first (the delete waits for writes that hold it FOR SHARE, see
+        lock_membership, to commit), the room row (the MEMBER_LEFT event's cursor) last."""
+        if await conn.fetchrow(self._q["delete_member"], room_id, company_id) is None:
+            return None
+        expired = int(await conn.fetchval(self._q["expire_waitpoints_of_company_in_room"], room_id, company_id))
+        events = _Events()
         left = common_pb2.RoomMember(room_id=room_id, company_id=company_id)
-        await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_MEMBER_LEFT, left)
-        return int(await conn.fetchval(self._q["expire_waitpoints_of_company_in_room"], room_id, company_id))
+        events.add(room_id, common_pb2.ROOM_EVENT_KIND_MEMBER_LEFT, left)
+        await self._append_events(conn, events)
+        return expired
 
     async def list_members(self, room_id: str, after: int | None, limit: int) -> Page:
         async with self._pool.acquire() as conn:
@@ -409,29 +438,80 @@ class RoomStore:
         between_writes: TransactionHook | None = None,
     ) -> Posted:
         """Appends a message and, in the same transaction, a wake for each mentioned agent but the author
-        (and ``run``'s ledger row, with the message id as its posted_message_id)."""
+        (and ``run``'s ledger row, with the message id as its posted_message_id).
+
+        Round trips: BEGIN, the checks (post_check), the ledger row when given, the message with its wakes
+        (which takes the room row's lock), its events, COMMIT. ``between_writes`` runs after the message
+        and its wakes, before their events."""
         self._require_run_of(run, room_id, author)
+        try:
+            return await self._post_message(
+                room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, between_writes
+            )
+        except asyncpg.UniqueViolationError as exc:
+            if dedupe_key is None or exc.constraint_name != "messages_room_dedupe_key":
+                raise
+        # A concurrent post with the same dedupe_key committed between our check and our insert (which
+        # waited for its room lock); this transaction rolled back whole, and the retry finds that message.
+        return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, None)
+
+    async def _post_message(
+        self,
+        room_id: str,
+        author: AuthorRef,
+        body: str,
+        mention_agent_ids: Sequence[str],
+        run_id: str | None,
+        dedupe_key: str | None,
+        run: RunRecord | None,
+        between_writes: TransactionHook | None,
+    ) -> Posted:
         async with self._pool.acquire() as conn, conn.transaction():
-            if await conn.fetchval(self._q["lock_room_for_post"], room_id) is None:
+            check = await conn.fetchrow(
+                self._q["post_check"],
+                room_id,
+                author.company_id or None,
+                author.agent_id if author.kind == "agent" else None,
+                list(mention_agent_ids),
+                dedupe_key,
+            )
+            if not check["room_found"]:
                 raise NotFound(f"room {room_id} not found")
-            if dedupe_key is not None:
-                earlier = await conn.fetchrow(self._q["find_message_by_dedupe"], room_id, dedupe_key)
-                if earlier is not None:
-                    await self._record_write(conn, run, earlier["message_id"])
-                    wakes = await conn.fetch(self._q["wakes_of_source"], str(earlier["message_id"]), "message")
-                    return Posted(earlier, list(wakes), True)
-            author = await self._admit_author(conn, room_id, author)
-            await self._require_agents_in_room(conn, room_id, mention_agent_ids, "mentioned agent")
+            events = _Events()
+            earlier = check["earlier"]
+            if earlier is not None:
+                await self._record_write(conn, events, run, earlier["message_id"])
+                await self._append_events(conn, events)
+                return Posted(earlier, list(check["earlier_wakes"]), True)
+            author = _checked_author(author, check["agent_company_id"], room_id, member=check["member"])
+            companies = dict(zip(check["mentioned_agent_ids"], check["mentioned_company_ids"], strict=True))
+            _require_agents_in_room(
+                room_id,
+                mention_agent_ids,
+                {str(a): c in check["member_company_ids"] for a, c in companies.items()},
+                "mentioned agent",
+            )
+            message_id = uuid.uuid4()
+            # The ledger row before the message: no lock on the room row is held while it is written.
+            await self._record_write(conn, events, run, message_id)
+            woken = [a for a in mention_agent_ids if a != author.agent_id]
             row = await conn.fetchrow(
-                self._q["insert_message"], room_id, *author.columns(), body, list(mention_agent_ids), run_id, dedupe_key
+                self._q["insert_message_with_wakes"],
+                room_id,
+                message_id,
+                *author.columns(),
+                body,
+                list(mention_agent_ids),
+                run_id,
+                dedupe_key,
+                woken,
+                str(message_id),
             )
             if between_writes is not None:
                 await between_writes(conn)
-            woken = [a for a in mention_agent_ids if a != author.agent_id]
-            wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "message", str(row["message_id"]))
-            await self._record_write(conn, run, row["message_id"])
-            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED, convert.message(row))
-            return Posted(row, list(wakes), False)
+            events.add(room_id, common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED, convert.message(row))
+            await self._append_events(conn, events)
+            return Posted(row, list(row["wakes"]), False)
 
     async def list_messages(self, room_id: str, after: int | None, limit: int, *, newest_first: bool) -> Page:
         async with self._pool.acquire() as conn:
@@ -464,10 +544,12 @@ class RoomStore:
         self._require_run_of(run, room_id, author)
         async with self._pool.acquire() as conn, conn.transaction():
             await self._require_room(conn, room_id)
+            events = _Events()
             if dedupe_key is not None:
                 earlier = await self._earlier_task(conn, room_id, dedupe_key)
                 if earlier is not None:
-                    await self._record_write(conn, run, earlier.row["task_id"])
+                    await self._record_write(conn, events, run, earlier.row["task_id"])
+                    await self._append_events(conn, events)
                     return earlier
             author = await self._admit_author(conn, room_id, author)
             await self._require_agents_in_room(conn, room_id, [to_agent_id], "agent")
@@ -478,14 +560,16 @@ class RoomStore:
                 earlier = await self._earlier_task(conn, room_id, dedupe_key)
                 if earlier is None:  # pragma: no cover - the conflict row cannot vanish
                     raise AlreadyExists(f"a task with dedupe_key {dedupe_key!r} already exists")
-                await self._record_write(conn, run, earlier.row["task_id"])
+                await self._record_write(conn, events, run, earlier.row["task_id"])
+                await self._append_events(conn, events)
                 return earlier
             if between_writes is not None:
                 await between_writes(conn)
             woken = [to_agent_id] if to_agent_id != author.agent_id else []
             wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]))
-            await self._record_write(conn, run, row["task_id"])
-            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_TASK_CREATED, convert.task(row))
+            await self._record_write(conn, events, run, row["task_id"])
+            events.add(room_id, common_pb2.ROOM_EVENT_KIND_TASK_CREATED, convert.task(row))
+            await self._append_events(conn, events)
             return Posted(row, list(wakes), False)
 
     async def _earlier_task(self, conn: asyncpg.Connection, room_id: str, dedupe_key: str | None) -> Posted | None:
@@ -514,10 +598,12 @@ class RoomStore:
             if task is None or (room_id is not None and str(task["room_id"]) != room_id):
                 raise NotFound(f"task {task_id} not found")
             self._require_run_of(run, str(task["room_id"]), author)
+            events = _Events()
             if dedupe_key is not None:
                 earlier = await conn.fetchrow(self._q["find_task_update_by_dedupe"], task_id, dedupe_key)
                 if earlier is not None:
-                    await self._record_write(conn, run, earlier["update_id"])
+                    await self._record_write(conn, events, run, earlier["update_id"])
+                    await self._append_events(conn, events)
                     updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
                     return TaskUpdated(task, earlier, list(updates), True)
             if task["status"] != "open":
@@ -528,14 +614,15 @@ class RoomStore:
                 self._q["insert_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
             )
             task = await conn.fetchrow(self._q["set_task_status"], task_id, new_status)
-            await self._record_write(conn, run, update["update_id"])
+            await self._record_write(conn, events, run, update["update_id"])
             updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
             kind = (
                 common_pb2.ROOM_EVENT_KIND_TASK_UPDATED
                 if new_status == "open"
                 else common_pb2.ROOM_EVENT_KIND_TASK_CLOSED
             )
-            await self.append_event(conn, str(task["room_id"]), kind, convert.task(task, updates))
+            events.add(str(task["room_id"]), kind, convert.task(task, updates))
+            await self._append_events(conn, events)
             return TaskUpdated(task, update, list(updates), False)
 
     async def get_task(self, task_id: str, room_id: str | None) -> tuple[Record, list[Record]]:
@@ -577,6 +664,7 @@ class RoomStore:
         self._require_run_of(run, room_id, author)
         async with self._pool.acquire() as conn, conn.transaction():
             await self._require_room(conn, room_id)
+            events = _Events()
             row = None
             if dedupe_key is not None:
                 row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
@@ -592,8 +680,9 @@ class RoomStore:
                 else:
                     audience = author.company_id if visibility == "company" else None
                     line = convert.memory_line(row)
-                    await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_MEMORY_WRITTEN, line, audience)
-            await self._record_write(conn, run, row["memory_id"])
+                    events.add(room_id, common_pb2.ROOM_EVENT_KIND_MEMORY_WRITTEN, line, audience)
+            await self._record_write(conn, events, run, row["memory_id"])
+            await self._append_events(conn, events)
             return row, deduplicated
 
     async def list_memory(
@@ -638,7 +727,9 @@ class RoomStore:
             await conn.execute(
                 self._q["insert_passages"], row["file_id"], room_id, list(range(len(passages))), list(passages)
             )
-            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_FILE_UPLOADED, convert.file(row))
+            events = _Events()
+            events.add(room_id, common_pb2.ROOM_EVENT_KIND_FILE_UPLOADED, convert.file(row))
+            await self._append_events(conn, events)
             return row
 
     async def list_files(self, room_id: str, after: int | None, limit: int) -> Page:
@@ -672,74 +763,69 @@ class RoomStore:
         max_passages: int,
         run: common_pb2.Run | None = None,
     ) -> RunContext:
-        """Everything a run reads of its room, on one connection in one transaction; with ``run``, that
-        ledger row (and its room event, when its status changes) is recorded first in the same transaction."""
-        # A plain read is one REPEATABLE READ snapshot. With a ledger row to record (and maybe its room
-        # event, which updates the room row), REPEATABLE READ would fail whenever any write of the room
-        # commits meanwhile; instead the room row is locked first, as every change of the room that
-        # appends an event does, so what the reads below see cannot move until this commits.
-        isolation = "repeatable_read" if run is None else "read_committed"
-        async with self._pool.acquire() as conn, conn.transaction(isolation=isolation, readonly=run is None):
-            if run is not None:
-                await conn.fetchrow(self._q["lock_room_for_post"], room_id)
-                await self._upsert_run(conn, run)
-            agent = await conn.fetchrow(self._q["run_context_agent"], agent_id, room_id)
-            if agent is None:
-                raise NotFound(f"agent {agent_id} not found")
-            if not agent["member"]:
-                raise NotFound(f"room {room_id} not found (or the company of agent {agent_id} is not a member)")
-            provider_key = self._provider_key(agent)
-            company_id = agent["company_id"]
-            room_agents = await conn.fetch(self._q["room_agents"], room_id, ROOM_AGENTS_LIMIT)
-            newest = await conn.fetch(self._q["list_messages_newest_first"], room_id, _MAX_KEY, recent_messages)
-            tasks = await conn.fetch(self._q["list_tasks"], room_id, agent_id, "open", 0, OPEN_TASKS_LIMIT)
-            updates: dict[str, list[Record]] = {str(t["task_id"]): [] for t in tasks}
-            if updates:
-                for u in await conn.fetch(self._q["updates_of_tasks"], list(updates)):
-                    updates[str(u["task_id"])].append(u)
-            memory = await conn.fetch(self._q["list_memory"], room_id, company_id, _MAX_KEY, MEMORY_LIMIT)
-            wake_text = ""
-            if wake_source_id is not None and wake_kind in ("message", "task"):
-                wake_text = await conn.fetchval(self._q["wake_text"], room_id, wake_kind, wake_source_id) or ""
-            passages: list[Record] = []
-            if wake_text.strip():
-                passages = await self._search_passages(conn, room_id, _passage_query(wake_text), max_passages)
+        """Everything a run reads of its room, in one statement (one snapshot); with ``run``, that ledger row
+        (and its room event, when its status changes) is recorded in the same transaction, before the read.
+
+        Round trips: 1 without ``run``; with it BEGIN, the ledger row, the read, the event (when there is
+        one), COMMIT. The room row is locked only by the event, after the read and just before COMMIT, so
+        posts in the room neither wait on the read nor make it fail."""
+        args = (
+            agent_id,
+            room_id,
+            recent_messages,
+            wake_kind,
+            wake_source_id if wake_kind in ("message", "task") else None,
+            max_passages,
+            ROOM_AGENTS_LIMIT,
+            OPEN_TASKS_LIMIT,
+            MEMORY_LIMIT,
+            PASSAGE_QUERY_BYTES,
+        )
+        if run is None:
+            return self._run_context(await self._pool.fetchrow(self._q["run_context"], *args), agent_id, room_id)
+        async with self._pool.acquire() as conn, conn.transaction():
+            events = _Events()
+            await self._upsert_run(conn, events, run)
+            context = self._run_context(await conn.fetchrow(self._q["run_context"], *args), agent_id, room_id)
+            await self._append_events(conn, events)
+            return context
+
+    def _run_context(self, row: Record | None, agent_id: str, room_id: str) -> RunContext:
+        if row is None:
+            raise NotFound(f"agent {agent_id} not found")
+        if not row["member"]:
+            raise NotFound(f"room {room_id} not found (or the company of agent {agent_id} is not a member)")
+        provider_key = self._provider_key(row)
+        updates: dict[str, list[Record]] = {str(t["task_id"]): [] for t in row["open_tasks"]}
+        for u in row["task_updates"]:
+            updates[str(u["task_id"])].append(u)
         return RunContext(
-            agent=agent,
+            agent=row,
             provider_key=provider_key,
-            company_default={f: agent[f"default_{f}"] for f in convert.RIGHT_FIELDS},
-            agent_rights={f: agent[f"own_{f}"] for f in convert.RIGHT_FIELDS},
-            room_agents=list(room_agents),
-            messages=list(reversed(newest)),
-            open_tasks=list(tasks),
+            company_default={f: row[f"default_{f}"] for f in convert.RIGHT_FIELDS},
+            agent_rights={f: row[f"own_{f}"] for f in convert.RIGHT_FIELDS},
+            room_agents=list(row["room_agents"]),
+            messages=list(reversed(row["messages"])),
+            open_tasks=list(row["open_tasks"]),
             task_updates=updates,
-            memory=list(memory),
-            wake_text=wake_text,
-            passages=passages,
+            memory=list(row["memory"]),
+            wake_text=row["wake_text"] or "",
+            passages=list(row["passages"]),
         )
 
     # -- the room event log --------------------------------------------------------------------------------
 
-    async def append_event(
-        self,
-        conn: asyncpg.Connection,
-        room_id: str,
-        kind: int,
-        detail: Any,
-        audience_company_id: str | None = None,
-    ) -> int | None:
-        """Appends one event in the caller's transaction with the room's next cursor (taken under the room
-        row's lock, held to commit); ``audience_company_id`` limits it to one company. None: no such room."""
-        seq = await conn.fetchval(self._q["next_event_seq"], room_id)
-        if seq is None:
-            return None
-        event = common_pb2.RoomEvent(kind=kind)  # type: ignore[arg-type]
-        getattr(event, _EVENT_FIELDS[type(detail)]).CopyFrom(detail)
-        kind_text = convert.enum_to_text(common_pb2.RoomEventKind, kind, "ROOM_EVENT_KIND_")
-        await conn.execute(
-            self._q["insert_room_event"], room_id, seq, kind_text, event.SerializeToString(), audience_company_id
-        )
-        return int(seq)
+    async def _append_events(self, conn: asyncpg.Connection, events: _Events) -> None:
+        """Appends ``events`` in the caller's transaction, one statement per room, with the room's next
+        cursors; the room row's lock this takes is held to commit, so call it last, just before COMMIT.
+        Events of an unknown room are dropped (the write's own checks refuse an unknown room)."""
+        by_room: dict[str, list[tuple[str, bytes, str | None]]] = {}
+        for room_id, kind, detail, audience in events.rows:
+            by_room.setdefault(room_id, []).append((kind, detail, audience))
+        for room_id, rows in by_room.items():
+            kinds, details, audiences = zip(*rows, strict=True)
+            await conn.execute(self._q["append_room_events"], room_id, list(kinds), list(details), list(audiences))
+        events.rows.clear()
 
     async def read_events(
         self, room_id: str, company_id: str | None, after: int, limit: int, *, retention_hours: float
@@ -781,24 +867,29 @@ class RoomStore:
 
     async def record_run(self, run: common_pb2.Run) -> Record:
         """Upserts the run's row (and its room event, when its status changes) in one transaction; an ended
-        row may only be rewritten unchanged."""
+        row may only be rewritten unchanged. Round trips: BEGIN, the row, the event (when any), COMMIT."""
         async with self._pool.acquire() as conn, conn.transaction():
-            return await self._upsert_run(conn, run)
+            events = _Events()
+            row = await self._upsert_run(conn, events, run)
+            await self._append_events(conn, events)
+            return row
 
-    async def _upsert_run(self, conn: asyncpg.Connection, run: common_pb2.Run) -> Record:
-        before = await conn.fetchrow(self._q["run_status"], run.run_id)
-        row = await conn.fetchrow(self._q["upsert_run"], *_run_args(run))
+    async def _upsert_run(self, conn: asyncpg.Connection, events: _Events, run: common_pb2.Run) -> Record:
+        """Upserts the row; its room event, when its status changes, goes to ``events``."""
+        row = await conn.fetchrow(self._q["upsert_run_with_before"], *_run_args(run))
         if row is not None:
             kind = _RUN_EVENTS.get(row["status"])
-            if kind is not None and (before is None or before["status"] != row["status"]) and row["company_id"]:
-                await self.append_event(conn, str(row["room_id"]), kind, convert.run(row), str(row["company_id"]))
+            if kind is not None and row["status_before"] != row["status"] and row["company_id"]:
+                events.add(str(row["room_id"]), kind, convert.run(row), str(row["company_id"]))
             return row
         stored = await conn.fetchrow(self._q["get_run"], run.run_id)
         if stored is None or not _same_run(convert.run(stored), run):
             raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
         return stored
 
-    async def _record_write(self, conn: asyncpg.Connection, record: RunRecord | None, write_id: Any) -> None:
+    async def _record_write(
+        self, conn: asyncpg.Connection, events: _Events, record: RunRecord | None, write_id: Any
+    ) -> None:
         """Upserts ``record``'s row with the write's id filled in (in the write's transaction)."""
         if record is None:
             return
@@ -810,7 +901,7 @@ class RoomStore:
             action = _action_of(run, record.action_index)
             action.outcome = common_pb2.ACTION_OUTCOME_DONE
             action.result_id = str(write_id)
-        await self._upsert_run(conn, run)
+        await self._upsert_run(conn, events, run)
 
     async def get_run(self, run_id: str) -> Record:
         row = await self._pool.fetchrow(self._q["get_run"], run_id)
@@ -956,9 +1047,11 @@ class RoomStore:
             )
             rows = await self._waitpoint_rows(conn, row)
             owner = str(company_id)
-            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_RUN_PARKED, convert.run(parked), owner)
+            events = _Events()
+            events.add(room_id, common_pb2.ROOM_EVENT_KIND_RUN_PARKED, convert.run(parked), owner)
             approval = convert.waitpoint(rows.waitpoint, rows.held)
-            await self.append_event(conn, room_id, common_pb2.ROOM_EVENT_KIND_APPROVAL_AWAITING, approval, owner)
+            events.add(room_id, common_pb2.ROOM_EVENT_KIND_APPROVAL_AWAITING, approval, owner)
+            await self._append_events(conn, events)
             return rows
 
     async def get_waitpoint(self, token: str) -> WaitpointRows:
@@ -1046,7 +1139,9 @@ class RoomStore:
                     run.step = common_pb2.RUN_STEP_ENDED
                     run.error = f"{detail}; not redone"
                     run.ended_at.GetCurrentTime()
-                    await self._upsert_run(conn, run)
+                    events = _Events()
+                    await self._upsert_run(conn, events, run)
+                    await self._append_events(conn, events)
                     ended += 1
         return ended
 
@@ -1080,17 +1175,15 @@ class RoomStore:
             raise NotFound(f"room {room_id} not found")
 
     async def _admit_author(self, conn: asyncpg.Connection, room_id: str, author: AuthorRef) -> AuthorRef:
-        """The author with its company filled in; its company must be a member of the room."""
+        """The author with its company filled in; its company must be a member of the room. Its membership
+        row stays locked FOR SHARE to the end of the caller's transaction (see lock_membership)."""
+        company = None
         if author.kind == "agent":
             company = await conn.fetchval(self._q["agent_company"], author.agent_id)
-            if company is None:
-                raise NotFound(f"author agent {author.agent_id} not found")
-            if author.company_id and author.company_id != str(company):
-                raise InvalidArgument(f"author agent {author.agent_id} does not belong to company {author.company_id}")
-            author = replace(author, company_id=str(company))
-        if not await conn.fetchval(self._q["is_member"], room_id, author.company_id):
-            raise PermissionDenied(f"company {author.company_id} is not a member of room {room_id}")
-        return author
+            if company is None or (author.company_id and author.company_id != str(company)):
+                return _checked_author(author, company, room_id, member=False)
+        member = await conn.fetchval(self._q["lock_membership"], room_id, author.company_id or str(company))
+        return _checked_author(author, company, room_id, member=bool(member))
 
     async def _require_agents_in_room(
         self, conn: asyncpg.Connection, room_id: str, agent_ids: Sequence[str], what: str
@@ -1100,11 +1193,30 @@ class RoomStore:
         found = {
             str(r["agent_id"]): r["member"] for r in await conn.fetch(self._q["agents_in_room"], agent_ids, room_id)
         }
-        for agent_id in agent_ids:
-            if agent_id not in found:
-                raise NotFound(f"{what} {agent_id} not found")
-            if not found[agent_id]:
-                raise NotFound(f"{what} {agent_id} is not in room {room_id} (its company is not a member)")
+        _require_agents_in_room(room_id, agent_ids, found, what)
+
+
+def _checked_author(author: AuthorRef, agent_company: Any, room_id: str, *, member: bool) -> AuthorRef:
+    """The author with its company filled in (``agent_company``: an agent author's company as stored, None
+    when the agent is unknown); its company must be a member of the room (``member``)."""
+    if author.kind == "agent":
+        if agent_company is None:
+            raise NotFound(f"author agent {author.agent_id} not found")
+        if author.company_id and author.company_id != str(agent_company):
+            raise InvalidArgument(f"author agent {author.agent_id} does not belong to company {author.company_id}")
+        author = replace(author, company_id=str(agent_company))
+    if not member:
+        raise PermissionDenied(f"company {author.company_id} is not a member of room {room_id}")
+    return author
+
+
+def _require_agents_in_room(room_id: str, agent_ids: Sequence[str], member: Mapping[str, bool], what: str) -> None:
+    """Each agent must exist (a key of ``member``) and its company be a member of the room (its value)."""
+    for agent_id in agent_ids:
+        if agent_id not in member:
+            raise NotFound(f"{what} {agent_id} not found")
+        if not member[agent_id]:
+            raise NotFound(f"{what} {agent_id} is not in room {room_id} (its company is not a member)")
 
 
 def _passage_query(wake_text: str) -> str:

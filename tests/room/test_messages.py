@@ -196,13 +196,16 @@ async def test_backend_killed_between_message_and_wake_leaves_neither(
     assert await counts(pool) == (1, 1)
 
 
-async def test_wake_insert_failing_rolls_the_message_back(store: RoomStore, pool: asyncpg.Pool, world: World) -> None:
-    async def break_the_outbox(conn: asyncpg.Connection) -> None:
-        # A constraint no new wake can meet, added inside the transaction: the outbox insert fails.
-        await conn.execute("ALTER TABLE wake_outbox ADD CONSTRAINT refuse_wakes CHECK (false) NOT VALID")
+async def test_event_insert_failing_rolls_the_message_and_wake_back(
+    store: RoomStore, pool: asyncpg.Pool, world: World
+) -> None:
+    async def break_the_event_log(conn: asyncpg.Connection) -> None:
+        # A constraint no new event can meet, added inside the transaction after the message and its
+        # wake (one statement): the event insert, the transaction's last write, fails.
+        await conn.execute("ALTER TABLE room_events ADD CONSTRAINT refuse_events CHECK (false) NOT VALID")
 
     with pytest.raises(asyncpg.CheckViolationError):
-        await post_via_store(store, world, between_writes=break_the_outbox)
+        await post_via_store(store, world, between_writes=break_the_event_log)
     assert await counts(pool) == (0, 0)
     # The DDL rolled back with it: posting works again.
     await post_via_store(store, world)

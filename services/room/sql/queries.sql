@@ -41,8 +41,14 @@ ORDER BY m.pos
 LIMIT $3;
 
 -- name: lock_room_for_membership
--- Serializes membership changes of one room with each other and with posts (lock_room_for_post).
+-- Serializes invitations into one room with each other (CreateInvitation appends no event).
 SELECT room_id, created_by_company_id FROM rooms WHERE room_id = $1 FOR NO KEY UPDATE;
+
+-- name: lock_membership
+-- The company's membership of the room, locked FOR SHARE until the writing transaction ends: a departure
+-- (which deletes the row) waits for the write to commit, so no write of a company follows its MEMBER_LEFT
+-- event. Lock order, always: membership rows, then the room row (the event cursor, taken last).
+SELECT true FROM room_members WHERE room_id = $1 AND company_id = $2 FOR SHARE;
 
 -- name: add_member
 -- The accepting company's membership (already there after a concurrent accept: no row).
@@ -146,7 +152,63 @@ SELECT company_id FROM agents WHERE agent_id = $1;
 
 -- name: lock_room_for_post
 -- Serializes posts in one room so seq order is commit order (NO KEY UPDATE leaves FK checks unblocked).
+-- The Room itself takes this lock late, by insert_message_with_wakes; bench/runs.py's baseline uses it.
 SELECT last_seq FROM rooms WHERE room_id = $1 FOR NO KEY UPDATE;
+
+-- name: post_check
+-- PostMessage's checks in one statement, taking no lock on the room row: whether room $1 exists; the
+-- author agent's company (agent $3, NULL for a person); whether the author's company ($2, or the agent's
+-- when NULL) is a member, its membership row locked FOR SHARE (see lock_membership); the mentioned agents
+-- $4 that exist with their companies, and which of those companies are members (rows locked FOR SHARE
+-- too: a mentioned agent's company cannot leave before the post commits); and the earlier message with
+-- dedupe key $5 (a messages row, or NULL) with its wakes.
+WITH author_agent AS (
+    SELECT company_id FROM agents WHERE agent_id = $3::uuid
+), author_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $1 AND company_id = COALESCE($2::uuid, (SELECT company_id FROM author_agent))
+    FOR SHARE
+), mentioned AS (
+    SELECT agent_id, company_id FROM agents WHERE agent_id = ANY ($4::uuid[])
+), mentioned_members AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $1 AND company_id IN (SELECT company_id FROM mentioned)
+    FOR SHARE
+), earlier AS (
+    SELECT m FROM messages AS m WHERE m.room_id = $1 AND m.dedupe_key = $5
+)
+SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $1) AS room_found,
+    (SELECT company_id FROM author_agent) AS agent_company_id,
+    (SELECT count(*) FROM author_member) > 0 AS member,
+    ARRAY(SELECT agent_id FROM mentioned) AS mentioned_agent_ids,
+    ARRAY(SELECT company_id FROM mentioned) AS mentioned_company_ids,
+    ARRAY(SELECT company_id FROM mentioned_members) AS member_company_ids,
+    (SELECT m FROM earlier) AS earlier,
+    ARRAY(
+        SELECT w FROM wake_outbox AS w
+        WHERE w.source_id = (SELECT (m).message_id::text FROM earlier) AND w.kind = 'message'
+        ORDER BY w.created_at, w.wake_id
+    ) AS earlier_wakes;
+
+-- name: insert_message_with_wakes
+-- The message ($2: its id) with the room's next seq, and a wake for each agent in $11 (source id $12, the
+-- message id as text), in one statement. Bumping rooms.last_seq takes the room row's lock (held to
+-- commit, so seq order is commit order): the caller runs it last but for its events and COMMIT.
+WITH next AS (
+    UPDATE rooms SET last_seq = last_seq + 1 WHERE room_id = $1 RETURNING last_seq
+), message AS (
+    INSERT INTO messages (message_id, room_id, seq, author_kind, author_company_id, author_person,
+        author_agent_id, body, mention_agent_ids, run_id, dedupe_key)
+    SELECT $2, $1, next.last_seq, $3, $4, $5, $6, $7, $8::uuid[], $9, $10 FROM next
+    RETURNING message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
+        mention_agent_ids, run_id, created_at
+), woken AS (
+    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id)
+    SELECT a.agent_id, $1, 'message', $12 FROM message, unnest($11::uuid[]) AS a (agent_id)
+    ON CONFLICT (agent_id, kind, source_id) DO NOTHING
+    RETURNING w
+)
+SELECT message.*, ARRAY(SELECT w FROM woken) AS wakes FROM message;
 
 -- name: find_message_by_dedupe
 SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
@@ -543,44 +605,6 @@ WITH expired AS (
 )
 SELECT count(*) FROM expired;
 
--- name: run_context_agent
--- ReadRunContext's first read: the agent with its key, whether its company is a member of room $2,
--- and its company's default and its own rights (default_*, own_*; NULL where not set).
-SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
-    a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
-    EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $2 AND m.company_id = a.company_id) AS member,
-    d.remember AS default_remember, d.create_task AS default_create_task, d.update_task AS default_update_task,
-    d.close_task AS default_close_task, d.cross_company_task AS default_cross_company_task,
-    o.remember AS own_remember, o.create_task AS own_create_task, o.update_task AS own_update_task,
-    o.close_task AS own_close_task, o.cross_company_task AS own_cross_company_task
-FROM agents a
-LEFT JOIN agent_rights d ON d.company_id = a.company_id AND d.agent_id IS NULL
-LEFT JOIN agent_rights o ON o.company_id = a.company_id AND o.agent_id = a.agent_id
-WHERE a.agent_id = $1;
-
--- name: room_agents
--- Agents of the room's member companies (never their keys), by membership then registration.
-SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
-    a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at
-FROM room_members m
-JOIN agents a ON a.company_id = m.company_id
-WHERE m.room_id = $1
-ORDER BY m.pos, a.pos
-LIMIT $2;
-
--- name: wake_text
--- The text of what woke an agent in room $1: a message's body, or a task's title and body; no row otherwise.
-SELECT body AS text FROM messages WHERE $2::text = 'message' AND room_id = $1 AND message_id = $3
-UNION ALL
-SELECT title || E'\n' || body FROM tasks WHERE $2::text = 'task' AND room_id = $1 AND task_id = $3;
-
--- name: next_event_seq
--- The room's next event cursor; the row lock it takes is held to commit, so cursors commit in order.
-UPDATE rooms SET last_event_seq = last_event_seq + 1 WHERE room_id = $1 RETURNING last_event_seq;
-
--- name: insert_room_event
-INSERT INTO room_events (room_id, seq, kind, detail, audience_company_id) VALUES ($1, $2, $3, $4, $5);
-
 -- name: room_event_bounds
 SELECT last_event_seq, events_pruned_through FROM rooms WHERE room_id = $1;
 
@@ -614,5 +638,146 @@ WITH removed AS (
 )
 SELECT count(*) FROM removed;
 
--- name: run_status
-SELECT status, company_id FROM runs WHERE run_id = $1;
+-- name: upsert_run_with_before
+-- upsert_run, and the row's status before it in status_before (NULL: there was no row).
+WITH before AS (
+    SELECT status FROM runs WHERE run_id = $1
+), up AS (
+    INSERT INTO runs (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at)
+    VALUES ($1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17)
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = EXCLUDED.trace_id,
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, runs.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at
+    WHERE runs.ended_at IS NULL
+    RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
+        pos
+)
+SELECT up.*, (SELECT status FROM before) AS status_before FROM up;
+
+-- name: run_context
+-- ReadRunContext's whole view of room $2 for agent $1 in one statement (one snapshot): the agent with its
+-- key, whether its company is a member, and its company's default and its own rights (default_*, own_*;
+-- NULL where not set); then, as arrays, the room's agents (never their keys; by membership then
+-- registration, at most $7), the $3 newest messages (newest first), the agent's open tasks (at most $8)
+-- with their updates, the memory its company may read (newest first, at most $9), the wake's text ($4: the
+-- wake kind, $5: the message or task id, else NULL) and up to $6 passages matching that text cut to $10
+-- bytes: every term, or else any term (search_passages_all_terms, search_passages_any_term).
+WITH agent AS (
+    SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
+        a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
+        EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $2 AND m.company_id = a.company_id) AS member,
+        d.remember AS default_remember, d.create_task AS default_create_task,
+        d.update_task AS default_update_task, d.close_task AS default_close_task,
+        d.cross_company_task AS default_cross_company_task,
+        o.remember AS own_remember, o.create_task AS own_create_task, o.update_task AS own_update_task,
+        o.close_task AS own_close_task, o.cross_company_task AS own_cross_company_task
+    FROM agents a
+    LEFT JOIN agent_rights d ON d.company_id = a.company_id AND d.agent_id IS NULL
+    LEFT JOIN agent_rights o ON o.company_id = a.company_id AND o.agent_id = a.agent_id
+    WHERE a.agent_id = $1
+), open_tasks AS (
+    SELECT t FROM tasks AS t
+    WHERE t.room_id = $2 AND t.to_agent_id = $1 AND t.status = 'open'
+    ORDER BY t.pos
+    LIMIT $8
+), wake AS (
+    SELECT body AS text FROM messages WHERE $4::text = 'message' AND room_id = $2 AND message_id = $5::uuid
+    UNION ALL
+    SELECT title || E'\n' || body FROM tasks WHERE $4::text = 'task' AND room_id = $2 AND task_id = $5::uuid
+    LIMIT 1
+), search AS (
+    -- The wake text cut to $10 bytes, whole characters only; none when it is blank.
+    SELECT CASE WHEN octet_length(w.text) <= $10 THEN w.text ELSE (
+        SELECT left(w.text, n) FROM generate_series(least(length(w.text), $10), 0, -1) AS n
+        WHERE octet_length(left(w.text, n)) <= $10
+        LIMIT 1
+    ) END AS query
+    FROM wake AS w
+    WHERE w.text ~ '[^[:space:]]'
+), all_terms AS (
+    SELECT ROW(p.passage_id, p.file_id, f.name, p.ordinal, p.text, ts_rank(p.tsv, q.query))::room_context_passage
+        AS passage
+    FROM search
+    CROSS JOIN websearch_to_tsquery('english', search.query) AS q (query)
+    JOIN passages p ON p.room_id = $2 AND p.tsv @@ q.query
+    JOIN files f ON f.file_id = p.file_id
+    ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
+    LIMIT $6
+), any_term AS (
+    SELECT ROW(p.passage_id, p.file_id, f.name, p.ordinal, p.text, ts_rank(p.tsv, q.query))::room_context_passage
+        AS passage
+    FROM search
+    CROSS JOIN LATERAL (
+        SELECT replace(plainto_tsquery('english', search.query)::text, ' & ', ' | ')::tsquery
+    ) AS q (query)
+    JOIN passages p ON p.room_id = $2 AND p.tsv @@ q.query
+    JOIN files f ON f.file_id = p.file_id
+    WHERE NOT EXISTS (SELECT 1 FROM all_terms)
+    ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
+    LIMIT $6
+)
+SELECT agent.*,
+    ARRAY(
+        SELECT ROW(a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
+            a.provider_key_encrypted IS NOT NULL, a.created_at)::room_context_agent
+        FROM room_members m
+        JOIN agents a ON a.company_id = m.company_id
+        WHERE m.room_id = $2
+        ORDER BY m.pos, a.pos
+        LIMIT $7
+    ) AS room_agents,
+    ARRAY(
+        SELECT m FROM messages AS m
+        WHERE m.room_id = $2
+        ORDER BY m.seq DESC
+        LIMIT $3
+    ) AS messages,
+    ARRAY(SELECT t FROM open_tasks) AS open_tasks,
+    ARRAY(
+        SELECT u FROM open_tasks AS o
+        JOIN task_updates AS u ON u.task_id = (o.t).task_id
+        ORDER BY u.pos
+    ) AS task_updates,
+    ARRAY(
+        SELECT ROW(l.memory_id, l.room_id, l.author_kind, l.author_company_id, l.author_person, l.author_agent_id,
+            l.text, l.visibility, l.run_id, l.created_at, l.pos)::room_context_memory
+        FROM memory_lines AS l
+        WHERE l.room_id = $2 AND (l.visibility = 'room' OR l.author_company_id = agent.company_id)
+        ORDER BY l.pos DESC
+        LIMIT $9
+    ) AS memory,
+    (SELECT text FROM wake) AS wake_text,
+    ARRAY(SELECT passage FROM all_terms UNION ALL SELECT passage FROM any_term) AS passages
+FROM agent;
+
+-- name: append_room_events
+-- Appends the events $2 (kinds), $3 (serialized RoomEvents), $4 (audiences) to room $1 with its next
+-- cursors, in order, in one statement; no row when the room is unknown. Bumping rooms.last_event_seq takes
+-- the room row's lock, held to commit, so cursors commit in order: writers run this last, just before
+-- COMMIT, and take every other lock (membership rows first) before it.
+WITH next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + cardinality($2::text[]) WHERE room_id = $1
+    RETURNING last_event_seq
+)
+INSERT INTO room_events (room_id, seq, kind, detail, audience_company_id)
+SELECT $1, next.last_event_seq - cardinality($2::text[]) + e.n, e.kind, e.detail, e.audience
+FROM next, unnest($2::text[], $3::bytea[], $4::uuid[]) WITH ORDINALITY AS e (kind, detail, audience, n)
+RETURNING seq;

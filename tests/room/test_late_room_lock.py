@@ -1,0 +1,153 @@
+"""Writes take the room row's lock (the event cursor) last: what still holds with it taken late.
+
+A post holds its author's membership row FOR SHARE from its checks to COMMIT, so a departure (which
+deletes that row before it takes the room row) waits for the post and its event comes after the post's.
+Two posts with one dedupe key that both pass the check record one message: the second, which waited for
+the room row, fails on the unique key, rolls back whole and finds the first on its retry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
+
+import asyncpg
+import pytest
+from cryptography.fernet import Fernet
+
+from quayutec.crypto import MultiFernet
+from quayutec.errors import PermissionDenied
+from quayutec.v1 import common_pb2, room_pb2
+from services.room.store import AuthorRef, Posted, RoomStore, RunRecord
+from tests.room.conftest import Stub, World
+
+WAIT_SECONDS = 20.0
+Hook = Callable[[asyncpg.Connection], Awaitable[None]]
+
+
+@pytest.fixture
+async def store(pool: asyncpg.Pool) -> RoomStore:
+    return RoomStore(pool, MultiFernet([Fernet(Fernet.generate_key())]))
+
+
+def bolt_person(world: World) -> AuthorRef:
+    return AuthorRef(kind="person", company_id=world.bolt.company_id, person="bo")
+
+
+def held_open() -> tuple[asyncio.Event, asyncio.Event, Callable[[asyncpg.Connection], Awaitable[None]]]:
+    """A between_writes hook that stops the post after its message (room row locked) until released."""
+    inside, release = asyncio.Event(), asyncio.Event()
+
+    async def hold(conn: asyncpg.Connection) -> None:
+        inside.set()
+        await release.wait()
+
+    return inside, release, hold
+
+
+async def locks_awaited(pool: asyncpg.Pool) -> int:
+    """How many backends of this database wait for a lock now."""
+    return int(
+        await pool.fetchval(
+            "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE NOT l.granted AND a.datname = current_database()"
+        )
+    )
+
+
+async def until_locks_are_awaited(pool: asyncpg.Pool, count: int = 1) -> None:
+    """Returns once ``count`` backends of this database wait for a lock (bounded)."""
+    async with asyncio.timeout(WAIT_SECONDS):
+        while await locks_awaited(pool) < count:  # noqa: ASYNC110 - the waits are in PostgreSQL
+            await asyncio.sleep(0.02)
+
+
+async def event_kinds(pool: asyncpg.Pool, room_id: str) -> list[str]:
+    rows = await pool.fetch("SELECT kind FROM room_events WHERE room_id = $1 ORDER BY seq", uuid.UUID(room_id))
+    return [r["kind"] for r in rows]
+
+
+async def test_a_departure_waits_for_a_post_past_its_checks_and_its_event_comes_after(
+    store: RoomStore, pool: asyncpg.Pool, room: Stub, world: World, database_url: str
+) -> None:
+    # The post is stopped after its checks, before it takes the room row: its ledger row is locked by
+    # another connection, so its upsert waits there.
+    run = common_pb2.Run(
+        run_id="run-held",
+        agent_id=world.bolt_agent.agent_id,
+        room_id=world.room_id,
+        status=common_pb2.RUN_STATUS_RUNNING,
+        step=common_pb2.RUN_STEP_MODEL_CALLED,
+    )
+    await store.record_run(run)
+    blocker = await asyncpg.connect(database_url)
+    try:
+        await blocker.execute("BEGIN")
+        await blocker.execute("SELECT 1 FROM runs WHERE run_id = 'run-held' FOR UPDATE")
+        posting = asyncio.create_task(
+            store.post_message(
+                room_id=world.room_id,
+                author=bolt_person(world),
+                body="last words",
+                mention_agent_ids=[],
+                run_id=None,
+                dedupe_key=None,
+                run=RunRecord(run),
+            )
+        )
+        await until_locks_are_awaited(pool, 1)  # the post, past its checks, waits for its ledger row
+        leave = room_pb2.RoomServiceLeaveRoomRequest(room_id=world.room_id, company_id=world.bolt.company_id)
+        leaving = asyncio.ensure_future(room.LeaveRoom(leave, timeout=WAIT_SECONDS))
+        await until_locks_are_awaited(pool, 2)  # the departure waits for the post's membership lock
+        assert not leaving.done() and not posting.done()
+    finally:
+        await blocker.execute("COMMIT")
+        await blocker.close()
+    await posting
+    await leaving
+    assert (await event_kinds(pool, world.room_id))[-2:] == ["message_posted", "member_left"]
+    with pytest.raises(PermissionDenied):
+        await store.post_message(
+            room_id=world.room_id,
+            author=bolt_person(world),
+            body="after leaving",
+            mention_agent_ids=[],
+            run_id=None,
+            dedupe_key=None,
+        )
+
+
+async def test_two_posts_with_one_dedupe_key_record_one_message(
+    store: RoomStore, pool: asyncpg.Pool, world: World
+) -> None:
+    def post(
+        between_writes: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
+    ) -> Coroutine[Any, Any, Posted]:
+        return store.post_message(
+            room_id=world.room_id,
+            author=bolt_person(world),
+            body="once",
+            mention_agent_ids=[world.acme_agent.agent_id],
+            run_id=None,
+            dedupe_key="once",
+            between_writes=between_writes,
+        )
+
+    inside, release, hold = held_open()
+    first = asyncio.create_task(post(hold))
+    try:
+        await asyncio.wait_for(inside.wait(), WAIT_SECONDS)
+        second = asyncio.create_task(post())  # passes its check (the first is not committed), then waits
+        await until_locks_are_awaited(pool)
+    finally:
+        release.set()
+    one, other = await first, await second
+    assert not one.deduplicated and other.deduplicated
+    assert other.row["message_id"] == one.row["message_id"]
+    assert [w["wake_id"] for w in other.wakes] == [w["wake_id"] for w in one.wakes] and len(one.wakes) == 1
+    room_id = uuid.UUID(world.room_id)
+    assert await pool.fetchval("SELECT count(*) FROM messages WHERE room_id = $1", room_id) == 1
+    assert await pool.fetchval("SELECT last_seq FROM rooms WHERE room_id = $1", room_id) == 1  # no gap
+    assert (await event_kinds(pool, world.room_id)).count("message_posted") == 1
