@@ -262,7 +262,7 @@ def define_dbos_workflow(side: DbosSide) -> Callable[..., Coroutine[Any, Any, st
     @DBOS.step()
     async def record_run(row: dict[str, Any]) -> None:
         await side.pool.fetchrow(
-            q["upsert_run"],
+            q["upsert_run_with_before"],
             row["run_id"],
             uuid.UUID(row["agent_id"]),
             uuid.UUID(row["company_id"]),

@@ -1021,7 +1021,7 @@ class RoomStore:
             if existing is not None:
                 return await self._waitpoint_rows(conn, existing)
             if run is not None:
-                parked = await conn.fetchrow(self._q["upsert_run"], *_run_args(run))
+                parked = await conn.fetchrow(self._q["upsert_run_with_before"], *_run_args(run))
             else:
                 parked = await conn.fetchrow(self._q["park_run"], run_id)
             if parked is None:
@@ -1232,7 +1232,7 @@ def _action_of(run: common_pb2.Run, index: int) -> common_pb2.DeclaredAction:
 
 
 def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:
-    """The ``upsert_run`` parameters of a ledger row."""
+    """The ``upsert_run_with_before`` parameters of a ledger row."""
     started = run.started_at.ToDatetime(tzinfo=UTC) if run.HasField("started_at") else None
     ended = run.ended_at.ToDatetime(tzinfo=UTC) if run.HasField("ended_at") else None
     return (

@@ -379,34 +379,6 @@ WHERE p.room_id = $1 AND p.tsv @@ q.query
 ORDER BY rank DESC, f.pos, p.ordinal
 LIMIT $3;
 
--- name: upsert_run
--- The whole ledger row as it now stands; an ended row is left alone (no row returned).
-INSERT INTO runs (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at)
-VALUES ($1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8, $9,
-    $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17)
-ON CONFLICT (run_id) DO UPDATE SET
-    agent_id = EXCLUDED.agent_id,
-    company_id = EXCLUDED.company_id,
-    room_id = EXCLUDED.room_id,
-    wake_id = EXCLUDED.wake_id,
-    wake_kind = EXCLUDED.wake_kind,
-    wake_source_id = EXCLUDED.wake_source_id,
-    status = EXCLUDED.status,
-    step = EXCLUDED.step,
-    posted_message_id = EXCLUDED.posted_message_id,
-    actions = EXCLUDED.actions,
-    model_attempts = EXCLUDED.model_attempts,
-    error = EXCLUDED.error,
-    trace_id = EXCLUDED.trace_id,
-    active_ms = EXCLUDED.active_ms,
-    started_at = COALESCE($16::timestamptz, runs.started_at),
-    updated_at = now(),
-    ended_at = EXCLUDED.ended_at
-WHERE runs.ended_at IS NULL
-RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos;
-
 -- name: stale_running_runs
 -- RUNNING rows untouched for $1 seconds, and PARKED rows whose waitpoint was completed or expired
 -- $1 seconds ago yet which never continued (their continuation died before recording RUNNING);
@@ -639,7 +611,8 @@ WITH removed AS (
 SELECT count(*) FROM removed;
 
 -- name: upsert_run_with_before
--- upsert_run, and the row's status before it in status_before (NULL: there was no row).
+-- The whole ledger row as it now stands, and its status before in status_before (NULL: there was no
+-- row); an ended row is left alone (no row returned).
 WITH before AS (
     SELECT status FROM runs WHERE run_id = $1
 ), up AS (
