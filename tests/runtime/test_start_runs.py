@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import grpc
 import pytest
+from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from quayutec.telemetry import SpanCapture, configure_for_tests
@@ -180,11 +181,13 @@ async def test_each_item_runs_in_the_trace_its_traceparent_names(
     assert [r.trace_id for r in runs] == trace_ids  # the ledger names each wake's own trace
     await asyncio.to_thread(capture.force_flush)
     spans = exporter.get_finished_spans()
+
+    def attr(span: ReadableSpan, key: str) -> object:
+        return (span.attributes or {}).get(key)
+
     for wake, trace_id, parent, run in zip(batch, trace_ids, parents, runs, strict=True):
-        (start,) = [
-            sp for sp in spans if sp.name == "StartRun" and sp.attributes.get("quayutec.wake_id") == wake.wake_id
-        ]
-        (run_span,) = [sp for sp in spans if sp.name == "run" and sp.attributes.get("quayutec.run_id") == run.run_id]
+        (start,) = [sp for sp in spans if sp.name == "StartRun" and attr(sp, "quayutec.wake_id") == wake.wake_id]
+        (run_span,) = [sp for sp in spans if sp.name == "run" and attr(sp, "quayutec.run_id") == run.run_id]
         assert format(start.context.trace_id, "032x") == trace_id
         assert start.parent is not None and format(start.parent.span_id, "016x") == parent.split("-")[2]
         assert format(run_span.context.trace_id, "032x") == trace_id
