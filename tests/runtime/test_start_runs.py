@@ -6,19 +6,26 @@ from __future__ import annotations
 import asyncio
 import secrets
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import grpc
+import httpx
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from quayutec.telemetry import SpanCapture, configure_for_tests
-from quayutec.v1 import claims_pb2, common_pb2, runtime_pb2
-from services.runtime.run import run_id_for
-from services.runtime.servicer import MAX_START_RUNS_ITEMS
+from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, room_pb2_grpc, runtime_pb2
+from services.runtime.backend import RetryingRoom
+from services.runtime.claims_client import ClaimsClient
+from services.runtime.model import RealClock, RetryPolicy
+from services.runtime.run import RunExecutor, run_id_for
+from services.runtime.servicer import MAX_START_RUNS_ITEMS, RuntimeServicer
 from services.runtime.standin import StandinProvider
+from tests.harness.channels import service_channel
 from tests.harness.claims import running_claims
 from tests.harness.room import running_room
+from tests.harness.runtime import runtime_config
 from tests.runtime.test_runs import Stack, _stack, wake_a
 from tests.runtime.world import start_request
 
@@ -192,3 +199,73 @@ async def test_each_item_runs_in_the_trace_its_traceparent_names(
         assert start.parent is not None and format(start.parent.span_id, "016x") == parent.split("-")[2]
         assert format(run_span.context.trace_id, "032x") == trace_id
         assert run_span.parent is not None and run_span.parent.span_id == start.context.span_id
+
+
+class GatedClaims:
+    """The real Claims stub behind a gate: each ClaimOnce / ClaimMany waits for ``gate`` (``asked``
+    is set when one has arrived), then goes to Claims as it was sent (``answered`` once it has)."""
+
+    def __init__(self, stub: claims_pb2_grpc.ClaimsServiceStub) -> None:
+        self._stub = stub
+        self.gate = asyncio.Event()
+        self.asked = asyncio.Event()
+        self.answered = asyncio.Event()
+
+    async def ClaimOnce(self, request: claims_pb2.ClaimOnceRequest, **kwargs: Any) -> Any:
+        return await self._pass("ClaimOnce", request, kwargs)
+
+    async def ClaimMany(self, request: claims_pb2.ClaimManyRequest, **kwargs: Any) -> Any:
+        return await self._pass("ClaimMany", request, kwargs)
+
+    async def _pass(self, method: str, request: Any, kwargs: dict[str, Any]) -> Any:
+        self.asked.set()
+        await self.gate.wait()
+        answer = await getattr(self._stub, method)(request, **kwargs)
+        self.answered.set()
+        return answer
+
+
+class CallContext:
+    """What StartRuns reads of its gRPC context: the time left of the call."""
+
+    def time_remaining(self) -> float:
+        return 30.0
+
+
+async def test_a_cancelled_call_starts_none_of_its_items(stack: Stack, backends: tuple[str, str]) -> None:
+    claims_addr, room_addr = backends
+    batch = await wakes(stack, 2)
+    async with (
+        service_channel(claims_addr, "runtime") as claims_channel,
+        service_channel(room_addr, "runtime") as room_channel,
+        httpx.AsyncClient() as http,
+    ):
+        gated = GatedClaims(claims_pb2_grpc.ClaimsServiceStub(claims_channel))
+        claims = ClaimsClient(gated)
+        executor = RunExecutor(
+            config=runtime_config(claims_addr, room_addr),
+            claims=claims,
+            room=RetryingRoom(room_pb2_grpc.RoomServiceStub(room_channel), retry_seconds=1.0),
+            http=http,
+            owner_http=http,
+            policy=RetryPolicy(),
+            clock=RealClock(),
+        )
+        servicer = RuntimeServicer(executor)
+        call = asyncio.create_task(servicer.StartRuns(items(*(start_request(w) for w in batch)), CallContext()))
+        await gated.asked.wait()  # the items' claims have left and wait at the gate
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        gated.gate.set()  # the claims now commit, after their callers were cancelled
+        await gated.answered.wait()
+        await claims.close()
+        assert [await claimed(stack, w) for w in batch] == [True, True]  # claimed, never to be acted on again
+        # ... and not started: no run in the Runtime, none in the ledger, no model request.
+        await executor.shutdown(1.0)
+        assert executor._active == 0
+    for wake in batch:
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await stack.world.run(run_id_for(wake.agent_id, wake.wake_id))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+    assert stack.standin.requests(stack.world.model_a) == []
