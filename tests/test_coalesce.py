@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import pytest
 from opentelemetry import context as otel_context
@@ -54,16 +55,32 @@ async def _nothing() -> None:
     return None
 
 
-async def first_call_held(coalescer: Coalescer[str, str], send: Recorder, item: str = "first") -> asyncio.Task[str]:
-    """Submit ``item`` and return once its call is out and held back."""
-    send.held = True
-    task = asyncio.create_task(coalescer.submit(item))
-    await send.called.wait()
-    return task
-
-
 def submit_all(coalescer: Coalescer[str, str], items: Sequence[str]) -> list[asyncio.Task[str]]:
     return [asyncio.create_task(coalescer.submit(item)) for item in items]
+
+
+@dataclass
+class Held:
+    send: Recorder
+    coalescer: Coalescer[str, str]
+    # "first", whose call is out and held back until ``send.release`` is set.
+    first: asyncio.Task[str]
+    # The callers whose items queued behind it, in order.
+    later: list[asyncio.Task[str]]
+
+
+async def behind_a_held_call(
+    items: Sequence[str], *, max_batch: int = 10, name: str = "coalescer", drop_abandoned: bool = False
+) -> Held:
+    """A coalescer whose first call (of "first") is out and held back, with ``items`` queued behind it."""
+    send = Recorder()
+    send.held = True
+    coalescer = Coalescer(send, max_batch=max_batch, name=name, drop_abandoned=drop_abandoned)
+    first = asyncio.create_task(coalescer.submit("first"))
+    await send.called.wait()
+    later = submit_all(coalescer, items)
+    await queued(coalescer, len(items))
+    return Held(send, coalescer, first, later)
 
 
 async def test_a_lone_item_goes_at_once_and_items_of_one_turn_go_together() -> None:
@@ -76,11 +93,8 @@ async def test_a_lone_item_goes_at_once_and_items_of_one_turn_go_together() -> N
 
 
 async def test_items_queued_during_a_call_go_together_in_the_next() -> None:
-    send = Recorder()
-    coalescer = Coalescer(send, max_batch=10)
-    first = await first_call_held(coalescer, send)
-    later = submit_all(coalescer, ["b", "c", "d", "e"])
-    await queued(coalescer, 4)
+    held = await behind_a_held_call(["b", "c", "d", "e"])
+    send, coalescer, first, later = held.send, held.coalescer, held.first, held.later
     assert coalescer.queued == ("b", "c", "d", "e")
     assert send.batches == [["first"]]  # one call in flight at a time
     send.release.set()
@@ -90,12 +104,9 @@ async def test_items_queued_during_a_call_go_together_in_the_next() -> None:
 
 
 async def test_no_call_carries_more_than_max_batch_items() -> None:
-    send = Recorder()
-    coalescer = Coalescer(send, max_batch=3)
-    first = await first_call_held(coalescer, send)
     items = [f"i{n}" for n in range(7)]
-    later = submit_all(coalescer, items)
-    await queued(coalescer, 7)
+    held = await behind_a_held_call(items, max_batch=3)
+    send, first, later = held.send, held.first, held.later
     send.release.set()
     assert await asyncio.gather(first, *later) == ["FIRST", *(i.upper() for i in items)]
     assert send.batches == [["first"], ["i0", "i1", "i2"], ["i3", "i4", "i5"], ["i6"]]
@@ -112,11 +123,8 @@ async def test_each_caller_gets_its_own_answer_in_order() -> None:
 
 
 async def test_a_raising_send_answers_every_caller_of_its_batch_and_the_next_batch_still_goes() -> None:
-    send = Recorder()
-    coalescer = Coalescer(send, max_batch=10)
-    first = await first_call_held(coalescer, send)
-    failing = submit_all(coalescer, ["a", "boom", "b"])
-    await queued(coalescer, 3)
+    held = await behind_a_held_call(["a", "boom", "b"])
+    send, coalescer, first, failing = held.send, held.coalescer, held.first, held.later
     send.release.set()
     assert await first == "FIRST"
     errors = await asyncio.gather(*failing, return_exceptions=True)
@@ -153,11 +161,8 @@ async def test_answers_of_the_wrong_length_fail_the_whole_batch() -> None:
 
 
 async def test_a_cancelled_caller_does_not_break_the_others_and_its_item_is_still_sent() -> None:
-    send = Recorder()
-    coalescer = Coalescer(send, max_batch=10)
-    first = await first_call_held(coalescer, send)
-    b, c, d = submit_all(coalescer, ["b", "c", "d"])
-    await queued(coalescer, 3)
+    held = await behind_a_held_call(["b", "c", "d"])
+    send, coalescer, first, (b, c, d) = held.send, held.coalescer, held.first, held.later
     c.cancel()
     first.cancel()  # its call is in flight: the answer that comes is dropped
     send.release.set()
@@ -170,11 +175,8 @@ async def test_a_cancelled_caller_does_not_break_the_others_and_its_item_is_stil
 
 
 async def test_with_drop_abandoned_an_item_given_up_before_its_batch_left_is_not_sent() -> None:
-    send = Recorder()
-    coalescer = Coalescer(send, max_batch=10, drop_abandoned=True)
-    first = await first_call_held(coalescer, send)
-    b, c, d = submit_all(coalescer, ["b", "c", "d"])
-    await queued(coalescer, 3)
+    held = await behind_a_held_call(["b", "c", "d"], drop_abandoned=True)
+    send, coalescer, first, (b, c, d) = held.send, held.coalescer, held.first, held.later
     c.cancel()
     with pytest.raises(TimeoutError):  # a caller that times out around submit gives up alike
         async with asyncio.timeout(0):
@@ -210,11 +212,8 @@ async def test_each_call_runs_in_the_trace_context_of_its_first_item() -> None:
 
 
 async def test_drain_sends_what_is_queued_then_the_sender_stops() -> None:
-    send = Recorder()
-    coalescer = Coalescer(send, max_batch=2)
-    first = await first_call_held(coalescer, send)
-    later = submit_all(coalescer, ["b", "c", "d"])
-    await queued(coalescer, 3)
+    held = await behind_a_held_call(["b", "c", "d"], max_batch=2)
+    send, coalescer, first, later = held.send, held.coalescer, held.first, held.later
     draining = asyncio.create_task(coalescer.drain(None))
     send.release.set()
     await draining
@@ -225,11 +224,8 @@ async def test_drain_sends_what_is_queued_then_the_sender_stops() -> None:
 
 
 async def test_a_drain_that_gives_up_cancels_the_sender_and_fails_the_callers_left() -> None:
-    send = Recorder()
-    coalescer = Coalescer(send, max_batch=10, name="settler")
-    first = await first_call_held(coalescer, send)  # never released
-    later = submit_all(coalescer, ["b", "c"])
-    await queued(coalescer, 2)
+    held = await behind_a_held_call(["b", "c"], name="settler")  # never released
+    send, coalescer, first, later = held.send, held.coalescer, held.first, held.later
     await coalescer.drain(0.01)
     results = await asyncio.gather(first, *later, return_exceptions=True)
     assert all(isinstance(r, CoalescerStopped) for r in results)
@@ -239,11 +235,8 @@ async def test_a_drain_that_gives_up_cancels_the_sender_and_fails_the_callers_le
 
 
 async def test_close_fails_every_waiting_caller_and_refuses_later_items() -> None:
-    send = Recorder()
-    coalescer = Coalescer(send, max_batch=10)
-    first = await first_call_held(coalescer, send)  # never released: close cancels the call
-    later = submit_all(coalescer, ["b", "c"])
-    await queued(coalescer, 2)
+    held = await behind_a_held_call(["b", "c"])  # never released: close cancels the call
+    send, coalescer, first, later = held.send, held.coalescer, held.first, held.later
     closed = ConnectionError("closed for the night")
     await coalescer.close(closed)
     results = await asyncio.gather(first, *later, return_exceptions=True)
