@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -118,8 +118,7 @@ class Coalescer(Generic[ItemT, AnswerT]):
     async def close(self, error: BaseException) -> None:
         """Answer every caller still waiting with ``error``, stop the sender, and refuse later items."""
         self._closed = error
-        for queued in (*self._in_flight, *self._queue):
-            _fail(queued, error)
+        _fail_all((*self._in_flight, *self._queue), error)
         self._queue.clear()
         sender, self._sender = self._sender, None
         if sender is not None:
@@ -144,9 +143,8 @@ class Coalescer(Generic[ItemT, AnswerT]):
                 finally:
                     self._in_flight = []
         except BaseException:  # cancelled: what is still queued will not be sent by this sender
-            stopped = CoalescerStopped(f"{self._name}: stopped before this item was sent")
-            while self._queue:
-                _fail(self._queue.popleft(), stopped)
+            _fail_all(self._queue, CoalescerStopped(f"{self._name}: stopped before this item was sent"))
+            self._queue.clear()
             raise
         finally:
             if self._sender is asyncio.current_task():
@@ -157,26 +155,26 @@ class Coalescer(Generic[ItemT, AnswerT]):
         try:
             answers = await self._send([q.item for q in batch])
         except Exception as exc:
-            for queued in batch:
-                _fail(queued, exc)
+            _fail_all(batch, exc)
             return
         except BaseException:  # the sender was cancelled: its callers were not, they get an error
-            stopped = CoalescerStopped(f"{self._name}: stopped while sending this item's batch")
-            for queued in batch:
-                _fail(queued, stopped)
+            _fail_all(batch, CoalescerStopped(f"{self._name}: stopped while sending this item's batch"))
             raise
         finally:
             otel_context.detach(token)
         if len(answers) != len(batch):
-            error = RuntimeError(f"{self._name}: send answered {len(answers)} answers to a batch of {len(batch)} items")
-            for queued in batch:
-                _fail(queued, error)
+            _fail_all(
+                batch,
+                RuntimeError(f"{self._name}: send answered {len(answers)} answers to a batch of {len(batch)} items"),
+            )
             return
         for queued, answer in zip(batch, answers, strict=True):
             if not queued.answer.done():  # its caller may have stopped waiting meanwhile
                 queued.answer.set_result(answer)
 
 
-def _fail(queued: _Queued[ItemT, AnswerT], error: BaseException) -> None:
-    if not queued.answer.done():
-        queued.answer.set_exception(error)
+def _fail_all(queued: Iterable[_Queued[ItemT, AnswerT]], error: BaseException) -> None:
+    """Answer ``error`` to each caller still waiting (one that stopped waiting is skipped)."""
+    for each in queued:
+        if not each.answer.done():
+            each.answer.set_exception(error)
