@@ -37,6 +37,7 @@ from bench.common import (
     parse_concurrency,
     percentile,
     post_mention,
+    postgres_cpu_seconds,
     postgres_server,
     print_table,
     room_callers,
@@ -168,9 +169,9 @@ async def amain(opts: argparse.Namespace) -> None:
                             # A fresh room per level, so every level starts from the same room size.
                             world = await make_gateway_world(room, pool, gateway_channel, f"{tag}-{c}")
                             await end_to_end(world, watcher, opts.warmup, c)
-                            before = cpu_seconds(stack)
+                            before = cpu_seconds(stack, admin_url)
                             e2e = await end_to_end(world, watcher, opts.wakes, c)
-                            after = cpu_seconds(stack)
+                            after = cpu_seconds(stack, admin_url)
                             e2e.cpu_ms_per_wake = {n: (after[n] - before[n]) * 1000 / opts.wakes for n in sorted(after)}
                             base = await post_only(world, opts.wakes, c)
                             results += [e2e, base]
@@ -181,14 +182,18 @@ async def amain(opts: argparse.Namespace) -> None:
     report(results, concurrencies, opts.poll_interval, time.monotonic() - started)
 
 
-def cpu_seconds(stack: Any) -> dict[str, float]:
-    """User + system CPU seconds each service process has used so far."""
+def cpu_seconds(stack: Any, admin_url: str) -> dict[str, float]:
+    """User + system CPU seconds each service process has used so far, and the embedded PostgreSQL
+    ("postgres", all its processes) when the bench started one."""
     import psutil
 
     out = {}
     for name, proc in stack.procs.items():
         times = psutil.Process(proc.pid).cpu_times()
         out[name] = times.user + times.system
+    postgres = postgres_cpu_seconds(admin_url)
+    if postgres is not None:
+        out["postgres"] = postgres
     return out
 
 
@@ -209,11 +214,24 @@ def report(results: Sequence[Measured], concurrencies: list[int], poll: float, s
     print(f"\nend-to-end / post-only: {', '.join(ratios)}")
     cpu = [m for m in results if m.cpu_ms_per_wake]
     if cpu:
-        names = sorted(cpu[0].cpu_ms_per_wake)
-        print("\nCPU ms per end-to-end wake, by service process (user + system over the measured wakes):\n")
+        names = sorted(n for n in cpu[0].cpu_ms_per_wake if n != "postgres")
+        db = ["postgres"] if "postgres" in cpu[0].cpu_ms_per_wake else []
+        print(
+            "\nCPU ms per end-to-end wake, by service process and, with the embedded database, PostgreSQL's"
+            "\nprocesses (user + system over the measured wakes):\n"
+        )
         print_table(
-            ["posters", *names, "all"],
-            [[m.concurrency, *(m.cpu_ms_per_wake[n] for n in names), sum(m.cpu_ms_per_wake.values())] for m in cpu],
+            ["posters", *names, "services", *db, *(["all"] if db else [])],
+            [
+                [
+                    m.concurrency,
+                    *(m.cpu_ms_per_wake[n] for n in names),
+                    sum(m.cpu_ms_per_wake[n] for n in names),
+                    *(m.cpu_ms_per_wake[n] for n in db),
+                    *([sum(m.cpu_ms_per_wake.values())] if db else []),
+                ]
+                for m in cpu
+            ],
         )
     print(f"bench took {seconds:.0f} s")
 
