@@ -53,7 +53,12 @@ from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
 from services.client import GatewayClient
 from services.gateway.auth import create_api_key
 
-REPLIES_QUERY = "SELECT run_id, created_at FROM messages WHERE run_id = ANY($1::text[])"
+# By primary keys (the ledger row names its reply in the reply's own transaction): messages has no
+# index on run_id, and a scan of it on every poll would put the bench's own load on PostgreSQL.
+REPLIES_QUERY = (
+    "SELECT r.run_id, m.created_at FROM runs r JOIN messages m ON m.message_id = NULLIF(r.posted_message_id, '')::uuid "
+    "WHERE r.run_id = ANY($1::text[])"
+)
 ROOM_WAIT_SECONDS = 600.0
 
 
