@@ -7,9 +7,11 @@ All four services run as processes on one PostgreSQL (``DATABASE_URL``'s server 
 one). P posters each post a message mentioning the agent through Gateway PostMessage and wait for
 its reply (closed loop: P wakes in flight). Latency per wake = the reply's created_at minus the
 posted message's created_at (both stamped by PostgreSQL); CPU per wake = each service process's
-user + system CPU over the measured wakes, divided by their number (``QY_BENCH_PROFILE=runtime,room``
-runs the named services under cProfile for where it goes); the reply is found by its run_id
-(run_id_for(agent, wake)) with one batched query on the messages table every 2 ms.
+user + system CPU over the measured wakes, divided by their number, and the same for all of the
+embedded PostgreSQL's processes (not shown with ``DATABASE_URL``; it includes the bench's own reply
+polling) (``QY_BENCH_PROFILE=runtime,room`` runs the named services under cProfile for where it
+goes); the reply is found by its run_id (run_id_for(agent, wake)) through its ledger row, with one
+batched query every 2 ms.
 """
 
 from __future__ import annotations
