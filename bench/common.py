@@ -35,7 +35,7 @@ import httpx  # noqa: E402
 from cryptography.fernet import Fernet  # noqa: E402
 
 from quayutec.config import ROOM, SERVICES  # noqa: E402
-from quayutec.db import create_pool, embedded_ctl, with_database  # noqa: E402
+from quayutec.db import create_pool, embedded_ctl, embedded_pid, with_database  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
 from quayutec.tls import GATEWAY  # noqa: E402
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtime_pb2  # noqa: E402
@@ -61,13 +61,43 @@ def postgres_server() -> Iterator[str]:
         return
     root = Path(tempfile.mkdtemp(prefix="qy-bench-", dir="/tmp"))
     root.chmod(0o755)  # as root, pgserver runs PostgreSQL as its own user
+    url = ""
     try:
-        yield embedded_ctl("start", root / "pg")
+        url = embedded_ctl("start", root / "pg")
+        _EMBEDDED_PGDATA[url] = root / "pg"
+        yield url
     finally:
+        _EMBEDDED_PGDATA.pop(url, None)
         try:
             embedded_ctl("stop", root / "pg")
         finally:
             shutil.rmtree(root, ignore_errors=True)
+
+
+# The data folder of each embedded PostgreSQL a bench started, by its admin URL.
+_EMBEDDED_PGDATA: dict[str, Path] = {}
+
+
+def postgres_cpu_seconds(admin_url: str) -> float | None:
+    """User + system CPU seconds used so far by the embedded PostgreSQL behind ``admin_url`` (its
+    postmaster, every live child and the children it has reaped); None for ``DATABASE_URL``'s server,
+    whose processes may not be ours to see."""
+    import psutil
+
+    pgdata = _EMBEDDED_PGDATA.get(admin_url)
+    pid = embedded_pid(pgdata) if pgdata is not None else None
+    if pid is None:
+        return None
+    postmaster = psutil.Process(pid)
+    times = postmaster.cpu_times()
+    total = times.user + times.system + times.children_user + times.children_system
+    for child in postmaster.children(recursive=True):
+        try:
+            child_times = child.cpu_times()
+        except psutil.NoSuchProcess:  # ended meanwhile: counted in the reaped children's times
+            continue
+        total += child_times.user + child_times.system
+    return float(total)
 
 
 async def create_database(admin_url: str, prefix: str = "qy_bench") -> str:

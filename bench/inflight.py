@@ -75,10 +75,12 @@ ROOM_WAIT_SECONDS = 600.0
 POST_PARALLEL = 256
 SAMPLE_SECONDS = 0.1
 STALL_SECONDS = 30.0
-REPLIES_DONE = "SELECT count(*) FROM messages WHERE run_id = ANY($1::text[])"
+# By primary keys (a ledger row names its reply in the reply's own transaction): messages has no
+# index on run_id, and scanning it on every poll would load PostgreSQL with the bench's own work.
+REPLIES_DONE = "SELECT count(*) FROM runs WHERE run_id = ANY($1::text[]) AND posted_message_id <> ''"
 RESULTS = (
-    "SELECT m.run_id, m.created_at, r.model_attempts FROM messages m JOIN runs r ON r.run_id = m.run_id "
-    "WHERE m.run_id = ANY($1::text[])"
+    "SELECT r.run_id, m.created_at, r.model_attempts FROM runs r "
+    "JOIN messages m ON m.message_id = NULLIF(r.posted_message_id, '')::uuid WHERE r.run_id = ANY($1::text[])"
 )
 IN_FLIGHT = "SELECT count(*) FROM runs WHERE ended_at IS NULL"
 

@@ -238,24 +238,28 @@ def define_dbos_workflow(side: DbosSide) -> Callable[..., Coroutine[Any, Any, st
 
     @DBOS.step()
     async def post_reply(room_id: str, company_id: str, agent_id: str, run_id: str, text: str) -> str:
+        # The Room's own two statements for a post (its checks, then the message), without its events.
         async with side.pool.acquire() as conn, conn.transaction():
-            room_uuid = uuid.UUID(room_id)
-            await conn.fetchval(q["lock_room_for_post"], room_uuid)
+            room_uuid, company_uuid, agent_uuid = uuid.UUID(room_id), uuid.UUID(company_id), uuid.UUID(agent_id)
             dedupe = f"run:{run_id}:reply"
-            found = await conn.fetchrow(q["find_message_by_dedupe"], room_uuid, dedupe)
-            if found is not None:
-                return str(found["message_id"])
+            check = await conn.fetchrow(q["post_check"], room_uuid, company_uuid, agent_uuid, [], dedupe)
+            if check["earlier"] is not None:
+                return str(check["earlier"]["message_id"])
+            message_id = uuid.uuid4()
             row = await conn.fetchrow(
-                q["insert_message"],
+                q["insert_message_with_wakes"],
                 room_uuid,
+                message_id,
                 "agent",
-                uuid.UUID(company_id),
+                company_uuid,
                 None,
-                uuid.UUID(agent_id),
+                agent_uuid,
                 text,
                 [],
                 run_id,
                 dedupe,
+                [],
+                str(message_id),
             )
             return str(row["message_id"])
 

@@ -46,7 +46,13 @@ from bench.common import (
 from quayutec.db import create_pool
 from quayutec.sql import Queries
 from quayutec.v1 import common_pb2, room_pb2
-from services.room.store import QUERIES_PATH
+from services.room.store import (
+    MEMORY_LIMIT,
+    OPEN_TASKS_LIMIT,
+    PASSAGE_QUERY_BYTES,
+    QUERIES_PATH,
+    ROOM_AGENTS_LIMIT,
+)
 
 ROOM_WAIT_SECONDS = 600.0
 LEASE_BATCH = 10
@@ -178,15 +184,33 @@ async def explain(pool: asyncpg.Pool, world: World) -> None:
     """EXPLAIN ANALYZE of the hot queries, each in a transaction rolled back."""
     q = Queries(QUERIES_PATH)
     room_id, agent_id, company_id = (uuid.UUID(x) for x in (world.room_id, world.agent_id, world.company_id))
+    message_id = uuid.uuid4()
+    author = ("person", company_id, "bench", None)
+    insert_args = (room_id, message_id, *author, "explained", [agent_id], None, None, [agent_id], str(message_id))
+    run_context_args = (
+        agent_id,
+        room_id,
+        20,
+        "message",
+        None,
+        5,
+        ROOM_AGENTS_LIMIT,
+        OPEN_TASKS_LIMIT,
+        MEMORY_LIMIT,
+        PASSAGE_QUERY_BYTES,
+    )
+    # What PostMessage, ReadRunContext, LeaseWakes and the Gateway's housekeeping send, as they send it.
     plans: list[tuple[str, str, tuple[Any, ...]]] = [
+        ("post_check", q["post_check"], (room_id, company_id, None, [agent_id], "explained")),
+        (
+            "insert_message_with_wakes",
+            q["insert_message_with_wakes"],
+            insert_args,
+        ),
+        ("run_context", q["run_context"], run_context_args),
         ("lease_wakes", q["lease_wakes"], ("explain", 10, 60)),
         ("count_pending_wakes", q["count_pending_wakes"], ()),
         ("list_messages_newest_first", q["list_messages_newest_first"], (room_id, 2**62, 20)),
-        (
-            "insert_message",
-            q["insert_message"],
-            (room_id, "person", company_id, "bench", None, "explained", [agent_id], None, None),
-        ),
         ("stale_running_runs", q["stale_running_runs"], (600, 100)),
         ("delete_delivered_wakes", q["delete_delivered_wakes"], (1800, 1000)),
     ]

@@ -7,9 +7,11 @@ All four services run as processes on one PostgreSQL (``DATABASE_URL``'s server 
 one). P posters each post a message mentioning the agent through Gateway PostMessage and wait for
 its reply (closed loop: P wakes in flight). Latency per wake = the reply's created_at minus the
 posted message's created_at (both stamped by PostgreSQL); CPU per wake = each service process's
-user + system CPU over the measured wakes, divided by their number (``QY_BENCH_PROFILE=runtime,room``
-runs the named services under cProfile for where it goes); the reply is found by its run_id
-(run_id_for(agent, wake)) with one batched query on the messages table every 2 ms.
+user + system CPU over the measured wakes, divided by their number, and the same for all of the
+embedded PostgreSQL's processes (not shown with ``DATABASE_URL``; it includes the bench's own reply
+polling) (``QY_BENCH_PROFILE=runtime,room`` runs the named services under cProfile for where it
+goes); the reply is found by its run_id (run_id_for(agent, wake)) through its ledger row, with one
+batched query every 2 ms.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from bench.common import (
     parse_concurrency,
     percentile,
     post_mention,
+    postgres_cpu_seconds,
     postgres_server,
     print_table,
     room_callers,
@@ -52,7 +55,12 @@ from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
 from services.client import GatewayClient
 from services.gateway.auth import create_api_key
 
-REPLIES_QUERY = "SELECT run_id, created_at FROM messages WHERE run_id = ANY($1::text[])"
+# By primary keys (the ledger row names its reply in the reply's own transaction): messages has no
+# index on run_id, and a scan of it on every poll would put the bench's own load on PostgreSQL.
+REPLIES_QUERY = (
+    "SELECT r.run_id, m.created_at FROM runs r JOIN messages m ON m.message_id = NULLIF(r.posted_message_id, '')::uuid "
+    "WHERE r.run_id = ANY($1::text[])"
+)
 ROOM_WAIT_SECONDS = 600.0
 
 
@@ -168,9 +176,9 @@ async def amain(opts: argparse.Namespace) -> None:
                             # A fresh room per level, so every level starts from the same room size.
                             world = await make_gateway_world(room, pool, gateway_channel, f"{tag}-{c}")
                             await end_to_end(world, watcher, opts.warmup, c)
-                            before = cpu_seconds(stack)
+                            before = cpu_seconds(stack, admin_url)
                             e2e = await end_to_end(world, watcher, opts.wakes, c)
-                            after = cpu_seconds(stack)
+                            after = cpu_seconds(stack, admin_url)
                             e2e.cpu_ms_per_wake = {n: (after[n] - before[n]) * 1000 / opts.wakes for n in sorted(after)}
                             base = await post_only(world, opts.wakes, c)
                             results += [e2e, base]
@@ -181,14 +189,18 @@ async def amain(opts: argparse.Namespace) -> None:
     report(results, concurrencies, opts.poll_interval, time.monotonic() - started)
 
 
-def cpu_seconds(stack: Any) -> dict[str, float]:
-    """User + system CPU seconds each service process has used so far."""
+def cpu_seconds(stack: Any, admin_url: str) -> dict[str, float]:
+    """User + system CPU seconds each service process has used so far, and the embedded PostgreSQL
+    ("postgres", all its processes) when the bench started one."""
     import psutil
 
     out = {}
     for name, proc in stack.procs.items():
         times = psutil.Process(proc.pid).cpu_times()
         out[name] = times.user + times.system
+    postgres = postgres_cpu_seconds(admin_url)
+    if postgres is not None:
+        out["postgres"] = postgres
     return out
 
 
@@ -209,11 +221,24 @@ def report(results: Sequence[Measured], concurrencies: list[int], poll: float, s
     print(f"\nend-to-end / post-only: {', '.join(ratios)}")
     cpu = [m for m in results if m.cpu_ms_per_wake]
     if cpu:
-        names = sorted(cpu[0].cpu_ms_per_wake)
-        print("\nCPU ms per end-to-end wake, by service process (user + system over the measured wakes):\n")
+        names = sorted(n for n in cpu[0].cpu_ms_per_wake if n != "postgres")
+        db = ["postgres"] if "postgres" in cpu[0].cpu_ms_per_wake else []
+        print(
+            "\nCPU ms per end-to-end wake, by service process and, with the embedded database, PostgreSQL's"
+            "\nprocesses (user + system over the measured wakes):\n"
+        )
         print_table(
-            ["posters", *names, "all"],
-            [[m.concurrency, *(m.cpu_ms_per_wake[n] for n in names), sum(m.cpu_ms_per_wake.values())] for m in cpu],
+            ["posters", *names, "services", *db, *(["all"] if db else [])],
+            [
+                [
+                    m.concurrency,
+                    *(m.cpu_ms_per_wake[n] for n in names),
+                    sum(m.cpu_ms_per_wake[n] for n in names),
+                    *(m.cpu_ms_per_wake[n] for n in db),
+                    *([sum(m.cpu_ms_per_wake.values())] if db else []),
+                ]
+                for m in cpu
+            ],
         )
     print(f"bench took {seconds:.0f} s")
 

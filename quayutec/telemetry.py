@@ -363,12 +363,17 @@ def annotate(
             target.set_attribute(ID_PREFIX + name, value)
 
 
+# Got once: the SDK builds a new tracer on every get_tracer call (a few % of the Runtime's CPU when
+# it was asked per run). These are proxies until a provider is installed, then use that provider's.
+_DELIVERY = trace.get_tracer(DELIVERY_TRACER)
+_RUN = trace.get_tracer(RUN_TRACER)
+
+
 @contextmanager
 def wake_delivery_span(wake: common_pb2.Wake) -> Iterator[trace.Span]:
     """The root span of one wake's trace ("deliver wake"): StartRun, the run and its calls hang under it."""
     current = trace.get_current_span().get_span_context()
-    tracer = trace.get_tracer(DELIVERY_TRACER)
-    with tracer.start_as_current_span(
+    with _DELIVERY.start_as_current_span(
         "deliver wake",
         context=otel_context.Context(),  # a trace of its own, whatever the poll loop is inside
         kind=SpanKind.PRODUCER,
@@ -386,8 +391,7 @@ def wake_delivery_span(wake: common_pb2.Wake) -> Iterator[trace.Span]:
 @contextmanager
 def run_span(*, run_id: str, agent_id: str = "", room_id: str = "", wake_id: str = "") -> Iterator[trace.Span]:
     """The span of one background run ("run"), a child of the StartRun that claimed it."""
-    tracer = trace.get_tracer(RUN_TRACER)
-    with tracer.start_as_current_span("run", kind=SpanKind.INTERNAL) as span:
+    with _RUN.start_as_current_span("run", kind=SpanKind.INTERNAL) as span:
         annotate(span, agent_id=agent_id, room_id=room_id, wake_id=wake_id, run_id=run_id)
         yield span
 

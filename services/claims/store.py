@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any, cast
 
 import asyncpg
 
@@ -65,7 +67,7 @@ class ClaimStore:
         if self._batcher is not None:
             return await self._batcher.submit((agent_id, wake_id, claimant))
         async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-            async with conn.transaction():
+            async with self._commit_scope(conn):
                 claimed_at = await conn.fetchval(self._queries["claim_once"], agent_id, wake_id, claimant)
                 if claimed_at is not None:
                     await self._delay_commit()
@@ -84,7 +86,7 @@ class ClaimStore:
             first.setdefault((agent_id, wake_id), claimant)
         unique = list(first)
         async with self._pool.acquire(timeout=self._acquire_timeout) as conn:
-            async with conn.transaction():
+            async with self._commit_scope(conn):
                 rows = await conn.fetch(
                     self._queries["claim_many"],
                     [a for a, _ in unique],
@@ -119,6 +121,14 @@ class ClaimStore:
         if row is None:
             return None
         return Claim(agent_id, wake_id, False, row["claimed_at"])
+
+    def _commit_scope(self, conn: asyncpg.Connection) -> AbstractAsyncContextManager[Any]:
+        """Where a claim's one statement commits: by itself (one round trip; a lone statement is its
+        own transaction, as durable as any), or, when tests hold the commit back, inside an explicit
+        transaction that stays open for the delay."""
+        if self._test_commit_delay > 0:
+            return cast(AbstractAsyncContextManager[Any], conn.transaction())
+        return nullcontext()
 
     async def _delay_commit(self) -> None:
         if self._test_commit_delay > 0:

@@ -8,10 +8,10 @@ loses nothing: the leases expire and another replica delivers.
 Beside it, every ``expire_interval_seconds`` the loop has the Room expire overdue waitpoints, whose
 DECISION wakes it then delivers like any other.
 
-Settling is batched: each delivery queues its settlement and waits for it; one SettleWakes call is
-in flight at a time, and the next carries whatever queued meanwhile (the first goes at once, so an
-idle loop adds no delay). A call that fails is logged; those wakes' leases expire and they are
-delivered again, which the claim makes harmless.
+Settling is batched (``quayutec.coalesce.Coalescer``): each delivery queues its settlement and waits
+for it; one SettleWakes call is in flight at a time, and the next carries whatever queued meanwhile
+(the first goes at once, so an idle loop adds no delay). A call that fails is logged; those wakes'
+leases expire and they are delivered again, which the claim makes harmless.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from quayutec.coalesce import Coalescer
 from quayutec.telemetry import Metrics, wake_delivery_span
 from quayutec.v1 import common_pb2, room_pb2, runtime_pb2
 from services.gateway.config import DeliveryConfig
@@ -53,17 +54,6 @@ _SETTLE_BATCH = 500
 # the lease), and the first pause between tries (doubling up to a second).
 _SETTLE_RETRY_SECONDS = 5.0
 _SETTLE_RETRY_FIRST_PAUSE = 0.1
-
-
-@dataclass
-class _Settlement:
-    """One delivery's settlement, queued for the next SettleWakes call."""
-
-    item: room_pb2.WakeToSettle
-    # The delivery's trace context: a batch's call is traced in the trace of its first wake.
-    context: otel_context.Context
-    # True when the Room settled it.
-    done: asyncio.Future[bool]
 
 
 @dataclass(frozen=True)
@@ -163,8 +153,11 @@ class WakeDelivery:
         self._stopping = asyncio.Event()
         self._nudged = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
-        self._settle_queue: list[_Settlement] = []
-        self._settler: asyncio.Task[None] | None = None
+        # Settlements, answered True when the Room settled the wake. A settlement queued by a delivery
+        # cancelled meanwhile is still sent; a batch's call is traced in the trace of its first wake.
+        self._settler: Coalescer[room_pb2.WakeToSettle, bool] = Coalescer(
+            self._send_settlements, max_batch=_SETTLE_BATCH, name=f"wake-settling-{self.lease_owner}"
+        )
         # Until when (event loop time) each wake goes in its own StartRun: the Runtime had no StartRuns.
         self._per_wake_until = 0.0
         # Counters for tests and logs.
@@ -232,12 +225,12 @@ class WakeDelivery:
             if pending:
                 _log.info("stopped with %d deliveries in flight; their leases will expire", len(pending))
                 await asyncio.gather(*pending, return_exceptions=True)
-        settler = self._settler
-        if settler is not None and not settler.done():  # settlements of cancelled deliveries
-            _, unfinished = await asyncio.wait({settler}, timeout=self._config.stop_grace_seconds)
-            for task in unfinished:
-                task.cancel()
-            await asyncio.gather(settler, return_exceptions=True)
+        await self._settler.drain(self._config.stop_grace_seconds)  # settlements of cancelled deliveries
+
+    @property
+    def _settle_queue(self) -> tuple[room_pb2.WakeToSettle, ...]:
+        """The settlements waiting for the next SettleWakes call."""
+        return self._settler.queued
 
     def nudge(self) -> None:
         """New wakes were committed: poll now rather than at the end of the interval."""
@@ -378,21 +371,18 @@ class WakeDelivery:
         if settlement == room_pb2.WAKE_SETTLEMENT_RETRY:
             delay = self._config.retry_delay_seconds(wake.delivery_attempts)
             retry_after_ms = int(delay * (1.0 + _JITTER_FRACTION * self._random()) * 1000)
-        queued = _Settlement(
-            item=room_pb2.WakeToSettle(
-                wake_id=wake.wake_id,
-                lease_owner=self.lease_owner,
-                settlement=settlement,
-                retry_after_ms=retry_after_ms,
-                last_error=error[:_MAX_ERROR_CHARS],
-            ),
-            context=otel_context.get_current(),
-            done=asyncio.get_running_loop().create_future(),
+        item = room_pb2.WakeToSettle(
+            wake_id=wake.wake_id,
+            lease_owner=self.lease_owner,
+            settlement=settlement,
+            retry_after_ms=retry_after_ms,
+            last_error=error[:_MAX_ERROR_CHARS],
         )
-        self._settle_queue.append(queued)
-        if self._settler is None or self._settler.done():
-            self._settler = asyncio.create_task(self._settle_queued(), name=f"wake-settling-{self.lease_owner}")
-        if not await queued.done:
+        try:
+            settled = await self._settler.submit(item)
+        except Exception:
+            settled = False  # logged for its whole batch by _send_settlements
+        if not settled:
             return  # logged; the lease will expire and the wake be delivered again
         if settlement == room_pb2.WAKE_SETTLEMENT_DELIVERED:
             self.delivered += 1
@@ -400,39 +390,28 @@ class WakeDelivery:
             self.retried += 1
             _log.info("wake %s not delivered (%s); retry in %d ms", wake.wake_id, error, retry_after_ms)
 
-    async def _settle_queued(self) -> None:
-        """Send what is queued in SettleWakes calls, one at a time, until the queue is empty."""
-        while self._settle_queue:
-            batch = self._settle_queue[:_SETTLE_BATCH]
-            del self._settle_queue[:_SETTLE_BATCH]
-            try:
-                token = otel_context.attach(batch[0].context)
-                try:
-                    response = await self._settle_batch(batch)
-                finally:
-                    otel_context.detach(token)
-            except Exception as exc:
-                # The leases will expire and the wakes be delivered again; the claim makes that harmless.
-                _log.warning(
-                    "settling %d wakes failed (%s); their leases will expire and they will be delivered again",
-                    len(batch),
-                    _describe(exc),
-                )
-                _answer(batch, [False] * len(batch))
-                continue
-            except BaseException:
-                _answer(batch, [False] * len(batch))
-                raise
-            for result in response.results:
-                if not result.settled:
-                    _log.warning("settling wake %s failed: %s", result.wake_id, result.error)
-            settled = [r.settled for r in response.results]
-            _answer(batch, settled + [False] * (len(batch) - len(settled)))
+    async def _send_settlements(self, batch: list[room_pb2.WakeToSettle]) -> list[bool]:
+        """One batch of settlements: settled or not, one per item. A call that fails is logged and raised."""
+        try:
+            response = await self._settle_batch(batch)
+        except Exception as exc:
+            # The leases will expire and the wakes be delivered again; the claim makes that harmless.
+            _log.warning(
+                "settling %d wakes failed (%s); their leases will expire and they will be delivered again",
+                len(batch),
+                _describe(exc),
+            )
+            raise
+        for result in response.results:
+            if not result.settled:
+                _log.warning("settling wake %s failed: %s", result.wake_id, result.error)
+        settled = [r.settled for r in response.results][: len(batch)]
+        return settled + [False] * (len(batch) - len(settled))
 
-    async def _settle_batch(self, batch: list[_Settlement]) -> room_pb2.RoomServiceSettleWakesResponse:
+    async def _settle_batch(self, batch: list[room_pb2.WakeToSettle]) -> room_pb2.RoomServiceSettleWakesResponse:
         """One SettleWakes call, tried again on UNAVAILABLE for a bounded time well inside the lease
         (settling twice is harmless: a repeated DELIVERED answers settled, a repeated RETRY refused)."""
-        request = room_pb2.RoomServiceSettleWakesRequest(wakes=[s.item for s in batch])
+        request = room_pb2.RoomServiceSettleWakesRequest(wakes=batch)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + min(_SETTLE_RETRY_SECONDS, self._config.lease_seconds / 4)
         pause = _SETTLE_RETRY_FIRST_PAUSE
@@ -447,12 +426,6 @@ class WakeDelivery:
                     raise
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)
-
-
-def _answer(batch: list[_Settlement], settled: list[bool]) -> None:
-    for queued, ok in zip(batch, settled, strict=True):
-        if not queued.done.done():  # its delivery may have been cancelled meanwhile
-            queued.done.set_result(ok)
 
 
 def _code_name(code: int) -> str:

@@ -19,13 +19,13 @@ older Claims during a rolling upgrade) is asked item by item from then on.
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
+from quayutec.coalesce import Coalescer
 from quayutec.v1 import claims_pb2
 
 _log = logging.getLogger("quayutec.runtime.claims")
@@ -35,24 +35,29 @@ DEFAULT_MAX_ITEMS = 256
 # The shortest deadline given to a call that carries claims (their callers time out on their own).
 MIN_CALL_SECONDS = 0.05
 
+# What one claim is answered: ClaimOnce's answer, or the error of the call asked for it alone.
+_Answer = claims_pb2.ClaimOnceResponse | Exception
 
-@dataclass
-class _Waiter:
+
+@dataclass(slots=True)
+class _Claim:
     request: claims_pb2.ClaimOnceRequest
+    # When its caller stops waiting (the event loop's clock).
     deadline: float
-    future: asyncio.Future[claims_pb2.ClaimOnceResponse] = field(repr=False)
 
 
 class ClaimsClient:
-    """Coalesces concurrent ClaimOnce calls into ClaimMany calls, one call in flight at a time."""
+    """Coalesces concurrent ClaimOnce calls into ClaimMany calls, one call in flight at a time
+    (``quayutec.coalesce.Coalescer``)."""
 
     def __init__(self, stub: Any, *, max_items: int = DEFAULT_MAX_ITEMS) -> None:
         if max_items < 1:
             raise ValueError(f"max_items must be at least 1, got {max_items}")
         self._stub = stub
-        self._max_items = max_items
-        self._queue: collections.deque[_Waiter] = collections.deque()
-        self._sender: asyncio.Task[None] | None = None
+        # A claim whose caller gave up before it left is never sent.
+        self._claims: Coalescer[_Claim, _Answer] = Coalescer(
+            self._send, max_batch=max_items, name="claims client", drop_abandoned=True
+        )
         self._many = True
         self._closed = False
 
@@ -65,54 +70,31 @@ class ClaimsClient:
         """What ClaimOnce answers for ``request``; ``timeout`` bounds this caller's wait."""
         if self._closed:
             raise _status(grpc.StatusCode.UNAVAILABLE, "the Runtime's Claims client is closed")
-        loop = asyncio.get_running_loop()
-        waiter = _Waiter(request, loop.time() + timeout, loop.create_future())
-        self._queue.append(waiter)
-        if self._sender is None:
-            self._sender = loop.create_task(self._send_queued(), name="claims client")
+        claim = _Claim(request, asyncio.get_running_loop().time() + timeout)
         try:
-            return await asyncio.wait_for(waiter.future, timeout)
+            async with asyncio.timeout(timeout):
+                answer = await self._claims.submit(claim)
         except TimeoutError:
             raise _status(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer from Claims within {timeout:.3g} s") from None
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     async def close(self) -> None:
         """Fail what is queued or in flight (UNAVAILABLE) and refuse further claims."""
         self._closed = True
-        sender, self._sender = self._sender, None
-        if sender is not None:
-            sender.cancel()
-            try:
-                await sender
-            except asyncio.CancelledError:
-                pass
-        while self._queue:
-            _fail(self._queue.popleft(), _status(grpc.StatusCode.UNAVAILABLE, "the Runtime's Claims client closed"))
+        await self._claims.close(_status(grpc.StatusCode.UNAVAILABLE, "the Runtime's Claims client closed"))
 
-    async def _send_queued(self) -> None:
-        """Sends what is queued, one call at a time, until the queue is empty."""
-        try:
-            while True:
-                batch: list[_Waiter] = []
-                while self._queue and len(batch) < self._max_items:
-                    waiter = self._queue.popleft()
-                    if not waiter.future.done():  # a caller that gave up before its claim left: not sent
-                        batch.append(waiter)
-                if not batch:
-                    return
-                await self._send(batch)
-        finally:
-            if self._sender is asyncio.current_task():
-                self._sender = None
-
-    async def _send(self, batch: list[_Waiter]) -> None:
+    async def _send(self, batch: list[_Claim]) -> list[_Answer]:
+        """One batch: a lone claim as ClaimOnce, more as one ClaimMany. An error of the whole call is
+        raised (each caller of the batch gets it); a claim asked alone is answered its own error."""
         loop = asyncio.get_running_loop()
-        timeout = max(MIN_CALL_SECONDS, max(w.deadline for w in batch) - loop.time())
+        timeout = max(MIN_CALL_SECONDS, max(c.deadline for c in batch) - loop.time())
         if len(batch) == 1 or not self._many:
-            await asyncio.gather(*(self._send_one(w) for w in batch))
-            return
+            return await self._send_each(batch)
         try:
             response: claims_pb2.ClaimManyResponse = await self._stub.ClaimMany(
-                claims_pb2.ClaimManyRequest(claims=[w.request for w in batch]), timeout=timeout
+                claims_pb2.ClaimManyRequest(claims=[c.request for c in batch]), timeout=timeout
             )
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -121,48 +103,25 @@ class ClaimsClient:
                 self._many = False
             if code in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INVALID_ARGUMENT):
                 # Nothing was written: each claim is asked alone and gets its own answer or error.
-                await asyncio.gather(*(self._send_one(w) for w in batch))
-                return
-            for waiter in batch:
-                _fail(waiter, exc)
-            return
-        except Exception as exc:
-            for waiter in batch:
-                _fail(waiter, exc)
-            return
-        except BaseException:
-            for waiter in batch:
-                waiter.future.cancel()
+                return await self._send_each(batch)
             raise
         answers = response.answers
         if len(answers) != len(batch):
-            error = _status(
+            raise _status(
                 grpc.StatusCode.INTERNAL, f"Claims answered {len(answers)} claims to a ClaimMany of {len(batch)}"
             )
-            for waiter in batch:
-                _fail(waiter, error)
-            return
-        for waiter, answer in zip(batch, answers, strict=True):
-            if not waiter.future.done():
-                waiter.future.set_result(answer)
+        return list(answers)
 
-    async def _send_one(self, waiter: _Waiter) -> None:
-        timeout = max(MIN_CALL_SECONDS, waiter.deadline - asyncio.get_running_loop().time())
+    async def _send_each(self, batch: list[_Claim]) -> list[_Answer]:
+        return list(await asyncio.gather(*(self._send_one(c) for c in batch)))
+
+    async def _send_one(self, claim: _Claim) -> _Answer:
+        timeout = max(MIN_CALL_SECONDS, claim.deadline - asyncio.get_running_loop().time())
         try:
-            answer: claims_pb2.ClaimOnceResponse = await self._stub.ClaimOnce(waiter.request, timeout=timeout)
+            answer: claims_pb2.ClaimOnceResponse = await self._stub.ClaimOnce(claim.request, timeout=timeout)
         except Exception as exc:
-            _fail(waiter, exc)
-        except BaseException:
-            waiter.future.cancel()
-            raise
-        else:
-            if not waiter.future.done():
-                waiter.future.set_result(answer)
-
-
-def _fail(waiter: _Waiter, exc: BaseException) -> None:
-    if not waiter.future.done():
-        waiter.future.set_exception(exc)
+            return exc
+        return answer
 
 
 def _status(code: grpc.StatusCode, details: str) -> grpc.aio.AioRpcError:

@@ -155,7 +155,7 @@ class Ledger:
                 retryable=attempt.retryable,
                 wait_seconds=attempt.wait_seconds,
                 detail=attempt.detail,
-                duration_ms=int(attempt.duration_ms),
+                duration_ms=round(attempt.duration_ms),  # nearest ms (truncating biased it low)
             )
         )
         if attempt.wait_seconds > 0:

@@ -150,11 +150,6 @@ WHERE a.agent_id = ANY ($1::uuid[]);
 -- name: agent_company
 SELECT company_id FROM agents WHERE agent_id = $1;
 
--- name: lock_room_for_post
--- Serializes posts in one room so seq order is commit order (NO KEY UPDATE leaves FK checks unblocked).
--- The Room itself takes this lock late, by insert_message_with_wakes; bench/runs.py's baseline uses it.
-SELECT last_seq FROM rooms WHERE room_id = $1 FOR NO KEY UPDATE;
-
 -- name: post_check
 -- PostMessage's checks in one statement, taking no lock on the room row: whether room $1 exists; the
 -- author agent's company (agent $3, NULL for a person); whether the author's company ($2, or the agent's
@@ -209,21 +204,6 @@ WITH next AS (
     RETURNING w
 )
 SELECT message.*, ARRAY(SELECT w FROM woken) AS wakes FROM message;
-
--- name: find_message_by_dedupe
-SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
-    mention_agent_ids, run_id, created_at
-FROM messages WHERE room_id = $1 AND dedupe_key = $2;
-
--- name: insert_message
-WITH next AS (
-    UPDATE rooms SET last_seq = last_seq + 1 WHERE room_id = $1 RETURNING last_seq
-)
-INSERT INTO messages (room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
-    mention_agent_ids, run_id, dedupe_key)
-SELECT $1, next.last_seq, $2, $3, $4, $5, $6, $7::uuid[], $8, $9 FROM next
-RETURNING message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
-    mention_agent_ids, run_id, created_at;
 
 -- name: list_messages_oldest_first
 SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,

@@ -21,6 +21,8 @@ from .pool import ShardedTransport
 from .types import Attempt, BadReply, ModelOutcome, ModelReply, ModelRequest, ModelTarget
 
 TRACER_NAME = "quayutec.runtime.model"
+# One tracer for the process (a proxy until a provider is installed): get_tracer per call is costly.
+_TRACER = trace.get_tracer(TRACER_NAME)
 RETRY_WAIT_EVENT = "quayutec.model.retry_wait"
 
 OnAttempt = Callable[[Attempt], Awaitable[None]]
@@ -86,7 +88,7 @@ async def call_model(
 ) -> ModelOutcome:
     """Call the model with bounded retries; every attempt is traced and handed to `on_attempt`
     (awaited before any wait, so the ledger has it even if the run dies while waiting)."""
-    tracer = tracer or trace.get_tracer(TRACER_NAME)
+    tracer = tracer or _TRACER
     budget = 1 if target.owner_supplied else policy.max_requests
     attempts: list[Attempt] = []
     for number in range(1, budget + 1):
