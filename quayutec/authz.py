@@ -107,6 +107,7 @@ _CLAIMS: dict[str, frozenset[str]] = {
 _RUNTIME: dict[str, frozenset[str]] = {
     # Runs start from delivered wakes only.
     "StartRun": _G,
+    "StartRuns": _G,
 }
 
 RPC_CALLERS: Mapping[str, frozenset[str]] = {

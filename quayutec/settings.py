@@ -261,11 +261,16 @@ _DECLARED: list[Setting] = [
         ["gateway"],
         shown="30",
     ),
-    _g("QUAYUTEC_GATEWAY_DELIVERY_CONCURRENCY", 64, "StartRun calls in flight at once", ["gateway"]),
+    _g(
+        "QUAYUTEC_GATEWAY_DELIVERY_CONCURRENCY",
+        64,
+        "wakes being started at once (the items of StartRuns calls in flight)",
+        ["gateway"],
+    ),
     _g(
         "QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS",
         10.0,
-        "deadline of one StartRun call",
+        "deadline of one StartRuns call (or StartRun, against a Runtime without it)",
         ["gateway"],
         shown="10",
     ),

@@ -117,6 +117,9 @@ class _SwitchableProcessor(SpanProcessor):
         with self._lock:
             self._delegates = tuple(p for p in self._delegates if p is not processor)
 
+    def attached(self) -> bool:
+        return bool(self._delegates)
+
     def on_start(self, span: Span, parent_context: otel_context.Context | None = None) -> None:
         for processor in self._delegates:
             processor.on_start(span, parent_context=parent_context)
@@ -193,7 +196,14 @@ class Telemetry:
         if self._sampler is not None:
             self._sampler.recording = True
         _instrument()
-        return lambda: self._processors.remove(processor)
+
+        def detach() -> None:
+            # With nothing left to receive them, spans are dropped again (and runs record no trace id).
+            self._processors.remove(processor)
+            if self._sampler is not None and not self._processors.attached():
+                self._sampler.recording = False
+
+        return detach
 
     def force_flush(self, timeout_millis: int = 10_000) -> bool:
         ok = self.tracer_provider.force_flush(timeout_millis) if self.tracer_provider else True

@@ -173,6 +173,9 @@ async def test_the_interceptor_answers_unauthenticated_without_a_peer_identity()
         async def StartRun(self, request: Any, context: Any) -> runtime_pb2.StartRunResponse:
             return runtime_pb2.StartRunResponse()
 
+        async def StartRuns(self, request: Any, context: Any) -> runtime_pb2.StartRunsResponse:
+            return runtime_pb2.StartRunsResponse()
+
     server = grpc.aio.server(interceptors=(AuthzInterceptor(),))
     runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(Starts(), server)
     port = server.add_insecure_port("127.0.0.1:0")

@@ -2,7 +2,8 @@
 
 The receiver implements the OTLP TraceService (what Jaeger accepts). The test posts a message
 through the public Gateway, the stand-in provider answers 429 once and then a reply, and the test
-checks the exported spans: one trace from the delivery through StartRun, the claim, the room calls
+checks the exported spans: one trace from the delivery through StartRuns (the wake's own "StartRun"
+item span in the Runtime, under the traceparent its item carried), the claim, the room calls
 and both model attempts; the ledger's trace id is that trace; no key, prompt or reply anywhere.
 """
 
@@ -201,7 +202,8 @@ async def test_one_wake_is_one_trace_across_the_services(
     spans = received.spans()
 
     # --- Runtime, Claims, Room and the model: one trace, the ledger's.
-    start_servers = [s for s in spans if s.name == "/quayutec.v1.RuntimeService/StartRun" and _server(s)]
+    # The wake's item of the batch's StartRuns call, started under the trace context the item carried.
+    start_servers = [s for s in spans if s.name == "StartRun" and s.scope == "quayutec.runtime.start"]
     assert len(start_servers) == 1, [s.name for s in spans]
     trace_id = start_servers[0].trace_id
     assert run.trace_id == trace_id
@@ -219,7 +221,8 @@ async def test_one_wake_is_one_trace_across_the_services(
     assert any(s.scope.startswith("opentelemetry.instrumentation.asyncpg") for s in in_trace)
     # Every span of this wake's calls is in that trace (this test makes no other such calls).
     per_wake = {
-        "/quayutec.v1.RuntimeService/StartRun",
+        "/quayutec.v1.RuntimeService/StartRuns",  # a batch of one: in its only wake's trace
+        "StartRun",
         "/quayutec.v1.ClaimsService/ClaimOnce",
         "/quayutec.v1.RoomService/ReadRunContext",
         "/quayutec.v1.RoomService/RecordRun",
@@ -256,8 +259,12 @@ async def test_one_wake_is_one_trace_across_the_services(
     assert root.trace_id == trace_id
     assert not root.span.parent_span_id
     assert (root.attr("quayutec.agent_id"), root.attr("quayutec.room_id")) == (agent.agent_id, room.room_id)
-    starts = [s for s in in_trace if s.name == "/quayutec.v1.RuntimeService/StartRun"]
+    starts = [s for s in in_trace if s.name == "/quayutec.v1.RuntimeService/StartRuns"]
     assert {s.span.kind for s in starts} == {Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_SERVER}
+    # The item's span hangs under the wake's delivery span and links to the call that carried it.
+    assert start_servers[0].span.parent_span_id == root.span.span_id
+    (call,) = [s for s in starts if _server(s)]
+    assert [link.span_id for link in start_servers[0].span.links] == [call.span.span_id]
     assert "/quayutec.v1.RoomService/SettleWakes" in in_trace_names
     (run_span,) = [s for s in spans if s.name == "run" and s.attr("quayutec.run_id") == run_id]
     assert run_span.trace_id == trace_id

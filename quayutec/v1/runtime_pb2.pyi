@@ -3,8 +3,10 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from quayutec.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
@@ -93,3 +95,108 @@ class StartRunResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StartRunResponse: _TypeAlias = StartRunResponse  # noqa: Y015
+
+@_typing.final
+class StartRunsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ITEMS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def items(self) -> _containers.RepeatedCompositeFieldContainer[Global___StartRunsItem]:
+        """Each item is one wake: what StartRun would be sent, plus the wake's trace context."""
+
+    def __init__(
+        self,
+        *,
+        items: _abc.Iterable[Global___StartRunsItem] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["items", b"items"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartRunsRequest: _TypeAlias = StartRunsRequest  # noqa: Y015
+
+@_typing.final
+class StartRunsItem(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
+    TRACESTATE_FIELD_NUMBER: _builtins.int
+    traceparent: _builtins.str
+    """The W3C trace context of the wake's delivery ("00-<trace id>-<span id>-<flags>"), under which
+    this item is started and its run recorded. Optional: empty starts a trace of its own.
+    """
+    tracestate: _builtins.str
+    """The W3C tracestate that goes with traceparent, if any."""
+    @_builtins.property
+    def request(self) -> Global___StartRunRequest: ...
+    def __init__(
+        self,
+        *,
+        request: Global___StartRunRequest | None = ...,
+        traceparent: _builtins.str = ...,
+        tracestate: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["request", b"request"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request", b"request", "traceparent", b"traceparent", "tracestate", b"tracestate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartRunsItem: _TypeAlias = StartRunsItem  # noqa: Y015
+
+@_typing.final
+class StartRunsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ANSWERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def answers(self) -> _containers.RepeatedCompositeFieldContainer[Global___StartRunsAnswer]:
+        """One answer per item of the request, in the same order."""
+
+    def __init__(
+        self,
+        *,
+        answers: _abc.Iterable[Global___StartRunsAnswer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["answers", b"answers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartRunsResponse: _TypeAlias = StartRunsResponse  # noqa: Y015
+
+@_typing.final
+class StartRunsAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSE_FIELD_NUMBER: _builtins.int
+    ERROR_CODE_FIELD_NUMBER: _builtins.int
+    ERROR_MESSAGE_FIELD_NUMBER: _builtins.int
+    error_code: _builtins.int
+    """The item's failure: a gRPC status code (google.rpc.Code numbers; 0 = OK, the item did not fail)
+    and a message saying what to fix, as StartRun would have failed with them.
+    """
+    error_message: _builtins.str
+    @_builtins.property
+    def response(self) -> Global___StartRunResponse:
+        """StartRun's answer for the item, when it did not fail."""
+
+    def __init__(
+        self,
+        *,
+        response: Global___StartRunResponse | None = ...,
+        error_code: _builtins.int = ...,
+        error_message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["response", b"response"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error_code", b"error_code", "error_message", b"error_message", "response", b"response"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StartRunsAnswer: _TypeAlias = StartRunsAnswer  # noqa: Y015

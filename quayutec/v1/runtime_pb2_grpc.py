@@ -40,6 +40,11 @@ class RuntimeServiceStub:
                 request_serializer=quayutec_dot_v1_dot_runtime__pb2.StartRunRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_runtime__pb2.StartRunResponse.FromString,
                 _registered_method=True)
+        self.StartRuns = channel.unary_unary(
+                '/quayutec.v1.RuntimeService/StartRuns',
+                request_serializer=quayutec_dot_v1_dot_runtime__pb2.StartRunsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_runtime__pb2.StartRunsResponse.FromString,
+                _registered_method=True)
 
 
 class RuntimeServiceServicer:
@@ -56,6 +61,21 @@ class RuntimeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StartRuns(self, request, context):
+        """StartRuns starts up to 500 wakes in one call (the Gateway's leased batch), each item exactly as
+        StartRun would start it alone: claimed first (the items' claims travel together to Claims),
+        capacity checked per item in request order, each run in the background under its item's trace
+        context. Answered per item, in request order: StartRun's answer, or that item's error (the
+        code and message StartRun would have failed with: INVALID_ARGUMENT for an invalid item,
+        RESOURCE_EXHAUSTED for the items over the limit of runs executing, UNAVAILABLE when Claims
+        was unreachable; nothing of such an item was claimed or started). One item's error never
+        fails the others. A cancelled call starts no item it had not claimed yet.
+        Errors (the call's, nothing started): INVALID_ARGUMENT (no items or more than 500).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RuntimeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -63,6 +83,11 @@ def add_RuntimeServiceServicer_to_server(servicer, server):
                     servicer.StartRun,
                     request_deserializer=quayutec_dot_v1_dot_runtime__pb2.StartRunRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_runtime__pb2.StartRunResponse.SerializeToString,
+            ),
+            'StartRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartRuns,
+                    request_deserializer=quayutec_dot_v1_dot_runtime__pb2.StartRunsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_runtime__pb2.StartRunsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -93,6 +118,33 @@ class RuntimeService:
             '/quayutec.v1.RuntimeService/StartRun',
             quayutec_dot_v1_dot_runtime__pb2.StartRunRequest.SerializeToString,
             quayutec_dot_v1_dot_runtime__pb2.StartRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RuntimeService/StartRuns',
+            quayutec_dot_v1_dot_runtime__pb2.StartRunsRequest.SerializeToString,
+            quayutec_dot_v1_dot_runtime__pb2.StartRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,17 @@ class RuntimeServiceStub:
     Errors: INVALID_ARGUMENT (missing ids), RESOURCE_EXHAUSTED (too many runs executing; nothing was
     claimed, deliver again later), UNAVAILABLE (Claims unreachable; nothing was claimed).
     """
+    StartRuns: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.StartRunsRequest, _runtime_pb2.StartRunsResponse]
+    """StartRuns starts up to 500 wakes in one call (the Gateway's leased batch), each item exactly as
+    StartRun would start it alone: claimed first (the items' claims travel together to Claims),
+    capacity checked per item in request order, each run in the background under its item's trace
+    context. Answered per item, in request order: StartRun's answer, or that item's error (the
+    code and message StartRun would have failed with: INVALID_ARGUMENT for an invalid item,
+    RESOURCE_EXHAUSTED for the items over the limit of runs executing, UNAVAILABLE when Claims
+    was unreachable; nothing of such an item was claimed or started). One item's error never
+    fails the others. A cancelled call starts no item it had not claimed yet.
+    Errors (the call's, nothing started): INVALID_ARGUMENT (no items or more than 500).
+    """
 
 @_typing.type_check_only
 class RuntimeServiceAsyncStub(RuntimeServiceStub):
@@ -50,6 +61,17 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     Answers ACCEPTED or ALREADY_CLAIMED; both mean the wake is delivered.
     Errors: INVALID_ARGUMENT (missing ids), RESOURCE_EXHAUSTED (too many runs executing; nothing was
     claimed, deliver again later), UNAVAILABLE (Claims unreachable; nothing was claimed).
+    """
+    StartRuns: _aio.UnaryUnaryMultiCallable[_runtime_pb2.StartRunsRequest, _runtime_pb2.StartRunsResponse]  # type: ignore[assignment]
+    """StartRuns starts up to 500 wakes in one call (the Gateway's leased batch), each item exactly as
+    StartRun would start it alone: claimed first (the items' claims travel together to Claims),
+    capacity checked per item in request order, each run in the background under its item's trace
+    context. Answered per item, in request order: StartRun's answer, or that item's error (the
+    code and message StartRun would have failed with: INVALID_ARGUMENT for an invalid item,
+    RESOURCE_EXHAUSTED for the items over the limit of runs executing, UNAVAILABLE when Claims
+    was unreachable; nothing of such an item was claimed or started). One item's error never
+    fails the others. A cancelled call starts no item it had not claimed yet.
+    Errors (the call's, nothing started): INVALID_ARGUMENT (no items or more than 500).
     """
 
 class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -65,6 +87,23 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         Answers ACCEPTED or ALREADY_CLAIMED; both mean the wake is delivered.
         Errors: INVALID_ARGUMENT (missing ids), RESOURCE_EXHAUSTED (too many runs executing; nothing was
         claimed, deliver again later), UNAVAILABLE (Claims unreachable; nothing was claimed).
+        """
+
+    @_abc_1.abstractmethod
+    def StartRuns(
+        self,
+        request: _runtime_pb2.StartRunsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_runtime_pb2.StartRunsResponse, _abc.Awaitable[_runtime_pb2.StartRunsResponse]]:
+        """StartRuns starts up to 500 wakes in one call (the Gateway's leased batch), each item exactly as
+        StartRun would start it alone: claimed first (the items' claims travel together to Claims),
+        capacity checked per item in request order, each run in the background under its item's trace
+        context. Answered per item, in request order: StartRun's answer, or that item's error (the
+        code and message StartRun would have failed with: INVALID_ARGUMENT for an invalid item,
+        RESOURCE_EXHAUSTED for the items over the limit of runs executing, UNAVAILABLE when Claims
+        was unreachable; nothing of such an item was claimed or started). One item's error never
+        fails the others. A cancelled call starts no item it had not claimed yet.
+        Errors (the call's, nothing started): INVALID_ARGUMENT (no items or more than 500).
         """
 
 def add_RuntimeServiceServicer_to_server(servicer: RuntimeServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

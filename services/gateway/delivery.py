@@ -1,8 +1,10 @@
-"""The wake delivery loop: lease pending wakes from the Room's outbox and start their runs in Runtime.
+"""The wake delivery loop: lease pending wakes from the Room's outbox and start their runs in Runtime,
+one StartRuns call per leased batch (each wake its own item, in its own trace).
 
 At least once in, at most once acted on: a wake is marked delivered only when Runtime answers that
-it claimed or had already claimed it; anything else settles it for a later retry with backoff. A
-replica that dies holding leases loses nothing: the leases expire and another replica delivers.
+it claimed or had already claimed it (its item's answer); anything else (its item's error, or the
+whole call failing) settles it for a later retry with backoff. A replica that dies holding leases
+loses nothing: the leases expire and another replica delivers.
 Beside it, every ``expire_interval_seconds`` the loop has the Room expire overdue waitpoints, whose
 DECISION wakes it then delivers like any other.
 
@@ -19,10 +21,13 @@ import contextlib
 import logging
 import random
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from quayutec.coalesce import Coalescer
 from quayutec.telemetry import Metrics, wake_delivery_span
@@ -39,6 +44,10 @@ _JITTER_FRACTION = 0.1
 _MAX_ERROR_CHARS = 1000
 # Most waitpoints one ExpireWaitpoints call expires; a full batch is followed at once by another.
 _EXPIRE_BATCH = 1000
+# After a Runtime answered StartRuns UNIMPLEMENTED, how long wakes go in one StartRun each.
+_PER_WAKE_SECONDS = 60.0
+_propagator = TraceContextTextMapPropagator()
+_CODE_NAMES: dict[int, str] = {code.value[0]: code.name for code in grpc.StatusCode}
 # Most settlements one SettleWakes call carries (the Room's limit).
 _SETTLE_BATCH = 500
 # How long a SettleWakes call that found the Room UNAVAILABLE is tried again (at most a quarter of
@@ -47,8 +56,81 @@ _SETTLE_RETRY_SECONDS = 5.0
 _SETTLE_RETRY_FIRST_PAUSE = 0.1
 
 
+@dataclass(frozen=True)
+class _Started:
+    """One wake's start: the Runtime's answer, or the error that stands for it."""
+
+    response: runtime_pb2.StartRunResponse | None
+    error: str
+
+
+class _BatchStart:
+    """The one StartRuns call of a leased batch of ``size`` wakes.
+
+    Each wake's delivery adds its item with ``start`` (inside its own delivery span, whose context
+    becomes the item's traceparent) and waits for its own answer. The call leaves when the last
+    wake has added its item, traced in the first wake's trace (like a SettleWakes call). When every
+    delivery waiting on it is cancelled (the Gateway stopping), the call is cancelled too.
+    """
+
+    def __init__(
+        self, size: int, send: Callable[[list[runtime_pb2.StartRunsItem]], Awaitable[list[_Started] | None]]
+    ) -> None:
+        self._size = size
+        self._send = send
+        self._items: list[runtime_pb2.StartRunsItem] = []
+        self._first_context: otel_context.Context | None = None
+        self._answers: asyncio.Future[list[_Started] | None] = asyncio.get_running_loop().create_future()
+        self._call: asyncio.Task[None] | None = None
+        self._waiting = 0
+
+    async def start(self, request: runtime_pb2.StartRunRequest) -> _Started | None:
+        """This wake's answer from the call; None when the Runtime has no StartRuns."""
+        carrier: dict[str, str] = {}
+        _propagator.inject(carrier)
+        index = len(self._items)
+        self._items.append(
+            runtime_pb2.StartRunsItem(
+                request=request,
+                traceparent=carrier.get("traceparent", ""),
+                tracestate=carrier.get("tracestate", ""),
+            )
+        )
+        if index == 0:
+            self._first_context = otel_context.get_current()
+        if len(self._items) == self._size:
+            self._call = asyncio.create_task(self._run(), name="start-runs")
+        self._waiting += 1
+        try:
+            answers = await asyncio.shield(self._answers)
+        except asyncio.CancelledError:
+            self._waiting -= 1
+            if self._waiting == 0 and self._call is not None:
+                self._call.cancel()
+            raise
+        return None if answers is None else answers[index]
+
+    async def _run(self) -> None:
+        assert self._first_context is not None
+        token = otel_context.attach(self._first_context)
+        try:
+            answers = await self._send(self._items)
+        except BaseException:
+            self._answers.cancel()
+            raise
+        finally:
+            otel_context.detach(token)
+        self._answers.set_result(answers)
+
+
 class WakeDelivery:
-    """Leases wakes (as this replica's ``lease_owner``) and delivers each with StartRun, concurrently."""
+    """Leases wakes (as this replica's ``lease_owner``) and delivers each leased batch with one
+    StartRuns call, the wakes of all batches in flight at most ``concurrency``.
+
+    Against a Runtime without StartRuns (UNIMPLEMENTED: an older Runtime during a rolling upgrade)
+    the batch's wakes go in one StartRun each, and so do the batches leased in the next
+    ``_PER_WAKE_SECONDS`` (a minute); then StartRuns is asked again.
+    """
 
     def __init__(
         self,
@@ -76,6 +158,8 @@ class WakeDelivery:
         self._settler: Coalescer[room_pb2.WakeToSettle, bool] = Coalescer(
             self._send_settlements, max_batch=_SETTLE_BATCH, name=f"wake-settling-{self.lease_owner}"
         )
+        # Until when (event loop time) each wake goes in its own StartRun: the Runtime had no StartRuns.
+        self._per_wake_until = 0.0
         # Counters for tests and logs.
         self.delivered = 0
         self.retried = 0
@@ -124,8 +208,10 @@ class WakeDelivery:
                 continue
             room_failures = 0
             await self._metrics.refresh_wake_backlog(self._room, rpc_timeout_seconds=_ROOM_TIMEOUT_SECONDS)
+            # One StartRuns call for the batch; each wake still has its own task (the cap counts wakes).
+            batch = self._new_batch(len(wakes)) if wakes else None
             for wake in wakes:
-                task = asyncio.create_task(self._deliver(wake))
+                task = asyncio.create_task(self._deliver(wake, batch))
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
             if len(wakes) < want:
@@ -199,13 +285,14 @@ class WakeDelivery:
         )
         return list(response.wakes)
 
-    async def _deliver(self, wake: common_pb2.Wake) -> None:
+    async def _deliver(self, wake: common_pb2.Wake, batch: _BatchStart | None = None) -> None:
         """One wake, one trace: its delivery span is the root of StartRun, the run and the settling."""
         with wake_delivery_span(wake):
-            await self._start_and_settle(wake)
+            await self._start_and_settle(wake, batch)
 
-    async def _start_and_settle(self, wake: common_pb2.Wake) -> None:
-        """Start the wake's run; settle DELIVERED on a claim (new or earlier), RETRY otherwise."""
+    async def _start_and_settle(self, wake: common_pb2.Wake, batch: _BatchStart | None = None) -> None:
+        """Start the wake's run (its item of ``batch``'s StartRuns call, else its own StartRun);
+        settle DELIVERED on a claim (new or earlier), RETRY otherwise."""
         request = runtime_pb2.StartRunRequest(
             agent_id=wake.agent_id,
             wake_id=wake.wake_id,
@@ -213,23 +300,68 @@ class WakeDelivery:
             wake_kind=wake.kind,
             wake_source_id=wake.source_id,
         )
-        error: str
-        try:
-            response = await self._runtime.StartRun(request, timeout=self._config.start_run_timeout_seconds)
-        except Exception as exc:
-            error = _describe(exc)
-        else:
-            if response.result in _DELIVERED_RESULTS:
+        started = None if batch is None else await batch.start(request)
+        if started is None:  # delivered alone: no batch, or a Runtime without StartRuns
+            started = await self._start_one(request)
+        error = started.error
+        if started.response is not None:
+            if started.response.result in _DELIVERED_RESULTS:
                 _log.info(
                     "wake %s delivered (attempt %d): StartRun answered %s",
                     wake.wake_id,
                     wake.delivery_attempts,
-                    runtime_pb2.StartRunResult.Name(response.result).removeprefix("START_RUN_RESULT_"),
+                    runtime_pb2.StartRunResult.Name(started.response.result).removeprefix("START_RUN_RESULT_"),
                 )
                 await self._settle(wake, room_pb2.WAKE_SETTLEMENT_DELIVERED)
                 return
-            error = f"unexpected StartRun result {response.result}"
+            error = f"unexpected StartRun result {started.response.result}"
         await self._settle(wake, room_pb2.WAKE_SETTLEMENT_RETRY, error=error)
+
+    async def _start_one(self, request: runtime_pb2.StartRunRequest) -> _Started:
+        """One wake's own StartRun call."""
+        try:
+            response = await self._runtime.StartRun(request, timeout=self._config.start_run_timeout_seconds)
+        except Exception as exc:
+            return _Started(None, _describe(exc))
+        return _Started(response, "")
+
+    def _new_batch(self, size: int) -> _BatchStart | None:
+        """The StartRuns call of a leased batch of ``size`` wakes; None while the Runtime is known to
+        have no StartRuns (each wake then goes in its own StartRun)."""
+        if asyncio.get_running_loop().time() < self._per_wake_until:
+            return None
+        return _BatchStart(size, self._start_batch)
+
+    async def _start_batch(self, items: list[runtime_pb2.StartRunsItem]) -> list[_Started] | None:
+        """One StartRuns call: each item's answer, or None when the Runtime has no StartRuns (each
+        wake is then started with its own StartRun, and so are the next batches for a while)."""
+        try:
+            response: runtime_pb2.StartRunsResponse = await self._runtime.StartRuns(
+                runtime_pb2.StartRunsRequest(items=items), timeout=self._config.start_run_timeout_seconds
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                if asyncio.get_running_loop().time() >= self._per_wake_until:
+                    _log.warning(
+                        "the Runtime has no StartRuns (%s); starting one wake per StartRun for %g s",
+                        exc.details(),
+                        _PER_WAKE_SECONDS,
+                    )
+                self._per_wake_until = asyncio.get_running_loop().time() + _PER_WAKE_SECONDS
+                return None
+            return [_Started(None, _describe(exc))] * len(items)
+        except Exception as exc:
+            return [_Started(None, _describe(exc))] * len(items)
+        answers = response.answers
+        if len(answers) != len(items):
+            error = f"StartRuns answered {len(answers)} items of {len(items)}"
+            return [_Started(None, error)] * len(items)
+        return [
+            _Started(None, f"{_code_name(a.error_code)}: {a.error_message}")
+            if a.error_code
+            else _Started(a.response, "")
+            for a in answers
+        ]
 
     async def _settle(
         self, wake: common_pb2.Wake, settlement: room_pb2.WakeSettlement.ValueType, *, error: str = ""
@@ -294,6 +426,10 @@ class WakeDelivery:
                     raise
             await asyncio.sleep(pause)
             pause = min(1.0, pause * 2)
+
+
+def _code_name(code: int) -> str:
+    return _CODE_NAMES.get(code, f"status {code}")
 
 
 def _describe(exc: BaseException) -> str:

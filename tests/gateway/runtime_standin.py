@@ -33,8 +33,9 @@ class Call:
     peer: str
 
 
-class StandinRuntime(runtime_pb2_grpc.RuntimeServiceServicer):
-    """Answers StartRun by claiming through Claims, after any scripted failures for the wake."""
+class StandinRuntime:
+    """Answers StartRun by claiming through Claims, after any scripted failures for the wake (and
+    has no StartRuns, like a Runtime of before it)."""
 
     def __init__(self, claims: claims_pb2_grpc.ClaimsServiceStub) -> None:
         self._claims = claims
@@ -83,14 +84,62 @@ class StandinRuntime(runtime_pb2_grpc.RuntimeServiceServicer):
                 await self.changed.wait()
 
 
+class BatchingStandinRuntime(StandinRuntime, runtime_pb2_grpc.RuntimeServiceServicer):
+    """Also answers StartRuns: each item as StartRun answers it (its scripted errors become the
+    item's error; a scripted hang holds the whole call), the items claimed concurrently. Every
+    call's wake ids are recorded in ``batches``; its items in ``calls`` like StartRun's."""
+
+    def __init__(self, claims: claims_pb2_grpc.ClaimsServiceStub) -> None:
+        super().__init__(claims)
+        self.batches: list[list[str]] = []
+        self.traceparents: dict[str, str] = {}
+
+    async def StartRuns(self, request: runtime_pb2.StartRunsRequest, context: Any) -> runtime_pb2.StartRunsResponse:
+        self.batches.append([item.request.wake_id for item in request.items])
+        for item in request.items:
+            self.traceparents[item.request.wake_id] = item.traceparent
+        answers = await asyncio.gather(*(self._item(item.request, context) for item in request.items))
+        return runtime_pb2.StartRunsResponse(answers=answers)
+
+    async def _item(self, request: runtime_pb2.StartRunRequest, context: Any) -> runtime_pb2.StartRunsAnswer:
+        scripted = self._scripts[request.wake_id]
+        step = scripted.pop(0) if scripted else ""
+        if step in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
+            self._record(request, step, context)
+            code = getattr(grpc.StatusCode, step)
+            return runtime_pb2.StartRunsAnswer(
+                error_code=code.value[0], error_message=f"stand-in runtime scripted {step}"
+            )
+        if step:  # a hang: StartRun plays it, holding the whole call
+            scripted.insert(0, step)
+        response = await self.StartRun(request, context)
+        return runtime_pb2.StartRunsAnswer(response=response)
+
+
 @asynccontextmanager
-async def running_standin_runtime(claims_addr: str, *, port: int = 0) -> AsyncIterator[tuple[str, StandinRuntime]]:
+async def running_standin_runtime(
+    claims_addr: str, *, port: int = 0, batching: bool = False
+) -> AsyncIterator[tuple[str, StandinRuntime]]:
     """Yields ("127.0.0.1:PORT", servicer) of a started stand-in Runtime: like the real one, it serves
-    mutual TLS as "runtime" (admitting callers per quayutec.authz) and claims as "runtime"."""
+    mutual TLS as "runtime" (admitting callers per quayutec.authz) and claims as "runtime".
+    Without ``batching`` it has no StartRuns (UNIMPLEMENTED, as an older Runtime answers)."""
     async with service_channel(claims_addr, "runtime") as channel:
-        servicer = StandinRuntime(claims_pb2_grpc.ClaimsServiceStub(channel))
+        stub = claims_pb2_grpc.ClaimsServiceStub(channel)
         server = grpc.aio.server(interceptors=(AuthzInterceptor(),))
-        runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(servicer, server)
+        servicer: StandinRuntime
+        if batching:
+            servicer = batching_servicer = BatchingStandinRuntime(stub)
+            runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(batching_servicer, server)
+        else:  # only StartRun is registered: StartRuns answers UNIMPLEMENTED ("Method not found!")
+            servicer = StandinRuntime(stub)
+            start_run = grpc.unary_unary_rpc_method_handler(
+                servicer.StartRun,
+                request_deserializer=runtime_pb2.StartRunRequest.FromString,
+                response_serializer=runtime_pb2.StartRunResponse.SerializeToString,
+            )
+            server.add_generic_rpc_handlers(
+                (grpc.method_handlers_generic_handler("quayutec.v1.RuntimeService", {"StartRun": start_run}),)
+            )
         bound = server.add_secure_port(f"127.0.0.1:{port}", pki_identity("runtime").server_credentials())
         await server.start()
         try:
