@@ -33,6 +33,8 @@ START_TRACER = "quayutec.runtime.start"
 
 _propagator = TraceContextTextMapPropagator()
 _log = logging.getLogger("quayutec.runtime")
+# Got once (a proxy until a provider is installed): get_tracer per item would build a tracer each time.
+_START = trace.get_tracer(START_TRACER)
 
 
 class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
@@ -64,9 +66,8 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
             carrier["tracestate"] = item.tracestate
         # An empty or malformed traceparent extracts an empty context: the item starts a trace of its own.
         parent = _propagator.extract(carrier, context=otel_context.Context())
-        tracer = trace.get_tracer(START_TRACER)
         call = trace.get_current_span().get_span_context()  # the StartRuns call's span, linked
-        with tracer.start_as_current_span(
+        with _START.start_as_current_span(
             "StartRun",
             context=parent,
             kind=SpanKind.INTERNAL,
