@@ -6,12 +6,12 @@ stand-in answering at once), beside the Gateway's post-only rate at the same con
 All four services run as processes on one PostgreSQL (``DATABASE_URL``'s server or an embedded
 one). P posters each post a message mentioning the agent through Gateway PostMessage and wait for
 its reply (closed loop: P wakes in flight). Latency per wake = the reply's created_at minus the
-posted message's created_at (both stamped by PostgreSQL); CPU per wake = each service process's
-user + system CPU over the measured wakes, divided by their number, and the same for all of the
-embedded PostgreSQL's processes (not shown with ``DATABASE_URL``; it includes the bench's own reply
-polling) (``QY_BENCH_PROFILE=runtime,room`` runs the named services under cProfile for where it
-goes); the reply is found by its run_id (run_id_for(agent, wake)) through its ledger row, with one
-batched query every 2 ms.
+posted message's created_at (both stamped by PostgreSQL). CPU per wake (and per post of the post-only
+baseline) = each service process's user + system CPU over the measured wakes (posts), divided by
+their number, and the same for all of the embedded PostgreSQL's processes (not shown with
+``DATABASE_URL``; it includes the bench's own reply polling). ``QY_BENCH_PROFILE=runtime,room`` runs
+the named services under cProfile for where it goes. The reply is found by its run_id
+(run_id_for(agent, wake)) through its ledger row, with one batched query every 2 ms.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Measured:
     count: int
     seconds: float
     latency_ms: list[float] = field(default_factory=list)
-    cpu_ms_per_wake: dict[str, float] = field(default_factory=dict)
+    cpu_ms_per_item: dict[str, float] = field(default_factory=dict)
 
     @property
     def rate(self) -> float:
@@ -179,8 +179,11 @@ async def amain(opts: argparse.Namespace) -> None:
                             before = cpu_seconds(stack, admin_url)
                             e2e = await end_to_end(world, watcher, opts.wakes, c)
                             after = cpu_seconds(stack, admin_url)
-                            e2e.cpu_ms_per_wake = {n: (after[n] - before[n]) * 1000 / opts.wakes for n in sorted(after)}
+                            e2e.cpu_ms_per_item = cpu_ms_each(before, after, opts.wakes)
+                            before = cpu_seconds(stack, admin_url)
                             base = await post_only(world, opts.wakes, c)
+                            after = cpu_seconds(stack, admin_url)
+                            base.cpu_ms_per_item = cpu_ms_each(before, after, opts.wakes)
                             results += [e2e, base]
                             print(f"  c={c}: {e2e.rate:.0f} wakes/s, {base.rate:.0f} posts/s", file=sys.stderr)
         finally:
@@ -204,6 +207,11 @@ def cpu_seconds(stack: Any, admin_url: str) -> dict[str, float]:
     return out
 
 
+def cpu_ms_each(before: dict[str, float], after: dict[str, float], count: int) -> dict[str, float]:
+    """CPU ms per measured item of each process, from two ``cpu_seconds`` readings."""
+    return {n: (after[n] - before[n]) * 1000 / count for n in sorted(after)}
+
+
 def report(results: Sequence[Measured], concurrencies: list[int], poll: float, seconds: float) -> None:
     print(
         f"\nWakes through the Gateway (stand-in answering at once; Gateway delivery polls every {poll:g} s)."
@@ -219,23 +227,24 @@ def report(results: Sequence[Measured], concurrencies: list[int], poll: float, s
     pairs = {(m.kind.split(" ")[0], m.concurrency): m for m in results}
     ratios = [f"c={c}: {pairs[('end', c)].rate / pairs[('post', c)].rate:.2f}" for c in concurrencies]
     print(f"\nend-to-end / post-only: {', '.join(ratios)}")
-    cpu = [m for m in results if m.cpu_ms_per_wake]
+    cpu = [m for m in results if m.cpu_ms_per_item]
     if cpu:
-        names = sorted(n for n in cpu[0].cpu_ms_per_wake if n != "postgres")
-        db = ["postgres"] if "postgres" in cpu[0].cpu_ms_per_wake else []
+        names = sorted(n for n in cpu[0].cpu_ms_per_item if n != "postgres")
+        db = ["postgres"] if "postgres" in cpu[0].cpu_ms_per_item else []
         print(
-            "\nCPU ms per end-to-end wake, by service process and, with the embedded database, PostgreSQL's"
-            "\nprocesses (user + system over the measured wakes):\n"
+            "\nCPU ms per end-to-end wake (and per post of the post-only baseline), by service process and, with"
+            "\nthe embedded database, PostgreSQL's processes (user + system over the measured wakes or posts):\n"
         )
         print_table(
-            ["posters", *names, "services", *db, *(["all"] if db else [])],
+            ["measurement", "posters", *names, "services", *db, *(["all"] if db else [])],
             [
                 [
+                    "per wake" if m.kind.startswith("end") else "per post",
                     m.concurrency,
-                    *(m.cpu_ms_per_wake[n] for n in names),
-                    sum(m.cpu_ms_per_wake[n] for n in names),
-                    *(m.cpu_ms_per_wake[n] for n in db),
-                    *([sum(m.cpu_ms_per_wake.values())] if db else []),
+                    *(m.cpu_ms_per_item[n] for n in names),
+                    sum(m.cpu_ms_per_item[n] for n in names),
+                    *(m.cpu_ms_per_item[n] for n in db),
+                    *([sum(m.cpu_ms_per_item.values())] if db else []),
                 ]
                 for m in cpu
             ],
