@@ -17,9 +17,11 @@ from urllib.parse import urlsplit
 
 import asyncpg
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from quayutec.db import create_pool, embedded_ctl, embedded_database_url, embedded_pgdata, embedded_pid, with_database
 from quayutec.migrate import migrate
+from quayutec.telemetry import SpanCapture, configure_for_tests
 
 # Fixtures shared by modules that own a PostgreSQL of their own (outage tests).
 pytest_plugins = ["tests.harness.postgres"]
@@ -122,3 +124,14 @@ async def pool(database_url: str) -> AsyncIterator[asyncpg.Pool]:
     p = await create_pool(database_url, min_size=1, max_size=10)
     yield p
     await p.close()
+
+
+@pytest.fixture
+def captured() -> Iterator[tuple[InMemorySpanExporter, SpanCapture]]:
+    """The process's spans, kept in memory for one test (instrumentation switched on by it)."""
+    exporter = InMemorySpanExporter()
+    capture = configure_for_tests(exporter)
+    try:
+        yield exporter, capture
+    finally:
+        capture.close()

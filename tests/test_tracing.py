@@ -34,7 +34,7 @@ from services.runtime.model import RETRY_WAIT_EVENT, RetryPolicy
 from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
-from tests.harness.gateway import authed_gateway, make_company, running_gateway
+from tests.harness.gateway import authed_gateway, ended_run, make_company, running_gateway
 from tests.harness.room import running_room
 from tests.harness.runtime import running_runtime
 
@@ -118,19 +118,6 @@ def standin() -> Iterator[StandinProvider]:
         yield provider
 
 
-async def _wait_for_run(gw: Any, run_id: str) -> common_pb2.Run:
-    for _ in range(1200):  # a bound on polling, not a timing assertion
-        try:
-            run: common_pb2.Run = (await gw.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), timeout=10)).run
-            if run.status in ENDED:
-                return run
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"run {run_id} did not end")
-
-
 async def test_one_wake_is_one_trace_across_the_services(
     collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
 ) -> None:
@@ -184,7 +171,7 @@ async def test_one_wake_is_one_trace_across_the_services(
             )
             (wake_id,) = posted.wake_ids
             run_id = run_id_for(agent.agent_id, wake_id)
-            run = await _wait_for_run(gw, run_id)
+            run = await ended_run(gw, run_id)
             assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
             assert [a.status_code for a in run.model_attempts] == [429, 200]
 

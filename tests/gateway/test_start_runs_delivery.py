@@ -7,15 +7,13 @@ import asyncio
 import logging
 import uuid
 from collections import Counter
-from collections.abc import Iterator
 
-import grpc
 import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
-from quayutec.telemetry import SpanCapture, configure_for_tests
+from quayutec.telemetry import SpanCapture
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2_grpc
 from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
@@ -24,7 +22,7 @@ from tests.gateway.helpers import GatewayStub, eventually
 from tests.gateway.runtime_standin import BatchingStandinRuntime, running_standin_runtime
 from tests.gateway.test_delivery import FAST, pending, post_wakes, room_stub
 from tests.harness.claims import running_claims
-from tests.harness.gateway import authed_gateway, make_company, running_gateway
+from tests.harness.gateway import authed_gateway, ended_run, make_company, running_gateway
 from tests.harness.room import running_room
 from tests.harness.runtime import running_runtime
 
@@ -83,16 +81,6 @@ async def test_a_runtime_without_start_runs_gets_one_start_run_per_wake(
     assert "UNIMPLEMENTED" not in " ".join(r.getMessage() for r in caplog.records if "not delivered" in r.getMessage())
 
 
-@pytest.fixture
-def captured() -> Iterator[tuple[InMemorySpanExporter, SpanCapture]]:
-    exporter = InMemorySpanExporter()
-    capture = configure_for_tests(exporter)
-    try:
-        yield exporter, capture
-    finally:
-        capture.close()
-
-
 def _attr(span: ReadableSpan, key: str) -> object:
     return (span.attributes or {}).get(key)
 
@@ -146,7 +134,7 @@ async def test_the_real_runtime_runs_each_wake_of_a_batch_once_in_its_own_trace(
                 runs: dict[str, common_pb2.Run] = {}
                 async with running_gateway(database_url, room_addr, runtime_addr, **FAST):
                     for agent_id, wake_id in wake_of.items():
-                        runs[wake_id] = await _ended_run(gw, run_id_for(agent_id, wake_id))
+                        runs[wake_id] = await ended_run(gw, run_id_for(agent_id, wake_id))
         for agent in agents:
             assert len(standin.requests(agent.model)) == 1  # each wake ran once
     assert {r.status for r in runs.values()} == {common_pb2.RUN_STATUS_SUCCEEDED}
@@ -165,16 +153,3 @@ async def test_the_real_runtime_runs_each_wake_of_a_batch_once_in_its_own_trace(
     calls = [s for s in spans if s.name == "/quayutec.v1.RuntimeService/StartRuns" and s.kind == SpanKind.CLIENT]
     assert len(calls) == 1
     assert not [s for s in spans if s.name == "/quayutec.v1.RuntimeService/StartRun"]
-
-
-async def _ended_run(gw: GatewayStub, run_id: str) -> common_pb2.Run:
-    for _ in range(1200):  # a bound on polling, not a timing assertion
-        try:
-            run: common_pb2.Run = (await gw.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), timeout=10)).run
-            if run.step == common_pb2.RUN_STEP_ENDED:
-                return run
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"run {run_id} did not end")

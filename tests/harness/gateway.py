@@ -8,6 +8,7 @@ async with running_gateway(database_url, room_addr, runtime_addr, QUAYUTEC_GATEW
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -132,3 +133,17 @@ async def join_room(
     )
     member: common_pb2.RoomMember = accepted.member
     return member
+
+
+async def ended_run(gw: Any, run_id: str) -> common_pb2.Run:
+    """Poll the Gateway's GetRun until the run's ledger row has ended (NOT_FOUND: not recorded yet)."""
+    for _ in range(1200):  # a bound on polling, not a timing assertion
+        try:
+            run: common_pb2.Run = (await gw.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), timeout=10)).run
+            if run.step == common_pb2.RUN_STEP_ENDED:
+                return run
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"run {run_id} did not end")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -14,7 +14,7 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from quayutec.telemetry import SpanCapture, configure_for_tests
+from quayutec.telemetry import SpanCapture
 from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, room_pb2_grpc, runtime_pb2
 from services.runtime.backend import RetryingRoom
 from services.runtime.claims_client import ClaimsClient
@@ -153,16 +153,6 @@ async def test_a_full_runtime_refuses_only_the_items_over_its_limit(
         for wake in batch[2:]:
             run = await s.world.wait_for_run(run_id_for(wake.agent_id, wake.wake_id))
             assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
-
-
-@pytest.fixture
-def captured() -> Iterator[tuple[InMemorySpanExporter, SpanCapture]]:
-    exporter = InMemorySpanExporter()
-    capture = configure_for_tests(exporter)
-    try:
-        yield exporter, capture
-    finally:
-        capture.close()
 
 
 @pytest.fixture
