@@ -53,6 +53,22 @@ _PARKED_STEP = (common_pb2.RUN_STEP_UNSPECIFIED, common_pb2.RUN_STEP_PARKED)
 MAX_SETTLE_WAKES = 500
 
 
+def _wake_to_settle(
+    item: room_pb2.RoomServiceSettleWakeRequest | room_pb2.WakeToSettle, prefix: str = ""
+) -> WakeToSettle:
+    """One settlement (a SettleWake request, or an item of SettleWakes whose fields are named under
+    ``prefix``), checked: DELIVERED, or RETRY with its delay in range and its error cut to size."""
+    wake_id = v.required_id(item.wake_id, f"{prefix}wake_id")
+    owner = v.text(item.lease_owner, f"{prefix}lease_owner", v.MAX_KEY_BYTES)
+    if item.settlement == room_pb2.WAKE_SETTLEMENT_DELIVERED:
+        return WakeToSettle(wake_id, owner, delivered=True)
+    if item.settlement == room_pb2.WAKE_SETTLEMENT_RETRY:
+        retry_after_ms = v.in_range(item.retry_after_ms, f"{prefix}retry_after_ms", 0, v.MAX_RETRY_AFTER_MS)
+        last_error = item.last_error.replace("\x00", "")[: v.MAX_LAST_ERROR_CHARS]
+        return WakeToSettle(wake_id, owner, False, retry_after_ms, last_error)
+    raise InvalidArgument(f"{prefix}settlement must be WAKE_SETTLEMENT_DELIVERED or WAKE_SETTLEMENT_RETRY")
+
+
 def _resume(scope: str, rows: Sequence[Any], key: str, page_token: str) -> str:
     """An oldest-first page's resume_page_token: after its last row, or where it started when empty."""
     if rows:
@@ -500,18 +516,14 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     async def SettleWake(
         self, request: room_pb2.RoomServiceSettleWakeRequest, context: Ctx
     ) -> room_pb2.RoomServiceSettleWakeResponse:
-        wake_id = v.required_id(request.wake_id, "wake_id")
-        owner = v.text(request.lease_owner, "lease_owner", v.MAX_KEY_BYTES)
-        if request.settlement == room_pb2.WAKE_SETTLEMENT_DELIVERED:
-            settled = await self._store.settle_wake(wake_id, owner, delivered=True, retry_after_ms=0, last_error="")
-        elif request.settlement == room_pb2.WAKE_SETTLEMENT_RETRY:
-            retry_after_ms = v.in_range(request.retry_after_ms, "retry_after_ms", 0, v.MAX_RETRY_AFTER_MS)
-            last_error = request.last_error.replace("\x00", "")[: v.MAX_LAST_ERROR_CHARS]
-            settled = await self._store.settle_wake(
-                wake_id, owner, delivered=False, retry_after_ms=retry_after_ms, last_error=last_error
-            )
-        else:
-            raise InvalidArgument("settlement must be WAKE_SETTLEMENT_DELIVERED or WAKE_SETTLEMENT_RETRY")
+        item = _wake_to_settle(request)
+        settled = await self._store.settle_wake(
+            item.wake_id,
+            item.lease_owner,
+            delivered=item.delivered,
+            retry_after_ms=item.retry_after_ms,
+            last_error=item.last_error,
+        )
         return room_pb2.RoomServiceSettleWakeResponse(settled_at=convert.timestamp(settled))
 
     async def SettleWakes(
@@ -521,19 +533,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             raise InvalidArgument(
                 f"wakes must hold 1 to {MAX_SETTLE_WAKES} items, got {len(request.wakes)}; split a larger batch"
             )
-        items: list[WakeToSettle] = []
-        for n, wake in enumerate(request.wakes):
-            field = f"wakes[{n}]"
-            wake_id = v.required_id(wake.wake_id, f"{field}.wake_id")
-            owner = v.text(wake.lease_owner, f"{field}.lease_owner", v.MAX_KEY_BYTES)
-            if wake.settlement == room_pb2.WAKE_SETTLEMENT_DELIVERED:
-                items.append(WakeToSettle(wake_id, owner, delivered=True))
-            elif wake.settlement == room_pb2.WAKE_SETTLEMENT_RETRY:
-                retry_after_ms = v.in_range(wake.retry_after_ms, f"{field}.retry_after_ms", 0, v.MAX_RETRY_AFTER_MS)
-                last_error = wake.last_error.replace("\x00", "")[: v.MAX_LAST_ERROR_CHARS]
-                items.append(WakeToSettle(wake_id, owner, False, retry_after_ms, last_error))
-            else:
-                raise InvalidArgument(f"{field}.settlement must be WAKE_SETTLEMENT_DELIVERED or WAKE_SETTLEMENT_RETRY")
+        items = [_wake_to_settle(wake, f"wakes[{n}].") for n, wake in enumerate(request.wakes)]
         if len({i.wake_id for i in items}) < len(items):
             raise InvalidArgument("wakes names a wake more than once; settle each wake once per call")
         response = room_pb2.RoomServiceSettleWakesResponse()
