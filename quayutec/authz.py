@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 
+from quayutec.errors import WrappedHandlers
 from quayutec.tls import ADMIN, GATEWAY, RUNTIME, peer_identity
 
 _log = logging.getLogger("quayutec.authz")
@@ -127,9 +128,8 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def __init__(self, table: Mapping[str, frozenset[str]] = RPC_CALLERS) -> None:
         self._table = table
-        # The guarded handler of each method, built once: per call only the caller's certificate is
-        # read. Kept with the handler it wraps, and rebuilt if the server ever answers another one.
-        self._guarded: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        # The guarded handler of each method, built once: per call only the caller's certificate is read.
+        self._guarded = WrappedHandlers()
 
     async def intercept_service(
         self,
@@ -140,9 +140,9 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method: str = handler_call_details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
-        cached = self._guarded.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
+        return self._guarded.get(method, handler, lambda: self._guard(method, handler))
+
+    def _guard(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         allowed = self._table.get(method, frozenset())
 
         async def admit(context: grpc.aio.ServicerContext) -> None:
@@ -159,9 +159,7 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                     grpc.StatusCode.PERMISSION_DENIED, f"{caller} may not call {method}; only {who} may"
                 )
 
-        guarded = _guarded(handler, admit)
-        self._guarded[method] = (handler, guarded)
-        return guarded
+        return _guarded(handler, admit)
 
 
 def _guarded(

@@ -148,6 +148,24 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     return deserialize
 
 
+class WrappedHandlers:
+    """Each method's handler as an interceptor wrapped it, built on the method's first call and
+    answered to every later one; built again if the server ever answers another handler for it."""
+
+    def __init__(self) -> None:
+        self._by_method: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler | None]] = {}
+
+    def get(
+        self, method: str, handler: grpc.RpcMethodHandler, wrap: Callable[[], grpc.RpcMethodHandler | None]
+    ) -> grpc.RpcMethodHandler | None:
+        cached = self._by_method.get(method)
+        if cached is not None and cached[0] is handler:
+            return cached[1]
+        wrapped = wrap()
+        self._by_method[method] = (handler, wrapped)
+        return wrapped
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     """Turns exceptions raised by unary handlers into the status codes of ``status_for``, and a
     request that does not decode (any handler kind) into INVALID_ARGUMENT, logged at a bounded rate
@@ -155,8 +173,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def __init__(self, undecodable_log: RateLimitedLog | None = None) -> None:
         self._undecodable_log = undecodable_log or RateLimitedLog(_undecodable_log)
-        # The wrapped handler of each method, built once (with the handler it wraps) rather than per call.
-        self._wrapped: dict[str, tuple[grpc.RpcMethodHandler, grpc.RpcMethodHandler]] = {}
+        self._wrapped = WrappedHandlers()
 
     async def _refuse_undecodable(self, method: str, request: Undecodable, context: grpc.aio.ServicerContext) -> None:
         self._undecodable_log.warning(
@@ -177,12 +194,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler is None:
             return handler
         method: str = handler_call_details.method
-        cached = self._wrapped.get(method)
-        if cached is not None and cached[0] is handler:
-            return cached[1]
-        wrapped = self._wrap(method, handler)
-        self._wrapped[method] = (handler, wrapped)
-        return wrapped
+        return self._wrapped.get(method, handler, lambda: self._wrap(method, handler))
 
     def _wrap(self, method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         if handler.unary_unary is None:

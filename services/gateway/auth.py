@@ -20,7 +20,7 @@ from typing import Any
 import asyncpg
 import grpc
 
-from quayutec.errors import InvalidArgument, Unauthenticated, status_for
+from quayutec.errors import InvalidArgument, Unauthenticated, WrappedHandlers, status_for
 from services.gateway.store import ApiKey, ApiKeyStore
 
 _log = logging.getLogger("quayutec.gateway.auth")
@@ -139,6 +139,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, authenticator: Authenticator, caller: CallerContext) -> None:
         self._authenticator = authenticator
         self._caller = caller
+        # The authenticating handler of each method, built once rather than per call.
+        self._wrapped = WrappedHandlers()
 
     async def intercept_service(
         self,
@@ -149,6 +151,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         method: str = handler_call_details.method
         if handler is None or method.startswith(UNAUTHENTICATED_SERVICES):
             return handler
+        return self._wrapped.get(method, handler, lambda: self._authenticated(handler, method))
+
+    def _authenticated(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler | None:
         if handler.unary_stream is not None:
             return self._authenticated_stream(handler, method)
         if handler.unary_unary is None:
