@@ -148,6 +148,15 @@ def _tolerant(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], 
     return deserialize
 
 
+def status_logged(exc: BaseException, what: str) -> tuple[grpc.StatusCode, str]:
+    """``status_for(exc)``, with a warning and its traceback when the code is ours or a dependency's
+    fault (INTERNAL, UNAVAILABLE) rather than the caller's: "<what> failed: <message>"."""
+    code, message = status_for(exc)
+    if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
+        _log.warning("%s failed: %s", what, message, exc_info=exc)
+    return code, message
+
+
 class WrappedHandlers:
     """Each method's handler as an interceptor wrapped it, built on the method's first call and
     answered to every later one; built again if the server ever answers another handler for it."""
@@ -209,9 +218,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             except grpc.aio.AbortError:
                 raise
             except Exception as exc:
-                code, message = status_for(exc)
-                if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
-                    _log.warning("%s failed: %s", method, message, exc_info=exc)
+                code, message = status_logged(exc, method)
                 if isinstance(exc, ResourceExhausted) and exc.retry_after_ms is not None:
                     context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
                 await context.abort(code, message)

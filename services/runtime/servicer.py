@@ -13,16 +13,14 @@ cancels the items still claiming, and none of them starts.
 from __future__ import annotations
 
 import asyncio
-import logging
 from typing import Any
 
-import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-from quayutec.errors import InvalidArgument, status_for
+from quayutec.errors import InvalidArgument, status_logged
 from quayutec.v1 import runtime_pb2, runtime_pb2_grpc
 from services.runtime.run import RunExecutor, Wake
 
@@ -32,7 +30,6 @@ MAX_START_RUNS_ITEMS = 500
 START_TRACER = "quayutec.runtime.start"
 
 _propagator = TraceContextTextMapPropagator()
-_log = logging.getLogger("quayutec.runtime")
 # Got once (a proxy until a provider is installed): get_tracer per item would build a tracer each time.
 _START = trace.get_tracer(START_TRACER)
 
@@ -77,9 +74,7 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
             try:
                 result, run_id = await self._executor.start(Wake.from_request(item.request), time_left=time_left)
             except Exception as exc:
-                code, message = status_for(exc)
-                if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE):
-                    _log.warning("StartRuns item %s failed: %s", item.request.wake_id, message, exc_info=exc)
+                code, message = status_logged(exc, f"StartRuns item {item.request.wake_id}")
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {message}"))
                 return runtime_pb2.StartRunsAnswer(error_code=code.value[0], error_message=message)
             return runtime_pb2.StartRunsAnswer(response=runtime_pb2.StartRunResponse(result=result, run_id=run_id))
