@@ -108,14 +108,13 @@ class TokenBuckets:
 def source_of(peer: str) -> str:
     """The throttled source of a peer (gRPC ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, or a bare address): the
     address without its port, an IPv6 address as its /64 (one host usually holds a whole /64)."""
-    kind, sep, rest = peer.partition(":")
-    if not sep or kind not in ("ipv4", "ipv6"):
-        rest = peer
-    host = rest
-    if rest.startswith("["):
-        host = rest[1 : rest.find("]")] if "]" in rest else rest
-    elif rest.count(":") == 1:
-        host = rest.rpartition(":")[0]
+    kind, _, rest = peer.partition(":")
+    if kind == "ipv4":
+        host = rest.rpartition(":")[0] or rest
+    elif kind == "ipv6" and rest.startswith("[") and "]" in rest:
+        host = rest[1 : rest.index("]")]
+    else:
+        host = peer
     try:
         address = ipaddress.ip_address(host)
     except ValueError:

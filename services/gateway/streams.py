@@ -33,6 +33,7 @@ CUT_AFTER_SECONDS = 1.0
 PRUNE_EVERY_SECONDS = 3600.0
 _REVOKED = "this API key was revoked while the stream was open; sign in again or use a live key"
 _EXPIRED = "this session key expired while the stream was open; sign in again"
+_DEAD = "this API key was revoked or expired while the stream was open; sign in again or use a live key"
 
 
 class OpenStream:
@@ -115,10 +116,10 @@ class OpenStreams:
 
     # -- revocation ----------------------------------------------------------------------------------
 
-    def revoked(self, key_id: str) -> None:
+    def revoked(self, key_id: str, why: str = _REVOKED) -> None:
         """The notification of a revoked key: its streams end now."""
         for stream in list(self._by_key.get(key_id.strip(), ())):
-            stream.end(Unauthenticated(_REVOKED))
+            stream.end(Unauthenticated(why))
 
     def listening(self) -> None:
         """LISTEN took effect (again): a revocation may have been missed meanwhile."""
@@ -129,7 +130,7 @@ class OpenStreams:
         keys = list(self._by_key)
         dead = await self._store.dead_keys(keys) if keys else set()
         for key_id in dead:
-            self.revoked(key_id)
+            self.revoked(key_id, _DEAD)
         return len(dead)
 
     def start(self) -> None:
