@@ -420,8 +420,8 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_CONSOLE_SESSION_SECRET",
         "",
-        "secret signing and encrypting the console's session cookie (holds the signed-in API key); at least 32"
-        " characters",
+        "secret signing and encrypting the console's session cookie (holds the sign-in's session key); at least"
+        " 32 characters",
         ["console"],
         shown="(dev: key file in the data dir)",
         secret=True,
@@ -435,7 +435,7 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_CONSOLE_SESSION_HOURS",
         12.0,
-        "how long a console sign-in lasts",
+        "how long a console sign-in lasts (its session key at the Gateway lives as long, 1 minute to 7 days)",
         ["console"],
         shown="12",
     ),
