@@ -8,6 +8,9 @@ resume on another replica; cursors past a room's end are OUT_OF_RANGE with words
 
 from __future__ import annotations
 
+import asyncio
+import os
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -16,7 +19,7 @@ import pytest
 
 from quayutec.v1 import common_pb2, gateway_pb2
 from tests.gateway.helpers import GatewayStub, create_room
-from tests.gateway.test_watch import auth, caught_up, log_of, post, second_gateway, watch
+from tests.gateway.test_watch import REPO, auth, caught_up, log_of, post, second_gateway, watch
 from tests.harness.gateway import CompanyKey, join_room
 
 K = common_pb2
@@ -224,3 +227,39 @@ async def test_watch_rooms_without_rooms_waits_for_one(
     await w.until(lambda w: bool(w.events))
     assert [(e.room_id, e.kind) for e in w.events] == [(room.room_id, K.ROOM_EVENT_KIND_MEMBER_JOINED)]
     w.call.cancel()
+
+
+async def test_the_watch_all_command_prints_every_rooms_events(
+    gateway_addr: str, acme: CompanyKey, acme_gw: GatewayStub
+) -> None:
+    first = await create_room(acme_gw, "first")
+    second = await create_room(acme_gw, "second")
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+        "QUAYUTEC_API_KEY": acme.secret,
+    }
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "watch", "--all", cwd=REPO, env=env, stdout=asyncio.subprocess.PIPE
+    )
+    lines: list[str] = []
+    try:
+        assert proc.stdout is not None
+        async with asyncio.timeout(60):  # a failsafe
+            # It watches from now: post until its first line shows it is subscribed.
+            line = asyncio.ensure_future(proc.stdout.readline())
+            n = 0
+            while not line.done():
+                n += 1
+                await post(acme_gw, first.room_id, f"ping {n}")
+                await asyncio.wait({line}, timeout=0.2)
+            lines.append(line.result().decode())
+            await post(acme_gw, second.room_id, "in the second room")
+            while "in the second room" not in lines[-1]:
+                lines.append((await proc.stdout.readline()).decode())
+    finally:
+        proc.terminate()
+        await proc.wait()
+    assert lines[0].startswith(f"room {first.room_id} [") and "ping" in lines[0], lines
+    assert lines[-1].startswith(f"room {second.room_id} [1] message_posted #1 Ada: in the second room"), lines
