@@ -195,3 +195,34 @@ async def test_a_company_key_has_a_bounded_number_of_live_session_keys(
             gw.CreateSessionKey(gateway_pb2.CreateSessionKeyRequest(ttl_seconds=60), timeout=10),
             "QUAYUTEC_GATEWAY_MAX_SESSION_KEYS",
         )
+
+
+async def test_a_revoked_keys_a2a_stream_ends_too(
+    database_url: str, room_addr: str, pool: asyncpg.Pool, acme: CompanyKey, acme_gw: GatewayStub
+) -> None:
+    from a2a.types import a2a_pb2, a2a_pb2_grpc
+
+    from services.gateway.a2a import tenant_of
+    from tests.gateway.helpers import register_agent
+
+    room = await create_room(acme_gw)
+    agent = await register_agent(acme_gw, "helper")
+    doomed_id, doomed = await create_api_key(pool, acme.company_id, "to be revoked")
+    tenant = tenant_of(room.room_id, agent.agent_id)
+    async with (
+        running_gateway(database_url, room_addr, NOWHERE, **{**QUIET, **NO_BACKSTOP}) as addr,
+        grpc.aio.insecure_channel(addr) as channel,
+    ):
+        stub = a2a_pb2_grpc.A2AServiceStub(channel)  # type: ignore[no-untyped-call]
+        message = a2a_pb2.Message(message_id=str(uuid.uuid4()), role=a2a_pb2.ROLE_USER, parts=[a2a_pb2.Part(text="hi")])
+        # Nothing delivers the wake here, so the task stays submitted and the stream stays open.
+        call = stub.SendStreamingMessage(
+            a2a_pb2.SendMessageRequest(tenant=tenant, message=message),
+            metadata=bearer(doomed),
+            timeout=FAILSAFE_SECONDS,
+        )
+        async for first in call:
+            assert first.HasField("task")
+            break
+        assert await revoke_api_key(pool, doomed_id)
+        assert_revoked(await ended(call))
