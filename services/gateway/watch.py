@@ -517,6 +517,32 @@ class _Follow:
         self._sink.offer(event)
 
 
+class _Pacer:
+    """When a stream's task runs next: when woken (a gap in the ring, a change of rooms), else when its
+    interval is due (the heartbeat interval, or the check interval while the listener is down)."""
+
+    def __init__(self, hub: RoomEventHub, wake: asyncio.Event) -> None:
+        self._hub = hub
+        self._wake = wake
+        self._loop = asyncio.get_running_loop()
+        self._last = self._loop.time()
+
+    async def next_round(self, *, at_once: bool = False) -> bool:
+        """Waits for the next round; True when the interval is due (a heartbeat, a re-check)."""
+        config = self._hub.config
+        due = self._last + (config.heartbeat_seconds if self._hub.listening() else config.check_seconds)
+        if self._loop.time() < due and not at_once:
+            timer = self._loop.call_at(due, self._wake.set)
+            await self._wake.wait()
+            timer.cancel()
+        self._wake.clear()
+        return self._loop.time() >= due
+
+    def beat(self) -> None:
+        """A heartbeat went out: the next is an interval from now."""
+        self._last = self._loop.time()
+
+
 class _RoomStream:
     """One WatchRoom stream: one follow, and the task that replays, re-checks and heartbeats."""
 
@@ -541,24 +567,16 @@ class _RoomStream:
         # Live: the feed pushes what it reads; this task only re-checks, and reads when the ring cannot serve.
         follow.live = True
         follow.from_feed()
-        loop = asyncio.get_running_loop()
-        checked = loop.time()
+        pacer = _Pacer(self._hub, self._wake)
         while True:
-            config = self._hub.config
-            interval = config.heartbeat_seconds if self._hub.listening() else config.check_seconds
-            due = checked + interval
-            if loop.time() < due:
-                timer = loop.call_at(due, self._wake.set)
-                await self._wake.wait()
-                timer.cancel()
-            self._wake.clear()
-            if loop.time() < due or not self._hub.listening():
+            due = await pacer.next_round()
+            if not due or not self._hub.listening():
                 await follow.read_own()  # a gap in the ring, or no notifications: read (and re-check membership)
             else:
                 await self._hub.check_member(self._room_id, self._company_id)
-            if loop.time() >= due:
+            if due:
                 self.sink.offer(_heartbeat(follow.cursor))
-                checked = loop.time()
+                pacer.beat()
 
 
 class _RoomsStream:
@@ -639,17 +657,9 @@ class _RoomsStream:
         await self._replay(follows)
         self.sink.append(self._heartbeat())
         self._go_live(follows)
-        loop = asyncio.get_running_loop()
-        checked = loop.time()
+        pacer = _Pacer(self._hub, self._wake)
         while True:
-            config = self._hub.config
-            interval = config.heartbeat_seconds if self._hub.listening() else config.check_seconds
-            due = checked + interval
-            if loop.time() < due and not self._relist:
-                timer = loop.call_at(due, self._wake.set)
-                await self._wake.wait()
-                timer.cancel()
-            self._wake.clear()
+            due = await pacer.next_round(at_once=self._relist)
             changed = False
             for follow in [f for f in self.follows.values() if f.gone]:
                 self._drop(follow.room_id)
@@ -661,12 +671,12 @@ class _RoomsStream:
                 except NotFound:
                     self._drop(follow.room_id)
                     changed = True
-            if self._relist or loop.time() >= due:
+            if self._relist or due:
                 self._relist = False
                 changed = await self._sync_rooms() or changed
-            if changed or loop.time() >= due:
+            if changed or due:
                 self.sink.offer(self._heartbeat())
-                checked = loop.time()
+                pacer.beat()
 
     def _go_live(self, follows: list[_Follow]) -> None:
         for follow in follows:

@@ -8,8 +8,6 @@ Every wait here is a failsafe (the streams' own deadlines); nothing asserts on t
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -20,7 +18,7 @@ from quayutec.v1 import gateway_pb2
 from services.gateway.auth import create_api_key, list_api_keys, revoke_api_key
 from tests.gateway.conftest import NOWHERE
 from tests.gateway.helpers import GatewayStub, create_room, expect_error
-from tests.gateway.test_watch import QUIET, caught_up, post
+from tests.gateway.test_watch import QUIET, caught_up, post, second_gateway
 from tests.gateway.test_watch_rooms import next_heartbeat
 from tests.harness.gateway import CompanyKey, authed_gateway, running_gateway
 
@@ -56,15 +54,6 @@ def assert_revoked(err: grpc.aio.AioRpcError) -> None:
     assert "revoked" in (err.details() or "") and "while the stream was open" in (err.details() or ""), err.details()
 
 
-@asynccontextmanager
-async def replica(database_url: str, room_addr: str, secret: str, **env: str) -> AsyncIterator[GatewayStub]:
-    async with (
-        running_gateway(database_url, room_addr, NOWHERE, **{**QUIET, **env}) as addr,
-        authed_gateway(addr, secret) as gw,
-    ):
-        yield gw
-
-
 async def test_a_revoked_keys_streams_end_on_two_replicas(
     database_url: str,
     room_addr: str,
@@ -78,8 +67,8 @@ async def test_a_revoked_keys_streams_end_on_two_replicas(
     theirs = await create_room(globex_gw)
     doomed_id, doomed = await create_api_key(pool, acme.company_id, "to be revoked")
     async with (
-        replica(database_url, room_addr, doomed, **NO_BACKSTOP) as one,
-        replica(database_url, room_addr, doomed, **NO_BACKSTOP) as two,
+        second_gateway(database_url, room_addr, doomed, **NO_BACKSTOP) as one,
+        second_gateway(database_url, room_addr, doomed, **NO_BACKSTOP) as two,
     ):
         on_one = watch_room(one, doomed, room.room_id)
         on_two = watch_rooms(two, doomed)
@@ -110,7 +99,7 @@ async def test_the_recheck_ends_a_revoked_keys_stream_when_notifications_are_mis
     room = await create_room(acme_gw)
     doomed_id, doomed = await create_api_key(pool, acme.company_id, "to be revoked")
     deaf = {"QUAYUTEC_GATEWAY_KEY_NOTIFY": "false", "QUAYUTEC_GATEWAY_KEY_RECHECK_SECONDS": "0.2"}
-    async with replica(database_url, room_addr, doomed, **deaf) as gw:
+    async with second_gateway(database_url, room_addr, doomed, **deaf) as gw:
         one = watch_room(gw, doomed, room.room_id)
         every = watch_rooms(gw, doomed)
         await caught_up(one)
@@ -165,7 +154,7 @@ async def test_session_keys_end_with_end_session_with_their_company_key_and_at_e
 
     # An expired session key is refused, and its open stream ends by the re-check.
     late = await acme_gw.CreateSessionKey(gateway_pb2.CreateSessionKeyRequest(ttl_seconds=600), timeout=10)
-    async with replica(database_url, room_addr, late.secret, QUAYUTEC_GATEWAY_KEY_RECHECK_SECONDS="0.2") as gw:
+    async with second_gateway(database_url, room_addr, late.secret, QUAYUTEC_GATEWAY_KEY_RECHECK_SECONDS="0.2") as gw:
         stream = watch_room(gw, late.secret, room.room_id)
         await caught_up(stream)
         await pool.execute(
@@ -187,7 +176,7 @@ async def test_session_keys_end_with_end_session_with_their_company_key_and_at_e
 async def test_a_company_key_has_a_bounded_number_of_live_session_keys(
     database_url: str, room_addr: str, acme: CompanyKey
 ) -> None:
-    async with replica(database_url, room_addr, acme.secret, QUAYUTEC_GATEWAY_MAX_SESSION_KEYS="2") as gw:
+    async with second_gateway(database_url, room_addr, acme.secret, QUAYUTEC_GATEWAY_MAX_SESSION_KEYS="2") as gw:
         for _ in range(2):
             await gw.CreateSessionKey(gateway_pb2.CreateSessionKeyRequest(ttl_seconds=60), timeout=10)
         await expect_error(
