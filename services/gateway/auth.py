@@ -18,7 +18,7 @@ import hmac
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -37,7 +37,7 @@ from quayutec.errors import (
 )
 from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
 from services.gateway.store import ApiKey, ApiKeyStore
-from services.gateway.streams import OpenStreams
+from services.gateway.streams import OpenStream, OpenStreams
 
 _log = logging.getLogger("quayutec.gateway.auth")
 
@@ -302,30 +302,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 await _abort(context, exc, method)
                 raise
             token = self._caller.set(caller)
-            items = inner(request, context).__aiter__()
             try:
-                while True:
-                    opened.waiting = True
+                produced = inner(request, context)
+                if hasattr(produced, "__aiter__"):
+                    relayed = self._items(produced.__aiter__(), opened, context, method)
                     try:
-                        item = await items.__anext__()
-                    except StopAsyncIteration:
-                        return
-                    except asyncio.CancelledError:
-                        if opened.ended is None:
-                            raise
-                        opened.uncancel()  # ended by OpenStreams: the caller is told why, not "cancelled"
-                        await _abort(context, opened.ended, method)
-                        raise
+                        async for item in relayed:
+                            yield item
                     finally:
-                        opened.waiting = False
-                    if opened.ended is not None:  # ended while the item before was being sent
-                        await _abort(context, opened.ended, method)
-                    yield item
+                        await relayed.aclose()
+                else:  # a handler that answers without items (one not implemented)
+                    await produced
             finally:
                 self._streams.close(opened)
-                close = getattr(items, "aclose", None)
-                if close is not None:
-                    await close()
                 with contextlib.suppress(ValueError):  # closed from another context: that task ends anyway
                     self._caller.reset(token)
 
@@ -334,6 +323,35 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+    @staticmethod
+    async def _items(
+        items: AsyncIterator[Any], opened: OpenStream, context: grpc.aio.ServicerContext, method: str
+    ) -> AsyncGenerator[Any, None]:
+        """The handler's items until it ends, or until OpenStreams ends the stream (its key was revoked
+        or expired): then the call is aborted with why, whether it was waiting for an item or sending one."""
+        try:
+            while True:
+                opened.waiting = True
+                try:
+                    item = await items.__anext__()
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if opened.ended is None:
+                        raise
+                    opened.uncancel()  # ended by OpenStreams: the caller is told why, not "cancelled"
+                    await _abort(context, opened.ended, method)
+                    raise
+                finally:
+                    opened.waiting = False
+                if opened.ended is not None:  # ended while the item before was being sent
+                    await _abort(context, opened.ended, method)
+                yield item
+        finally:
+            close = getattr(items, "aclose", None)
+            if close is not None:
+                await close()
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
