@@ -298,6 +298,9 @@ class Bed:
         write_host_pki(self.pki_dir, leaves)
 
     async def _start_postgres(self) -> None:
+        from quayutec.db import quiet_pgserver
+
+        quiet_pgserver()
         import pgserver  # the embedded binaries; imported lazily like quayutec.db does
 
         bin_dir = Path(pgserver.__file__).parent / "pginstall" / "bin"
