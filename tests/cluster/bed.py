@@ -70,6 +70,7 @@ REQUIRED_TOOLS = {
 # recovery fit in a test's minute, nothing else changed from the defaults.
 BED_SETTINGS: dict[str, str] = {
     "QUAYUTEC_LOG_LEVEL": "INFO",
+    **{f"QUAYUTEC_{name.upper()}_GRACE_SECONDS": "1" for name in ("gateway", "room", "claims", "runtime")},
     "QUAYUTEC_ENCRYPTION_KEY": BED_ENCRYPTION_KEY,
     "QUAYUTEC_GATEWAY_LEASE_SECONDS": "6",
     "QUAYUTEC_GATEWAY_BACKOFF_BASE_SECONDS": "0.2",
@@ -104,7 +105,9 @@ def pod_name(host: str, service: str) -> str:
 
 
 def host_ips(host: str) -> list[str]:
-    """Every address of ``host``."""
+    """Every address of ``host`` (``db``, ``a``, ``b`` or ``client``)."""
+    if host not in (DB_HOST, CLIENT_HOST, *SERVICE_HOSTS):
+        raise BedError(f"unknown host {host!r}: one of {DB_HOST}, {', '.join(SERVICE_HOSTS)}, {CLIENT_HOST}")
     if host == DB_HOST:
         return [DB_IP]
     if host == CLIENT_HOST:
@@ -527,6 +530,25 @@ class Bed:
                 yield pod.holder
 
 
+def network_fault(root: Path, words: Sequence[str]) -> str:
+    """A fault on a running bed's network, from another process (``python -m scripts.cluster fault``):
+    ``partition HOST HOST``, ``heal``, ``delay MS [every-hop]``, ``counters``."""
+    bed = Bed(root)
+    match list(words):
+        case ["partition", a, b]:
+            bed.partition(f"{a}-{b}", host_ips(a), host_ips(b))
+            return f"{a} and {b} cut from each other (`fault heal` lifts it)"
+        case ["heal"]:
+            bed.heal()
+            return "every partition lifted"
+        case ["delay", ms, *rest] if rest in ([], ["every-hop"]):
+            bed.set_delay(float(ms), every_hop=bool(rest))
+            return f"{ms} ms each way {'on every hop' if rest else 'between hosts'}"
+        case ["counters"]:
+            return json.dumps(bed.counters(), indent=2)
+    raise BedError(f"unknown fault {' '.join(words)!r}: partition HOST HOST | heal | delay MS [every-hop] | counters")
+
+
 def _wait_or_kill(proc: subprocess.Popen[bytes], deadline: float) -> None:
     try:
         proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -544,4 +566,6 @@ def _ensure_pg_user() -> None:
 
 def new_root() -> Path:
     """A fresh folder for one bed (short: PostgreSQL's socket lives in it)."""
-    return Path(tempfile.mkdtemp(prefix="qy-bed-"))
+    root = Path(tempfile.mkdtemp(prefix="qy-bed-"))
+    root.chmod(0o755)  # PostgreSQL runs as its own user and must reach its folder inside
+    return root

@@ -12,7 +12,10 @@ from collections.abc import Iterator
 
 import pytest
 
+from services.stack import REPO
 from tests.cluster.bed import Bed, BedError, new_root
+
+__all__ = ["REPO"]
 
 
 @pytest.fixture(scope="session")
