@@ -313,7 +313,11 @@ def _make_leaf(
             x509.IPAddress(ipaddress.ip_address("::1")),
         ]
     )
-    sans: list[x509.GeneralName] = [x509.DNSName(name), x509.UniformResourceIdentifier(f"{SPIFFE_PREFIX}{name}"), *where]
+    sans: list[x509.GeneralName] = [
+        x509.DNSName(name),
+        x509.UniformResourceIdentifier(f"{SPIFFE_PREFIX}{name}"),
+        *where,
+    ]
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))

@@ -66,7 +66,7 @@ def _inner_pid(root: Path) -> int:
     """The pid (as seen from here) of the bed's first process, inside its namespaces."""
     pid = int(str(_state(root)["pid"]))
     if not _is_bed(pid, root):
-        raise SystemExit(f"the bed of {root} is gone (pid {pid}); `python -m scripts.cluster down --root {root}` cleans up")
+        raise SystemExit(f"the bed of {root} is gone (pid {pid}); `scripts.cluster --root {root} down` cleans up")
     return pid
 
 
@@ -255,4 +255,3 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

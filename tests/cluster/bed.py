@@ -71,6 +71,8 @@ REQUIRED_TOOLS = {
 BED_SETTINGS: dict[str, str] = {
     "QUAYUTEC_LOG_LEVEL": "INFO",
     **{f"QUAYUTEC_{name.upper()}_GRACE_SECONDS": "1" for name in ("gateway", "room", "claims", "runtime")},
+    # Two replicas of each: the connection budget each service checks at start counts both.
+    **{f"QUAYUTEC_{name.upper()}_REPLICAS_MAX": "2" for name in ("gateway", "room", "claims")},
     "QUAYUTEC_ENCRYPTION_KEY": BED_ENCRYPTION_KEY,
     "QUAYUTEC_GATEWAY_LEASE_SECONDS": "6",
     "QUAYUTEC_GATEWAY_BACKOFF_BASE_SECONDS": "0.2",
@@ -246,7 +248,8 @@ class Bed:
         self._start_wire()
         self._link_pods()
         self._make_pki()
-        await self._start_postgres()
+        self._start_postgres()
+        await self._migrate()
         for host in SERVICE_HOSTS:
             await self.start_host(host)
 
@@ -300,7 +303,7 @@ class Bed:
         leaves["client-admin"] = (ADMIN, ["qyclient"], [CLIENT_IP])
         write_host_pki(self.pki_dir, leaves)
 
-    async def _start_postgres(self) -> None:
+    def _start_postgres(self) -> None:
         from quayutec.db import quiet_pgserver
 
         quiet_pgserver()
@@ -341,7 +344,6 @@ class Bed:
             stderr=subprocess.STDOUT,
         )
         log.close()
-        await self._migrate()
 
     async def _migrate(self) -> None:
         import asyncpg
@@ -419,7 +421,8 @@ class Bed:
         for spec in START_ORDER:
             pod = self.pods[pod_name(host, spec.name)]
             (self.root / "data" / pod.name).mkdir(parents=True, exist_ok=True)
-            self._spawn(host, spec.name, pod, [sys.executable, "-m", f"services.{spec.name}"], self.service_env(host, spec))
+            argv = [sys.executable, "-m", f"services.{spec.name}"]
+            self._spawn(host, spec.name, pod, argv, self.service_env(host, spec))
             await self.wait_serving(host, spec)
 
     async def wait_serving(self, host: str, spec: ServiceSpec, limit: float = 60.0) -> None:

@@ -132,7 +132,6 @@ async def test_a_whole_host_killed_with_runs_in_flight(healed: Bed) -> None:
     assert_at_most_once(outcome)
 
 
-
 MESSAGES = 60
 POST_EVERY_SECONDS = 0.1
 # A stream silent for this long (three of the bed's 1 s heartbeats) is given up and resumed elsewhere.

@@ -83,7 +83,7 @@ async def measure(bed: Bed, world: World, delay_ms: float, *, every_hop: bool, s
     scale = busy_seconds / idle_seconds
 
     def per_wake(kind: str, port: int) -> float:
-        extra = busy[kind].get(str(port), 0) - idle[kind].get(str(port), 0) * scale
+        extra = float(busy[kind].get(str(port), 0)) - float(idle[kind].get(str(port), 0)) * scale
         return max(0.0, extra / WAKES_PER_STEP)
 
     packets = sum(

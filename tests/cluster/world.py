@@ -56,7 +56,13 @@ class World:
             standin_post(
                 self.bed.standin_url(host),
                 "/_standin/replies",
-                {"model": self.model, "text": "Noted.", "tool_calls": calls, "delay_seconds": delay_seconds, "times": times},
+                {
+                    "model": self.model,
+                    "text": "Noted.",
+                    "tool_calls": calls,
+                    "delay_seconds": delay_seconds,
+                    "times": times,
+                },
             )
 
     async def post_message(
