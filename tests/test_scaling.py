@@ -129,7 +129,7 @@ def _column(ref: Any) -> tuple[str | None, str] | None:
     """``(qualifier, column)`` of a ColumnRef (``m.room_id`` -> ``("m", "room_id")``)."""
     if not isinstance(ref, ColumnRef):
         return None
-    names = [f.sval for f in ref.fields if isinstance(f, String)]
+    names = [str(f.sval) for f in ref.fields or () if isinstance(f, String)]
     if not names:
         return None
     return (names[-2] if len(names) > 1 else None, names[-1])
@@ -165,10 +165,11 @@ def keys_of(sql: str) -> tuple[set[int], list[str]]:
     unpinned: list[str] = []
     inserted = {id(n.relation) for n in nodes if isinstance(n, InsertStmt)}
     for node in nodes:
-        if isinstance(node, InsertStmt) and node.relation.relname in DISTRIBUTED:
-            key = _inserted_key(node, DISTRIBUTED[node.relation.relname])
+        target = str(node.relation.relname) if isinstance(node, InsertStmt) and node.relation is not None else ""
+        if isinstance(node, InsertStmt) and target in DISTRIBUTED:
+            key = _inserted_key(node, DISTRIBUTED[target])
             if key is None:
-                unpinned.append(f"INSERT INTO {node.relation.relname}")
+                unpinned.append(f"INSERT INTO {target}")
             else:
                 keys.add(key)
         elif isinstance(node, RangeVar) and node.relname in DISTRIBUTED and id(node) not in inserted:
@@ -216,7 +217,9 @@ def test_the_checker_tells_one_key_from_many() -> None:
     assert single_key("SELECT a.name FROM agents a WHERE a.agent_id = $1")  # a reference table
     assert not single_key("SELECT * FROM messages WHERE message_id = $1")
     assert not single_key("SELECT * FROM messages m JOIN runs r ON r.run_id = m.run_id WHERE m.room_id = $1")
-    assert not single_key("SELECT * FROM messages WHERE room_id = $1 UNION ALL SELECT * FROM messages WHERE room_id = $2")
+    assert not single_key(
+        "SELECT 1 FROM messages WHERE room_id = $1 UNION ALL SELECT 1 FROM messages WHERE room_id = $2"
+    )
     assert not single_key("INSERT INTO memory_lines (room_id, text) SELECT room_id, text FROM memory_lines")
 
 
