@@ -225,10 +225,13 @@ async def test_deciding_every_held_action_completes_the_token_with_one_wake(
 
 async def test_only_the_owning_company_decides(room: Stub, world: World, pool: asyncpg.Pool) -> None:
     wp = await park(room, world)
-    await expect_error(DENIED, decide(room, wp.token, 1, world.bolt.company_id))
-    await expect_error(DENIED, decide(room, wp.token, 99, world.bolt.company_id))
+    # Another company's real token is answered exactly as a made-up one: no oracle of what exists.
+    made_up = str(uuid.uuid4())
+    unknown = await expect_error(NOT_FOUND, decide(room, made_up, 1, world.acme.company_id))
+    for index in (1, 99):
+        foreign = await expect_error(NOT_FOUND, decide(room, wp.token, index, world.bolt.company_id))
+        assert foreign.replace(wp.token, "<token>") == unknown.replace(made_up, "<token>")
     await expect_error(NOT_FOUND, decide(room, wp.token, 99, world.acme.company_id), "index")
-    await expect_error(NOT_FOUND, decide(room, str(uuid.uuid4()), 1, world.acme.company_id))
     await expect_error(INVALID, decide(room, wp.token, 1, world.acme.company_id, by=""), "decided_by")
     got = (await room.GetWaitpoint(room_pb2.RoomServiceGetWaitpointRequest(token=wp.token))).waitpoint
     assert [h.decision for h in got.held] == [PENDING, PENDING]
