@@ -561,8 +561,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     ) -> room_pb2.RoomServiceSetAgentRightsResponse:
         company_id = v.required_id(request.rights.company_id, "rights.company_id")
         agent_id = v.optional_id(request.rights.agent_id, "rights.agent_id")
-        named = rights_named(request.update_mask.paths)
-        rights = {f: _right_text(getattr(request.rights, f), f"rights.{f}") for f in named}
+        given = {f: _right_text(getattr(request.rights, f), f"rights.{f}") for f in convert.RIGHT_FIELDS}
+        rights = {f: given[f] for f in rights_named(request.update_mask.paths)}
         row = await self._store.set_agent_rights(company_id, agent_id, rights)
         return room_pb2.RoomServiceSetAgentRightsResponse(rights=convert.agent_rights(row, company_id, agent_id))
 
