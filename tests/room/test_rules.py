@@ -16,39 +16,12 @@ import grpc
 from quayutec.errors import broken_rule
 from quayutec.v1 import common_pb2, room_pb2
 from services.room.rules import RULES
-from tests.harness.room import add_member
+from tests.harness.room import add_member, room_state
 from tests.room.conftest import Stub, World, agent_author, person
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "rules.md"
 NOT_FOUND, DENIED = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED
 FAILED = grpc.StatusCode.FAILED_PRECONDITION
-# Every table a rule guards; a refused write leaves each exactly as it was.
-GUARDED = (
-    "messages",
-    "tasks",
-    "task_updates",
-    "memory_lines",
-    "files",
-    "passages",
-    "room_members",
-    "room_invitations",
-    "agent_rights",
-    "waitpoints",
-    "held_actions",
-    "wake_outbox",
-    "room_events",
-    "rooms",
-)
-
-
-async def room_state(pool: asyncpg.Pool, tables: tuple[str, ...] = GUARDED) -> dict[str, str]:
-    """Every row of ``tables``, as one digest per table."""
-    state = {}
-    for table in tables:
-        state[table] = await pool.fetchval(
-            f"SELECT count(*) || ':' || md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) FROM {table} t"
-        )
-    return state
 
 
 async def refused(call: Awaitable[Any], code: grpc.StatusCode, rule: str) -> str:
