@@ -155,6 +155,58 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
             assert json.loads(await ok("approvals", "--json")) == []
 
 
+async def test_rights_set_changes_only_what_it_names_and_show_says_where_each_comes_from(database_url: str) -> None:
+    """Issue 21, #5: `rights set --remember hold`, then `rights set --create-task hold`, leaves both held."""
+    from tests.harness.gateway import running_gateway
+
+    async with (
+        running_room(database_url) as room_addr,
+        running_gateway(
+            database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
+        ) as gateway_addr,
+    ):
+        env = {
+            "DATABASE_URL": database_url,
+            "QUAYUTEC_ROOM_ADDR": room_addr,
+            "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+            **mtls_env("admin"),
+        }
+
+        async def ok(*args: str, **extra: str) -> str:
+            done = await quayutec(*args, env={**env, **extra})
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+            return done.stdout
+
+        company_id = (await ok("company", "create", "Acme")).split()[1]
+        env["QUAYUTEC_API_KEY"] = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
+        agent_id = (
+            await ok(
+                "agent", "register", "--name", "planner", "--provider", "anthropic", "--model", "m",
+                QUAYUTEC_PROVIDER_KEY="sk-ant-cli",
+            )
+        ).split()[1]  # fmt: skip
+        await ok("rights", "set", "--remember", "hold")
+        await ok("rights", "set", "--create-task", "hold")
+        assert (await ok("rights", "show")).splitlines() == [
+            "remember=hold (set here)",
+            "create_task=hold (set here)",
+            "update_task=auto (built-in default)",
+            "close_task=auto (built-in default)",
+            "cross_company_task=auto (built-in default)",
+        ]
+        await ok("rights", "set", "--agent", agent_id, "--close-task", "deny", "--remember", "auto")
+        await ok("rights", "set", "--agent", agent_id, "--remember", "inherit")
+        assert (await ok("rights", "show", "--agent", agent_id)).splitlines() == [
+            "remember=hold (inherited from the company default)",
+            "create_task=hold (inherited from the company default)",
+            "update_task=auto (built-in default)",
+            "close_task=deny (set here)",
+            "cross_company_task=auto (built-in default)",
+        ]
+        nothing = await quayutec("rights", "set", env=env)
+        assert nothing.returncode != 0 and "name at least one right" in nothing.stderr
+
+
 async def test_invitations_leave_and_remove_from_the_command_line(database_url: str) -> None:
     """Membership by consent as two companies run it: invite, list, accept or decline, leave, remove."""
     from tests.harness.gateway import running_gateway
