@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from quayutec.v1 import room_pb2, room_pb2_grpc
@@ -31,6 +33,41 @@ async def quayutec(*args: str, env: dict[str, str], limit: float = 120.0) -> sub
         )
 
     return await asyncio.to_thread(run)
+
+
+def client_env(database_url: str, room_addr: str, gateway_addr: str) -> dict[str, str]:
+    """The environment of the client and admin commands against these servers."""
+    return {
+        "DATABASE_URL": database_url,
+        "QUAYUTEC_ROOM_ADDR": room_addr,
+        "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+        **mtls_env("admin"),
+    }
+
+
+@asynccontextmanager
+async def room_and_gateway(database_url: str) -> AsyncIterator[dict[str, str]]:
+    """A Room and a Gateway that delivers no wakes; yields the client commands' environment for them."""
+    from tests.harness.gateway import running_gateway
+
+    async with (
+        running_room(database_url) as room_addr,
+        running_gateway(
+            database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
+        ) as gateway_addr,
+    ):
+        yield client_env(database_url, room_addr, gateway_addr)
+
+
+def succeeding(env: dict[str, str]) -> Callable[..., Awaitable[str]]:
+    """``ok(*args, **extra_env)``: runs the command with ``env`` (plus ``extra_env``); it must succeed."""
+
+    async def ok(*args: str, **extra: str) -> str:
+        done = await quayutec(*args, env={**env, **extra})
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done.stdout
+
+    return ok
 
 
 async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path) -> None:
@@ -105,17 +142,8 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
                 database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
             ) as gateway_addr,
         ):
-            env = {
-                "DATABASE_URL": database_url,
-                "QUAYUTEC_ROOM_ADDR": room_addr,
-                "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
-                **mtls_env("admin"),
-            }
-
-            async def ok(*args: str, **extra: str) -> str:
-                done = await quayutec(*args, env={**env, **extra})
-                assert done.returncode == 0, (args, done.stdout, done.stderr)
-                return done.stdout
+            env = client_env(database_url, room_addr, gateway_addr)
+            ok = succeeding(env)
 
             company_id = (await ok("company", "create", "Acme")).split()[1]
             secret = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
@@ -157,25 +185,8 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
 
 async def test_rights_set_changes_only_what_it_names_and_show_says_where_each_comes_from(database_url: str) -> None:
     """Issue 21, #5: `rights set --remember hold`, then `rights set --create-task hold`, leaves both held."""
-    from tests.harness.gateway import running_gateway
-
-    async with (
-        running_room(database_url) as room_addr,
-        running_gateway(
-            database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
-        ) as gateway_addr,
-    ):
-        env = {
-            "DATABASE_URL": database_url,
-            "QUAYUTEC_ROOM_ADDR": room_addr,
-            "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
-            **mtls_env("admin"),
-        }
-
-        async def ok(*args: str, **extra: str) -> str:
-            done = await quayutec(*args, env={**env, **extra})
-            assert done.returncode == 0, (args, done.stdout, done.stderr)
-            return done.stdout
+    async with room_and_gateway(database_url) as env:
+        ok = succeeding(env)
 
         company_id = (await ok("company", "create", "Acme")).split()[1]
         env["QUAYUTEC_API_KEY"] = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
@@ -209,20 +220,7 @@ async def test_rights_set_changes_only_what_it_names_and_show_says_where_each_co
 
 async def test_invitations_leave_and_remove_from_the_command_line(database_url: str) -> None:
     """Membership by consent as two companies run it: invite, list, accept or decline, leave, remove."""
-    from tests.harness.gateway import running_gateway
-
-    async with (
-        running_room(database_url) as room_addr,
-        running_gateway(
-            database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
-        ) as gateway_addr,
-    ):
-        env = {
-            "DATABASE_URL": database_url,
-            "QUAYUTEC_ROOM_ADDR": room_addr,
-            "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
-            **mtls_env("admin"),
-        }
+    async with room_and_gateway(database_url) as env:
 
         async def run(key: str, *args: str) -> subprocess.CompletedProcess[str]:
             return await quayutec(*args, env={**env, "QUAYUTEC_API_KEY": key})
