@@ -326,3 +326,22 @@ async def test_each_service_prints_help_and_does_not_start() -> None:
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"usage: python -m services.{name}"), done.stdout
         assert f"QUAYUTEC_{name.upper()}_LISTEN" in done.stdout and "listening" not in done.stderr
+
+
+def test_a_refused_action_reads_with_its_rule() -> None:
+    """`quayutec run <id>` shows a refused action's outcome, the rule's words and the rule's id."""
+    from quayutec.v1 import common_pb2
+    from services.client import format_run
+
+    run = common_pb2.Run(run_id="r", status=common_pb2.RUN_STATUS_SUCCEEDED, step=common_pb2.RUN_STEP_ENDED)
+    run.actions.add(
+        index=0,
+        kind=common_pb2.ACTION_KIND_CLOSE_TASK,
+        outcome=common_pb2.ACTION_OUTCOME_REFUSED,
+        rule="task-sender-or-assignee",
+        detail="only the company that sent task t or the company of its assignee may update or close it",
+    )
+    assert (
+        "  action #0 close_task: refused (only the company that sent task t or the company of its assignee may "
+        "update or close it) [rule task-sender-or-assignee]"
+    ) in format_run(run).splitlines()
