@@ -1190,8 +1190,7 @@ class RoomStore:
         if author.kind == "agent":
             author = _identified(author, await conn.fetchval(self._q["agent_company"], author.agent_id))
         member = bool(await conn.fetchval(self._q["lock_membership"], room_id, author.company_id))
-        facts = replace(facts or Facts(author.company_id), company_id=author.company_id, room_id=room_id)
-        enforce(act, replace(facts, member=member))
+        enforce(act, replace(facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member))
         return author
 
 
