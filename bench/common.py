@@ -1,6 +1,7 @@
 """Shared pieces of the benches: a PostgreSQL server, scratch databases, the services as processes,
 the stand-in model provider as a process, a world made through RoomService, a ledger watcher,
-percentiles and a plain table.
+percentiles and a plain table, the figures every bench writes with ``--json PATH`` (read back by
+``bench/compare.py``), and the cache outside the repository where benches keep what they install.
 
 Every bench runs as a script from the checkout (``python bench/<name>.py``); nothing here is
 imported by the services or by tests.
