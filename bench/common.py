@@ -467,6 +467,15 @@ def run_main(amain: Callable[[Any], Coroutine[Any, Any, Figures | None]], opts: 
 Figures = dict[str, float]
 
 
+def level_figures(name: str, rate_unit: str, rate: float, latencies_ms: Mapping[str, Sequence[float]]) -> Figures:
+    """``"<name> <rate_unit>"`` and, per latency list, ``"<name> <what> p50 ms"`` and its p99."""
+    figures = {f"{name} {rate_unit}": rate}
+    for what, values in latencies_ms.items():
+        for q in (50, 99):
+            figures[" ".join(p for p in (name, what, f"p{q} ms") if p)] = percentile(values, q)
+    return figures
+
+
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",

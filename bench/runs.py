@@ -60,6 +60,7 @@ from bench.common import (
     create_database,
     create_migrated_database,
     drop_database,
+    level_figures,
     make_room_world,
     model_ms,
     parse_concurrency,
@@ -417,11 +418,8 @@ def report(levels: list[Level], concurrencies: list[int], seconds: float) -> Fig
     )
     figures: Figures = {}
     for lv in levels:
-        name = f"{lv.system} c={lv.concurrency}"
-        figures[f"{name} runs/s"] = lv.rate
-        figures[f"{name} added p50 ms"] = percentile(lv.added_ms, 50)
-        figures[f"{name} added p99 ms"] = percentile(lv.added_ms, 99)
-        figures[f"{name} client p50 ms"] = percentile(lv.client_ms, 50)
+        latencies = {"added": lv.added_ms, "client": lv.client_ms}
+        figures |= level_figures(f"{lv.system} c={lv.concurrency}", "runs/s", lv.rate, latencies)
     by = {(lv.system, lv.concurrency): lv for lv in levels}
     print()
     for anchor in ANCHORS:

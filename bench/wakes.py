@@ -38,6 +38,7 @@ from bench.common import (
     base_env,
     create_migrated_database,
     drop_database,
+    level_figures,
     parse_concurrency,
     percentile,
     post_mention,
@@ -229,9 +230,7 @@ def report(results: Sequence[Measured], concurrencies: list[int], poll: float, s
     figures: Figures = {}
     for m in results:
         what = f"{'wake' if m.kind.startswith('end') else 'post'} c={m.concurrency}"
-        figures[f"{what} per s"] = m.rate
-        figures[f"{what} p50 ms"] = percentile(m.latency_ms, 50)
-        figures[f"{what} p99 ms"] = percentile(m.latency_ms, 99)
+        figures |= level_figures(what, "per s", m.rate, {"": m.latency_ms})
         for name, ms in m.cpu_ms_per_item.items():
             figures[f"{what} CPU ms {name}"] = ms
         if m.cpu_ms_per_item:
