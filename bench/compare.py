@@ -107,9 +107,9 @@ def resolve_ref(ref: str) -> str:
         raise BenchError(f"--baseline-ref {ref} is not a commit of this repository") from exc
 
 
-def export_tree(sha: str, dest: Path) -> None:
-    """The files of commit ``sha`` into ``dest`` (replaced), from ``git archive``."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", sha], capture_output=True)
+def export_tree(sha: str, dest: Path, *paths: str) -> None:
+    """The files of commit ``sha`` (or only those under ``paths``) into ``dest`` (replaced), from ``git archive``."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", "--format=tar", sha, *paths], capture_output=True)
     if archive.returncode != 0:
         raise BenchError(f"git archive {sha}: {archive.stderr.decode(errors='replace').strip()}")
     shutil.rmtree(dest, ignore_errors=True)
@@ -175,10 +175,10 @@ def prepare_baseline(sha: str, label: str, cache: Path, bench_code: str) -> Side
         done.touch()
     if bench_code == "current":
         overlay_bench(tree)
-    else:  # the tree's own bench/, as exported (an earlier run may have copied ours over it)
+    else:  # the tree's own bench/, as committed (an earlier run may have copied ours over it)
         shutil.rmtree(tree / "bench", ignore_errors=True)
         scratch = base / "own-bench"
-        export_tree(sha, scratch)
+        export_tree(sha, scratch, "bench")
         shutil.move(scratch / "bench", tree / "bench")
         shutil.rmtree(scratch)
     python = ensure_venv(tree, base / "venv", bench_requirements(ROOT / "pyproject.toml"))
