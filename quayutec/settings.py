@@ -173,6 +173,14 @@ _DECLARED: list[Setting] = [
         shown="60",
     ),
     _g(
+        "QUAYUTEC_RUNTIME_MODEL_MAX_RESPONSE_BYTES",
+        4 * 1024 * 1024,
+        "the most of one model answer's body the Runtime reads, counted as it streams in (a declared longer "
+        "length is refused unread); past it the attempt is a final `response_too_large`, never retried",
+        ["runtime"],
+        shown="4194304 (4 MiB)",
+    ),
+    _g(
         "QUAYUTEC_RUNTIME_BACKEND_TIMEOUT_SECONDS",
         10.0,
         "deadline of one try of a Runtime call to Claims or Room",
