@@ -122,6 +122,36 @@ _DECLARED: list[Setting] = [
         ALL,
     ),
     _g("QUAYUTEC_LOG_LEVEL", "INFO", "the services' log level: DEBUG, INFO, WARNING or ERROR", ALL),
+    _g(
+        "QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS",
+        10.0,
+        "a connection to any gRPC port must finish its TLS and HTTP/2 handshake within this, or it is closed"
+        " (gRPC's own default is 120)",
+        ALL,
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_IDLE_SECONDS",
+        300.0,
+        "a gRPC connection with no call open for this long is closed (GOAWAY; clients reconnect when they next"
+        " call); open streams keep it",
+        ALL,
+        shown="300",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_KEEPALIVE_SECONDS",
+        60.0,
+        "a gRPC server pings a connection quiet for this long, to find peers that are gone",
+        ALL,
+        shown="60",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_KEEPALIVE_TIMEOUT_SECONDS",
+        20.0,
+        "a ping not answered within this closes the connection and the calls on it",
+        ALL,
+        shown="20",
+    ),
     _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),
