@@ -443,6 +443,40 @@ _DECLARED: list[Setting] = [
         ["console"],
     ),
     _g(
+        "QUAYUTEC_CONSOLE_HEADER_TIMEOUT_SECONDS",
+        10.0,
+        "a request's line and headers must arrive whole within this after the connection opens (or the previous"
+        " answer ends), or the connection is closed",
+        ["console"],
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_BODY_TIMEOUT_SECONDS",
+        30.0,
+        "a request's body must arrive whole within this after its headers (408 past it)",
+        ["console"],
+        shown="30",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_KEEP_ALIVE_SECONDS",
+        5,
+        "a kept-alive connection quiet this long after an answer is closed",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_CONNECTIONS",
+        500,
+        "open connections (event streams included) past which a request is answered 503",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_BODY_BYTES",
+        1024 * 1024,
+        "the longest request body the console reads (a form post); longer: 413, unread when its length is declared",
+        ["console"],
+        shown="1048576 (1 MiB)",
+    ),
+    _g(
         "QUAYUTEC_CONSOLE_JAEGER_URL",
         "http://localhost:16686",
         "base URL of the Jaeger UI that a run page links its trace to",

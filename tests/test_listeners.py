@@ -1,20 +1,29 @@
 """Every listener cuts connections that do nothing useful: a client that connects and never
-finishes its handshake (gRPC) or its request (the console's HTTP), and a gRPC connection that
-holds no call. Each test opens a bounded number of such connections to a real server and waits,
-with a failsafe far below gRPC's own 120 s handshake default, for the server to close every one.
+finishes its handshake (gRPC) or its request (the console's HTTP), a gRPC connection that holds
+no call; and the console reads no request body past its cap or its deadline. Each test opens a
+bounded number of such connections to a real server and waits, with a failsafe far below gRPC's
+own 120 s handshake default, for the server to close every one.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quayutec.config import GATEWAY, ROOM, ConnectionLimits, ServerConfig
+from quayutec.httpserve import HttpLimits
 from quayutec.server import connection_options
+from services.stack import REPO, free_port
 from tests.harness.gateway import running_gateway
 from tests.harness.room import running_room
 
@@ -126,3 +135,101 @@ def test_a_bad_limit_stops_the_service_at_start(bad: str) -> None:
 
     with pytest.raises(ConfigError, match="QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS"):
         ServerConfig.from_env(ROOM, {"QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS": bad})
+
+
+# -- the console (HTTP) -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def console(tmp_path: Path) -> Iterator[int]:
+    """``python -m services.console`` with short limits (1 s head and body, 1 KiB bodies); yields its port.
+    Its Gateway address is a closed local port: these tests never get past the console's own door."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.console"],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "QUAYUTEC_DATA_DIR": str(tmp_path),
+            "QUAYUTEC_CONSOLE_LISTEN": f"127.0.0.1:{port}",
+            "QUAYUTEC_GATEWAY_ADDR": "127.0.0.1:9",
+            "QUAYUTEC_CONSOLE_HEADER_TIMEOUT_SECONDS": "1",
+            "QUAYUTEC_CONSOLE_BODY_TIMEOUT_SECONDS": "1",
+            "QUAYUTEC_CONSOLE_KEEP_ALIVE_SECONDS": "1",
+            "QUAYUTEC_CONSOLE_MAX_BODY_BYTES": "1024",
+        },
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, f"the console exited: {proc.stderr.read() if proc.stderr else ''}"
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+                    s.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                    if s.recv(100).startswith(b"HTTP/1.1 200"):
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the console did not start"
+            time.sleep(0.1)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()
+
+
+async def answer_and_close(port: int, request: bytes) -> bytes:
+    """Sends ``request`` and reads until the server closes the connection (failsafe-bounded)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), FAILSAFE_SECONDS)
+    finally:
+        writer.close()
+
+
+async def test_the_console_cuts_clients_that_never_finish_a_request(console: int) -> None:
+    silent = await open_idle(console, HALF_OPEN)
+    partial_line = await open_idle(console, 10, b"GET / HT")
+    partial_headers = await open_idle(console, 10, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+    assert await closed_by_server(silent) == HALF_OPEN
+    assert await closed_by_server(partial_line) == 10
+    assert await closed_by_server(partial_headers) == 10
+    # A kept-alive connection that goes quiet after its answer is closed too.
+    (kept,) = await open_idle(console, 1, b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert await closed_by_server([kept]) == 1
+
+
+async def test_the_console_bounds_request_bodies(console: int) -> None:
+    head = b"POST /signin HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+    declared = await answer_and_close(console, head + b"Content-Length: 5000\r\n\r\n" + b"a" * 100)
+    assert declared.startswith(b"HTTP/1.1 413 ")
+    chunk = b"a" * 600
+    streamed = await answer_and_close(
+        console,
+        head + b"Transfer-Encoding: chunked\r\n\r\n" + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 2 + b"0\r\n\r\n",
+    )
+    assert streamed.startswith(b"HTTP/1.1 413 ")
+    slow = await answer_and_close(console, head + b"Content-Length: 100\r\n\r\napi_key=")
+    assert slow.startswith(b"HTTP/1.1 408 ")
+    # Within the limits the console answers as usual (the sign-in form asks for its token first).
+    page = await answer_and_close(console, b"GET /signin HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert page.startswith(b"HTTP/1.1 200 ")
+    small = await answer_and_close(console, head + b"Content-Length: 9\r\nConnection: close\r\n\r\napi_key=x")
+    assert small.startswith(b"HTTP/1.1 403 "), small[:200]  # no CSRF token: refused by the page itself
+
+
+def test_the_console_limits_are_settings() -> None:
+    assert HttpLimits.from_env({}) == HttpLimits(10.0, 30.0, 5, 500, 1024 * 1024)
+    assert HttpLimits.from_env({"QUAYUTEC_CONSOLE_MAX_BODY_BYTES": "4096"}).max_body_bytes == 4096
