@@ -20,6 +20,7 @@ from quayutec.egress import EgressPolicy
 from quayutec.v1 import common_pb2, runtime_pb2
 from services.runtime.model import (
     DEFAULT_MAX_RESPONSE_BYTES,
+    ModelOutcome,
     ModelTarget,
     Provider,
     RetryPolicy,
@@ -68,6 +69,13 @@ def target(standin: StandinProvider, provider: Provider, *, owner_supplied: bool
     return ModelTarget(provider, MODEL, KEY, base_url=standin.base_url, owner_supplied=owner_supplied)
 
 
+async def call_capped(http: httpx.AsyncClient, standin: StandinProvider, cap: int) -> ModelOutcome:
+    """One Anthropic call to the stand-in reading at most ``cap`` bytes of the answer."""
+    return await call_model(
+        http, target(standin, "anthropic"), REQUEST, policy=RetryPolicy(), clock=FakeClock(), max_response_bytes=cap
+    )
+
+
 @pytest.mark.parametrize("provider", ["anthropic", "openai"])
 @pytest.mark.parametrize(("status", "declare_length"), [(200, False), (200, True), (500, False)])
 async def test_a_body_past_the_cap_is_one_final_attempt(
@@ -92,47 +100,26 @@ async def test_the_cap_counts_streamed_bytes_exactly(http: httpx.AsyncClient, st
     """A chunked body of exactly the cap is read whole (and is not a reply); one byte more is refused."""
     cap = 5 * HUGE_CHUNK + 123
     standin.enqueue_fault("huge", status=200, size=cap)
-    whole = await call_model(
-        http, target(standin, "anthropic"), REQUEST, policy=RetryPolicy(), clock=FakeClock(), max_response_bytes=cap
-    )
-    assert whole.error_class == "bad_reply"
+    assert (await call_capped(http, standin, cap)).error_class == "bad_reply"
     standin.enqueue_fault("huge", status=200, size=cap + 1)
-    over = await call_model(
-        http, target(standin, "anthropic"), REQUEST, policy=RetryPolicy(), clock=FakeClock(), max_response_bytes=cap
-    )
-    assert over.error_class == "response_too_large"
+    assert (await call_capped(http, standin, cap)).error_class == "response_too_large"
 
 
 async def test_a_declared_length_over_the_cap_is_refused_unread(
     http: httpx.AsyncClient, standin: StandinProvider
 ) -> None:
     body = json.dumps(REPLY_BODY).encode()
-    standin.enqueue_fault(Fault("raw", status=200, body=REPLY_BODY))
-    fits = await call_model(
-        http,
-        target(standin, "anthropic"),
-        REQUEST,
-        policy=RetryPolicy(),
-        clock=FakeClock(),
-        max_response_bytes=len(body),
-    )
+    standin.enqueue_fault(Fault("raw", status=200, body=REPLY_BODY), times=2)
+    fits = await call_capped(http, standin, len(body))
     assert fits.reply is not None and fits.reply.text == "fits"
-    standin.enqueue_fault(Fault("raw", status=200, body=REPLY_BODY))
-    over = await call_model(
-        http,
-        target(standin, "anthropic"),
-        REQUEST,
-        policy=RetryPolicy(),
-        clock=FakeClock(),
-        max_response_bytes=len(body) - 1,
-    )
+    over = await call_capped(http, standin, len(body) - 1)
     assert over.reply is None and over.error_class == "response_too_large"
 
 
 async def test_a_compressed_body_is_refused_not_inflated(http: httpx.AsyncClient, standin: StandinProvider) -> None:
     """We ask for identity; a body coded anyway could inflate past any cap, so it is a bad reply."""
     standin.enqueue_fault(Fault("raw", status=200, body=REPLY_BODY, headers={"content-encoding": "gzip"}))
-    outcome = await call_model(http, target(standin, "anthropic"), REQUEST, policy=RetryPolicy(), clock=FakeClock())
+    outcome = await call_capped(http, standin, DEFAULT_MAX_RESPONSE_BYTES)
     assert outcome.error_class == "bad_reply"
     assert "gzip-encoded" in outcome.attempts[0].detail
     assert standin.requests()[0].headers["accept-encoding"] == "identity"
