@@ -142,6 +142,36 @@ _DECLARED: list[Setting] = [
         "database connections kept out of the services' budget: migrations, the admin commands, an operator's psql",
         WITH_DATABASE,
     ),
+    _g(
+        "QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS",
+        10.0,
+        "a connection to any gRPC port must finish its TLS and HTTP/2 handshake within this, or it is closed"
+        " (gRPC's own default is 120)",
+        ALL,
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_IDLE_SECONDS",
+        300.0,
+        "a gRPC connection with no call open for this long is closed (GOAWAY; clients reconnect when they next"
+        " call); open streams keep it",
+        ALL,
+        shown="300",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_KEEPALIVE_SECONDS",
+        60.0,
+        "a gRPC server pings a connection quiet for this long, to find peers that are gone",
+        ALL,
+        shown="60",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_KEEPALIVE_TIMEOUT_SECONDS",
+        20.0,
+        "a ping not answered within this closes the connection and the calls on it",
+        ALL,
+        shown="20",
+    ),
     _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),
@@ -191,6 +221,14 @@ _DECLARED: list[Setting] = [
         "body); past it the attempt is a `timeout` and the retry policy decides",
         ["runtime"],
         shown="60",
+    ),
+    _g(
+        "QUAYUTEC_RUNTIME_MODEL_MAX_RESPONSE_BYTES",
+        4 * 1024 * 1024,
+        "the most of one model answer's body the Runtime reads, counted as it streams in (a declared longer "
+        "length is refused unread); past it the attempt is a final `response_too_large`, never retried",
+        ["runtime"],
+        shown="4194304 (4 MiB)",
     ),
     _g(
         "QUAYUTEC_RUNTIME_BACKEND_TIMEOUT_SECONDS",
@@ -507,6 +545,40 @@ _DECLARED: list[Setting] = [
         "the origin browsers reach the console at (https://host[:port]); every POST's Origin must be it;"
         " unset: the request's own host",
         ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_HEADER_TIMEOUT_SECONDS",
+        10.0,
+        "a request's line and headers must arrive whole within this after the connection opens (or the previous"
+        " answer ends), or the connection is closed",
+        ["console"],
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_BODY_TIMEOUT_SECONDS",
+        30.0,
+        "a request's body must arrive whole within this after its headers (408 past it)",
+        ["console"],
+        shown="30",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_KEEP_ALIVE_SECONDS",
+        5,
+        "a kept-alive connection quiet this long after an answer is closed",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_CONNECTIONS",
+        500,
+        "open connections (event streams included) past which a request is answered 503",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_BODY_BYTES",
+        1024 * 1024,
+        "the longest request body the console reads (a form post); longer: 413, unread when its length is declared",
+        ["console"],
+        shown="1048576 (1 MiB)",
     ),
     _g(
         "QUAYUTEC_CONSOLE_JAEGER_URL",

@@ -19,7 +19,7 @@ from quayutec.channels import channel_as
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, DatabaseConfig, service_addr
 from quayutec.db import open_pool
 from quayutec.migrate import apply_all
-from quayutec.tls import ADMIN
+from quayutec.tls import ADMIN, CA_FOLDER, IDENTITIES, MtlsConfig, ensure_dev_pki, identity_dir
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.client import API_KEY_ENV, NOT_TRACED, STATUS_NAMES, STEP_NAMES, GatewayClient, format_run
 
@@ -124,6 +124,21 @@ async def cmd_demo(opts: argparse.Namespace) -> int:
     from services.demo import run_demo
 
     return await run_demo()
+
+
+async def cmd_pki_init(opts: argparse.Namespace) -> int:
+    """The development PKI of QUAYUTEC_DATA_DIR (made if missing): the CA's folder, read by admin
+    tooling only, and one folder per identity, each all that identity's process reads."""
+    config = MtlsConfig.from_env()
+    if config.from_files:
+        print("error: QUAYUTEC_MTLS_CA/CERT/KEY are set: this process uses those files, not a development PKI")
+        return 2
+    ensure_dev_pki(config.pki_dir)
+    print(f"development PKI in {config.pki_dir}")
+    print(f"  {identity_dir(config.pki_dir, CA_FOLDER)}/  ca.crt ca.key   (the CA: admin tooling only)")
+    for name in IDENTITIES:
+        print(f"  {identity_dir(config.pki_dir, name)}/  ca.crt tls.crt tls.key")
+    return 0
 
 
 async def cmd_migrate(opts: argparse.Namespace) -> int:
@@ -645,6 +660,12 @@ def parser() -> argparse.ArgumentParser:
     cf.set_defaults(handler=cmd_config)
     sub.add_parser("demo", help="the two-company demo, with a Runtime crash").set_defaults(handler=cmd_demo)
     sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
+    pki = sub.add_parser("pki", help="the development certificates of the data folder (admin)").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    pki.add_parser(
+        "init", help="make the development CA and each identity's certificate if missing, and show where"
+    ).set_defaults(handler=cmd_pki_init)
 
     company = sub.add_parser("company", help="companies (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from quayutec.errors import InvalidArgument, NotFound, status_for
+from quayutec.ratelog import RateLimitedLog
 from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2
 from services.gateway.auth import CallerContext, create_session_key, end_session
 from services.gateway.ratelimit import PostRateLimiter
@@ -42,6 +43,9 @@ MAX_PASSAGES = 50
 RIGHT_FIELDS = ("remember", "create_task", "update_task", "close_task", "cross_company_task")
 
 _CLOSING_STATUSES = (common_pb2.TASK_STATUS_DONE, common_pb2.TASK_STATUS_CANCELLED)
+_registration_log = logging.getLogger("quayutec.gateway.registration")
+# How the Room refuses a registration: a base_url its egress rules refuse, or a host it cannot resolve.
+_REGISTRATION_REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE})
 # Said for an agent a write names that is unknown or not in the room: one answer for both, so agent ids
 # of other companies cannot be probed.
 AGENT_NOT_IN_ROOM = "agent not found in this room (unknown, or its company is not a member)"
@@ -130,6 +134,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._watch = watch
         self._keys = keys
         self._max_session_keys = max_session_keys
+        # One line per refused registration, no traceback; anyone with a key can cause them, so bounded.
+        self._refusals = RateLimitedLog(_registration_log)
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -395,18 +401,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise InvalidArgument("base_url is required for PROVIDER_OPENAI_COMPATIBLE")
         provider_key = _required_text(request.provider_key, "provider_key", MAX_PROVIDER_KEY_BYTES)
         system_prompt = _optional_text(request.system_prompt, "system_prompt", MAX_SYSTEM_PROMPT_BYTES)
-        response = await self._room.RegisterAgent(
-            room_pb2.RoomServiceRegisterAgentRequest(
-                company_id=company_id,
-                name=name,
-                provider=request.provider,
-                model=model,
-                base_url=base_url,
-                provider_key=provider_key,
-                system_prompt=system_prompt,
-            ),
-            timeout=self._timeout,
-        )
+        try:
+            response = await self._room.RegisterAgent(
+                room_pb2.RoomServiceRegisterAgentRequest(
+                    company_id=company_id,
+                    name=name,
+                    provider=request.provider,
+                    model=model,
+                    base_url=base_url,
+                    provider_key=provider_key,
+                    system_prompt=system_prompt,
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _REGISTRATION_REFUSALS:
+                raise
+            # The Room refused (its base_url check, or it cannot resolve the host now): passed on as is.
+            code, details = exc.code(), exc.details() or exc.code().name
+            self._refusals.warning("RegisterAgent refused for company %s: %s %s", company_id, code.name, details)
+            await context.abort(code, details)
         return gateway_pb2.RegisterAgentResponse(agent=response.agent)
 
     async def ListAgents(self, request: gateway_pb2.ListAgentsRequest, context: Any) -> gateway_pb2.ListAgentsResponse:
