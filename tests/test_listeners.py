@@ -20,10 +20,12 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from quayutec.channels import KEEPALIVE_MS, internal_channel
 from quayutec.config import GATEWAY, ROOM, ConnectionLimits, ServerConfig
 from quayutec.httpserve import HttpLimits
 from quayutec.server import connection_options
 from services.stack import REPO, free_port
+from tests.harness.channels import pki_identity
 from tests.harness.gateway import running_gateway
 from tests.harness.room import running_room
 
@@ -127,6 +129,29 @@ async def test_an_internal_service_cuts_an_unfinished_tls_handshake(database_url
         partial = await open_idle(port, 10, b"\x16\x03\x01\x02\x00\x01\x00\x01\xfc\x03\x03")
         assert await closed_by_server(silent) == HALF_OPEN
         assert await closed_by_server(partial) == 10
+
+
+async def test_our_own_keepalive_pings_never_get_a_connection_closed(database_url: str) -> None:
+    """Internal channels ping every KEEPALIVE_MS, idle or not, to find a silent peer; the server must
+    accept that (a client pinging more often than the server allows gets GOAWAY "too many pings"
+    on its third ping, and its open calls end). Idle for four ping periods: the channel stays READY
+    and the one connection it opened serves the next call."""
+    async with running_room(database_url) as addr:
+        async with internal_channel(addr, identity=pki_identity("runtime"), server="room") as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            await health.Check(health_pb2.HealthCheckRequest(service=ROOM.grpc_service), timeout=10)
+            seen = [channel.get_state(try_to_connect=False)]
+
+            async def record_changes() -> None:
+                while True:
+                    await channel.wait_for_state_change(seen[-1])
+                    seen.append(channel.get_state(try_to_connect=False))
+
+            recorder = asyncio.create_task(record_changes())
+            await asyncio.sleep(4 * KEEPALIVE_MS / 1000 + 1)
+            recorder.cancel()
+            assert seen == [grpc.ChannelConnectivity.READY]
+            await health.Check(health_pb2.HealthCheckRequest(service=ROOM.grpc_service), timeout=10)
 
 
 @pytest.mark.parametrize("bad", ["0", "-1", "soon"])
