@@ -2,17 +2,19 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml | sha1sum | cut -c1-12)
 
 NODE_EXAMPLES := docs/examples/node
 NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
 
 .PHONY: demo test lint typecheck pytest protos check-protos clean bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# The Python client SDK (clients/python), for its tests, the docs' examples and the bench.
+	$(BIN)/pip install --quiet -e clients/python
 	touch $(STAMP)
 
 demo: $(STAMP)
