@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -259,9 +261,13 @@ async def test_every_typed_error(stack: SdkStack, acme: CompanyKey, bolt: Compan
     await expect(errors.Unauthenticated, grpc.StatusCode.UNAUTHENTICATED, stranger.who_am_i(), "unknown API key")
 
     # OUT_OF_RANGE: the events after cursor 1 are no longer kept.
-    await a.post_message(room.room_id, "soon forgotten", person="ana")
+    forgotten = (await a.post_message(room.room_id, "soon forgotten", person="ana")).message
     async with a.watch(room.room_id, after=0) as replay:
-        last = [e async for e in _first(replay, 3)][-1].cursor
+        last = 0
+        async for event in replay:
+            last = event.cursor
+            if event.message.message_id == forgotten.message_id:
+                break
     await stack.expire_events(room.room_id, last)
     with pytest.raises(errors.CursorExpired) as expired:
         await anext(aiter(a.watch(room.room_id, after=1)))
@@ -361,21 +367,59 @@ async def test_tls_is_on_unless_plaintext_is_asked_for(stack: SdkStack, acme: Co
         quayutec_client.connect(addr, acme.secret, plaintext=True, tls=Tls(pem))
 
 
+# Run in a process of its own: this one's gRPC channels are instrumented by OpenTelemetry already,
+# which would send a trace context of its own.
+_TRACED_CALL = """
+import asyncio, os, sys
+if sys.argv[1] == "without":
+    sys.modules["opentelemetry"] = None  # as if it were not installed
+import quayutec_client
+
+async def main() -> None:
+    async with quayutec_client.connect(os.environ["ADDR"], os.environ["KEY"], plaintext=True) as client:
+        if sys.argv[1] == "without":
+            await client.who_am_i()
+            return
+        from opentelemetry import trace
+        from opentelemetry.sdk.trace import TracerProvider
+
+        trace.set_tracer_provider(TracerProvider())
+        with trace.get_tracer("caller").start_as_current_span("caller") as span:
+            await client.who_am_i()
+        print(f"{span.get_span_context().trace_id:032x} {span.get_span_context().span_id:016x}")
+
+asyncio.run(main())
+"""
+
+
 async def test_the_callers_trace_context_reaches_the_gateway(
-    stack: SdkStack, acme: CompanyKey, connect: ClientFactory, captured: tuple[InMemorySpanExporter, SpanCapture]
+    stack: SdkStack, acme: CompanyKey, captured: tuple[InMemorySpanExporter, SpanCapture]
 ) -> None:
     exporter, capture = captured
     async with stack.extra_gateway() as addr:
-        client = connect(acme, addr=addr)
-        with trace.get_tracer("sdk-test").start_as_current_span("caller") as caller:
-            await client.who_am_i()
+        env = {**os.environ, "ADDR": addr, "KEY": acme.secret}
+        runs = {}
+        for mode in ("with", "without"):
+            done = await asyncio.to_thread(
+                subprocess.run,
+                [sys.executable, "-c", _TRACED_CALL, mode],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert done.returncode == 0, done.stderr
+            runs[mode] = done.stdout.split()
         await asyncio.to_thread(capture.force_flush)
     served = [
         s for s in exporter.get_finished_spans() if s.name.endswith("/WhoAmI") and s.kind == trace.SpanKind.SERVER
     ]
-    assert served, [s.name for s in exporter.get_finished_spans()]
-    assert served[0].context.trace_id == caller.get_span_context().trace_id
-    assert served[0].parent is not None and served[0].parent.span_id == caller.get_span_context().span_id
+    assert len(served) == 2, [s.name for s in exporter.get_finished_spans()]
+    trace_id, span_id = runs["with"]
+    traced, untraced = sorted(served, key=lambda s: s.parent is None)
+    assert traced.parent is not None and f"{traced.parent.span_id:016x}" == span_id
+    assert f"{traced.context.trace_id:032x}" == trace_id
+    assert untraced.parent is None, "no trace context is sent without OpenTelemetry"
 
 
 def test_retry_waits_grow_with_jitter_and_honour_the_advised_wait() -> None:
@@ -391,12 +435,3 @@ def test_retry_waits_grow_with_jitter_and_honour_the_advised_wait() -> None:
     for bad in ({"max_attempts": 0}, {"total_timeout": 0}, {"initial_backoff": 2.0, "max_backoff": 1.0}):
         with pytest.raises(ValueError):
             RetryPolicy(**bad)
-
-
-async def _first(watch: quayutec_client.RoomWatch, n: int) -> AsyncIterator[RoomEvent]:
-    got = 0
-    async for event in watch:
-        yield event
-        got += 1
-        if got == n:
-            return

@@ -149,7 +149,7 @@ class Transport:
         self.sleep = sleep
         self.clock = clock
         self.rng = rng or random.Random()
-        self._auth: tuple[tuple[str, str], ...] = (key.bearer(),)
+        self._key = key  # the metadata is made per call, so no attribute of this object holds the key
         self._unary: dict[str, Any] = {}
         self._streams: dict[str, Any] = {}
         for rpc in RPCS.values():
@@ -163,11 +163,12 @@ class Transport:
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """The API key, and the caller's current trace context when OpenTelemetry is installed."""
+        auth = (self._key.bearer(),)
         if _propagate is None:
-            return self._auth
+            return auth
         carrier: dict[str, str] = {}
         _propagate.inject(carrier)
-        return self._auth + tuple(carrier.items()) if carrier else self._auth
+        return auth + tuple(carrier.items()) if carrier else auth
 
     async def unary(self, name: str, request: Message, policy: RetryPolicy) -> Any:
         """Send ``request`` to RPC ``name``, retried as its safety and ``policy`` allow."""
