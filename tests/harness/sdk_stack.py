@@ -26,13 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from quayutec.db import create_pool
+from quayutec.telemetry import configure_for_tests
 from services.runtime.standin import StandinProvider
 from services.stack import free_port, wait_serving
 from tests.harness.channels import mtls_env
 from tests.harness.claims import running_claims
-from tests.harness.gateway import CompanyKey, make_company, running_gateway
+from tests.harness.gateway import CompanyKey, make_company, running_gateway, self_signed_tls
 from tests.harness.proxy import HoldingProxy
 from tests.harness.room import running_room
 from tests.harness.runtime import running_runtime
@@ -224,6 +227,12 @@ async def _kill_once_posted(stack: SdkStack, body: dict[str, Any]) -> dict[str, 
     return {}
 
 
+async def _background_done(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    """Wait for what /gateway/kill-once-posted started (the Gateway is up again after it)."""
+    await asyncio.gather(*stack._background)
+    return {"kills": stack.gateway.kills}
+
+
 async def _messages(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
     return {"bodies": await stack.messages_in(body["room_id"])}
 
@@ -237,18 +246,55 @@ async def _gateway_state(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any
     return {"addr": stack.gateway_addr, "kills": stack.gateway.kills}
 
 
+async def _kill(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    await stack.gateway.kill()
+    return {"kills": stack.gateway.kills}
+
+
+async def _start(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    await stack.gateway.start()
+    return {}
+
+
+async def _hold(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    stack.proxy.hold()
+    return {}
+
+
+async def _release(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    stack.proxy.release()
+    return {}
+
+
+async def _events(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    from tests.gateway.test_watch import log_of
+
+    log = await log_of(stack.room_addr, body["room_id"], body["company_id"], 0)
+    return {"events": [{"cursor": e.cursor, "kind": int(e.kind)} for e in log]}
+
+
 CONTROL: dict[str, Handler] = {
     "/company": _company,
+    "/gateway": _gateway_state,
+    "/gateway/kill": _kill,
+    "/gateway/start": _start,
     "/gateway/restart": _restart,
     "/gateway/kill-once-posted": _kill_once_posted,
-    "/gateway": _gateway_state,
+    "/gateway/kill-once-posted/done": _background_done,
+    "/room/hold-replies": _hold,
+    "/room/release-replies": _release,
     "/messages": _messages,
+    "/events": _events,
     "/events/expire": _expire,
 }
 
 
-async def serve_control(stack: SdkStack, extra: dict[str, Any]) -> tuple[asyncio.Server, str]:
-    """A minimal HTTP/1.1 server on 127.0.0.1 answering the CONTROL paths (one request per connection)."""
+async def serve_control(
+    stack: SdkStack, extra: dict[str, Any], more: dict[str, Handler] | None = None
+) -> tuple[asyncio.Server, str]:
+    """A minimal HTTP/1.1 server on 127.0.0.1 answering the CONTROL paths and ``more`` (one request
+    per connection); /extra answers ``extra``."""
+    handlers = {**CONTROL, **(more or {})}
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         status, answer = 200, {}
@@ -259,10 +305,10 @@ async def serve_control(stack: SdkStack, extra: dict[str, Any]) -> tuple[asyncio
             body = json.loads(await reader.readexactly(length) or b"{}") if length else {}
             if path == "/extra":
                 answer = extra
-            elif path in CONTROL:
-                answer = await CONTROL[path](stack, body)
+            elif path in handlers:
+                answer = await handlers[path](stack, body)
             else:
-                status, answer = 404, {"error": f"no {path}; paths: {sorted(CONTROL)}"}
+                status, answer = 404, {"error": f"no {path}; paths: {sorted(handlers)}"}
         except Exception as exc:
             status, answer = 500, {"error": f"{type(exc).__name__}: {exc}"}
         data = json.dumps(answer).encode()
@@ -281,18 +327,49 @@ async def serve_control(stack: SdkStack, extra: dict[str, Any]) -> tuple[asyncio
 
 @asynccontextmanager
 async def controlled_stack(database_url: str) -> AsyncIterator[tuple[SdkStack, str]]:
-    """The stack with its control API, and a second Gateway with a tight posting rate limit (to
-    meet RateLimited) named in the control API's /extra answer."""
-    async with (
-        running_sdk_stack(database_url) as stack,
-        stack.extra_gateway(QUAYUTEC_GATEWAY_POST_RATE="0.2", QUAYUTEC_GATEWAY_POST_BURST="1") as limited,
-    ):
-        server, url = await serve_control(stack, {"gateway": stack.gateway_addr, "limited_gateway": limited})
-        try:
-            yield stack, url
-        finally:
-            server.close()
-            await server.wait_closed()
+    """The stack with its control API, and three more Gateways (in this process, on the same Room),
+    named in the control API's /extra answer: ``other_gateway`` (stays up while the main one is
+    killed; its spans are kept for /spans), ``limited_gateway`` (a posting rate of one a second, to
+    meet RateLimited) and ``tls_gateway`` (TLS with the self-signed ``tls_ca_pem``)."""
+    exporter = InMemorySpanExporter()
+    capture = configure_for_tests(exporter)
+    with tempfile.TemporaryDirectory() as tls_dir:
+        cert, key, pem = self_signed_tls(Path(tls_dir))
+        async with (
+            running_sdk_stack(database_url) as stack,
+            stack.extra_gateway() as other,
+            stack.extra_gateway(QUAYUTEC_GATEWAY_POST_RATE="1", QUAYUTEC_GATEWAY_POST_BURST="1") as limited,
+            stack.extra_gateway(QUAYUTEC_GATEWAY_TLS_CERT=str(cert), QUAYUTEC_GATEWAY_TLS_KEY=str(key)) as tls,
+        ):
+            extra = {
+                "gateway": stack.gateway_addr,
+                "other_gateway": other,
+                "limited_gateway": limited,
+                "tls_gateway": tls,
+                "tls_ca_pem": pem.decode(),
+            }
+
+            async def spans(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+                """The server spans of one RPC on the in-process Gateways: trace and parent span ids."""
+                await asyncio.to_thread(capture.force_flush)
+                return {
+                    "spans": [
+                        {
+                            "trace_id": f"{s.context.trace_id:032x}",
+                            "parent_span_id": f"{s.parent.span_id:016x}" if s.parent else None,
+                        }
+                        for s in exporter.get_finished_spans()
+                        if s.name == f"/{GATEWAY_SERVICE}/{body['rpc']}" and s.kind == trace.SpanKind.SERVER
+                    ]
+                }
+
+            server, url = await serve_control(stack, extra, {"/spans": spans})
+            try:
+                yield stack, url
+            finally:
+                server.close()
+                await server.wait_closed()
+                capture.close()
 
 
 async def _main() -> None:
