@@ -6,6 +6,12 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.
 
 NODE_EXAMPLES := docs/examples/node
 NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
+# The TypeScript client SDK: its packages from its lock file (tests/clients runs `npm test` against the stack).
+TS_CLIENT := clients/typescript
+TS_STAMP := $(TS_CLIENT)/node_modules/.installed
+# The Python client SDK and what it installs, downloaded once, so that tests/clients installs it into a
+# fresh venv without reaching any index.
+WHEELHOUSE := $(VENV)/wheelhouse
 
 .PHONY: demo test lint typecheck pytest protos check-protos clean bench
 
@@ -38,7 +44,16 @@ $(NODE_STAMP): $(NODE_EXAMPLES)/package-lock.json
 	cd $(NODE_EXAMPLES) && npm ci --no-audit --no-fund
 	touch $(NODE_STAMP)
 
-pytest: $(STAMP) $(NODE_STAMP)
+$(TS_STAMP): $(TS_CLIENT)/package-lock.json
+	cd $(TS_CLIENT) && npm ci --no-audit --no-fund
+	touch $(TS_STAMP)
+
+$(WHEELHOUSE)/.complete: $(STAMP) clients/python/pyproject.toml
+	rm -rf $(WHEELHOUSE)
+	$(BIN)/pip download --quiet -d $(WHEELHOUSE) setuptools==80.9.0 ./clients/python
+	touch $@
+
+pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(WHEELHOUSE)/.complete
 	$(BIN)/pytest
 
 protos: $(STAMP)
@@ -58,4 +73,5 @@ bench: $(STAMP)
 # a server that no command can reach.
 clean:
 	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
-	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules
+	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules \
+		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist

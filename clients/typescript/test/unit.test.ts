@@ -1,6 +1,11 @@
 // What needs no Gateway: every RPC has a method, the retry waits, the error classes.
 import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
+import { mkdtempSync, readdirSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import * as path from "node:path";
 import { test } from "node:test";
+import { fileURLToPath } from "node:url";
 import { Client, Code, codeName, DEFAULT_RETRY, errorFor, GatewayService, RateLimited, retryPolicy, SAFETY, waitBeforeMs, WRAPS } from "../src/index.js";
 import { ConnectError } from "@connectrpc/connect";
 
@@ -37,4 +42,21 @@ test("errors keep the gRPC code, its name, the message and the advised wait", ()
   assert.equal(limited.attempts, 2);
   assert.equal(codeName(Code.InvalidArgument), "INVALID_ARGUMENT");
   assert.equal(codeName(Code.Canceled), "CANCELLED");
+});
+
+test("the generated code is current (else: npm run generate)", () => {
+  const pkg = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..");
+  const scratch = mkdtempSync(path.join(tmpdir(), "qy-gen-"));
+  try {
+    const bin = path.join(pkg, "node_modules", ".bin");
+    execFileSync(path.join(bin, "buf"), ["generate", "-o", scratch], { cwd: pkg, env: { ...process.env, PATH: `${bin}${path.delimiter}${process.env.PATH}` } });
+    const folder = path.join("src", "gen", "quayutec", "v1");
+    const fresh = readdirSync(path.join(scratch, folder)).sort();
+    assert.deepEqual(readdirSync(path.join(pkg, folder)).sort(), fresh);
+    for (const name of fresh) {
+      assert.equal(readFileSync(path.join(pkg, folder, name), "utf8"), readFileSync(path.join(scratch, folder, name), "utf8"), `${name} is stale`);
+    }
+  } finally {
+    rmSync(scratch, { recursive: true, force: true });
+  }
 });
