@@ -68,6 +68,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/watch.py
 	$(BIN)/python bench/inflight.py
 	$(BIN)/python bench/tables.py
+	$(BIN)/python bench/clients.py
 
 # Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
 # a server that no command can reach.
