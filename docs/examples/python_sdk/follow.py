@@ -16,6 +16,14 @@ import quayutec_client
 from quayutec_client.types import RoomEvent, RoomEventKind
 
 
+def load_cursor(path: Path) -> int:
+    return int(path.read_text()) if path.exists() else 0  # 0: from the oldest event kept
+
+
+def save_cursor(path: Path, cursor: int) -> None:
+    path.write_text(str(cursor))
+
+
 def handle(event: RoomEvent) -> None:
     """Your work for one event; here, a line of output."""
     what = event.WhichOneof("detail")
@@ -26,7 +34,7 @@ def handle(event: RoomEvent) -> None:
 async def main() -> None:
     room_id = os.environ["QUAYUTEC_ROOM_ID"]
     cursor_file = Path(os.environ.get("QUAYUTEC_CURSOR_FILE", f"room-{room_id}.cursor"))
-    after = int(cursor_file.read_text()) if cursor_file.exists() else 0  # 0: from the oldest event kept
+    after = load_cursor(cursor_file)
     limit = int(os.environ.get("QUAYUTEC_MAX_EVENTS", "0"))
 
     async with (
@@ -42,7 +50,7 @@ async def main() -> None:
             handle(event)
             # Stored once the event is handled: a crash between the two handles it again on restart.
             # Keep the cursor in the same transaction as what handling writes to have it exactly once.
-            cursor_file.write_text(str(events.cursor))
+            save_cursor(cursor_file, event.cursor)
             seen += 1
             if seen == limit:
                 break
