@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,3 +52,35 @@ async def connect(stack: SdkStack) -> AsyncIterator[ClientFactory]:
     yield make
     for client in made:
         await client.close()
+
+
+# Runs one of a guide's example programs with these environment variables; its output lines.
+RunExample = Callable[[str, dict[str, str]], Awaitable[list[str]]]
+
+
+async def check_guide_examples(stack: SdkStack, run: RunExample, quickstart: str, follow: str, folder: Path) -> None:
+    """A client guide's two examples against the stack: the quickstart wakes an agent, sees its
+    answer and reads an error; the follow example run twice goes on where it stopped (its cursor file,
+    in ``folder``, holds the last cursor shown)."""
+    company = await stack.new_company("Acme")
+    env = {
+        "QUAYUTEC_GATEWAY_ADDR": stack.gateway_addr,
+        "QUAYUTEC_API_KEY": company.secret,
+        "QUAYUTEC_PROVIDER_KEY": "sk-docs",
+        "QUAYUTEC_PLAINTEXT": "1",
+    }
+    lines = await run(quickstart, env)
+    assert lines[0] == "company Acme"
+    assert lines[1] == "posted #1, waking 1 agent"
+    assert re.fullmatch(r"the writer answered \(run \S+\)", lines[2]), lines
+    assert lines[3] == "refused: INVALID_ARGUMENT: body is required"
+
+    async with quayutec_client.connect(stack.gateway_addr, company.secret, plaintext=True, retry=PATIENT) as client:
+        room = await client.create_room("followed")
+        for body in ("one", "two", "three", "four"):
+            await client.post_message(room.room_id, body, person="ana")
+    follow_env = {**env, "QUAYUTEC_ROOM_ID": room.room_id, "QUAYUTEC_MAX_EVENTS": "2"}
+    first = await run(follow, follow_env)
+    again = await run(follow, follow_env)
+    assert [line.split(": ", 1)[1] for line in first + again] == ["one", "two", "three", "four"], first + again
+    assert (folder / f"room-{room.room_id}.cursor").read_text() == again[-1][1:].split("]")[0]

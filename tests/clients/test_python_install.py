@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +14,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from tests.clients.conftest import check_guide_examples
 from tests.harness.sdk_stack import SdkStack
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -89,21 +89,13 @@ async def test_the_python_guides_examples_run_from_the_fresh_venv(
     client_venv: tuple[Path, set[str]], stack: SdkStack, tmp_path: Path
 ) -> None:
     python, _ = client_venv
-    company = await stack.new_company("Acme")
-    env = {
-        "PATH": os.environ.get("PATH", ""),
-        "QUAYUTEC_GATEWAY_ADDR": stack.gateway_addr,
-        "QUAYUTEC_API_KEY": company.secret,
-        "QUAYUTEC_PROVIDER_KEY": "sk-docs",
-        "QUAYUTEC_PLAINTEXT": "1",
-    }
 
-    async def run(name: str, **more: str) -> list[str]:
+    async def run(name: str, env: dict[str, str]) -> list[str]:
         done = await asyncio.to_thread(
             subprocess.run,
             [str(python), str(EXAMPLES / name)],
             cwd=tmp_path,
-            env={**env, **more},
+            env={"PATH": os.environ.get("PATH", ""), **env},
             capture_output=True,
             text=True,
             timeout=120,
@@ -111,20 +103,4 @@ async def test_the_python_guides_examples_run_from_the_fresh_venv(
         assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
         return done.stdout.splitlines()
 
-    lines = await run("quickstart.py")
-    assert lines[0] == "company Acme"
-    assert lines[1] == "posted #1, waking 1 agent"
-    assert re.fullmatch(r"the writer answered \(run \S+\)", lines[2]), lines
-    assert lines[3] == "refused: INVALID_ARGUMENT: body is required"
-
-    import quayutec_client
-    from tests.clients.conftest import PATIENT  # a client of the test process, to make a room to follow
-
-    async with quayutec_client.connect(stack.gateway_addr, company.secret, plaintext=True, retry=PATIENT) as client:
-        room = await client.create_room("followed")
-        for body in ("one", "two", "three", "four"):
-            await client.post_message(room.room_id, body, person="ana")
-    first = await run("follow.py", QUAYUTEC_ROOM_ID=room.room_id, QUAYUTEC_MAX_EVENTS="2")
-    again = await run("follow.py", QUAYUTEC_ROOM_ID=room.room_id, QUAYUTEC_MAX_EVENTS="2")
-    assert [line.split(": ", 1)[1] for line in first + again] == ["one", "two", "three", "four"], first + again
-    assert (tmp_path / f"room-{room.room_id}.cursor").read_text() == again[-1][1:].split("]")[0]
+    await check_guide_examples(stack, run, "quickstart.py", "follow.py", tmp_path)

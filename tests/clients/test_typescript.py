@@ -12,8 +12,7 @@ from pathlib import Path
 
 import pytest
 
-import quayutec_client
-from tests.clients.conftest import PATIENT
+from tests.clients.conftest import check_guide_examples
 from tests.harness.sdk_stack import SdkStack, controlled_stack
 
 REPO = Path(__file__).resolve().parent.parent.parent
@@ -69,25 +68,7 @@ async def test_the_packed_package_installs_into_an_empty_folder_and_the_guides_e
     for example in EXAMPLES.glob("*.mjs"):
         shutil.copy(example, app / example.name)
 
-    company = await stack.new_company("Acme")
-    env |= {
-        "QUAYUTEC_GATEWAY_ADDR": stack.gateway_addr,
-        "QUAYUTEC_API_KEY": company.secret,
-        "QUAYUTEC_PROVIDER_KEY": "sk-docs",
-        "QUAYUTEC_PLAINTEXT": "1",
-    }
-    lines = (await _run([node, "quickstart.mjs"], app, env, 120)).splitlines()
-    assert lines[0] == "company Acme"
-    assert lines[1] == "posted #1, waking 1 agent"
-    assert re.fullmatch(r"the writer answered \(run \S+\)", lines[2]), lines
-    assert lines[3] == "refused: INVALID_ARGUMENT: body is required"
+    async def run(name: str, more: dict[str, str]) -> list[str]:
+        return (await _run([node, name], app, {**env, **more}, 120)).splitlines()
 
-    async with quayutec_client.connect(stack.gateway_addr, company.secret, plaintext=True, retry=PATIENT) as client:
-        room = await client.create_room("followed")
-        for body in ("one", "two", "three", "four"):
-            await client.post_message(room.room_id, body, person="ana")
-    follow = {**env, "QUAYUTEC_ROOM_ID": room.room_id, "QUAYUTEC_MAX_EVENTS": "2"}
-    first = (await _run([node, "follow.mjs"], app, follow, 120)).splitlines()
-    again = (await _run([node, "follow.mjs"], app, follow, 120)).splitlines()
-    assert [line.split(": ", 1)[1] for line in first + again] == ["one", "two", "three", "four"], first + again
-    assert (app / f"room-{room.room_id}.cursor").read_text() == again[-1][1:].split("]")[0]
+    await check_guide_examples(stack, run, "quickstart.mjs", "follow.mjs", app)
