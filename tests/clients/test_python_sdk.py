@@ -435,3 +435,46 @@ def test_retry_waits_grow_with_jitter_and_honour_the_advised_wait() -> None:
     for bad in ({"max_attempts": 0}, {"total_timeout": 0}, {"initial_backoff": 2.0, "max_backoff": 1.0}):
         with pytest.raises(ValueError):
             RetryPolicy(**bad)
+
+
+async def test_the_rest_of_the_surface_against_the_real_gateway(
+    stack: SdkStack, acme: CompanyKey, bolt: CompanyKey, connect: ClientFactory
+) -> None:
+    """Every method the flows above do not call, once, with what it answers."""
+    a, b = connect(acme), connect(bolt)
+    room = await a.create_room("surface")
+    declined = await b.decline_invitation((await a.invite_company(room.room_id, bolt.company_id)).invitation_id)
+    assert declined.status == quayutec_client.types.InvitationStatus.INVITATION_STATUS_DECLINED
+    assert [i.invitation_id async for i in b.invitations(status="declined")] == [declined.invitation_id]
+    assert room.room_id in {r.room_id async for r in a.rooms()}
+
+    uploaded = await a.upload_file(room.room_id, "notes.txt", "the launch is on Tuesday\n", person="ana")
+    assert [f.file_id async for f in a.files(room.room_id)] == [uploaded.file_id]
+    assert any("Tuesday" in p.text for p in await a.search_passages(room.room_id, "launch"))
+    assert [line async for line in a.memory(room.room_id)] == []
+
+    agent = await a.register_agent("helper", provider="openai", model="gpt-test", provider_key="sk-test")
+    rights = await a.set_agent_rights(agent_id=agent.agent_id, remember="hold", close_task="deny")
+    assert rights.remember == quayutec_client.types.ActionRight.ACTION_RIGHT_HOLD
+    got = await a.get_agent_rights(agent.agent_id)
+    assert got.effective.close_task == quayutec_client.types.ActionRight.ACTION_RIGHT_DENY
+    assert [w async for w in a.approvals()] == []
+    with pytest.raises(errors.NotFound):
+        await a.decide_approval(str(uuid.uuid4()), 0, person="ana", approve=True)
+
+    sent = await a.send_task(room.room_id, to_agent_id=agent.agent_id, title="check", person="ana")
+    assert [t.task_id async for t in a.tasks(room.room_id, to_agent_id=agent.agent_id)] == [sent.task.task_id]
+    assert (await a.get_task(room.room_id, sent.task.task_id)).title == "check"
+
+    other = await a.create_room("left")
+    invitation = await a.invite_company(other.room_id, bolt.company_id)
+    await b.accept_invitation(invitation.invitation_id)
+    await b.leave_room(other.room_id)
+    with pytest.raises(errors.NotFound):
+        await b.get_task(other.room_id, sent.task.task_id)
+    third = await a.create_room("removed")
+    await b.accept_invitation((await a.invite_company(third.room_id, bolt.company_id)).invitation_id)
+    await a.remove_member(third.room_id, bolt.company_id)
+    assert {m.company_id async for m in a.members(third.room_id)} == {acme.company_id}
+    with pytest.raises(ValueError, match="not one of"):
+        await a.register_agent("x", provider="nonsense", model="m")

@@ -14,8 +14,10 @@ import {
   connect,
   CursorExpired,
   DeadlineExceeded,
+  ActionRight,
   FailedPrecondition,
   InvalidArgument,
+  InvitationStatus,
   NO_RETRY,
   NotFound,
   PermissionDenied,
@@ -357,4 +359,42 @@ test("the caller's trace context reaches the Gateway", async () => {
   assert.equal(spans.length, 2, JSON.stringify(spans));
   assert.ok(spans.some((s) => s.parent_span_id === null));
   assert.ok(spans.some((s) => s.trace_id === traceId && s.parent_span_id === spanId), JSON.stringify(spans));
+});
+
+test("the rest of the surface against the real Gateway", async () => {
+  const [acme, bolt] = [await stack.company(), await stack.company()];
+  const a = client(acme);
+  const b = client(bolt);
+  const room = await a.createRoom("surface");
+  const declined = await b.declineInvitation((await a.inviteCompany(room.roomId, bolt.company_id)).invitationId);
+  assert.equal(declined.status, InvitationStatus.DECLINED);
+  assert.deepEqual((await collect(b.invitations({ status: "declined" }))).map((i) => i.invitationId), [declined.invitationId]);
+  assert.ok((await collect(a.rooms())).some((r) => r.roomId === room.roomId));
+
+  const uploaded = await a.uploadFile(room.roomId, "notes.txt", "the launch is on Tuesday\n", { person: "ana" });
+  assert.deepEqual((await collect(a.files(room.roomId))).map((f) => f.fileId), [uploaded.fileId]);
+  assert.ok((await a.searchPassages(room.roomId, "launch")).some((p) => p.text.includes("Tuesday")));
+  assert.deepEqual(await collect(a.memory(room.roomId)), []);
+
+  const agent = await a.registerAgent({ name: "helper", provider: "openai", model: "gpt-test", providerKey: "sk-test" });
+  const rights = await a.setAgentRights({ agentId: agent.agentId, remember: "hold", closeTask: "deny" });
+  assert.equal(rights.remember, ActionRight.HOLD);
+  assert.equal((await a.getAgentRights(agent.agentId)).effective?.closeTask, ActionRight.DENY);
+  assert.deepEqual(await collect(a.approvals()), []);
+  await assert.rejects(a.decideApproval(crypto.randomUUID(), 0, { person: "ana", approve: true }), NotFound);
+
+  const sent = await a.sendTask(room.roomId, { toAgentId: agent.agentId, title: "check", person: "ana" });
+  assert.deepEqual((await collect(a.tasks(room.roomId, { toAgentId: agent.agentId }))).map((t) => t.taskId), [sent.task?.taskId]);
+  assert.equal((await a.getTask(room.roomId, sent.task!.taskId)).title, "check");
+
+  const other = await a.createRoom("left");
+  await b.acceptInvitation((await a.inviteCompany(other.roomId, bolt.company_id)).invitationId);
+  await b.leaveRoom(other.roomId);
+  await assert.rejects(b.getTask(other.roomId, sent.task!.taskId), NotFound);
+  const third = await a.createRoom("removed");
+  await b.acceptInvitation((await a.inviteCompany(third.roomId, bolt.company_id)).invitationId);
+  await a.removeMember(third.roomId, bolt.company_id);
+  assert.deepEqual((await collect(a.members(third.roomId))).map((m) => m.companyId), [acme.company_id]);
+  // @ts-expect-error: not a provider (the compiler says so too)
+  await assert.rejects(a.registerAgent({ name: "x", provider: "nonsense", model: "m" }), /not one of/);
 });
