@@ -150,10 +150,14 @@ async def test_a_watch_across_two_gateway_kills_and_a_resource_exhausted_cut_yie
     watch = watcher.watch(room.room_id, after=0, idle_timeout=30)
 
     async def read_until(body: str) -> None:
-        async for event in watch:
-            received.append(event)
-            if event.message.body == body:
-                return
+        try:
+            async with asyncio.timeout(120):  # a failsafe: a missed event would be waited for forever
+                async for event in watch:
+                    received.append(event)
+                    if event.message.body == body:
+                        return
+        except TimeoutError:
+            raise AssertionError(f"{body!r} never came; got {[e.message.body for e in received]}") from None
 
     async with stack.extra_gateway() as other_addr:
         other = connect(acme, addr=other_addr)
