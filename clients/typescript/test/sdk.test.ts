@@ -68,17 +68,30 @@ async function collect<T>(items: AsyncIterable<T>): Promise<T[]> {
   return all;
 }
 
+const bodyOf = (event: RoomEvent): string | undefined => (event.detail.case === "message" ? event.detail.value.body : undefined);
+
 async function readUntil(watch: RoomWatch, into: RoomEvent[], done: (event: RoomEvent) => boolean): Promise<void> {
-  for await (const event of watch) {
-    into.push(event);
-    if (done(event)) {
-      return;
+  const read = async () => {
+    for await (const event of watch) {
+      into.push(event);
+      if (done(event)) {
+        return;
+      }
     }
+    throw new Error("the watch ended");
+  };
+  // A failsafe: a missed event would be waited for forever.
+  let timer: NodeJS.Timeout | undefined;
+  const failsafe = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`the awaited event never came; got ${into.map(bodyOf).join(", ")}`)), 120_000);
+  });
+  try {
+    await Promise.race([read(), failsafe]);
+  } finally {
+    clearTimeout(timer);
   }
-  throw new Error("the watch ended");
 }
 
-const bodyOf = (event: RoomEvent): string | undefined => (event.detail.case === "message" ? event.detail.value.body : undefined);
 
 test("the README flow end to end", async () => {
   const [acme, bolt] = [await stack.company("Acme"), await stack.company("Bolt")];
