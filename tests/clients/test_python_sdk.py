@@ -462,6 +462,13 @@ async def test_the_rest_of_the_surface_against_the_real_gateway(
     assert rights.remember == quayutec_client.types.ActionRight.ACTION_RIGHT_HOLD
     got = await a.get_agent_rights(agent.agent_id)
     assert got.effective.close_task == quayutec_client.types.ActionRight.ACTION_RIGHT_DENY
+    # Only the rights named change (the request's field mask).
+    again = await a.set_agent_rights(agent_id=agent.agent_id, create_task="hold")
+    assert (again.remember, again.create_task) == (rights.remember, quayutec_client.types.ActionRight.ACTION_RIGHT_HOLD)
+    cleared = await a.set_agent_rights(agent_id=agent.agent_id, close_task="deny", replace=True)
+    assert cleared.remember == quayutec_client.types.ActionRight.ACTION_RIGHT_UNSPECIFIED
+    with pytest.raises(ValueError, match="at least one right"):
+        await a.set_agent_rights(agent_id=agent.agent_id)
     assert [w async for w in a.approvals()] == []
     with pytest.raises(errors.NotFound):
         await a.decide_approval(str(uuid.uuid4()), 0, person="ana", approve=True)

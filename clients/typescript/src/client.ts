@@ -308,7 +308,11 @@ export class Client {
     return required((await this.unary("getRun", { runId })).run);
   }
 
-  /** Set "auto", "hold" or "deny" per action for one agent, or for all (`agentId` empty). */
+  /**
+   * Set "auto", "hold" or "deny" per action for one agent, or for all (`agentId` empty). Only the
+   * rights you name change; the others keep what is stored ("unspecified" clears one, so it is
+   * inherited again). `replace: true` replaces every right, those not named cleared.
+   */
   async setAgentRights(
     rights: {
       agentId?: string;
@@ -317,15 +321,18 @@ export class Client {
       updateTask?: EnumInput<typeof ActionRight>;
       closeTask?: EnumInput<typeof ActionRight>;
       crossCompanyTask?: EnumInput<typeof ActionRight>;
-    } = {},
+      replace?: boolean;
+    },
   ): Promise<AgentRights> {
+    const fields = { remember: "remember", createTask: "create_task", updateTask: "update_task", closeTask: "close_task", crossCompanyTask: "cross_company_task" } as const;
+    const given = (Object.keys(fields) as (keyof typeof fields)[]).filter((k) => rights[k] !== undefined);
+    if (!rights.replace && given.length === 0) {
+      throw new RangeError("name at least one right to set (or replace: true to clear them all)");
+    }
     const request = {
       agentId: rights.agentId ?? "",
-      remember: enumValue(ActionRight, rights.remember),
-      createTask: enumValue(ActionRight, rights.createTask),
-      updateTask: enumValue(ActionRight, rights.updateTask),
-      closeTask: enumValue(ActionRight, rights.closeTask),
-      crossCompanyTask: enumValue(ActionRight, rights.crossCompanyTask),
+      ...Object.fromEntries(given.map((k) => [k, enumValue(ActionRight, rights[k])])),
+      updateMask: rights.replace ? undefined : { paths: given.map((k) => fields[k]) },
     };
     return required((await this.unary("setAgentRights", request)).rights);
   }

@@ -393,6 +393,12 @@ test("the rest of the surface against the real Gateway", async () => {
   const rights = await a.setAgentRights({ agentId: agent.agentId, remember: "hold", closeTask: "deny" });
   assert.equal(rights.remember, ActionRight.HOLD);
   assert.equal((await a.getAgentRights(agent.agentId)).effective?.closeTask, ActionRight.DENY);
+  // Only the rights named change (the request's field mask).
+  const again = await a.setAgentRights({ agentId: agent.agentId, createTask: "hold" });
+  assert.deepEqual([again.remember, again.createTask], [ActionRight.HOLD, ActionRight.HOLD]);
+  const cleared = await a.setAgentRights({ agentId: agent.agentId, closeTask: "deny", replace: true });
+  assert.equal(cleared.remember, ActionRight.UNSPECIFIED);
+  await assert.rejects(a.setAgentRights({ agentId: agent.agentId }), /at least one right/);
   assert.deepEqual(await collect(a.approvals()), []);
   await assert.rejects(a.decideApproval(crypto.randomUUID(), 0, { person: "ana", approve: true }), NotFound);
 

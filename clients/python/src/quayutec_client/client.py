@@ -419,24 +419,30 @@ class Client:
         self,
         *,
         agent_id: str = "",
-        remember: int | str = 0,
-        create_task: int | str = 0,
-        update_task: int | str = 0,
-        close_task: int | str = 0,
-        cross_company_task: int | str = 0,
+        remember: int | str | None = None,
+        create_task: int | str | None = None,
+        update_task: int | str | None = None,
+        close_task: int | str | None = None,
+        cross_company_task: int | str | None = None,
+        replace: bool = False,
     ) -> AgentRights:
-        """Set "auto", "hold" or "deny" per action for one agent, or for all (``agent_id`` empty)."""
-        rights = {
+        """Set "auto", "hold" or "deny" per action for one agent, or for all (``agent_id`` empty).
+
+        Only the rights you name change; the others keep what is stored ("unspecified" clears one,
+        so it is inherited again). ``replace=True`` replaces every right, those not named cleared."""
+        named = {
             "remember": remember,
             "create_task": create_task,
             "update_task": update_task,
             "close_task": close_task,
             "cross_company_task": cross_company_task,
         }
-        request = gateway_pb2.SetAgentRightsRequest(
-            agent_id=agent_id,
-            **{k: _enum(common_pb2.ActionRight, "ACTION_RIGHT_", v) for k, v in rights.items()},
-        )
+        given = {k: _enum(common_pb2.ActionRight, "ACTION_RIGHT_", v) for k, v in named.items() if v is not None}
+        request = gateway_pb2.SetAgentRightsRequest(agent_id=agent_id, **given)
+        if not replace:
+            if not given:
+                raise ValueError("name at least one right to set (or replace=True to clear them all)")
+            request.update_mask.paths.extend(given)
         response: gateway_pb2.SetAgentRightsResponse = await self._unary("SetAgentRights", request)
         return response.rights
 
