@@ -509,11 +509,13 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
 async def _watch_all() -> int:
     """Every room of the company in one WatchRooms stream: one line per event, prefixed by its room."""
     cursors: dict[str, int] = {}
+    resuming = False  # after the first heartbeat: rooms joined meanwhile are followed from their joining
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
         while True:
             request = gateway_pb2.WatchRoomsRequest(
-                after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in cursors.items()]
+                after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in cursors.items()],
+                unnamed_from_joining=resuming,
             )
             try:
                 async for item in client.WatchRooms(request):
@@ -522,6 +524,7 @@ async def _watch_all() -> int:
                         cursors[event.room_id] = event.cursor
                     if item.HasField("heartbeat"):
                         cursors = {r.room_id: r.cursor for r in item.heartbeat.rooms}
+                        resuming = True
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in WATCH_RESUMABLE:
                     raise

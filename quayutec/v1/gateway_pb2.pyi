@@ -1491,6 +1491,13 @@ class WatchRoomsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AFTER_FIELD_NUMBER: _builtins.int
+    UNNAMED_FROM_JOINING_FIELD_NUMBER: _builtins.int
+    unnamed_from_joining: _builtins.bool
+    """Rooms not named in `after` start from the company's joining instead of from now, as a room joined
+    while watching does: just before its newest MEMBER_JOINED event of the company among the room's
+    newest 500 events (else from the oldest of those). Set it when resuming with every cursor you
+    hold, so that a room joined while no stream was open is not missed.
+    """
     @_builtins.property
     def after(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomCursor]:
         """Resume these rooms after these cursors (each room at most once); rooms not named start from now."""
@@ -1499,10 +1506,11 @@ class WatchRoomsRequest(_message.Message):
         self,
         *,
         after: _abc.Iterable[Global___RoomCursor] | None = ...,
+        unnamed_from_joining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "unnamed_from_joining", b"unnamed_from_joining"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -473,7 +473,8 @@ class GatewayServiceServicer:
         """WatchRooms streams the events of every room of the caller's company in one stream: each room's
         events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
         passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-        named start from now, and a named room the company is no longer a member of is skipped.
+        named start from now (from their joining with unnamed_from_joining), and a named room the company
+        is no longer a member of is skipped.
         A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
         the first of that room on the stream); a room it leaves or is removed from ends with the
         MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
@@ -484,6 +485,8 @@ class GatewayServiceServicer:
         the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
         follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
         the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+        An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+        room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -171,7 +171,8 @@ class GatewayServiceStub:
     """WatchRooms streams the events of every room of the caller's company in one stream: each room's
     events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
     passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-    named start from now, and a named room the company is no longer a member of is skipped.
+    named start from now (from their joining with unnamed_from_joining), and a named room the company
+    is no longer a member of is skipped.
     A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
     the first of that room on the stream); a room it leaves or is removed from ends with the
     MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
@@ -182,6 +183,8 @@ class GatewayServiceStub:
     the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
     follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
     the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+    An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+    room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
     """
     CreateSessionKey: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CreateSessionKeyRequest, _gateway_pb2.CreateSessionKeyResponse]
     """CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
@@ -341,7 +344,8 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """WatchRooms streams the events of every room of the caller's company in one stream: each room's
     events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
     passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-    named start from now, and a named room the company is no longer a member of is skipped.
+    named start from now (from their joining with unnamed_from_joining), and a named room the company
+    is no longer a member of is skipped.
     A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
     the first of that room on the stream); a room it leaves or is removed from ends with the
     MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
@@ -352,6 +356,8 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
     follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
     the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+    An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+    room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
     """
     CreateSessionKey: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CreateSessionKeyRequest, _gateway_pb2.CreateSessionKeyResponse]  # type: ignore[assignment]
     """CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
@@ -688,7 +694,8 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         """WatchRooms streams the events of every room of the caller's company in one stream: each room's
         events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
         passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-        named start from now, and a named room the company is no longer a member of is skipped.
+        named start from now (from their joining with unnamed_from_joining), and a named room the company
+        is no longer a member of is skipped.
         A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
         the first of that room on the stream); a room it leaves or is removed from ends with the
         MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
@@ -699,6 +706,8 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
         follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
         the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+        An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+        room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
         """
 
     @_abc_1.abstractmethod

@@ -34,6 +34,7 @@ from quayutec.errors import (
     Unauthenticated,
     WrappedHandlers,
     status_for,
+    trailers_of,
 )
 from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
 from services.gateway.store import ApiKey, ApiKeyStore
@@ -355,11 +356,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
-    """Abort the call with ``exc``'s status (and the retry-after trailer of a throttle); log what is
+    """Abort the call with ``exc``'s status and trailers (a throttle's retry-after-ms); log what is
     neither the caller's fault nor a limit."""
     code, message = status_for(exc)
     if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED):
         _log.warning("%s failed: %s", what, message, exc_info=exc)
-    if isinstance(exc, ResourceExhausted) and exc.retry_after_ms is not None:
-        context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+    if trailers := trailers_of(exc):
+        context.set_trailing_metadata(trailers)
     await context.abort(code, message)

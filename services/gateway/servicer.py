@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from quayutec.errors import InvalidArgument, NotFound, status_for
+from quayutec.errors import InvalidArgument, NotFound, status_for, trailers_of
 from quayutec.ratelog import RateLimitedLog
 from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2
 from services.gateway.auth import CallerContext, create_session_key, end_session
@@ -839,7 +839,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.WatchRoomsRequest, context: Any
     ) -> AsyncIterator[gateway_pb2.WatchRoomsResponse]:
         def items(hub: RoomEventHub, company_id: str) -> AsyncIterator[gateway_pb2.WatchRoomsResponse]:
-            return hub.watch_rooms(company_id, _room_cursors(request.after, hub.config.max_rooms))
+            cursors = _room_cursors(request.after, hub.config.max_rooms)
+            return hub.watch_rooms(company_id, cursors, unnamed_from_joining=request.unnamed_from_joining)
 
         async for item in self._stream(context, items):
             yield item
@@ -858,6 +859,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise
         except Exception as exc:
             code, message = status_for(exc)
+            if trailers := trailers_of(exc):
+                context.set_trailing_metadata(trailers)
             await context.abort(code, message)
 
     # --- session keys --------------------------------------------------------------------------

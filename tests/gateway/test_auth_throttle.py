@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any
 
 import grpc
 import pytest
@@ -121,19 +122,22 @@ async def test_a_throttled_stream_is_refused_with_the_retry_after_trailer_too(
         gw = gateway_pb2_grpc.GatewayServiceStub(channel)
         wrong = (("authorization", f"Bearer qyk_{uuid.uuid4()}_{'x' * 43}"),)
         room = str(uuid.uuid4())
-        opened = [
-            lambda: gw.WatchRoom(gateway_pb2.WatchRoomRequest(room_id=room), metadata=wrong, timeout=10),
-            lambda: gw.WatchRooms(gateway_pb2.WatchRoomsRequest(), metadata=wrong, timeout=10),
-        ]
+
+        def open_stream(n: int) -> Any:
+            if n % 2:
+                return gw.WatchRooms(gateway_pb2.WatchRoomsRequest(), metadata=wrong, timeout=10)
+            return gw.WatchRoom(gateway_pb2.WatchRoomRequest(room_id=room), metadata=wrong, timeout=10)
+
         codes = []
-        for open_stream in opened * 3:
-            call = open_stream()
+        for n in range(6):  # WatchRoom and WatchRooms in turn
+            call = open_stream(n)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await call.read()
             codes.append(refused.value.code())
             if refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                for trailer in (dict(await call.trailing_metadata() or ()), dict(refused.value.trailing_metadata() or ())):
-                    assert int(trailer["retry-after-ms"]) > 0, trailer
+                trailers = [await call.trailing_metadata(), refused.value.trailing_metadata()]
+                for trailer in (dict(t or ()) for t in trailers):
+                    assert int(trailer["retry-after-ms"]) > 0, (n, trailer)
                 assert "retry after" in (refused.value.details() or "")
         assert codes[:2] == [grpc.StatusCode.UNAUTHENTICATED] * 2
         assert codes[2:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4, codes
