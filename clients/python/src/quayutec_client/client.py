@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
@@ -18,6 +18,7 @@ from google.protobuf.message import Message as _ProtoMessage
 
 from quayutec_client._proto import common_pb2, gateway_pb2
 from quayutec_client._transport import ApiKey, Transport, channel_for
+from quayutec_client.errors import Unauthenticated
 from quayutec_client.retry import RetryPolicy
 from quayutec_client.types import (
     AcceptedInvitation,
@@ -36,10 +37,11 @@ from quayutec_client.types import (
     RoomMember,
     Run,
     SentTask,
+    SessionKey,
     Task,
     Waitpoint,
 )
-from quayutec_client.watch import RoomWatch
+from quayutec_client.watch import RoomsWatch, RoomWatch
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -477,3 +479,37 @@ class Client:
         """A room's events, replayed after ``after`` (a cursor you kept; 0: from the oldest kept) and
         then live, as they happen; without ``after``, from now. See ``RoomWatch``."""
         return RoomWatch(self._transport, self.retry_policy, room_id, after=after, idle_timeout=idle_timeout)
+
+    @rpc("WatchRooms")
+    def watch_rooms(self, *, after: Mapping[str, int] | None = None, idle_timeout: float = 60.0) -> RoomsWatch:
+        """Every room of your company in one stream: the rooms ``after`` names (room id -> a cursor you
+        kept) resumed after their cursors and the others from their joining; without ``after``, from now.
+        ``watch.cursors`` is the map to keep. See ``RoomsWatch``."""
+        return RoomsWatch(self._transport, self.retry_policy, after=after, idle_timeout=idle_timeout)
+
+    # Session keys.
+
+    @rpc("CreateSessionKey")
+    async def create_session_key(self, ttl_seconds: int, *, label: str = "") -> SessionKey:
+        """A short-lived key of your company (``ttl_seconds``: 60 to 604800) that works like this one
+        until it expires or is ended (``end_session`` called with it); ``.secret`` is shown once. Call
+        it with a company key. A repeat would make a second key, so after UNAVAILABLE or a deadline it
+        is not sent again (only when refused before acting)."""
+        request = gateway_pb2.CreateSessionKeyRequest(ttl_seconds=ttl_seconds, label=label)
+        response: SessionKey = await self._unary("CreateSessionKey", request)
+        return response
+
+    @rpc("EndSession")
+    async def end_session(self) -> str:
+        """Revoke the session key this client calls with, at once (its open watches end with
+        Unauthenticated); returns its key id. Retried like a read: when a retry is answered
+        UNAUTHENTICATED, an earlier attempt ended the session, and the call returns as done.
+        FailedPrecondition when this client's key is a company key (revoke those with ``quayutec keys
+        revoke``)."""
+        try:
+            response: gateway_pb2.EndSessionResponse = await self._unary("EndSession", gateway_pb2.EndSessionRequest())
+        except Unauthenticated as exc:
+            if exc.attempts > 1 and self._transport.key_id:
+                return self._transport.key_id  # the session was ended by an attempt whose answer was lost
+            raise
+        return response.key_id

@@ -33,6 +33,7 @@ SentTask = gateway_pb2.SendTaskResponse  # .task and .wake_ids
 AcceptedInvitation = gateway_pb2.AcceptInvitationResponse  # .invitation and .member
 RightsOfAgent = gateway_pb2.GetAgentRightsResponse  # .company_default, .agent and .effective
 ApprovalDecision = gateway_pb2.DecideApprovalResponse  # .waitpoint, .completed and .already_decided
+SessionKey = gateway_pb2.CreateSessionKeyResponse  # .key_id, .secret and .expires_at
 
 # Enums: values such as Provider.PROVIDER_ANTHROPIC; the methods also take the short name ("anthropic").
 Provider = common_pb2.Provider
