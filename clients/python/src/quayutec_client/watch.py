@@ -261,4 +261,7 @@ class RoomsWatch(_ResumingStream):
         if response.HasField("heartbeat"):
             self._received = _moved(self._received, response.heartbeat)
             self._from_joining = True
-            self._pending.append(response.heartbeat)
+            if self._pending:  # it applies once the events before it are handed out
+                self._pending.append(response.heartbeat)
+            else:
+                self._cursors = _moved(self._cursors, response.heartbeat)
