@@ -27,14 +27,16 @@ import {
 } from "./gen/quayutec/v1/common_pb.js";
 import type {
   AcceptInvitationResponse,
+  CreateSessionKeyResponse,
   DecideApprovalResponse,
   GetAgentRightsResponse,
   PostMessageResponse,
   SendTaskResponse,
 } from "./gen/quayutec/v1/gateway_pb.js";
+import { Unauthenticated } from "./errors.js";
 import { retryPolicy, type RetryPolicy } from "./retry.js";
 import { Transport, type RequestOf, type ResponseOf, type RpcKey, type TlsOptions, type UnaryKey } from "./transport.js";
-import { RoomWatch } from "./watch.js";
+import { RoomsWatch, RoomWatch, type RoomCursors } from "./watch.js";
 
 /** An enum value, or its short name in lower case ("anthropic" for Provider.ANTHROPIC). */
 export type EnumInput<E extends Record<string, string | number>> = E[keyof E] | Lowercase<Extract<keyof E, string>>;
@@ -361,6 +363,44 @@ export class Client {
   watch(roomId: string, options: { after?: bigint | number | string; idleTimeoutMs?: number } = {}): RoomWatch {
     return new RoomWatch(this.transport, this.retryPolicy, roomId, options.after, options.idleTimeoutMs ?? 60_000);
   }
+
+  /**
+   * Every room of your company in one stream: the rooms `after` names (room id -> a cursor you kept)
+   * resumed after their cursors and the others from their joining; without `after`, from now.
+   * `watch.cursors` is the map to keep. See RoomsWatch.
+   */
+  watchRooms(options: { after?: RoomCursors; idleTimeoutMs?: number } = {}): RoomsWatch {
+    return new RoomsWatch(this.transport, this.retryPolicy, options.after, options.idleTimeoutMs ?? 60_000);
+  }
+
+  // Session keys.
+
+  /**
+   * A short-lived key of your company (`ttlSeconds`: 60 to 604800) that works like this one until it
+   * expires or is ended (endSession called with it); `secret` is shown once. Call it with a company
+   * key. A repeat would make a second key, so after UNAVAILABLE or a deadline it is not sent again
+   * (only when refused before acting, or never sent).
+   */
+  async createSessionKey(ttlSeconds: number, options: { label?: string } = {}): Promise<CreateSessionKeyResponse> {
+    return this.unary("createSessionKey", { ttlSeconds: BigInt(ttlSeconds), label: options.label ?? "" });
+  }
+
+  /**
+   * Revoke the session key this client calls with, at once (its open watches end with
+   * Unauthenticated); resolves to its key id. Retried like a read: when a retry is answered
+   * UNAUTHENTICATED, an earlier attempt ended the session, and the call resolves as done.
+   * FailedPrecondition when this client's key is a company key (revoke those with `quayutec keys revoke`).
+   */
+  async endSession(): Promise<string> {
+    try {
+      return (await this.unary("endSession", {})).keyId;
+    } catch (error) {
+      if (error instanceof Unauthenticated && error.attempts > 1 && this.transport.keyId) {
+        return this.transport.keyId; // the session was ended by an attempt whose answer was lost
+      }
+      throw error;
+    }
+  }
 }
 
 function required<T>(value: T | undefined): T {
@@ -401,4 +441,7 @@ export const WRAPS: { readonly [K in RpcKey]: keyof Client } = {
   listApprovals: "approvals",
   decideApproval: "decideApproval",
   watchRoom: "watch",
+  watchRooms: "watchRooms",
+  createSessionKey: "createSessionKey",
+  endSession: "endSession",
 };
