@@ -84,8 +84,16 @@ def test_the_api_guide_shows_the_examples_as_they_are() -> None:
 def test_the_client_guides_show_their_examples_as_they_are() -> None:
     """Their examples run in tests/clients (from a fresh venv, and from the packed npm package)."""
     expected = {
-        "clients-python.md": {"examples/python_sdk/quickstart.py", "examples/python_sdk/follow.py"},
-        "clients-typescript.md": {"examples/typescript_sdk/quickstart.mjs", "examples/typescript_sdk/follow.mjs"},
+        "clients-python.md": {
+            "examples/python_sdk/quickstart.py",
+            "examples/python_sdk/follow.py",
+            "examples/python_sdk/follow_rooms.py",
+        },
+        "clients-typescript.md": {
+            "examples/typescript_sdk/quickstart.mjs",
+            "examples/typescript_sdk/follow.mjs",
+            "examples/typescript_sdk/follow_rooms.mjs",
+        },
     }
     for page, names in expected.items():
         shown = dict(_EXAMPLE.findall((DOCS / page).read_text()))

@@ -71,4 +71,4 @@ async def test_the_packed_package_installs_into_an_empty_folder_and_the_guides_e
     async def run(name: str, more: dict[str, str]) -> list[str]:
         return (await _run([node, name], app, {**env, **more}, 120)).splitlines()
 
-    await check_guide_examples(stack, run, "quickstart.mjs", "follow.mjs", app)
+    await check_guide_examples(stack, run, "quickstart.mjs", "follow.mjs", "follow_rooms.mjs", app)

@@ -118,6 +118,8 @@ class SdkStack:
     proxy: HoldingProxy
     gateway: GatewayProcess
     pool: asyncpg.Pool
+    # A proxy in front of the Gateway, made on demand (the control API's /gateway-proxy).
+    gateway_proxy: HoldingProxy | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
@@ -206,6 +208,8 @@ async def running_sdk_stack(database_url: str, **gateway_env: str) -> AsyncItera
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+            if sdk_stack.gateway_proxy is not None:
+                await sdk_stack.gateway_proxy.stop()
 
 
 # The control API for another process's tests: POST <path> with a JSON body, answered with JSON.
@@ -266,6 +270,28 @@ async def _release(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+async def _gateway_proxy(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    """A proxy in front of the Gateway (made once), whose replies can be held and connections dropped."""
+    if stack.gateway_proxy is None:
+        stack.gateway_proxy = HoldingProxy(stack.gateway_addr)
+        await stack.gateway_proxy.start()
+    return {"addr": stack.gateway_proxy.addr}
+
+
+async def _gateway_proxy_hold(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    assert stack.gateway_proxy is not None, "POST /gateway-proxy first"
+    stack.gateway_proxy.hold()
+    return {}
+
+
+async def _gateway_proxy_drop(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    """Drop every connection through the Gateway's proxy (what it held is lost), then let replies flow."""
+    assert stack.gateway_proxy is not None, "POST /gateway-proxy first"
+    await stack.gateway_proxy.drop_connections()
+    stack.gateway_proxy.release()
+    return {}
+
+
 async def _events(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
     from tests.gateway.test_watch import log_of
 
@@ -281,6 +307,9 @@ CONTROL: dict[str, Handler] = {
     "/gateway/restart": _restart,
     "/gateway/kill-once-posted": _kill_once_posted,
     "/gateway/kill-once-posted/done": _background_done,
+    "/gateway-proxy": _gateway_proxy,
+    "/gateway-proxy/hold": _gateway_proxy_hold,
+    "/gateway-proxy/drop": _gateway_proxy_drop,
     "/room/hold-replies": _hold,
     "/room/release-replies": _release,
     "/messages": _messages,
