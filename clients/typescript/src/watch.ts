@@ -43,6 +43,17 @@ abstract class ResumingStream<Response> {
   protected abstract open(signal: AbortSignal): AsyncIterable<Response>;
   protected abstract take(response: Response): void;
 
+  /** The next item received (reading, and reconnecting, while there is none); undefined once closed. */
+  protected async nextItem(): Promise<RoomEvent | WatchRoomsHeartbeat | undefined> {
+    while (this.pending.length === 0) {
+      if (this.closed) {
+        return undefined;
+      }
+      await this.receive();
+    }
+    return this.pending.shift();
+  }
+
   /** Open the stream and wait for its first answer. */
   async ready(): Promise<this> {
     if (this.stream === undefined && this.pending.length === 0) {
@@ -134,14 +145,8 @@ export class RoomWatch extends ResumingStream<WatchRoomResponse> implements Asyn
   /** Leaving a `for await` loop (break, return) keeps the stream: iterate again to carry on, and
    * call close() when done. */
   async *[Symbol.asyncIterator](): AsyncGenerator<RoomEvent, void, undefined> {
-    for (;;) {
-      while (this.pending.length === 0) {
-        if (this.closed) {
-          return;
-        }
-        await this.receive();
-      }
-      const event = this.pending.shift() as RoomEvent;
+    let event: RoomEvent | undefined;
+    while ((event = (await this.nextItem()) as RoomEvent | undefined)) {
       this.cursor = event.cursor;
       yield event;
     }
@@ -227,20 +232,14 @@ export class RoomsWatch extends ResumingStream<WatchRoomsResponse> implements As
   /** Leaving a `for await` loop (break, return) keeps the stream: iterate again to carry on, and
    * call close() when done. */
   async *[Symbol.asyncIterator](): AsyncGenerator<RoomEvent, void, undefined> {
-    for (;;) {
-      while (this.pending.length === 0) {
-        if (this.closed) {
-          return;
-        }
-        await this.receive();
-      }
-      const item = this.pending.shift() as RoomEvent | WatchRoomsHeartbeat;
+    let item: RoomEvent | WatchRoomsHeartbeat | undefined;
+    while ((item = await this.nextItem())) {
       if (item.$typeName === "quayutec.v1.WatchRoomsHeartbeat") {
         this.handed = moved(this.handed, item);
-        continue;
+      } else {
+        this.handed.set(item.roomId, item.cursor);
+        yield item;
       }
-      this.handed.set(item.roomId, item.cursor);
-      yield item;
     }
   }
 

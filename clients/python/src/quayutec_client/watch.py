@@ -51,6 +51,15 @@ class _ResumingStream:
         """Where the next stream starts, for the log."""
         raise NotImplementedError
 
+    async def _next(self) -> Any:
+        """The next item received (reading, and reconnecting, while there is none); the iteration ends
+        once the watch is closed."""
+        while not self._pending:
+            if self._closed:
+                raise StopAsyncIteration
+            await self._receive()
+        return self._pending.popleft()
+
     async def close(self) -> None:
         """Stop watching; the iteration ends."""
         self._closed = True
@@ -144,11 +153,7 @@ class RoomWatch(_ResumingStream):
         return self
 
     async def __anext__(self) -> common_pb2.RoomEvent:
-        while not self._pending:
-            if self._closed:
-                raise StopAsyncIteration
-            await self._receive()
-        event: common_pb2.RoomEvent = self._pending.popleft()
+        event: common_pb2.RoomEvent = await self._next()
         self.cursor = event.cursor
         return event
 
@@ -230,18 +235,11 @@ class RoomsWatch(_ResumingStream):
         return self
 
     async def __anext__(self) -> common_pb2.RoomEvent:
-        while True:
-            while not self._pending:
-                if self._closed:
-                    raise StopAsyncIteration
-                await self._receive()
-            item = self._pending.popleft()
-            if isinstance(item, gateway_pb2.WatchRoomsHeartbeat):
-                self._cursors = _moved(self._cursors, item)
-                continue
-            event: common_pb2.RoomEvent = item
-            self._cursors[event.room_id] = event.cursor
-            return event
+        while isinstance(item := await self._next(), gateway_pb2.WatchRoomsHeartbeat):
+            self._cursors = _moved(self._cursors, item)
+        event: common_pb2.RoomEvent = item
+        self._cursors[event.room_id] = event.cursor
+        return event
 
     def _open(self) -> grpc.aio.UnaryStreamCall:
         request = gateway_pb2.WatchRoomsRequest(
