@@ -1,7 +1,9 @@
 // @quayutec/client against a real Gateway process, Room, Claims, Runtime and model stand-in on
 // loopback: the README flow, a write retried across a Gateway killed mid-call posts once, a watch
 // across two Gateway kills and a RESOURCE_EXHAUSTED cut yields every event once and in order, paging,
-// every typed error, TLS, the API key kept out of sight, and trace context.
+// every typed error, TLS, the API key kept out of sight, and trace context; the company-wide watch
+// (watchRooms) across kills, a cut, joins and a departure, resumed from kept cursors; session keys, and
+// a revoked key's watch ended without a retry.
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 import { inspect } from "node:util";
