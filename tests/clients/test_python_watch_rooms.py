@@ -16,13 +16,13 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import pytest
 
-from quayutec_client import NO_RETRY, Client, RoomsWatch, errors
+from quayutec_client import NO_RETRY, Client, RetryPolicy, RoomsWatch, errors
 from quayutec_client.types import RoomEvent, RoomEventKind
 from tests.clients.conftest import ClientFactory
 from tests.gateway.test_watch import log_of
 from tests.harness.gateway import CompanyKey
 from tests.harness.proxy import HoldingProxy
-from tests.harness.sdk_stack import SdkStack
+from tests.harness.sdk_stack import STRICT_GATEWAY_ENV, SdkStack
 
 MEMBER_JOINED = RoomEventKind.ROOM_EVENT_KIND_MEMBER_JOINED
 MEMBER_LEFT = RoomEventKind.ROOM_EVENT_KIND_MEMBER_LEFT
@@ -253,3 +253,29 @@ async def test_an_ended_session_whose_answer_was_lost_counts_as_ended(
     finally:
         await proxy.stop()
     assert "EndSession: UNAVAILABLE after attempt 1" in caplog.text
+
+
+async def test_stream_refusals_are_typed_errors_naming_the_limit_and_the_advised_wait(
+    stack: SdkStack, acme: CompanyKey, connect: ClientFactory
+) -> None:
+    """A Gateway that allows one open stream per company and one failed authentication: a second
+    watch is retried as the policy allows, then ends RateLimited naming the limit; a throttled watch
+    carries the Gateway's advised wait (its retry-after-ms trailer) and is not waited for beyond
+    max_advised_wait."""
+    quick = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02)
+    async with stack.extra_gateway(**STRICT_GATEWAY_ENV) as addr:
+        client = connect(acme, addr=addr, retry=quick)
+        async with client.watch_rooms():
+            with pytest.raises(errors.RateLimited) as limited:
+                await anext(client.watch_rooms())
+        assert "QUAYUTEC_GATEWAY_MAX_STREAMS_PER_COMPANY = 1" in limited.value.message
+        assert limited.value.attempts == 3 and limited.value.retry_after is None
+
+        wrong = connect(CompanyKey("", "", "", f"qyk_{uuid.uuid4()}_{'x' * 43}"), addr=addr, retry=quick)
+        with pytest.raises(errors.Unauthenticated):
+            await anext(wrong.watch_rooms())
+        with pytest.raises(errors.RateLimited) as throttled:
+            await anext(wrong.watch_rooms())
+    assert throttled.value.retry_after is not None and throttled.value.retry_after > quick.max_advised_wait
+    assert throttled.value.attempts == 1, "an advised wait over max_advised_wait is not waited"
+    assert "failed authentications" in throttled.value.message

@@ -54,6 +54,15 @@ GATEWAY_ENV = {
 }
 
 
+# A Gateway whose stream limits are met at once: one open stream per company, one failed
+# authentication (then one every 100 s).
+STRICT_GATEWAY_ENV = {
+    "QUAYUTEC_GATEWAY_MAX_STREAMS_PER_COMPANY": "1",
+    "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST": "1",
+    "QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE": "0.01",
+}
+
+
 class GatewayProcess:
     """``python -m services.gateway`` on one port, started again on the same port after a kill."""
 
@@ -356,10 +365,11 @@ async def serve_control(
 
 @asynccontextmanager
 async def controlled_stack(database_url: str) -> AsyncIterator[tuple[SdkStack, str]]:
-    """The stack with its control API, and three more Gateways (in this process, on the same Room),
+    """The stack with its control API, and four more Gateways (in this process, on the same Room),
     named in the control API's /extra answer: ``other_gateway`` (stays up while the main one is
     killed; its spans are kept for /spans), ``limited_gateway`` (a posting rate of one a second, to
-    meet RateLimited) and ``tls_gateway`` (TLS with the self-signed ``tls_ca_pem``)."""
+    meet RateLimited), ``strict_gateway`` (STRICT_GATEWAY_ENV: one open stream per company, one failed
+    authentication) and ``tls_gateway`` (TLS with the self-signed ``tls_ca_pem``)."""
     exporter = InMemorySpanExporter()
     capture = configure_for_tests(exporter)
     with tempfile.TemporaryDirectory() as tls_dir:
@@ -369,11 +379,13 @@ async def controlled_stack(database_url: str) -> AsyncIterator[tuple[SdkStack, s
             stack.extra_gateway() as other,
             stack.extra_gateway(QUAYUTEC_GATEWAY_POST_RATE="1", QUAYUTEC_GATEWAY_POST_BURST="1") as limited,
             stack.extra_gateway(QUAYUTEC_GATEWAY_TLS_CERT=str(cert), QUAYUTEC_GATEWAY_TLS_KEY=str(key)) as tls,
+            stack.extra_gateway(**STRICT_GATEWAY_ENV) as strict,
         ):
             extra = {
                 "gateway": stack.gateway_addr,
                 "other_gateway": other,
                 "limited_gateway": limited,
+                "strict_gateway": strict,
                 "tls_gateway": tls,
                 "tls_ca_pem": pem.decode(),
             }

@@ -16,6 +16,7 @@ import {
   connect,
   CursorOutOfRange,
   DeadlineExceeded,
+  DEFAULT_RETRY,
   ActionRight,
   FailedPrecondition,
   InvalidArgument,
@@ -615,4 +616,27 @@ test("an ended session whose answer was lost counts as ended", async () => {
   await stack.post("/gateway-proxy/drop");
   assert.equal(await ending, session.keyId);
   assert.ok(retries.some((r) => r.method === "EndSession" && r.attempt === 1 && r.codeName === "UNAVAILABLE"), JSON.stringify(retries));
+});
+
+test("stream refusals are typed errors naming the limit and the advised wait", async () => {
+  // The strict Gateway allows one open stream per company and one failed authentication.
+  const acme = await stack.company();
+  const quick = { maxAttempts: 3, initialBackoffMs: 10, maxBackoffMs: 20 };
+  const c = client(acme, { address: stack.extra.strict_gateway, retry: quick });
+  const open = await c.watchRooms().ready();
+  try {
+    const limited = await c.watchRooms()[Symbol.asyncIterator]().next().catch((e: unknown) => e);
+    assert.ok(limited instanceof RateLimited, String(limited));
+    assert.ok(limited.rawMessage.includes("QUAYUTEC_GATEWAY_MAX_STREAMS_PER_COMPANY = 1"), limited.rawMessage);
+    assert.deepEqual([limited.attempts, limited.retryAfterMs], [3, undefined]);
+  } finally {
+    open.close();
+  }
+  const wrong = client({ ...acme, api_key: `qyk_${crypto.randomUUID()}_${"x".repeat(43)}` }, { address: stack.extra.strict_gateway, retry: quick });
+  await assert.rejects(wrong.watchRooms()[Symbol.asyncIterator]().next(), Unauthenticated);
+  const throttled = await wrong.watchRooms()[Symbol.asyncIterator]().next().catch((e: unknown) => e);
+  assert.ok(throttled instanceof RateLimited, String(throttled));
+  assert.ok(throttled.retryAfterMs !== undefined && throttled.retryAfterMs > DEFAULT_RETRY.maxAdvisedWaitMs, String(throttled.retryAfterMs));
+  assert.equal(throttled.attempts, 1, "an advised wait over maxAdvisedWaitMs is not waited");
+  assert.ok(throttled.rawMessage.includes("failed authentications"), throttled.rawMessage);
 });
