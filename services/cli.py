@@ -6,17 +6,19 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import grpc
 
 from quayutec.channels import channel_as
-from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, DatabaseConfig, service_addr
+from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, ConfigError, DatabaseConfig, service_addr
 from quayutec.db import open_pool
 from quayutec.migrate import apply_all
 from quayutec.tls import ADMIN
@@ -27,24 +29,45 @@ Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 
 async def cmd_up(opts: argparse.Namespace) -> int:
-    """Embedded PostgreSQL and all four services on this machine until Ctrl-C."""
+    """Embedded PostgreSQL and all four services on this machine until Ctrl-C. The stack owns its
+    data folder while it runs: a second stack on the same folder is refused, naming this one."""
+    from quayutec.datadir import own
     from services.stack import LocalStack
 
-    extra: dict[str, str] = {}
+    data_dir = DatabaseConfig.from_env().data_dir
+    folder = own(data_dir, again=f"{program()} up --base-port 61051")
+    try:
+        stack = LocalStack.with_ports(ephemeral=False, base_port=opts.base_port, data_dir=data_dir)
+        stack.folder = folder
+        folder.record(stack.owner("quayutec up"))
+        return await _run_up(stack, opts.standin)
+    finally:
+        folder.release()
+
+
+async def _run_up(stack: Any, with_standin: bool) -> int:
+    from quayutec.db import embedded_pgdata, embedded_pid
+
     standin = None
-    stack = LocalStack.with_ports(ephemeral=False, base_port=opts.base_port)
-    if opts.standin:
+    if with_standin:
         from services.runtime.standin import StandinProvider
 
         standin = StandinProvider()
         url = standin.start()
-        extra = {"QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": url, "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": url}
-    stack.extra_env = extra
+        stack.extra_env = {"QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": url, "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": url}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    config = stack.database_config()
+    left = embedded_pid(embedded_pgdata(config.data_dir)) if config.url is None else None
     try:
+        if left is not None:
+            print(
+                f"an embedded PostgreSQL (pid {left}) was left running in {config.data_dir} by a stack that "
+                "ended; this one takes it over and stops it with the rest",
+                flush=True,
+            )
         print("starting PostgreSQL and applying migrations ...", flush=True)
         await stack.prepare_database()
         print("starting services ...", flush=True)
@@ -52,12 +75,13 @@ async def cmd_up(opts: argparse.Namespace) -> int:
         await stack.start_console()
         for name in stack.ports:
             print(f"  {name:8s} {stack.addr(name)}", flush=True)
-        print(f"  console  {stack.console_url} (sign in with an API key: `quayutec keys create`)", flush=True)
+        print(f"  console  {stack.console_url} (sign in with a company's API key: see below)", flush=True)
         if standin is not None:
             print(f"  standin  {standin.base_url} (stand-in model provider)", flush=True)
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
         print("in another terminal, point the commands at this stack with:", flush=True)
         print(stack.exports(), flush=True)
+        print(_first_steps(same_database=config.url is not None), flush=True)
         await stop.wait()
         print("\nstopping ...", flush=True)
     finally:
@@ -65,14 +89,40 @@ async def cmd_up(opts: argparse.Namespace) -> int:
         if standin is not None:
             standin.stop()
         if stack.started_pgdata is not None:
-            print("stopping the embedded PostgreSQL this command started ...", flush=True)
+            print("stopping the embedded PostgreSQL of this stack ...", flush=True)
             await asyncio.to_thread(stack.stop_database)
     print("stopped", flush=True)
     return 0
 
 
+def _first_steps(*, same_database: bool) -> str:
+    """What `up` suggests doing next, each line a command that works as printed (with the exports)."""
+    me = program()
+    where = " (with the same DATABASE_URL as this terminal)" if same_database else ""
+    return "\n".join(
+        [
+            f"then make a company and an API key for it{where}, and act as that company:",
+            f"  {me} company create Acme                   # prints: company <company-id> Acme",
+            f"  {me} keys create --company <company-id>    # prints the key, once",
+            "  export QUAYUTEC_API_KEY=<the key>",
+            f"(`{me} company list` shows every company and its id)",
+        ]
+    )
+
+
+def program() -> str:
+    """This command as a person can type it: ``quayutec`` when that is the one on PATH, else its path."""
+    here = Path(sys.executable).parent / "quayutec"
+    found = shutil.which("quayutec")
+    if not here.exists() or (found is not None and Path(found).resolve() == here.resolve()):
+        return "quayutec"
+    relative = os.path.relpath(here)
+    return relative if not relative.startswith("..") else str(here)
+
+
 async def cmd_db_status(opts: argparse.Namespace) -> int:
-    """Where the embedded PostgreSQL lives and whether it runs."""
+    """Where the embedded PostgreSQL lives, whether it runs and who uses the folder."""
+    from quayutec.datadir import holder
     from quayutec.db import embedded_pgdata, embedded_pid
 
     config = DatabaseConfig.from_env()
@@ -82,19 +132,24 @@ async def cmd_db_status(opts: argparse.Namespace) -> int:
     pid = embedded_pid(pgdata)
     state = f"running (pid {pid})" if pid is not None else "not running"
     print(f"embedded PostgreSQL in {pgdata}: {state}")
+    print(f"the data folder is in use by {holder(config.data_dir)}")
     return 0
 
 
 async def cmd_db_stop(opts: argparse.Namespace) -> int:
     """Stop an embedded PostgreSQL left running in the data folder."""
+    from quayutec.datadir import own
     from quayutec.db import embedded_ctl, embedded_pgdata, embedded_pid
 
-    pgdata = embedded_pgdata(DatabaseConfig.from_env().data_dir)
+    data_dir = DatabaseConfig.from_env().data_dir
+    pgdata = embedded_pgdata(data_dir)
     pid = embedded_pid(pgdata)
     if pid is None:
         print(f"no embedded PostgreSQL running in {pgdata}")
         return 0
-    await asyncio.to_thread(embedded_ctl, "stop", pgdata)
+    # Only a server nobody runs on: one a stack or services of their own use stops with them.
+    with own(data_dir, again=None):
+        await asyncio.to_thread(embedded_ctl, "stop", pgdata)
     print(f"stopped the embedded PostgreSQL in {pgdata} (pid {pid})")
     return 0
 
@@ -707,6 +762,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        try:
+            code = _run(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit, where a closed pipe could only be reported
+    except BrokenPipeError:
+        code = _reader_went_away()
+    raise SystemExit(code)
+
+
+def _run(argv: list[str] | None) -> int:
     opts = parser().parse_args(argv)
     handler: Handler = opts.handler
     try:
@@ -714,12 +780,21 @@ def main(argv: list[str] | None = None) -> None:
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         code = 2
-    except AdminError as exc:
+    except (AdminError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         code = 130
-    raise SystemExit(code)
+    return code
+
+
+def _reader_went_away() -> int:
+    """Whoever read our output stopped (``quayutec config | head``): end quietly, as other tools
+    do. Standard output now goes nowhere, so the flush at exit raises nothing either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141  # what a shell reports for a command ended by SIGPIPE
 
 
 if __name__ == "__main__":
