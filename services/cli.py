@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
 import shutil
@@ -99,15 +100,15 @@ def _first_steps(*, same_database: bool) -> str:
     """What `up` suggests doing next, each line a command that works as printed (with the exports)."""
     me = program()
     where = " (with the same DATABASE_URL as this terminal)" if same_database else ""
-    return "\n".join(
-        [
-            f"then make a company and an API key for it{where}, and act as that company:",
-            f"  {me} company create Acme                   # prints: company <company-id> Acme",
-            f"  {me} keys create --company <company-id>    # prints the key, once",
-            "  export QUAYUTEC_API_KEY=<the key>",
-            f"(`{me} company list` shows every company and its id)",
-        ]
-    )
+    steps = [
+        (f"{me} company create Acme", "prints: company <company-id> Acme"),
+        (f"{me} keys create --company <company-id>", "prints the key, once"),
+        ("export QUAYUTEC_API_KEY=<the key>", "then the client commands, and the console's sign-in"),
+        (f"{me} company list", "every company and its id"),
+    ]
+    width = max(len(command) for command, _ in steps)
+    lines = [f"  {command.ljust(width)}  # {note}" for command, note in steps]
+    return "\n".join([f"then make a company and an API key for it{where}, and act as that company:", *lines])
 
 
 def program() -> str:
@@ -207,7 +208,11 @@ async def cmd_company_create(opts: argparse.Namespace) -> int:
     return 0
 
 
-class AdminError(Exception):
+class CommandError(Exception):
+    """A command cannot go on; the message says what to fix."""
+
+
+class AdminError(CommandError):
     """An admin command cannot go on; the message says what to fix."""
 
 
@@ -275,6 +280,33 @@ async def cmd_keys_list(opts: argparse.Namespace) -> int:
     return await _with_pool(act)
 
 
+async def cmd_company_list(opts: argparse.Namespace) -> int:
+    async def act(pool: Any) -> int:
+        try:
+            found = await pool.fetch(
+                "SELECT company_id, name, created_at FROM companies ORDER BY created_at, name LIMIT $1", opts.limit
+            )
+        except asyncpg.UndefinedTableError:
+            raise AdminError(NO_SCHEMA) from None
+        rows = [
+            {"company_id": str(c["company_id"]), "name": c["name"], "created_at": _when(c["created_at"])} for c in found
+        ]
+        _print_rows(rows, opts.json, empty="no companies yet: `quayutec company create <name>` makes one")
+        return 0
+
+    return await _with_pool(act)
+
+
+def _when(at: Any) -> str:
+    """A time as the list commands print it: ISO 8601 to the second (a datetime or a protobuf Timestamp)."""
+    if hasattr(at, "ToDatetime"):
+        at = at.ToDatetime(tzinfo=datetime.UTC)
+    return str(at.isoformat(timespec="seconds"))
+
+
+NO_SCHEMA = "this database has no Quayutec schema: is it the one your services use? (`quayutec migrate` creates it)"
+
+
 async def _company_exists(pool: Any, company_id: str) -> None:
     """Admin commands act on a company that exists in this database, or say what is wrong."""
     try:
@@ -286,9 +318,7 @@ async def _company_exists(pool: Any, company_id: str) -> None:
     try:
         found = await pool.fetchval("SELECT name FROM companies WHERE company_id = $1", company)
     except asyncpg.UndefinedTableError:
-        raise AdminError(
-            "this database has no Quayutec schema: is it the one your services use? (`quayutec migrate` creates it)"
-        ) from None
+        raise AdminError(NO_SCHEMA) from None
     if found is None:
         raise AdminError(
             f"no company {company_id} in this database: check the id (`company create` prints it) and that "
@@ -321,12 +351,102 @@ def _client(channel: grpc.aio.Channel) -> GatewayClient:
 
 async def cmd_post(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        posted = await _client(channel).PostMessage(
+        client = _client(channel)
+        mentions = await resolve_mentions(client, opts.room, opts.mention or [])
+        posted = await client.PostMessage(
             gateway_pb2.PostMessageRequest(
-                room_id=opts.room, person=opts.person, body=opts.body, mention_agent_ids=opts.mention or []
+                room_id=opts.room, person=opts.person, body=opts.body, mention_agent_ids=mentions
             )
         )
     print(f"message {posted.message.message_id} #{posted.message.seq}; wakes {list(posted.wake_ids)}")
+    return 0
+
+
+async def resolve_mentions(client: GatewayClient, room_id: str, mentions: Sequence[str]) -> list[str]:
+    """Agent ids for ``--mention`` values: an id is taken as it is; a name is looked up among the
+    agents in the room (every member company's), and must name exactly one of them."""
+    names = [m for m in mentions if not _is_uuid(m)]
+    if not names:
+        return list(mentions)
+    agents = await _room_agents(client, room_id)
+    resolved = []
+    for mention in mentions:
+        if _is_uuid(mention):
+            resolved.append(mention)
+            continue
+        matches = [a for a in agents if a.name.casefold() == mention.strip().casefold()]
+        if len(matches) == 1:
+            resolved.append(matches[0].agent_id)
+            continue
+        listed = _agent_choices(matches or agents)
+        if matches:
+            raise CommandError(
+                f"{len(matches)} agents in room {room_id} are named {mention!r}: {listed}; mention one by its id"
+            )
+        raise CommandError(
+            f"no agent named {mention!r} in room {room_id}; "
+            + (f"the agents there: {listed}" if agents else "no company in it has an agent yet")
+        )
+    return resolved
+
+
+async def _room_agents(client: GatewayClient, room_id: str) -> list[common_pb2.Agent]:
+    """Every agent in the room, all pages."""
+    agents: list[common_pb2.Agent] = []
+    token = ""
+    while True:
+        page = await client.ListAgents(gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=500, page_token=token))
+        agents.extend(page.agents)
+        token = page.next_page_token
+        if not token:
+            return agents
+
+
+def _agent_choices(agents: Sequence[common_pb2.Agent]) -> str:
+    return "; ".join(f"{a.name} (agent {a.agent_id}, company {a.company_id})" for a in agents)
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True
+
+
+async def cmd_room_list(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).ListRooms(gateway_pb2.ListRoomsRequest(page_size=opts.limit))
+    rows = [
+        {
+            "room_id": r.room_id,
+            "name": r.name,
+            "created_by": r.created_by_company_id,
+            "created_at": _when(r.created_at),
+        }
+        for r in got.rooms
+    ]
+    _print_rows(rows, opts.json, empty="no rooms: `quayutec room create <name>` makes one, or accept an invitation")
+    return 0
+
+
+async def cmd_agent_list(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        me = (await client.WhoAmI(gateway_pb2.WhoAmIRequest())).company.company_id if opts.room else ""
+        got = await client.ListAgents(gateway_pb2.ListAgentsRequest(room_id=opts.room or "", page_size=opts.limit))
+    provider_names = {v: k for k, v in PROVIDERS.items()}
+    rows = [
+        {
+            "agent_id": a.agent_id,
+            "name": a.name,
+            "company_id": a.company_id + (" (yours)" if a.company_id == me else ""),
+            "provider": provider_names.get(a.provider, ""),
+            "model": a.model,
+        }
+        for a in got.agents
+    ]
+    _print_rows(rows, opts.json, empty="no agents" + (" in this room" if opts.room else ": `agent register` adds one"))
     return 0
 
 
@@ -650,6 +770,10 @@ def parser() -> argparse.ArgumentParser:
     create = company.add_parser("create", help="create a company")
     create.add_argument("name", help="the company's name (unique)")
     create.set_defaults(handler=cmd_company_create)
+    cl = company.add_parser("list", help="every company and its id, oldest first")
+    _limit(cl, 100)
+    _json(cl)
+    cl.set_defaults(handler=cmd_company_list)
 
     keys = sub.add_parser("keys", help="API keys (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
@@ -669,7 +793,12 @@ def parser() -> argparse.ArgumentParser:
     post = sub.add_parser("post", help=f"post a message as a person of your company (needs {API_KEY_ENV})")
     post.add_argument("--room", required=True, help=ROOM_ID)
     post.add_argument("--person", required=True, help="who in your company writes it (e.g. ana)")
-    post.add_argument("--mention", action="append", metavar="AGENT_ID", help="an agent id to wake (repeatable)")
+    post.add_argument(
+        "--mention",
+        action="append",
+        metavar="AGENT",
+        help="an agent to wake, by id or by its name in the room (repeatable; `agent list --room` shows them)",
+    )
     post.add_argument("body", help="the message text")
     post.set_defaults(handler=cmd_post)
     runs = sub.add_parser("runs", help="your agents' runs, newest first, with trace ids")
@@ -697,6 +826,10 @@ def parser() -> argparse.ArgumentParser:
     rr.add_argument("room", help=ROOM_ID)
     rr.add_argument("company", help="the member's " + COMPANY_ID)
     rr.set_defaults(handler=cmd_room_remove_member)
+    rls = room.add_parser("list", help="the rooms your company is a member of")
+    _limit(rls, 50)
+    _json(rls)
+    rls.set_defaults(handler=cmd_room_list)
     iv = sub.add_parser("invitations", help="invitations to your company (pending ones by default)")
     iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending", help="which ones to list")
     _limit(iv, 50)
@@ -723,6 +856,11 @@ def parser() -> argparse.ArgumentParser:
     )
     ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
+    al = agent.add_parser("list", help="your company's agents, or with --room every agent in that room")
+    al.add_argument("--room", metavar="ROOM_ID", help="the agents in this room, of every member company")
+    _limit(al, 50)
+    _json(al)
+    al.set_defaults(handler=cmd_agent_list)
     ms = sub.add_parser("messages", help="a room's latest messages, oldest of them first")
     ms.add_argument("--room", required=True, help=ROOM_ID)
     _limit(ms, 20)
@@ -780,7 +918,7 @@ def _run(argv: list[str] | None) -> int:
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         code = 2
-    except (AdminError, ConfigError) as exc:
+    except (CommandError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
