@@ -117,8 +117,7 @@ def program() -> str:
     found = shutil.which("quayutec")
     if not here.exists() or (found is not None and Path(found).resolve() == here.resolve()):
         return "quayutec"
-    relative = os.path.relpath(here)
-    return relative if not relative.startswith("..") else str(here)
+    return str(here)  # whole: another terminal may be in another folder
 
 
 async def cmd_db_status(opts: argparse.Namespace) -> int:

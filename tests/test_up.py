@@ -3,18 +3,22 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from quayutec.config import SERVICES
+from quayutec.datadir import holder
 from quayutec.db import embedded_pgdata, embedded_pid
 from services.stack import LocalStack, free_port, port_is_free
 
@@ -100,7 +104,7 @@ def test_up_on_a_base_port_then_ctrl_c_stops_everything_it_started(data_dir: Pat
             up.kill()
             up.wait()
     assert up.returncode == 0, rest
-    assert "stopping the embedded PostgreSQL this command started" in rest and "RuntimeDirWarning" not in out + rest
+    assert "stopping the embedded PostgreSQL of this stack" in rest and "RuntimeDirWarning" not in out + rest
     assert embedded_pid(pgdata) is None
     assert not _alive(pid)
     for i in range(5):
@@ -179,3 +183,172 @@ def test_services_end_when_up_itself_is_killed(data_dir: Path) -> None:
         if embedded_pid(embedded_pgdata(data_dir)) is not None:
             embedded_ctl("stop", embedded_pgdata(data_dir))
     assert alive == []
+
+
+@contextmanager
+def running_up(env: Mapping[str, str], base: int, cwd: Path = REPO) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """`quayutec up --base-port base` until its hints are printed; Ctrl-C on leaving, and it must stop."""
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--base-port", str(base)],
+        cwd=cwd,
+        env=dict(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    assert up.stdout is not None
+    lines: list[str] = []
+    try:
+        for line in up.stdout:
+            lines.append(line)
+            if "company list" in line:  # the last hint
+                break
+        out = "".join(lines)
+        assert "Ctrl-C stops everything" in out, out
+        yield up, out
+        up.send_signal(signal.SIGINT)
+        rest = up.communicate(timeout=60)[0]
+        assert up.returncode == 0, rest
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), **extra}
+    for name in ("DATABASE_URL", "QUAYUTEC_API_KEY", *(s.addr_env for s in SERVICES)):
+        env.pop(name, None)
+    return env
+
+
+def _serving(addr: str) -> bool:
+    import asyncio
+
+    from services.stack import wait_serving
+
+    asyncio.run(wait_serving(addr, limit=30))
+    return True
+
+
+def test_a_second_stack_on_the_same_data_folder_is_refused_and_the_first_keeps_working(data_dir: Path) -> None:
+    env = _env(QUAYUTEC_DATA_DIR=str(data_dir))
+    first, second = _base_port(), _base_port()
+    with running_up(env, first) as (up, _):
+        pid = embedded_pid(embedded_pgdata(data_dir))
+        assert pid is not None
+        refused = subprocess.run(
+            [sys.executable, "-m", "services.cli", "up", "--base-port", str(second)],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        said = refused.stderr
+        assert "Traceback" not in said and refused.stdout == ""
+        assert f"the data folder {data_dir} is in use by `quayutec up` (pid {up.pid}; gateway 127.0.0.1:{first}" in said
+        assert f"console http://127.0.0.1:{first + 4}" in said
+        assert f"QUAYUTEC_DATA_DIR={data_dir}-2 " in said and "up --base-port" in said
+        assert all(port_is_free(second + i) for i in range(5))  # it started nothing
+        # A service started on its own would share the stack's database: refused too.
+        lone = subprocess.run(
+            [sys.executable, "-m", "services.claims"],
+            cwd=REPO,
+            env={**env, "QUAYUTEC_CLAIMS_LISTEN": f"127.0.0.1:{second}"},
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert lone.returncode == 2, lone.stdout + lone.stderr
+        assert f"belongs to `quayutec up` (pid {up.pid}" in lone.stderr and "Traceback" not in lone.stderr
+        # `db stop` does not pull the database from under the stack either.
+        stop = subprocess.run(
+            [sys.executable, "-m", "services.cli", "db", "stop"], cwd=REPO, env=env, capture_output=True, text=True
+        )
+        assert stop.returncode == 1 and "in use by `quayutec up`" in stop.stderr
+        # The first stack is untouched: same PostgreSQL, its services answer, its admin commands work.
+        assert embedded_pid(embedded_pgdata(data_dir)) == pid
+        assert _serving(f"127.0.0.1:{first}")
+        made = subprocess.run(
+            [sys.executable, "-m", "services.cli", "company", "create", "Acme"],
+            cwd=REPO,
+            env={**env, "QUAYUTEC_ROOM_ADDR": f"127.0.0.1:{first + 1}"},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert made.returncode == 0 and made.stdout.startswith("company "), made.stderr
+    assert embedded_pid(embedded_pgdata(data_dir)) is None
+    assert holder(data_dir) == "nobody"
+
+
+def test_the_demo_runs_beside_a_stack_of_the_same_checkout(tmp_path: Path) -> None:
+    """With `quayutec up` running on the checkout's default data folder, the demo, with every default
+    of its own, runs to the end in a folder and on ports of its own, and the stack is untouched.
+    (The checkout here is a fresh folder running this code, so a developer's own stack is never met.)"""
+    checkout = Path(tempfile.mkdtemp(prefix="qy-co-", dir="/tmp"))
+    checkout.chmod(0o755)
+    env = _env()
+    env.pop("QUAYUTEC_DATA_DIR", None)
+    folder = checkout / ".quayutec"
+    try:
+        base = _base_port()
+        with running_up(env, base, cwd=checkout) as (up, out):
+            assert f"export QUAYUTEC_DATA_DIR={folder}" in out
+            pid = embedded_pid(embedded_pgdata(folder))
+            demo = subprocess.run(
+                [sys.executable, "-m", "services.cli", "demo"],
+                cwd=checkout,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            said = demo.stdout
+            assert demo.returncode == 0, said[-3000:] + demo.stderr[-3000:]
+            assert f"{folder} is in use by `quayutec up` (pid {up.pid}" in said
+            [temporary] = re.findall(r"a temporary folder of its own, (\S+)", said)
+            assert "planner replies: 2 for 3 wakes" in said
+            assert not Path(temporary).exists()  # removed, its PostgreSQL stopped
+            # The stack's database, services and data folder are as they were.
+            assert embedded_pid(embedded_pgdata(folder)) == pid
+            assert _serving(f"127.0.0.1:{base}")
+            assert holder(folder).startswith(f"`quayutec up` (pid {up.pid}")
+            ports = re.findall(r"^   (?:gateway|room|claims|runtime|console)\s+\S+:(\d+)$", said, re.M)
+            assert len(ports) == 5 and not {int(p) for p in ports} & {base + i for i in range(5)}, ports
+    finally:
+        shutil.rmtree(checkout, ignore_errors=True)
+
+
+def test_ups_hints_work_as_printed(data_dir: Path) -> None:
+    """The commands `quayutec up` suggests, run as printed with its exports: a company, its key, the list."""
+    env = _env(QUAYUTEC_DATA_DIR=str(data_dir))
+    with running_up(env, _base_port()) as (_, out):
+        exports = dict(re.findall(r"^export (\w+)=(\S+)$", out, re.M))
+        hints = [line.split("#")[0].strip() for line in out.split("act as that company:\n", 1)[1].splitlines()]
+        assert len(hints) == 4, out
+        shell = {**env, **exports}
+        said: dict[str, str] = {}
+        for hint in hints:
+            if hint.startswith("export "):
+                name, value = hint.removeprefix("export ").split("=", 1)
+                assert value == "<the key>"
+                shell[name] = said["key"]
+                continue
+            argv = [said.get("company", word) if word == "<company-id>" else word for word in shlex.split(hint)]
+            done = subprocess.run(argv, cwd=data_dir, env=shell, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, (hint, done.stdout, done.stderr)
+            if " company create " in f" {hint} ":
+                said["company"] = done.stdout.split()[1]
+            elif " keys create " in f" {hint} ":
+                said["key"] = done.stdout.splitlines()[1]
+            else:
+                assert f"{said['company']}  Acme" in done.stdout, done.stdout
+        # The key made as printed signs the client commands in.
+        who = subprocess.run(
+            [sys.executable, "-m", "services.cli", "room", "list"], cwd=REPO, env=shell, capture_output=True, text=True
+        )
+        assert who.returncode == 0 and "no rooms" in who.stdout, who.stderr
