@@ -76,6 +76,7 @@ def test_the_api_guide_shows_the_examples_as_they_are() -> None:
         "examples/python_client.py",
         "examples/node/client.js",
         "examples/a2a_client.py",
+        "examples/watch_room.py",
     }
     for name, text in shown.items():
         assert text == (DOCS / name).read_text(), f"docs/api.md shows an old copy of docs/{name}"
@@ -139,6 +140,7 @@ async def test_the_api_examples_run_against_a_real_gateway(database_url: str) ->
                 "python": [sys.executable, str(DOCS / "examples" / "python_client.py")],
                 "node": [node, str(NODE_EXAMPLES / "client.js")],
                 "a2a": [sys.executable, str(DOCS / "examples" / "a2a_client.py")],
+                "watch": [sys.executable, str(DOCS / "examples" / "watch_room.py")],
             }
             out = {}
             for name, argv in runs.items():
@@ -163,6 +165,12 @@ async def test_the_api_examples_run_against_a_real_gateway(database_url: str) ->
         assert lines[2].endswith(f"the retry returned the same message: {same}")
         assert lines[3] == f"messages, one page each: {bodies}"
         assert lines[4] == "unknown room: NOT_FOUND"
+    watched = out["watch"].splitlines()
+    assert watched[0].startswith("room ") and watched[1:] == [
+        "watched: ['one']",
+        "resumed: ['two', 'three']",
+        "unknown room: NOT_FOUND",
+    ], out["watch"]
     assert out["a2a"].splitlines() == [
         "agent helper of Acme",
         "task TASK_STATE_SUBMITTED; the retry returned it: True",
