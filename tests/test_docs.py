@@ -183,3 +183,23 @@ async def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProc
     import asyncio
 
     return await asyncio.to_thread(subprocess.run, argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_readme_links_every_docs_page_in_one_paragraph() -> None:
+    """One documentation paragraph, not two copies, and it names every page of docs/."""
+    paragraphs = (REPO / "README.md").read_text().split("\n\n")
+    linking = [p for p in paragraphs if len({t for t in _LINK.findall(p) if t.startswith("docs/")}) >= 3]
+    assert len(linking) == 1, linking
+    linked = set(_LINK.findall(linking[0]))
+    pages = {f"docs/{p.name}" for p in DOCS.glob("*.md") if p.name != "README.md"} | {"docs/README.md"}
+    assert pages <= linked, sorted(pages - linked)
+
+
+def test_the_docs_say_what_the_browser_test_does_without_chromium() -> None:
+    """The console's browser test fails without chromium (a promise is never skipped); the docs say so."""
+    test = (REPO / "tests" / "console" / "test_console.py").read_text()
+    assert "pytest.fail(" in test and "chromium" in test
+    assert "pytest.skip" not in test and "skipif" not in test and "importorskip" not in test
+    for doc in (REPO / "README.md", DOCS / "console.md"):
+        said = " ".join(p for p in doc.read_text().split("\n\n") if "chromium" in p)
+        assert "fails" in said and "skipped and" not in said, doc
