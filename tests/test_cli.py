@@ -12,6 +12,9 @@ import signal
 import subprocess
 import sys
 import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -159,8 +162,29 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
             assert json.loads(await ok("approvals", "--json")) == []
 
 
-async def test_invitations_leave_and_remove_from_the_command_line(database_url: str) -> None:
-    """Membership by consent as two companies run it: invite, list, accept or decline, leave, remove."""
+@dataclass(frozen=True)
+class CompaniesCli:
+    """The `quayutec` command against a real Room and Gateway (wakes not delivered): as the admin,
+    or as a company by its API key."""
+
+    env: dict[str, str]
+
+    async def run(self, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return await quayutec(*args, env={**self.env, "QUAYUTEC_API_KEY": key})
+
+    async def ok(self, key: str, *args: str) -> str:
+        done = await self.run(key, *args)
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done.stdout
+
+    async def company(self, name: str) -> tuple[str, str]:
+        """A company made as the admin, and an API key of it."""
+        company_id = (await self.ok("", "company", "create", name)).split()[1]
+        return company_id, (await self.ok("", "keys", "create", "--company", company_id)).splitlines()[1]
+
+
+@asynccontextmanager
+async def companies_cli(database_url: str, **env: str) -> AsyncIterator[CompaniesCli]:
     from tests.harness.gateway import running_gateway
 
     async with (
@@ -169,24 +193,21 @@ async def test_invitations_leave_and_remove_from_the_command_line(database_url: 
             database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
         ) as gateway_addr,
     ):
-        env = {
-            "DATABASE_URL": database_url,
-            "QUAYUTEC_ROOM_ADDR": room_addr,
-            "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
-            **mtls_env("admin"),
-        }
+        yield CompaniesCli(
+            {
+                "DATABASE_URL": database_url,
+                "QUAYUTEC_ROOM_ADDR": room_addr,
+                "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+                **mtls_env("admin"),
+                **env,
+            }
+        )
 
-        async def run(key: str, *args: str) -> subprocess.CompletedProcess[str]:
-            return await quayutec(*args, env={**env, "QUAYUTEC_API_KEY": key})
 
-        async def ok(key: str, *args: str) -> str:
-            done = await run(key, *args)
-            assert done.returncode == 0, (args, done.stdout, done.stderr)
-            return done.stdout
-
-        async def company(name: str) -> tuple[str, str]:
-            company_id = (await ok("", "company", "create", name)).split()[1]
-            return company_id, (await ok("", "keys", "create", "--company", company_id)).splitlines()[1]
+async def test_invitations_leave_and_remove_from_the_command_line(database_url: str) -> None:
+    """Membership by consent as two companies run it: invite, list, accept or decline, leave, remove."""
+    async with companies_cli(database_url) as cli:
+        run, ok, company = cli.run, cli.ok, cli.company
 
         (acme_id, acme), (globex_id, globex) = await company("Acme"), await company("Globex")
         room_id = (await ok(acme, "room", "create", "launch")).split()[1]
@@ -288,33 +309,8 @@ async def test_agents_rooms_and_companies_are_listed_and_agents_mentioned_by_nam
     and lists the choices."""
     import asyncpg
 
-    from tests.harness.gateway import running_gateway
-
-    async with (
-        running_room(database_url) as room_addr,
-        running_gateway(
-            database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
-        ) as gateway_addr,
-    ):
-        env = {
-            "DATABASE_URL": database_url,
-            "QUAYUTEC_ROOM_ADDR": room_addr,
-            "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
-            "QUAYUTEC_PROVIDER_KEY": "sk-cli-secret",
-            **mtls_env("admin"),
-        }
-
-        async def run(key: str, *args: str) -> subprocess.CompletedProcess[str]:
-            return await quayutec(*args, env={**env, "QUAYUTEC_API_KEY": key})
-
-        async def ok(key: str, *args: str) -> str:
-            done = await run(key, *args)
-            assert done.returncode == 0, (args, done.stdout, done.stderr)
-            return done.stdout
-
-        async def company(name: str) -> tuple[str, str]:
-            company_id = (await ok("", "company", "create", name)).split()[1]
-            return company_id, (await ok("", "keys", "create", "--company", company_id)).splitlines()[1]
+    async with companies_cli(database_url, QUAYUTEC_PROVIDER_KEY="sk-cli-secret") as cli:
+        run, ok, company = cli.run, cli.ok, cli.company
 
         assert "no companies yet" in await ok("", "company", "list")
         (acme_id, acme), (globex_id, globex) = await company("Acme"), await company("Globex")

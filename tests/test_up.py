@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -68,28 +69,11 @@ def _base_port() -> int:
 
 def test_up_on_a_base_port_then_ctrl_c_stops_everything_it_started(data_dir: Path) -> None:
     base = _base_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "QUAYUTEC_DATA_DIR": str(data_dir)}
-    env.pop("DATABASE_URL", None)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--base-port", str(base)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert up.stdout is not None
-    lines: list[str] = []
-    try:
-        for line in up.stdout:
-            lines.append(line)
-            if line.startswith("export QUAYUTEC_DATA_DIR"):
-                break
-        out = "".join(lines)
-        assert "Ctrl-C stops everything" in out, out
+    env = _env(QUAYUTEC_DATA_DIR=str(data_dir))
+    with running_up(env, base) as up:
         for i, spec in enumerate(sorted(SERVICES, key=lambda s: s.port)):
-            assert f"export {spec.addr_env}=127.0.0.1:{base + i}" in out
-        assert f"console  http://127.0.0.1:{base + 4}" in out
+            assert f"export {spec.addr_env}=127.0.0.1:{base + i}" in up.out
+        assert f"console  http://127.0.0.1:{base + 4}" in up.out
         pgdata = embedded_pgdata(data_dir)
         pid = embedded_pid(pgdata)
         assert pid is not None
@@ -97,14 +81,9 @@ def test_up_on_a_base_port_then_ctrl_c_stops_everything_it_started(data_dir: Pat
             [sys.executable, "-m", "services.cli", "db", "status"], env=env, cwd=REPO, capture_output=True, text=True
         )
         assert f"running (pid {pid})" in status.stdout
-        up.send_signal(signal.SIGINT)
-        rest = up.communicate(timeout=60)[0]
-    finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-    assert up.returncode == 0, rest
-    assert "stopping the embedded PostgreSQL of this stack" in rest and "RuntimeDirWarning" not in out + rest
+        assert f"in use by `quayutec up` (pid {up.proc.pid}; gateway 127.0.0.1:{base}" in status.stdout
+    assert "stopping the embedded PostgreSQL of this stack" in up.rest
+    assert "RuntimeDirWarning" not in up.out + up.rest
     assert embedded_pid(pgdata) is None
     assert not _alive(pid)
     for i in range(5):
@@ -146,47 +125,50 @@ def test_db_stop_stops_a_server_left_running(data_dir: Path) -> None:
     assert again.returncode == 0 and "no embedded PostgreSQL running" in again.stdout
 
 
-def test_services_end_when_up_itself_is_killed(data_dir: Path) -> None:
-    """SIGKILL leaves `up` no chance to stop anything: the kernel ends its services for it."""
+def test_services_end_when_up_itself_is_killed_and_the_next_up_takes_over(data_dir: Path) -> None:
+    """SIGKILL leaves `up` no chance to stop anything: the kernel ends its services and drops its
+    lock; the embedded PostgreSQL it leaves is taken over, and stopped, by the next `up`."""
     import psutil
 
     from quayutec.db import embedded_ctl
 
     base = _base_port()
-    env = {**os.environ, "PYTHONPATH": str(REPO), "QUAYUTEC_DATA_DIR": str(data_dir)}
-    env.pop("DATABASE_URL", None)
-    up = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "up", "--base-port", str(base)],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    assert up.stdout is not None
+    env = _env(QUAYUTEC_DATA_DIR=str(data_dir))
+    pgdata = embedded_pgdata(data_dir)
     try:
-        for line in up.stdout:
-            if line.startswith("export QUAYUTEC_DATA_DIR"):
-                break
-        services = [c for c in psutil.Process(up.pid).children() if "services." in " ".join(c.cmdline())]
-        assert len(services) == 5  # the four services and the console
-        up.kill()
-        up.wait()
-        _, alive = psutil.wait_procs(services, timeout=60)
-        for proc in alive:
-            proc.kill()
+        with running_up(env, base) as up:
+            services = [c for c in psutil.Process(up.proc.pid).children() if "services." in " ".join(c.cmdline())]
+            assert len(services) == 5  # the four services and the console
+            up.proc.kill()
+            up.proc.wait()
+            _, alive = psutil.wait_procs(services, timeout=60)
+            for proc in alive:
+                proc.kill()
+        assert alive == []
+        left = embedded_pid(pgdata)
+        assert left is not None and holder(data_dir) == "nobody"
+        with running_up(env, base) as again:
+            assert f"an embedded PostgreSQL (pid {left}) was left running in {data_dir}" in again.out
+            assert embedded_pid(pgdata) == left
+        assert "stopping the embedded PostgreSQL of this stack" in again.rest
+        assert embedded_pid(pgdata) is None
     finally:
-        if up.poll() is None:
-            up.kill()
-            up.wait()
-        # The embedded PostgreSQL outlives a killed `up`; `quayutec db stop` is for that.
-        if embedded_pid(embedded_pgdata(data_dir)) is not None:
-            embedded_ctl("stop", embedded_pgdata(data_dir))
-    assert alive == []
+        if embedded_pid(pgdata) is not None:
+            embedded_ctl("stop", pgdata)
+
+
+@dataclass
+class RunningUp:
+    """A `quayutec up` started by a test: its process, what it printed until its hints, and after
+    Ctrl-C the rest."""
+
+    proc: subprocess.Popen[str]
+    out: str
+    rest: str = ""
 
 
 @contextmanager
-def running_up(env: Mapping[str, str], base: int, cwd: Path = REPO) -> Iterator[tuple[subprocess.Popen[str], str]]:
+def running_up(env: Mapping[str, str], base: int, cwd: Path = REPO) -> Iterator[RunningUp]:
     """`quayutec up --base-port base` until its hints are printed; Ctrl-C on leaving, and it must stop."""
     up = subprocess.Popen(
         [sys.executable, "-m", "services.cli", "up", "--base-port", str(base)],
@@ -203,12 +185,13 @@ def running_up(env: Mapping[str, str], base: int, cwd: Path = REPO) -> Iterator[
             lines.append(line)
             if "company list" in line:  # the last hint
                 break
-        out = "".join(lines)
-        assert "Ctrl-C stops everything" in out, out
-        yield up, out
-        up.send_signal(signal.SIGINT)
-        rest = up.communicate(timeout=60)[0]
-        assert up.returncode == 0, rest
+        running = RunningUp(up, "".join(lines))
+        assert "Ctrl-C stops everything" in running.out, running.out
+        yield running
+        if up.poll() is None:  # a test may have ended it itself
+            up.send_signal(signal.SIGINT)
+            running.rest = up.communicate(timeout=60)[0]
+            assert up.returncode == 0, running.rest
     finally:
         if up.poll() is None:
             up.kill()
@@ -234,7 +217,8 @@ def _serving(addr: str) -> bool:
 def test_a_second_stack_on_the_same_data_folder_is_refused_and_the_first_keeps_working(data_dir: Path) -> None:
     env = _env(QUAYUTEC_DATA_DIR=str(data_dir))
     first, second = _base_port(), _base_port()
-    with running_up(env, first) as (up, _):
+    with running_up(env, first) as running:
+        up = running.proc
         pid = embedded_pid(embedded_pgdata(data_dir))
         assert pid is not None
         refused = subprocess.run(
@@ -295,7 +279,8 @@ def test_the_demo_runs_beside_a_stack_of_the_same_checkout(tmp_path: Path) -> No
     folder = checkout / ".quayutec"
     try:
         base = _base_port()
-        with running_up(env, base, cwd=checkout) as (up, out):
+        with running_up(env, base, cwd=checkout) as running:
+            up, out = running.proc, running.out
             assert f"export QUAYUTEC_DATA_DIR={folder}" in out
             pid = embedded_pid(embedded_pgdata(folder))
             demo = subprocess.run(
@@ -326,7 +311,8 @@ def test_the_demo_runs_beside_a_stack_of_the_same_checkout(tmp_path: Path) -> No
 def test_ups_hints_work_as_printed(data_dir: Path) -> None:
     """The commands `quayutec up` suggests, run as printed with its exports: a company, its key, the list."""
     env = _env(QUAYUTEC_DATA_DIR=str(data_dir))
-    with running_up(env, _base_port()) as (_, out):
+    with running_up(env, _base_port()) as running:
+        out = running.out
         exports = dict(re.findall(r"^export (\w+)=(\S+)$", out, re.M))
         hints = [line.split("#")[0].strip() for line in out.split("act as that company:\n", 1)[1].splitlines()]
         assert len(hints) == 4, out
