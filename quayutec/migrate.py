@@ -18,7 +18,7 @@ import asyncpg
 
 from quayutec.config import DatabaseConfig
 from quayutec.datadir import DataDirLock, share
-from quayutec.db import open_pool
+from quayutec.db import check_connection_budget, open_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 _MIGRATION_NAME = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
@@ -125,9 +125,10 @@ class ServicePool:
 async def service_pool(
     database: DatabaseConfig, component: Component, *, migrate_on_start: bool, pool: asyncpg.Pool | None = None
 ) -> ServicePool:
-    """The pool a service runs on (``pool``, or its own), with its component migrated when asked.
-    A service on the embedded PostgreSQL shares the data folder with other services started on their
-    own, and refuses to start in a folder a stack (`quayutec up`, the demo) owns (``DataDirTaken``)."""
+    """The pool a service runs on (``pool``, or its own, once the connection budget of every replica is
+    checked against the server's limit), with its component migrated when asked. A service on the
+    embedded PostgreSQL shares the data folder with other services started on their own, and refuses
+    to start in a folder a stack (`quayutec up`, the demo) owns (``DataDirTaken``)."""
     folder = share(database.data_dir) if pool is None and database.url is None else None
     try:
         held = ServicePool(pool or await open_pool(database), owned=pool is None, folder=folder)
@@ -136,6 +137,8 @@ async def service_pool(
             folder.release()
         raise
     try:
+        if held.owned and database.budget is not None:
+            await check_connection_budget(held.pool, database.budget, component.name)
         if migrate_on_start:
             await migrate(held.pool, (component,))
     except BaseException:
