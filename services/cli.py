@@ -24,7 +24,16 @@ from quayutec.db import open_pool
 from quayutec.migrate import apply_all
 from quayutec.tls import ADMIN, CA_FOLDER, IDENTITIES, MtlsConfig, ensure_dev_pki, identity_dir
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
-from services.client import API_KEY_ENV, NOT_TRACED, STATUS_NAMES, STEP_NAMES, GatewayClient, format_run
+from services.client import (
+    API_KEY_ENV,
+    NOT_TRACED,
+    STATUS_NAMES,
+    STEP_NAMES,
+    CommandError,
+    GatewayClient,
+    format_run,
+    resolve_mentions,
+)
 
 Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
@@ -222,10 +231,6 @@ async def cmd_company_create(opts: argparse.Namespace) -> int:
     return 0
 
 
-class CommandError(Exception):
-    """A command cannot go on; the message says what to fix."""
-
-
 class AdminError(CommandError):
     """An admin command cannot go on; the message says what to fix."""
 
@@ -374,58 +379,6 @@ async def cmd_post(opts: argparse.Namespace) -> int:
         )
     print(f"message {posted.message.message_id} #{posted.message.seq}; wakes {list(posted.wake_ids)}")
     return 0
-
-
-async def resolve_mentions(client: GatewayClient, room_id: str, mentions: Sequence[str]) -> list[str]:
-    """Agent ids for ``--mention`` values: an id is taken as it is; a name is looked up among the
-    agents in the room (every member company's), and must name exactly one of them."""
-    names = [m for m in mentions if not _is_uuid(m)]
-    if not names:
-        return list(mentions)
-    agents = await _room_agents(client, room_id)
-    resolved = []
-    for mention in mentions:
-        if _is_uuid(mention):
-            resolved.append(mention)
-            continue
-        matches = [a for a in agents if a.name.casefold() == mention.strip().casefold()]
-        if len(matches) == 1:
-            resolved.append(matches[0].agent_id)
-            continue
-        listed = _agent_choices(matches or agents)
-        if matches:
-            raise CommandError(
-                f"{len(matches)} agents in room {room_id} are named {mention!r}: {listed}; mention one by its id"
-            )
-        raise CommandError(
-            f"no agent named {mention!r} in room {room_id}; "
-            + (f"the agents there: {listed}" if agents else "no company in it has an agent yet")
-        )
-    return resolved
-
-
-async def _room_agents(client: GatewayClient, room_id: str) -> list[common_pb2.Agent]:
-    """Every agent in the room, all pages."""
-    agents: list[common_pb2.Agent] = []
-    token = ""
-    while True:
-        page = await client.ListAgents(gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=500, page_token=token))
-        agents.extend(page.agents)
-        token = page.next_page_token
-        if not token:
-            return agents
-
-
-def _agent_choices(agents: Sequence[common_pb2.Agent]) -> str:
-    return "; ".join(f"{a.name} (agent {a.agent_id}, company {a.company_id})" for a in agents)
-
-
-def _is_uuid(text: str) -> bool:
-    try:
-        uuid.UUID(text)
-    except ValueError:
-        return False
-    return True
 
 
 async def cmd_room_list(opts: argparse.Namespace) -> int:
