@@ -705,7 +705,7 @@ class RoomServiceListAgentsRequest(_message.Message):
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     ROOM_ID_FIELD_NUMBER: _builtins.int
     company_id: _builtins.str
-    """One of company_id and room_id."""
+    """company_id, room_id, or both."""
     page_size: _builtins.int
     page_token: _builtins.str
     room_id: _builtins.str
