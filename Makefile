@@ -2,14 +2,21 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PINS := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
-# What is installed in .venv, per version of pyproject.toml: the dev extra (tests, lint, types, the
-# browser and API-example tools), or the runtime dependencies alone, all the demo needs.
+PINS := $(shell cat pyproject.toml clients/python/pyproject.toml | sha1sum | cut -c1-12)
+# What is installed in .venv, per version of the pins: the dev extra and the Python client SDK
+# (tests, lint, types, the browser and API-example tools), or the runtime dependencies alone, all
+# the demo needs.
 STAMP := $(VENV)/.installed-$(PINS)
 RUN_STAMP := $(VENV)/.installed-run-$(PINS)
 
 NODE_EXAMPLES := docs/examples/node
 NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
+# The TypeScript client SDK: its packages from its lock file (tests/clients runs `npm test` against the stack).
+TS_CLIENT := clients/typescript
+TS_STAMP := $(TS_CLIENT)/node_modules/.installed
+# The Python client SDK and what it installs, downloaded once, so that tests/clients installs it into a
+# fresh venv without reaching any index.
+WHEELHOUSE := $(VENV)/wheelhouse
 
 .PHONY: demo test test-cluster lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
@@ -18,8 +25,10 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
 
-$(STAMP): pyproject.toml | $(BIN)/python
+$(STAMP): pyproject.toml clients/python/pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# The Python client SDK (clients/python), for its tests, the docs' examples and the bench.
+	$(BIN)/pip install --quiet -e clients/python
 	touch $(STAMP)
 
 # The demo's first run installs the runtime dependencies only, without compiling every module up
@@ -57,7 +66,16 @@ $(NODE_STAMP): $(NODE_EXAMPLES)/package-lock.json
 	cd $(NODE_EXAMPLES) && npm ci --no-audit --no-fund
 	touch $(NODE_STAMP)
 
-pytest: $(STAMP) $(NODE_STAMP)
+$(TS_STAMP): $(TS_CLIENT)/package-lock.json
+	cd $(TS_CLIENT) && npm ci --no-audit --no-fund
+	touch $(TS_STAMP)
+
+$(WHEELHOUSE)/.complete: $(STAMP) clients/python/pyproject.toml
+	rm -rf $(WHEELHOUSE)
+	$(BIN)/pip download --quiet -d $(WHEELHOUSE) setuptools==80.9.0 ./clients/python
+	touch $@
+
+pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(WHEELHOUSE)/.complete
 	$(BIN)/pytest
 
 # The multi-host bed's tests (tests/cluster): faults across a network of namespaces, as root, in
@@ -77,9 +95,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/watch.py
 	$(BIN)/python bench/inflight.py
 	$(BIN)/python bench/tables.py
+	$(BIN)/python bench/clients.py
 
 # Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
 # a server that no command can reach.
 clean:
 	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
-	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules
+	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules \
+		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist
