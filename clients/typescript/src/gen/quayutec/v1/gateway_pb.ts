@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file quayutec/v1/gateway.proto.
  */
 export const file_quayutec_v1_gateway: GenFile = /*@__PURE__*/
-  fileDesc("ChlxdWF5dXRlYy92MS9nYXRld2F5LnByb3RvEgtxdWF5dXRlYy52MSIPCg1XaG9BbUlSZXF1ZXN0IjcKDldob0FtSVJlc3BvbnNlEiUKB2NvbXBhbnkYASABKAsyFC5xdWF5dXRlYy52MS5Db21wYW55IiEKEUNyZWF0ZVJvb21SZXF1ZXN0EgwKBG5hbWUYASABKAkiNQoSQ3JlYXRlUm9vbVJlc3BvbnNlEh8KBHJvb20YASABKAsyES5xdWF5dXRlYy52MS5Sb29tIjkKEExpc3RSb29tc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkiaQoRTGlzdFJvb21zUmVzcG9uc2USIAoFcm9vbXMYASADKAsyES5xdWF5dXRlYy52MS5Sb29tEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSI7ChRJbnZpdGVDb21wYW55UmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEhIKCmNvbXBhbnlfaWQYAiABKAkiUgoVSW52aXRlQ29tcGFueVJlc3BvbnNlEisKCmludml0YXRpb24YAiABKAsyFy5xdWF5dXRlYy52MS5JbnZpdGF0aW9uSgQIARACUgZtZW1iZXIibgoWTGlzdEludml0YXRpb25zUmVxdWVzdBItCgZzdGF0dXMYASABKA4yHS5xdWF5dXRlYy52MS5JbnZpdGF0aW9uU3RhdHVzEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJInsKF0xpc3RJbnZpdGF0aW9uc1Jlc3BvbnNlEiwKC2ludml0YXRpb25zGAEgAygLMhcucXVheXV0ZWMudjEuSW52aXRhdGlvbhIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSGQoRcmVzdW1lX3BhZ2VfdG9rZW4YAyABKAkiMAoXQWNjZXB0SW52aXRhdGlvblJlcXVlc3QSFQoNaW52aXRhdGlvbl9pZBgBIAEoCSJwChhBY2NlcHRJbnZpdGF0aW9uUmVzcG9uc2USKwoKaW52aXRhdGlvbhgBIAEoCzIXLnF1YXl1dGVjLnYxLkludml0YXRpb24SJwoGbWVtYmVyGAIgASgLMhcucXVheXV0ZWMudjEuUm9vbU1lbWJlciIxChhEZWNsaW5lSW52aXRhdGlvblJlcXVlc3QSFQoNaW52aXRhdGlvbl9pZBgBIAEoCSJIChlEZWNsaW5lSW52aXRhdGlvblJlc3BvbnNlEisKCmludml0YXRpb24YASABKAsyFy5xdWF5dXRlYy52MS5JbnZpdGF0aW9uIiMKEExlYXZlUm9vbVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCSITChFMZWF2ZVJvb21SZXNwb25zZSI6ChNSZW1vdmVNZW1iZXJSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEgoKY29tcGFueV9pZBgCIAEoCSIWChRSZW1vdmVNZW1iZXJSZXNwb25zZSJMChJMaXN0TWVtYmVyc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCSJzChNMaXN0TWVtYmVyc1Jlc3BvbnNlEigKB21lbWJlcnMYASADKAsyFy5xdWF5dXRlYy52MS5Sb29tTWVtYmVyEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSKbAQoUUmVnaXN0ZXJBZ2VudFJlcXVlc3QSDAoEbmFtZRgBIAEoCRInCghwcm92aWRlchgCIAEoDjIVLnF1YXl1dGVjLnYxLlByb3ZpZGVyEg0KBW1vZGVsGAMgASgJEhAKCGJhc2VfdXJsGAQgASgJEhQKDHByb3ZpZGVyX2tleRgFIAEoCRIVCg1zeXN0ZW1fcHJvbXB0GAYgASgJIjoKFVJlZ2lzdGVyQWdlbnRSZXNwb25zZRIhCgVhZ2VudBgBIAEoCzISLnF1YXl1dGVjLnYxLkFnZW50IksKEUxpc3RBZ2VudHNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJEg8KB3Jvb21faWQYAyABKAkibAoSTGlzdEFnZW50c1Jlc3BvbnNlEiIKBmFnZW50cxgBIAMoCzISLnF1YXl1dGVjLnYxLkFnZW50EhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSJ3ChJQb3N0TWVzc2FnZVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRIOCgZwZXJzb24YAiABKAkSDAoEYm9keRgDIAEoCRIZChFtZW50aW9uX2FnZW50X2lkcxgEIAMoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBSABKAkiTgoTUG9zdE1lc3NhZ2VSZXNwb25zZRIlCgdtZXNzYWdlGAEgASgLMhQucXVheXV0ZWMudjEuTWVzc2FnZRIQCgh3YWtlX2lkcxgCIAMoCSJjChNMaXN0TWVzc2FnZXNSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkSFAoMbmV3ZXN0X2ZpcnN0GAQgASgIInIKFExpc3RNZXNzYWdlc1Jlc3BvbnNlEiYKCG1lc3NhZ2VzGAEgAygLMhQucXVheXV0ZWMudjEuTWVzc2FnZRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSGQoRcmVzdW1lX3BhZ2VfdG9rZW4YAyABKAkifQoPU2VuZFRhc2tSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSDgoGcGVyc29uGAIgASgJEhMKC3RvX2FnZW50X2lkGAMgASgJEg0KBXRpdGxlGAQgASgJEgwKBGJvZHkYBSABKAkSFwoPaWRlbXBvdGVuY3lfa2V5GAYgASgJIkUKEFNlbmRUYXNrUmVzcG9uc2USHwoEdGFzaxgBIAEoCzIRLnF1YXl1dGVjLnYxLlRhc2sSEAoId2FrZV9pZHMYAiADKAkilQEKEVVwZGF0ZVRhc2tSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSDwoHdGFza19pZBgCIAEoCRIOCgZwZXJzb24YAyABKAkSDAoEbm90ZRgEIAEoCRInCgZzdGF0dXMYBSABKA4yFy5xdWF5dXRlYy52MS5UYXNrU3RhdHVzEhcKD2lkZW1wb3RlbmN5X2tleRgGIAEoCSI1ChJVcGRhdGVUYXNrUmVzcG9uc2USHwoEdGFzaxgBIAEoCzIRLnF1YXl1dGVjLnYxLlRhc2siiAEKEExpc3RUYXNrc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRITCgt0b19hZ2VudF9pZBgCIAEoCRInCgZzdGF0dXMYAyABKA4yFy5xdWF5dXRlYy52MS5UYXNrU3RhdHVzEhEKCXBhZ2Vfc2l6ZRgEIAEoBRISCgpwYWdlX3Rva2VuGAUgASgJImkKEUxpc3RUYXNrc1Jlc3BvbnNlEiAKBXRhc2tzGAEgAygLMhEucXVheXV0ZWMudjEuVGFzaxIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSGQoRcmVzdW1lX3BhZ2VfdG9rZW4YAyABKAkiMgoOR2V0VGFza1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRIPCgd0YXNrX2lkGAIgASgJIjIKD0dldFRhc2tSZXNwb25zZRIfCgR0YXNrGAEgASgLMhEucXVheXV0ZWMudjEuVGFzayJaChFMaXN0TWVtb3J5UmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg0KBXF1ZXJ5GAIgASgJEhEKCXBhZ2Vfc2l6ZRgDIAEoBRISCgpwYWdlX3Rva2VuGAQgASgJIlUKEkxpc3RNZW1vcnlSZXNwb25zZRImCgVsaW5lcxgBIAMoCzIXLnF1YXl1dGVjLnYxLk1lbW9yeUxpbmUSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJImkKEVVwbG9hZEZpbGVSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSDgoGcGVyc29uGAIgASgJEgwKBG5hbWUYAyABKAkSFAoMY29udGVudF90eXBlGAQgASgJEg8KB2NvbnRlbnQYBSABKAwiNQoSVXBsb2FkRmlsZVJlc3BvbnNlEh8KBGZpbGUYASABKAsyES5xdWF5dXRlYy52MS5GaWxlIkoKEExpc3RGaWxlc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCSJpChFMaXN0RmlsZXNSZXNwb25zZRIgCgVmaWxlcxgBIAMoCzIRLnF1YXl1dGVjLnYxLkZpbGUSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIkYKFVNlYXJjaFBhc3NhZ2VzUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg0KBXF1ZXJ5GAIgASgJEg0KBWxpbWl0GAMgASgFIkAKFlNlYXJjaFBhc3NhZ2VzUmVzcG9uc2USJgoIcGFzc2FnZXMYASADKAsyFC5xdWF5dXRlYy52MS5QYXNzYWdlIkoKD0xpc3RSdW5zUmVxdWVzdBIQCghhZ2VudF9pZBgBIAEoCRIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCSJLChBMaXN0UnVuc1Jlc3BvbnNlEh4KBHJ1bnMYASADKAsyEC5xdWF5dXRlYy52MS5SdW4SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIh8KDUdldFJ1blJlcXVlc3QSDgoGcnVuX2lkGAEgASgJIi8KDkdldFJ1blJlc3BvbnNlEh0KA3J1bhgBIAEoCzIQLnF1YXl1dGVjLnYxLlJ1biLIAgoVU2V0QWdlbnRSaWdodHNSZXF1ZXN0EhAKCGFnZW50X2lkGAEgASgJEioKCHJlbWVtYmVyGAIgASgOMhgucXVheXV0ZWMudjEuQWN0aW9uUmlnaHQSLQoLY3JlYXRlX3Rhc2sYAyABKA4yGC5xdWF5dXRlYy52MS5BY3Rpb25SaWdodBItCgt1cGRhdGVfdGFzaxgEIAEoDjIYLnF1YXl1dGVjLnYxLkFjdGlvblJpZ2h0EiwKCmNsb3NlX3Rhc2sYBSABKA4yGC5xdWF5dXRlYy52MS5BY3Rpb25SaWdodBI0ChJjcm9zc19jb21wYW55X3Rhc2sYBiABKA4yGC5xdWF5dXRlYy52MS5BY3Rpb25SaWdodBIvCgt1cGRhdGVfbWFzaxgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2siQgoWU2V0QWdlbnRSaWdodHNSZXNwb25zZRIoCgZyaWdodHMYASABKAsyGC5xdWF5dXRlYy52MS5BZ2VudFJpZ2h0cyIpChVHZXRBZ2VudFJpZ2h0c1JlcXVlc3QSEAoIYWdlbnRfaWQYASABKAkioQEKFkdldEFnZW50UmlnaHRzUmVzcG9uc2USMQoPY29tcGFueV9kZWZhdWx0GAEgASgLMhgucXVheXV0ZWMudjEuQWdlbnRSaWdodHMSJwoFYWdlbnQYAiABKAsyGC5xdWF5dXRlYy52MS5BZ2VudFJpZ2h0cxIrCgllZmZlY3RpdmUYAyABKAsyGC5xdWF5dXRlYy52MS5BZ2VudFJpZ2h0cyJrChRMaXN0QXBwcm92YWxzUmVxdWVzdBIsCgZzdGF0dXMYASABKA4yHC5xdWF5dXRlYy52MS5XYWl0cG9pbnRTdGF0dXMSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkidwoVTGlzdEFwcHJvdmFsc1Jlc3BvbnNlEioKCndhaXRwb2ludHMYASADKAsyFi5xdWF5dXRlYy52MS5XYWl0cG9pbnQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIlYKFURlY2lkZUFwcHJvdmFsUmVxdWVzdBINCgV0b2tlbhgBIAEoCRINCgVpbmRleBgCIAEoBRIOCgZwZXJzb24YAyABKAkSDwoHYXBwcm92ZRgEIAEoCCJvChZEZWNpZGVBcHByb3ZhbFJlc3BvbnNlEikKCXdhaXRwb2ludBgBIAEoCzIWLnF1YXl1dGVjLnYxLldhaXRwb2ludBIRCgljb21wbGV0ZWQYAiABKAgSFwoPYWxyZWFkeV9kZWNpZGVkGAMgASgIIkEKEFdhdGNoUm9vbVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRISCgVhZnRlchgCIAEoA0gAiAEBQggKBl9hZnRlciJNCg5XYXRjaEhlYXJ0YmVhdBIOCgZjdXJzb3IYASABKAMSKwoHc2VudF9hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiawoRV2F0Y2hSb29tUmVzcG9uc2USJgoGZXZlbnRzGAEgAygLMhYucXVheXV0ZWMudjEuUm9vbUV2ZW50Ei4KCWhlYXJ0YmVhdBgCIAEoCzIbLnF1YXl1dGVjLnYxLldhdGNoSGVhcnRiZWF0IjsKEVdhdGNoUm9vbXNSZXF1ZXN0EiYKBWFmdGVyGAEgAygLMhcucXVheXV0ZWMudjEuUm9vbUN1cnNvciItCgpSb29tQ3Vyc29yEg8KB3Jvb21faWQYASABKAkSDgoGY3Vyc29yGAIgASgDImoKE1dhdGNoUm9vbXNIZWFydGJlYXQSJgoFcm9vbXMYASADKAsyFy5xdWF5dXRlYy52MS5Sb29tQ3Vyc29yEisKB3NlbnRfYXQYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wInEKEldhdGNoUm9vbXNSZXNwb25zZRImCgZldmVudHMYASADKAsyFi5xdWF5dXRlYy52MS5Sb29tRXZlbnQSMwoJaGVhcnRiZWF0GAIgASgLMiAucXVheXV0ZWMudjEuV2F0Y2hSb29tc0hlYXJ0YmVhdCI9ChdDcmVhdGVTZXNzaW9uS2V5UmVxdWVzdBITCgt0dGxfc2Vjb25kcxgBIAEoAxINCgVsYWJlbBgCIAEoCSJqChhDcmVhdGVTZXNzaW9uS2V5UmVzcG9uc2USDgoGa2V5X2lkGAEgASgJEg4KBnNlY3JldBgCIAEoCRIuCgpleHBpcmVzX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCITChFFbmRTZXNzaW9uUmVxdWVzdCIkChJFbmRTZXNzaW9uUmVzcG9uc2USDgoGa2V5X2lkGAEgASgJMt0UCg5HYXRld2F5U2VydmljZRJBCgZXaG9BbUkSGi5xdWF5dXRlYy52MS5XaG9BbUlSZXF1ZXN0GhsucXVheXV0ZWMudjEuV2hvQW1JUmVzcG9uc2USTQoKQ3JlYXRlUm9vbRIeLnF1YXl1dGVjLnYxLkNyZWF0ZVJvb21SZXF1ZXN0Gh8ucXVheXV0ZWMudjEuQ3JlYXRlUm9vbVJlc3BvbnNlEkoKCUxpc3RSb29tcxIdLnF1YXl1dGVjLnYxLkxpc3RSb29tc1JlcXVlc3QaHi5xdWF5dXRlYy52MS5MaXN0Um9vbXNSZXNwb25zZRJWCg1JbnZpdGVDb21wYW55EiEucXVheXV0ZWMudjEuSW52aXRlQ29tcGFueVJlcXVlc3QaIi5xdWF5dXRlYy52MS5JbnZpdGVDb21wYW55UmVzcG9uc2USXAoPTGlzdEludml0YXRpb25zEiMucXVheXV0ZWMudjEuTGlzdEludml0YXRpb25zUmVxdWVzdBokLnF1YXl1dGVjLnYxLkxpc3RJbnZpdGF0aW9uc1Jlc3BvbnNlEl8KEEFjY2VwdEludml0YXRpb24SJC5xdWF5dXRlYy52MS5BY2NlcHRJbnZpdGF0aW9uUmVxdWVzdBolLnF1YXl1dGVjLnYxLkFjY2VwdEludml0YXRpb25SZXNwb25zZRJiChFEZWNsaW5lSW52aXRhdGlvbhIlLnF1YXl1dGVjLnYxLkRlY2xpbmVJbnZpdGF0aW9uUmVxdWVzdBomLnF1YXl1dGVjLnYxLkRlY2xpbmVJbnZpdGF0aW9uUmVzcG9uc2USSgoJTGVhdmVSb29tEh0ucXVheXV0ZWMudjEuTGVhdmVSb29tUmVxdWVzdBoeLnF1YXl1dGVjLnYxLkxlYXZlUm9vbVJlc3BvbnNlElMKDFJlbW92ZU1lbWJlchIgLnF1YXl1dGVjLnYxLlJlbW92ZU1lbWJlclJlcXVlc3QaIS5xdWF5dXRlYy52MS5SZW1vdmVNZW1iZXJSZXNwb25zZRJQCgtMaXN0TWVtYmVycxIfLnF1YXl1dGVjLnYxLkxpc3RNZW1iZXJzUmVxdWVzdBogLnF1YXl1dGVjLnYxLkxpc3RNZW1iZXJzUmVzcG9uc2USVgoNUmVnaXN0ZXJBZ2VudBIhLnF1YXl1dGVjLnYxLlJlZ2lzdGVyQWdlbnRSZXF1ZXN0GiIucXVheXV0ZWMudjEuUmVnaXN0ZXJBZ2VudFJlc3BvbnNlEk0KCkxpc3RBZ2VudHMSHi5xdWF5dXRlYy52MS5MaXN0QWdlbnRzUmVxdWVzdBofLnF1YXl1dGVjLnYxLkxpc3RBZ2VudHNSZXNwb25zZRJQCgtQb3N0TWVzc2FnZRIfLnF1YXl1dGVjLnYxLlBvc3RNZXNzYWdlUmVxdWVzdBogLnF1YXl1dGVjLnYxLlBvc3RNZXNzYWdlUmVzcG9uc2USUwoMTGlzdE1lc3NhZ2VzEiAucXVheXV0ZWMudjEuTGlzdE1lc3NhZ2VzUmVxdWVzdBohLnF1YXl1dGVjLnYxLkxpc3RNZXNzYWdlc1Jlc3BvbnNlEkcKCFNlbmRUYXNrEhwucXVheXV0ZWMudjEuU2VuZFRhc2tSZXF1ZXN0Gh0ucXVheXV0ZWMudjEuU2VuZFRhc2tSZXNwb25zZRJNCgpVcGRhdGVUYXNrEh4ucXVheXV0ZWMudjEuVXBkYXRlVGFza1JlcXVlc3QaHy5xdWF5dXRlYy52MS5VcGRhdGVUYXNrUmVzcG9uc2USSgoJTGlzdFRhc2tzEh0ucXVheXV0ZWMudjEuTGlzdFRhc2tzUmVxdWVzdBoeLnF1YXl1dGVjLnYxLkxpc3RUYXNrc1Jlc3BvbnNlEkQKB0dldFRhc2sSGy5xdWF5dXRlYy52MS5HZXRUYXNrUmVxdWVzdBocLnF1YXl1dGVjLnYxLkdldFRhc2tSZXNwb25zZRJNCgpMaXN0TWVtb3J5Eh4ucXVheXV0ZWMudjEuTGlzdE1lbW9yeVJlcXVlc3QaHy5xdWF5dXRlYy52MS5MaXN0TWVtb3J5UmVzcG9uc2USTQoKVXBsb2FkRmlsZRIeLnF1YXl1dGVjLnYxLlVwbG9hZEZpbGVSZXF1ZXN0Gh8ucXVheXV0ZWMudjEuVXBsb2FkRmlsZVJlc3BvbnNlEkoKCUxpc3RGaWxlcxIdLnF1YXl1dGVjLnYxLkxpc3RGaWxlc1JlcXVlc3QaHi5xdWF5dXRlYy52MS5MaXN0RmlsZXNSZXNwb25zZRJZCg5TZWFyY2hQYXNzYWdlcxIiLnF1YXl1dGVjLnYxLlNlYXJjaFBhc3NhZ2VzUmVxdWVzdBojLnF1YXl1dGVjLnYxLlNlYXJjaFBhc3NhZ2VzUmVzcG9uc2USRwoITGlzdFJ1bnMSHC5xdWF5dXRlYy52MS5MaXN0UnVuc1JlcXVlc3QaHS5xdWF5dXRlYy52MS5MaXN0UnVuc1Jlc3BvbnNlEkEKBkdldFJ1bhIaLnF1YXl1dGVjLnYxLkdldFJ1blJlcXVlc3QaGy5xdWF5dXRlYy52MS5HZXRSdW5SZXNwb25zZRJZCg5TZXRBZ2VudFJpZ2h0cxIiLnF1YXl1dGVjLnYxLlNldEFnZW50UmlnaHRzUmVxdWVzdBojLnF1YXl1dGVjLnYxLlNldEFnZW50UmlnaHRzUmVzcG9uc2USWQoOR2V0QWdlbnRSaWdodHMSIi5xdWF5dXRlYy52MS5HZXRBZ2VudFJpZ2h0c1JlcXVlc3QaIy5xdWF5dXRlYy52MS5HZXRBZ2VudFJpZ2h0c1Jlc3BvbnNlElYKDUxpc3RBcHByb3ZhbHMSIS5xdWF5dXRlYy52MS5MaXN0QXBwcm92YWxzUmVxdWVzdBoiLnF1YXl1dGVjLnYxLkxpc3RBcHByb3ZhbHNSZXNwb25zZRJZCg5EZWNpZGVBcHByb3ZhbBIiLnF1YXl1dGVjLnYxLkRlY2lkZUFwcHJvdmFsUmVxdWVzdBojLnF1YXl1dGVjLnYxLkRlY2lkZUFwcHJvdmFsUmVzcG9uc2USTAoJV2F0Y2hSb29tEh0ucXVheXV0ZWMudjEuV2F0Y2hSb29tUmVxdWVzdBoeLnF1YXl1dGVjLnYxLldhdGNoUm9vbVJlc3BvbnNlMAESTwoKV2F0Y2hSb29tcxIeLnF1YXl1dGVjLnYxLldhdGNoUm9vbXNSZXF1ZXN0Gh8ucXVheXV0ZWMudjEuV2F0Y2hSb29tc1Jlc3BvbnNlMAESXwoQQ3JlYXRlU2Vzc2lvbktleRIkLnF1YXl1dGVjLnYxLkNyZWF0ZVNlc3Npb25LZXlSZXF1ZXN0GiUucXVheXV0ZWMudjEuQ3JlYXRlU2Vzc2lvbktleVJlc3BvbnNlEk0KCkVuZFNlc3Npb24SHi5xdWF5dXRlYy52MS5FbmRTZXNzaW9uUmVxdWVzdBofLnF1YXl1dGVjLnYxLkVuZFNlc3Npb25SZXNwb25zZWIGcHJvdG8z", [file_google_protobuf_field_mask, file_google_protobuf_timestamp, file_quayutec_v1_common]);
+  fileDesc("ChlxdWF5dXRlYy92MS9nYXRld2F5LnByb3RvEgtxdWF5dXRlYy52MSIPCg1XaG9BbUlSZXF1ZXN0IjcKDldob0FtSVJlc3BvbnNlEiUKB2NvbXBhbnkYASABKAsyFC5xdWF5dXRlYy52MS5Db21wYW55IiEKEUNyZWF0ZVJvb21SZXF1ZXN0EgwKBG5hbWUYASABKAkiNQoSQ3JlYXRlUm9vbVJlc3BvbnNlEh8KBHJvb20YASABKAsyES5xdWF5dXRlYy52MS5Sb29tIjkKEExpc3RSb29tc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkiaQoRTGlzdFJvb21zUmVzcG9uc2USIAoFcm9vbXMYASADKAsyES5xdWF5dXRlYy52MS5Sb29tEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSI7ChRJbnZpdGVDb21wYW55UmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEhIKCmNvbXBhbnlfaWQYAiABKAkiUgoVSW52aXRlQ29tcGFueVJlc3BvbnNlEisKCmludml0YXRpb24YAiABKAsyFy5xdWF5dXRlYy52MS5JbnZpdGF0aW9uSgQIARACUgZtZW1iZXIibgoWTGlzdEludml0YXRpb25zUmVxdWVzdBItCgZzdGF0dXMYASABKA4yHS5xdWF5dXRlYy52MS5JbnZpdGF0aW9uU3RhdHVzEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJInsKF0xpc3RJbnZpdGF0aW9uc1Jlc3BvbnNlEiwKC2ludml0YXRpb25zGAEgAygLMhcucXVheXV0ZWMudjEuSW52aXRhdGlvbhIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSGQoRcmVzdW1lX3BhZ2VfdG9rZW4YAyABKAkiMAoXQWNjZXB0SW52aXRhdGlvblJlcXVlc3QSFQoNaW52aXRhdGlvbl9pZBgBIAEoCSJwChhBY2NlcHRJbnZpdGF0aW9uUmVzcG9uc2USKwoKaW52aXRhdGlvbhgBIAEoCzIXLnF1YXl1dGVjLnYxLkludml0YXRpb24SJwoGbWVtYmVyGAIgASgLMhcucXVheXV0ZWMudjEuUm9vbU1lbWJlciIxChhEZWNsaW5lSW52aXRhdGlvblJlcXVlc3QSFQoNaW52aXRhdGlvbl9pZBgBIAEoCSJIChlEZWNsaW5lSW52aXRhdGlvblJlc3BvbnNlEisKCmludml0YXRpb24YASABKAsyFy5xdWF5dXRlYy52MS5JbnZpdGF0aW9uIiMKEExlYXZlUm9vbVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCSITChFMZWF2ZVJvb21SZXNwb25zZSI6ChNSZW1vdmVNZW1iZXJSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEgoKY29tcGFueV9pZBgCIAEoCSIWChRSZW1vdmVNZW1iZXJSZXNwb25zZSJMChJMaXN0TWVtYmVyc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCSJzChNMaXN0TWVtYmVyc1Jlc3BvbnNlEigKB21lbWJlcnMYASADKAsyFy5xdWF5dXRlYy52MS5Sb29tTWVtYmVyEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSKbAQoUUmVnaXN0ZXJBZ2VudFJlcXVlc3QSDAoEbmFtZRgBIAEoCRInCghwcm92aWRlchgCIAEoDjIVLnF1YXl1dGVjLnYxLlByb3ZpZGVyEg0KBW1vZGVsGAMgASgJEhAKCGJhc2VfdXJsGAQgASgJEhQKDHByb3ZpZGVyX2tleRgFIAEoCRIVCg1zeXN0ZW1fcHJvbXB0GAYgASgJIjoKFVJlZ2lzdGVyQWdlbnRSZXNwb25zZRIhCgVhZ2VudBgBIAEoCzISLnF1YXl1dGVjLnYxLkFnZW50IjoKEUxpc3RBZ2VudHNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJImwKEkxpc3RBZ2VudHNSZXNwb25zZRIiCgZhZ2VudHMYASADKAsyEi5xdWF5dXRlYy52MS5BZ2VudBIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSGQoRcmVzdW1lX3BhZ2VfdG9rZW4YAyABKAkidwoSUG9zdE1lc3NhZ2VSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSDgoGcGVyc29uGAIgASgJEgwKBGJvZHkYAyABKAkSGQoRbWVudGlvbl9hZ2VudF9pZHMYBCADKAkSFwoPaWRlbXBvdGVuY3lfa2V5GAUgASgJIk4KE1Bvc3RNZXNzYWdlUmVzcG9uc2USJQoHbWVzc2FnZRgBIAEoCzIULnF1YXl1dGVjLnYxLk1lc3NhZ2USEAoId2FrZV9pZHMYAiADKAkiYwoTTGlzdE1lc3NhZ2VzUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJEhQKDG5ld2VzdF9maXJzdBgEIAEoCCJyChRMaXN0TWVzc2FnZXNSZXNwb25zZRImCghtZXNzYWdlcxgBIAMoCzIULnF1YXl1dGVjLnYxLk1lc3NhZ2USFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIn0KD1NlbmRUYXNrUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg4KBnBlcnNvbhgCIAEoCRITCgt0b19hZ2VudF9pZBgDIAEoCRINCgV0aXRsZRgEIAEoCRIMCgRib2R5GAUgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgGIAEoCSJFChBTZW5kVGFza1Jlc3BvbnNlEh8KBHRhc2sYASABKAsyES5xdWF5dXRlYy52MS5UYXNrEhAKCHdha2VfaWRzGAIgAygJIpUBChFVcGRhdGVUYXNrUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg8KB3Rhc2tfaWQYAiABKAkSDgoGcGVyc29uGAMgASgJEgwKBG5vdGUYBCABKAkSJwoGc3RhdHVzGAUgASgOMhcucXVheXV0ZWMudjEuVGFza1N0YXR1cxIXCg9pZGVtcG90ZW5jeV9rZXkYBiABKAkiNQoSVXBkYXRlVGFza1Jlc3BvbnNlEh8KBHRhc2sYASABKAsyES5xdWF5dXRlYy52MS5UYXNrIogBChBMaXN0VGFza3NSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEwoLdG9fYWdlbnRfaWQYAiABKAkSJwoGc3RhdHVzGAMgASgOMhcucXVheXV0ZWMudjEuVGFza1N0YXR1cxIRCglwYWdlX3NpemUYBCABKAUSEgoKcGFnZV90b2tlbhgFIAEoCSJpChFMaXN0VGFza3NSZXNwb25zZRIgCgV0YXNrcxgBIAMoCzIRLnF1YXl1dGVjLnYxLlRhc2sSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIjIKDkdldFRhc2tSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSDwoHdGFza19pZBgCIAEoCSIyCg9HZXRUYXNrUmVzcG9uc2USHwoEdGFzaxgBIAEoCzIRLnF1YXl1dGVjLnYxLlRhc2siWgoRTGlzdE1lbW9yeVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRINCgVxdWVyeRgCIAEoCRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJVChJMaXN0TWVtb3J5UmVzcG9uc2USJgoFbGluZXMYASADKAsyFy5xdWF5dXRlYy52MS5NZW1vcnlMaW5lEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJpChFVcGxvYWRGaWxlUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg4KBnBlcnNvbhgCIAEoCRIMCgRuYW1lGAMgASgJEhQKDGNvbnRlbnRfdHlwZRgEIAEoCRIPCgdjb250ZW50GAUgASgMIjUKElVwbG9hZEZpbGVSZXNwb25zZRIfCgRmaWxlGAEgASgLMhEucXVheXV0ZWMudjEuRmlsZSJKChBMaXN0RmlsZXNSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkiaQoRTGlzdEZpbGVzUmVzcG9uc2USIAoFZmlsZXMYASADKAsyES5xdWF5dXRlYy52MS5GaWxlEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSJGChVTZWFyY2hQYXNzYWdlc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRINCgVxdWVyeRgCIAEoCRINCgVsaW1pdBgDIAEoBSJAChZTZWFyY2hQYXNzYWdlc1Jlc3BvbnNlEiYKCHBhc3NhZ2VzGAEgAygLMhQucXVheXV0ZWMudjEuUGFzc2FnZSJKCg9MaXN0UnVuc1JlcXVlc3QSEAoIYWdlbnRfaWQYASABKAkSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkiSwoQTGlzdFJ1bnNSZXNwb25zZRIeCgRydW5zGAEgAygLMhAucXVheXV0ZWMudjEuUnVuEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSIfCg1HZXRSdW5SZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCSIvCg5HZXRSdW5SZXNwb25zZRIdCgNydW4YASABKAsyEC5xdWF5dXRlYy52MS5SdW4iyAIKFVNldEFnZW50UmlnaHRzUmVxdWVzdBIQCghhZ2VudF9pZBgBIAEoCRIqCghyZW1lbWJlchgCIAEoDjIYLnF1YXl1dGVjLnYxLkFjdGlvblJpZ2h0Ei0KC2NyZWF0ZV90YXNrGAMgASgOMhgucXVheXV0ZWMudjEuQWN0aW9uUmlnaHQSLQoLdXBkYXRlX3Rhc2sYBCABKA4yGC5xdWF5dXRlYy52MS5BY3Rpb25SaWdodBIsCgpjbG9zZV90YXNrGAUgASgOMhgucXVheXV0ZWMudjEuQWN0aW9uUmlnaHQSNAoSY3Jvc3NfY29tcGFueV90YXNrGAYgASgOMhgucXVheXV0ZWMudjEuQWN0aW9uUmlnaHQSLwoLdXBkYXRlX21hc2sYByABKAsyGi5nb29nbGUucHJvdG9idWYuRmllbGRNYXNrIkIKFlNldEFnZW50UmlnaHRzUmVzcG9uc2USKAoGcmlnaHRzGAEgASgLMhgucXVheXV0ZWMudjEuQWdlbnRSaWdodHMiKQoVR2V0QWdlbnRSaWdodHNSZXF1ZXN0EhAKCGFnZW50X2lkGAEgASgJIqEBChZHZXRBZ2VudFJpZ2h0c1Jlc3BvbnNlEjEKD2NvbXBhbnlfZGVmYXVsdBgBIAEoCzIYLnF1YXl1dGVjLnYxLkFnZW50UmlnaHRzEicKBWFnZW50GAIgASgLMhgucXVheXV0ZWMudjEuQWdlbnRSaWdodHMSKwoJZWZmZWN0aXZlGAMgASgLMhgucXVheXV0ZWMudjEuQWdlbnRSaWdodHMiawoUTGlzdEFwcHJvdmFsc1JlcXVlc3QSLAoGc3RhdHVzGAEgASgOMhwucXVheXV0ZWMudjEuV2FpdHBvaW50U3RhdHVzEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIncKFUxpc3RBcHByb3ZhbHNSZXNwb25zZRIqCgp3YWl0cG9pbnRzGAEgAygLMhYucXVheXV0ZWMudjEuV2FpdHBvaW50EhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSJWChVEZWNpZGVBcHByb3ZhbFJlcXVlc3QSDQoFdG9rZW4YASABKAkSDQoFaW5kZXgYAiABKAUSDgoGcGVyc29uGAMgASgJEg8KB2FwcHJvdmUYBCABKAgibwoWRGVjaWRlQXBwcm92YWxSZXNwb25zZRIpCgl3YWl0cG9pbnQYASABKAsyFi5xdWF5dXRlYy52MS5XYWl0cG9pbnQSEQoJY29tcGxldGVkGAIgASgIEhcKD2FscmVhZHlfZGVjaWRlZBgDIAEoCCJBChBXYXRjaFJvb21SZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEgoFYWZ0ZXIYAiABKANIAIgBAUIICgZfYWZ0ZXIiTQoOV2F0Y2hIZWFydGJlYXQSDgoGY3Vyc29yGAEgASgDEisKB3NlbnRfYXQYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wImsKEVdhdGNoUm9vbVJlc3BvbnNlEiYKBmV2ZW50cxgBIAMoCzIWLnF1YXl1dGVjLnYxLlJvb21FdmVudBIuCgloZWFydGJlYXQYAiABKAsyGy5xdWF5dXRlYy52MS5XYXRjaEhlYXJ0YmVhdDLcEgoOR2F0ZXdheVNlcnZpY2USQQoGV2hvQW1JEhoucXVheXV0ZWMudjEuV2hvQW1JUmVxdWVzdBobLnF1YXl1dGVjLnYxLldob0FtSVJlc3BvbnNlEk0KCkNyZWF0ZVJvb20SHi5xdWF5dXRlYy52MS5DcmVhdGVSb29tUmVxdWVzdBofLnF1YXl1dGVjLnYxLkNyZWF0ZVJvb21SZXNwb25zZRJKCglMaXN0Um9vbXMSHS5xdWF5dXRlYy52MS5MaXN0Um9vbXNSZXF1ZXN0Gh4ucXVheXV0ZWMudjEuTGlzdFJvb21zUmVzcG9uc2USVgoNSW52aXRlQ29tcGFueRIhLnF1YXl1dGVjLnYxLkludml0ZUNvbXBhbnlSZXF1ZXN0GiIucXVheXV0ZWMudjEuSW52aXRlQ29tcGFueVJlc3BvbnNlElwKD0xpc3RJbnZpdGF0aW9ucxIjLnF1YXl1dGVjLnYxLkxpc3RJbnZpdGF0aW9uc1JlcXVlc3QaJC5xdWF5dXRlYy52MS5MaXN0SW52aXRhdGlvbnNSZXNwb25zZRJfChBBY2NlcHRJbnZpdGF0aW9uEiQucXVheXV0ZWMudjEuQWNjZXB0SW52aXRhdGlvblJlcXVlc3QaJS5xdWF5dXRlYy52MS5BY2NlcHRJbnZpdGF0aW9uUmVzcG9uc2USYgoRRGVjbGluZUludml0YXRpb24SJS5xdWF5dXRlYy52MS5EZWNsaW5lSW52aXRhdGlvblJlcXVlc3QaJi5xdWF5dXRlYy52MS5EZWNsaW5lSW52aXRhdGlvblJlc3BvbnNlEkoKCUxlYXZlUm9vbRIdLnF1YXl1dGVjLnYxLkxlYXZlUm9vbVJlcXVlc3QaHi5xdWF5dXRlYy52MS5MZWF2ZVJvb21SZXNwb25zZRJTCgxSZW1vdmVNZW1iZXISIC5xdWF5dXRlYy52MS5SZW1vdmVNZW1iZXJSZXF1ZXN0GiEucXVheXV0ZWMudjEuUmVtb3ZlTWVtYmVyUmVzcG9uc2USUAoLTGlzdE1lbWJlcnMSHy5xdWF5dXRlYy52MS5MaXN0TWVtYmVyc1JlcXVlc3QaIC5xdWF5dXRlYy52MS5MaXN0TWVtYmVyc1Jlc3BvbnNlElYKDVJlZ2lzdGVyQWdlbnQSIS5xdWF5dXRlYy52MS5SZWdpc3RlckFnZW50UmVxdWVzdBoiLnF1YXl1dGVjLnYxLlJlZ2lzdGVyQWdlbnRSZXNwb25zZRJNCgpMaXN0QWdlbnRzEh4ucXVheXV0ZWMudjEuTGlzdEFnZW50c1JlcXVlc3QaHy5xdWF5dXRlYy52MS5MaXN0QWdlbnRzUmVzcG9uc2USUAoLUG9zdE1lc3NhZ2USHy5xdWF5dXRlYy52MS5Qb3N0TWVzc2FnZVJlcXVlc3QaIC5xdWF5dXRlYy52MS5Qb3N0TWVzc2FnZVJlc3BvbnNlElMKDExpc3RNZXNzYWdlcxIgLnF1YXl1dGVjLnYxLkxpc3RNZXNzYWdlc1JlcXVlc3QaIS5xdWF5dXRlYy52MS5MaXN0TWVzc2FnZXNSZXNwb25zZRJHCghTZW5kVGFzaxIcLnF1YXl1dGVjLnYxLlNlbmRUYXNrUmVxdWVzdBodLnF1YXl1dGVjLnYxLlNlbmRUYXNrUmVzcG9uc2USTQoKVXBkYXRlVGFzaxIeLnF1YXl1dGVjLnYxLlVwZGF0ZVRhc2tSZXF1ZXN0Gh8ucXVheXV0ZWMudjEuVXBkYXRlVGFza1Jlc3BvbnNlEkoKCUxpc3RUYXNrcxIdLnF1YXl1dGVjLnYxLkxpc3RUYXNrc1JlcXVlc3QaHi5xdWF5dXRlYy52MS5MaXN0VGFza3NSZXNwb25zZRJECgdHZXRUYXNrEhsucXVheXV0ZWMudjEuR2V0VGFza1JlcXVlc3QaHC5xdWF5dXRlYy52MS5HZXRUYXNrUmVzcG9uc2USTQoKTGlzdE1lbW9yeRIeLnF1YXl1dGVjLnYxLkxpc3RNZW1vcnlSZXF1ZXN0Gh8ucXVheXV0ZWMudjEuTGlzdE1lbW9yeVJlc3BvbnNlEk0KClVwbG9hZEZpbGUSHi5xdWF5dXRlYy52MS5VcGxvYWRGaWxlUmVxdWVzdBofLnF1YXl1dGVjLnYxLlVwbG9hZEZpbGVSZXNwb25zZRJKCglMaXN0RmlsZXMSHS5xdWF5dXRlYy52MS5MaXN0RmlsZXNSZXF1ZXN0Gh4ucXVheXV0ZWMudjEuTGlzdEZpbGVzUmVzcG9uc2USWQoOU2VhcmNoUGFzc2FnZXMSIi5xdWF5dXRlYy52MS5TZWFyY2hQYXNzYWdlc1JlcXVlc3QaIy5xdWF5dXRlYy52MS5TZWFyY2hQYXNzYWdlc1Jlc3BvbnNlEkcKCExpc3RSdW5zEhwucXVheXV0ZWMudjEuTGlzdFJ1bnNSZXF1ZXN0Gh0ucXVheXV0ZWMudjEuTGlzdFJ1bnNSZXNwb25zZRJBCgZHZXRSdW4SGi5xdWF5dXRlYy52MS5HZXRSdW5SZXF1ZXN0GhsucXVheXV0ZWMudjEuR2V0UnVuUmVzcG9uc2USWQoOU2V0QWdlbnRSaWdodHMSIi5xdWF5dXRlYy52MS5TZXRBZ2VudFJpZ2h0c1JlcXVlc3QaIy5xdWF5dXRlYy52MS5TZXRBZ2VudFJpZ2h0c1Jlc3BvbnNlElkKDkdldEFnZW50UmlnaHRzEiIucXVheXV0ZWMudjEuR2V0QWdlbnRSaWdodHNSZXF1ZXN0GiMucXVheXV0ZWMudjEuR2V0QWdlbnRSaWdodHNSZXNwb25zZRJWCg1MaXN0QXBwcm92YWxzEiEucXVheXV0ZWMudjEuTGlzdEFwcHJvdmFsc1JlcXVlc3QaIi5xdWF5dXRlYy52MS5MaXN0QXBwcm92YWxzUmVzcG9uc2USWQoORGVjaWRlQXBwcm92YWwSIi5xdWF5dXRlYy52MS5EZWNpZGVBcHByb3ZhbFJlcXVlc3QaIy5xdWF5dXRlYy52MS5EZWNpZGVBcHByb3ZhbFJlc3BvbnNlEkwKCVdhdGNoUm9vbRIdLnF1YXl1dGVjLnYxLldhdGNoUm9vbVJlcXVlc3QaHi5xdWF5dXRlYy52MS5XYXRjaFJvb21SZXNwb25zZTABYgZwcm90bzM", [file_google_protobuf_field_mask, file_google_protobuf_timestamp, file_quayutec_v1_common]);
 
 /**
  * @generated from message quayutec.v1.WhoAmIRequest
@@ -506,13 +506,6 @@ export type ListAgentsRequest = Message<"quayutec.v1.ListAgentsRequest"> & {
    * @generated from field: string page_token = 2;
    */
   pageToken: string;
-
-  /**
-   * Optional: list the agents in this room (the caller's company must be a member).
-   *
-   * @generated from field: string room_id = 3;
-   */
-  roomId: string;
 };
 
 /**
@@ -1516,184 +1509,6 @@ export const WatchRoomResponseSchema: GenMessage<WatchRoomResponse> = /*@__PURE_
   messageDesc(file_quayutec_v1_gateway, 58);
 
 /**
- * @generated from message quayutec.v1.WatchRoomsRequest
- */
-export type WatchRoomsRequest = Message<"quayutec.v1.WatchRoomsRequest"> & {
-  /**
-   * Resume these rooms after these cursors (each room at most once); rooms not named start from now.
-   *
-   * @generated from field: repeated quayutec.v1.RoomCursor after = 1;
-   */
-  after: RoomCursor[];
-};
-
-/**
- * Describes the message quayutec.v1.WatchRoomsRequest.
- * Use `create(WatchRoomsRequestSchema)` to create a new message.
- */
-export const WatchRoomsRequestSchema: GenMessage<WatchRoomsRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 59);
-
-/**
- * A room and a cursor of its event log.
- *
- * @generated from message quayutec.v1.RoomCursor
- */
-export type RoomCursor = Message<"quayutec.v1.RoomCursor"> & {
-  /**
-   * @generated from field: string room_id = 1;
-   */
-  roomId: string;
-
-  /**
-   * @generated from field: int64 cursor = 2;
-   */
-  cursor: bigint;
-};
-
-/**
- * Describes the message quayutec.v1.RoomCursor.
- * Use `create(RoomCursorSchema)` to create a new message.
- */
-export const RoomCursorSchema: GenMessage<RoomCursor> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 60);
-
-/**
- * WatchRoomsHeartbeat says the stream is alive and has delivered, for every room it follows, everything
- * up to that room's cursor that the caller may see; resuming after these cursors is exact.
- *
- * @generated from message quayutec.v1.WatchRoomsHeartbeat
- */
-export type WatchRoomsHeartbeat = Message<"quayutec.v1.WatchRoomsHeartbeat"> & {
-  /**
-   * @generated from field: repeated quayutec.v1.RoomCursor rooms = 1;
-   */
-  rooms: RoomCursor[];
-
-  /**
-   * @generated from field: google.protobuf.Timestamp sent_at = 2;
-   */
-  sentAt?: Timestamp | undefined;
-};
-
-/**
- * Describes the message quayutec.v1.WatchRoomsHeartbeat.
- * Use `create(WatchRoomsHeartbeatSchema)` to create a new message.
- */
-export const WatchRoomsHeartbeatSchema: GenMessage<WatchRoomsHeartbeat> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 61);
-
-/**
- * WatchRoomsResponse carries either events (one or more, of one or more rooms, each room's in its
- * order) or a heartbeat.
- *
- * @generated from message quayutec.v1.WatchRoomsResponse
- */
-export type WatchRoomsResponse = Message<"quayutec.v1.WatchRoomsResponse"> & {
-  /**
-   * @generated from field: repeated quayutec.v1.RoomEvent events = 1;
-   */
-  events: RoomEvent[];
-
-  /**
-   * @generated from field: quayutec.v1.WatchRoomsHeartbeat heartbeat = 2;
-   */
-  heartbeat?: WatchRoomsHeartbeat | undefined;
-};
-
-/**
- * Describes the message quayutec.v1.WatchRoomsResponse.
- * Use `create(WatchRoomsResponseSchema)` to create a new message.
- */
-export const WatchRoomsResponseSchema: GenMessage<WatchRoomsResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 62);
-
-/**
- * @generated from message quayutec.v1.CreateSessionKeyRequest
- */
-export type CreateSessionKeyRequest = Message<"quayutec.v1.CreateSessionKeyRequest"> & {
-  /**
-   * How long the key lives: 60 to 604800 seconds (7 days).
-   *
-   * @generated from field: int64 ttl_seconds = 1;
-   */
-  ttlSeconds: bigint;
-
-  /**
-   * A note shown by `quayutec keys list --sessions`; at most 200 bytes.
-   *
-   * @generated from field: string label = 2;
-   */
-  label: string;
-};
-
-/**
- * Describes the message quayutec.v1.CreateSessionKeyRequest.
- * Use `create(CreateSessionKeyRequestSchema)` to create a new message.
- */
-export const CreateSessionKeyRequestSchema: GenMessage<CreateSessionKeyRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 63);
-
-/**
- * @generated from message quayutec.v1.CreateSessionKeyResponse
- */
-export type CreateSessionKeyResponse = Message<"quayutec.v1.CreateSessionKeyResponse"> & {
-  /**
-   * @generated from field: string key_id = 1;
-   */
-  keyId: string;
-
-  /**
-   * The key itself (qyk_<key id>_<secret>), returned once and never stored.
-   *
-   * @generated from field: string secret = 2;
-   */
-  secret: string;
-
-  /**
-   * @generated from field: google.protobuf.Timestamp expires_at = 3;
-   */
-  expiresAt?: Timestamp | undefined;
-};
-
-/**
- * Describes the message quayutec.v1.CreateSessionKeyResponse.
- * Use `create(CreateSessionKeyResponseSchema)` to create a new message.
- */
-export const CreateSessionKeyResponseSchema: GenMessage<CreateSessionKeyResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 64);
-
-/**
- * @generated from message quayutec.v1.EndSessionRequest
- */
-export type EndSessionRequest = Message<"quayutec.v1.EndSessionRequest"> & {
-};
-
-/**
- * Describes the message quayutec.v1.EndSessionRequest.
- * Use `create(EndSessionRequestSchema)` to create a new message.
- */
-export const EndSessionRequestSchema: GenMessage<EndSessionRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 65);
-
-/**
- * @generated from message quayutec.v1.EndSessionResponse
- */
-export type EndSessionResponse = Message<"quayutec.v1.EndSessionResponse"> & {
-  /**
-   * @generated from field: string key_id = 1;
-   */
-  keyId: string;
-};
-
-/**
- * Describes the message quayutec.v1.EndSessionResponse.
- * Use `create(EndSessionResponseSchema)` to create a new message.
- */
-export const EndSessionResponseSchema: GenMessage<EndSessionResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 66);
-
-/**
  * GatewayService is the only public door. Every call carries `authorization: Bearer <api key>`
  * metadata; the key names the calling company.
  * Every RPC may answer UNAUTHENTICATED (no key, unknown or revoked key), RESOURCE_EXHAUSTED (the
@@ -1839,10 +1654,7 @@ export const GatewayService: GenService<{
     output: typeof RegisterAgentResponseSchema;
   },
   /**
-   * ListAgents of the caller's company; with room_id, the agents in that room instead (those of
-   * every member company, so people can mention them by name), another company's agent with its id,
-   * name, company and created_at only. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller
-   * is not a member).
+   * ListAgents of the caller's company. Errors: INVALID_ARGUMENT.
    *
    * @generated from rpc quayutec.v1.GatewayService.ListAgents
    */
@@ -2037,11 +1849,8 @@ export const GatewayService: GenService<{
    * The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
    * OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
    * reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
-   * too slowly to keep up (resume from the last cursor received). An `after` past the room's newest
-   * event is OUT_OF_RANGE (the message names the newest). Each open stream counts against the
-   * Gateway's limit of concurrent RPCs, its per-company limit of open streams and its replica-wide
-   * limit of watches (RESOURCE_EXHAUSTED, the message naming which limit and its value). A stream
-   * ends with UNAUTHENTICATED within seconds when its key is revoked or expires.
+   * too slowly to keep up (resume from the last cursor received). Each open stream counts
+   * against the Gateway's limit of concurrent RPCs.
    *
    * @generated from rpc quayutec.v1.GatewayService.WatchRoom
    */
@@ -2049,57 +1858,6 @@ export const GatewayService: GenService<{
     methodKind: "server_streaming";
     input: typeof WatchRoomRequestSchema;
     output: typeof WatchRoomResponseSchema;
-  },
-  /**
-   * WatchRooms streams the events of every room of the caller's company in one stream: each room's
-   * events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
-   * passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-   * named start from now, and a named room the company is no longer a member of is skipped.
-   * A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
-   * the first of that room on the stream); a room it leaves or is removed from ends with the
-   * MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
-   * A heartbeat lists every room followed with its cursor: it comes when every room has caught up,
-   * whenever the rooms followed change, and whenever the stream is otherwise idle.
-   * Errors: INVALID_ARGUMENT (a malformed room id, a negative cursor, a room named twice, more rooms
-   * named than the stream follows), OUT_OF_RANGE (a cursor past its room's newest event, or older than
-   * the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
-   * follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
-   * the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
-   *
-   * @generated from rpc quayutec.v1.GatewayService.WatchRooms
-   */
-  watchRooms: {
-    methodKind: "server_streaming";
-    input: typeof WatchRoomsRequestSchema;
-    output: typeof WatchRoomsResponseSchema;
-  },
-  /**
-   * CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
-   * it works like the key that made it until it expires or is ended, and is revoked with that key.
-   * Errors: INVALID_ARGUMENT (ttl_seconds out of range, label too long), PERMISSION_DENIED (called
-   * with a session key: a session key cannot make another), RESOURCE_EXHAUSTED (the calling key
-   * already has the most live session keys allowed; the message names the limit).
-   *
-   * @generated from rpc quayutec.v1.GatewayService.CreateSessionKey
-   */
-  createSessionKey: {
-    methodKind: "unary";
-    input: typeof CreateSessionKeyRequestSchema;
-    output: typeof CreateSessionKeyResponseSchema;
-  },
-  /**
-   * EndSession revokes the session key the call is made with: every later call with it answers
-   * UNAUTHENTICATED, and its open streams end on every Gateway replica within seconds. Ending an
-   * ended session is not possible (the call itself is refused as UNAUTHENTICATED).
-   * Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
-   * `quayutec keys revoke`).
-   *
-   * @generated from rpc quayutec.v1.GatewayService.EndSession
-   */
-  endSession: {
-    methodKind: "unary";
-    input: typeof EndSessionRequestSchema;
-    output: typeof EndSessionResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_quayutec_v1_gateway, 0);
