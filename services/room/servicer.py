@@ -265,10 +265,15 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     async def ListAgents(
         self, request: room_pb2.RoomServiceListAgentsRequest, context: Ctx
     ) -> room_pb2.RoomServiceListAgentsResponse:
-        company_id = v.required_id(request.company_id, "company_id")
-        page = await self._store.list_agents(
-            company_id, v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
-        )
+        if not request.company_id and not request.room_id:
+            raise InvalidArgument("give company_id (a company's agents), room_id (the agents in a room) or both")
+        after, limit = v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
+        if request.room_id:
+            room_id = v.required_id(request.room_id, "room_id")
+            company_id = v.required_id(request.company_id, "company_id") if request.company_id else None
+            page = await self._store.list_room_agents(room_id, company_id, after, limit)
+        else:
+            page = await self._store.list_agents(v.required_id(request.company_id, "company_id"), after, limit)
         return room_pb2.RoomServiceListAgentsResponse(
             agents=[convert.agent(r) for r in page.rows],
             next_page_token=v.encode_page_token("agents", page.next_key),
