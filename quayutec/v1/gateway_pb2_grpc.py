@@ -315,7 +315,10 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAgents(self, request, context):
-        """ListAgents of the caller's company. Errors: INVALID_ARGUMENT.
+        """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+        every member company, so people can mention them by name), another company's agent with its id,
+        name, company and created_at only. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller
+        is not a member).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -93,7 +93,11 @@ class GatewayServiceStub:
     could not be resolved just now).
     """
     ListAgents: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]
-    """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
+    """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+    every member company, so people can mention them by name), another company's agent with its id,
+    name, company and created_at only. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller
+    is not a member).
+    """
     PostMessage: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.PostMessageRequest, _gateway_pb2.PostMessageResponse]
     """PostMessage as a person of the caller's company, waking each mentioned agent.
     Errors: INVALID_ARGUMENT (empty or over 64 KiB body, person name missing), NOT_FOUND (room or a
@@ -263,7 +267,11 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     could not be resolved just now).
     """
     ListAgents: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]  # type: ignore[assignment]
-    """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
+    """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+    every member company, so people can mention them by name), another company's agent with its id,
+    name, company and created_at only. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller
+    is not a member).
+    """
     PostMessage: _aio.UnaryUnaryMultiCallable[_gateway_pb2.PostMessageRequest, _gateway_pb2.PostMessageResponse]  # type: ignore[assignment]
     """PostMessage as a person of the caller's company, waking each mentioned agent.
     Errors: INVALID_ARGUMENT (empty or over 64 KiB body, person name missing), NOT_FOUND (room or a
@@ -502,7 +510,11 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ListAgentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListAgentsResponse, _abc.Awaitable[_gateway_pb2.ListAgentsResponse]]:
-        """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
+        """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+        every member company, so people can mention them by name), another company's agent with its id,
+        name, company and created_at only. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller
+        is not a member).
+        """
 
     @_abc_1.abstractmethod
     def PostMessage(

@@ -395,7 +395,8 @@ class RoomServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAgents(self, request, context):
-        """ListAgents of one company. Errors: INVALID_ARGUMENT.
+        """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
+        Errors: INVALID_ARGUMENT (neither or both of company_id and room_id).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

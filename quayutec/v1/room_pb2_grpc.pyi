@@ -99,7 +99,9 @@ class RoomServiceStub:
     GetAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListAgents: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListAgentsRequest, _room_pb2.RoomServiceListAgentsResponse]
-    """ListAgents of one company. Errors: INVALID_ARGUMENT."""
+    """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
+    Errors: INVALID_ARGUMENT (neither or both of company_id and room_id).
+    """
     GetAgentCredentials: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentCredentialsRequest, _room_pb2.RoomServiceGetAgentCredentialsResponse]
     """GetAgentCredentials returns the decrypted provider key, for Runtime only.
     Errors: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION (key cannot be decrypted with the configured key).
@@ -302,7 +304,9 @@ class RoomServiceAsyncStub(RoomServiceStub):
     GetAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]  # type: ignore[assignment]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListAgents: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListAgentsRequest, _room_pb2.RoomServiceListAgentsResponse]  # type: ignore[assignment]
-    """ListAgents of one company. Errors: INVALID_ARGUMENT."""
+    """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
+    Errors: INVALID_ARGUMENT (neither or both of company_id and room_id).
+    """
     GetAgentCredentials: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentCredentialsRequest, _room_pb2.RoomServiceGetAgentCredentialsResponse]  # type: ignore[assignment]
     """GetAgentCredentials returns the decrypted provider key, for Runtime only.
     Errors: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION (key cannot be decrypted with the configured key).
@@ -592,7 +596,9 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceListAgentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceListAgentsResponse, _abc.Awaitable[_room_pb2.RoomServiceListAgentsResponse]]:
-        """ListAgents of one company. Errors: INVALID_ARGUMENT."""
+        """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
+        Errors: INVALID_ARGUMENT (neither or both of company_id and room_id).
+        """
 
     @_abc_1.abstractmethod
     def GetAgentCredentials(

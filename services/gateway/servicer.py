@@ -425,14 +425,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def ListAgents(self, request: gateway_pb2.ListAgentsRequest, context: Any) -> gateway_pb2.ListAgentsResponse:
         company_id = self._caller.company_id()
-        response = await self._room.ListAgents(
-            room_pb2.RoomServiceListAgentsRequest(
-                company_id=company_id, page_size=_page_size(request.page_size), page_token=request.page_token
-            ),
-            timeout=self._timeout,
-        )
+        page_size = _page_size(request.page_size)
+        if request.room_id:
+            await self._member_room(request.room_id, company_id)
+            listing = room_pb2.RoomServiceListAgentsRequest(room_id=request.room_id)
+        else:
+            listing = room_pb2.RoomServiceListAgentsRequest(company_id=company_id)
+        listing.page_size, listing.page_token = page_size, request.page_token
+        response = await self._room.ListAgents(listing, timeout=self._timeout)
         return gateway_pb2.ListAgentsResponse(
-            agents=response.agents,
+            agents=[a if a.company_id == company_id else _public_agent(a) for a in response.agents],
             next_page_token=response.next_page_token,
             resume_page_token=response.resume_page_token,
         )
@@ -900,3 +902,10 @@ def _room_cursors(after: Any, most: int) -> dict[str, int]:
             raise InvalidArgument(f"after names room {room_id} twice")
         cursors[room_id] = int(named.cursor)
     return cursors
+
+
+def _public_agent(agent: common_pb2.Agent) -> common_pb2.Agent:
+    """Another company's agent as a room member sees it: who it is, not how it is configured."""
+    return common_pb2.Agent(
+        agent_id=agent.agent_id, company_id=agent.company_id, name=agent.name, created_at=agent.created_at
+    )

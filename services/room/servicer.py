@@ -265,10 +265,13 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     async def ListAgents(
         self, request: room_pb2.RoomServiceListAgentsRequest, context: Ctx
     ) -> room_pb2.RoomServiceListAgentsResponse:
-        company_id = v.required_id(request.company_id, "company_id")
-        page = await self._store.list_agents(
-            company_id, v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
-        )
+        if bool(request.company_id) == bool(request.room_id):
+            raise InvalidArgument("give company_id (a company's agents) or room_id (the agents in a room), one of them")
+        after, limit = v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
+        if request.room_id:
+            page = await self._store.list_room_agents(v.required_id(request.room_id, "room_id"), after, limit)
+        else:
+            page = await self._store.list_agents(v.required_id(request.company_id, "company_id"), after, limit)
         return room_pb2.RoomServiceListAgentsResponse(
             agents=[convert.agent(r) for r in page.rows],
             next_page_token=v.encode_page_token("agents", page.next_key),

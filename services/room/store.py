@@ -423,6 +423,11 @@ class RoomStore:
         rows = await self._pool.fetch(self._q["list_agents"], company_id, after or 0, limit + 1)
         return _page(rows, limit, "pos")
 
+    async def list_room_agents(self, room_id: str, after: int | None, limit: int) -> Page:
+        """The agents of the room's member companies."""
+        rows = await self._pool.fetch(self._q["list_room_agents"], room_id, after or 0, limit + 1)
+        return _page(rows, limit, "pos")
+
     # -- messages -------------------------------------------------------------------------------------------
 
     async def post_message(

@@ -179,6 +179,10 @@ async def test_list_agents_pages(room: Stub) -> None:
     assert [a.agent_id for a in (*first.agents, *second.agents)] == ids and not second.next_page_token
     empty = await room.ListAgents(room_pb2.RoomServiceListAgentsRequest(company_id=MISSING))
     assert not empty.agents
+    listing = room_pb2.RoomServiceListAgentsRequest
+    await expect_error(INVALID, room.ListAgents(listing()), "company_id")
+    await expect_error(INVALID, room.ListAgents(listing(company_id=acme.company_id, room_id=MISSING)), "one of them")
+    assert not (await room.ListAgents(listing(room_id=MISSING))).agents
 
 
 async def test_credentials_under_another_key_are_failed_precondition(room: Stub, database_url: str) -> None:

@@ -140,6 +140,16 @@ WHERE company_id = $1 AND pos > $2
 ORDER BY pos
 LIMIT $3;
 
+-- name: list_room_agents
+-- The agents in room $1: those of its member companies, in registration order.
+SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
+    a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.pos
+FROM agents a
+JOIN room_members m ON m.company_id = a.company_id AND m.room_id = $1
+WHERE a.pos > $2
+ORDER BY a.pos
+LIMIT $3;
+
 -- name: agents_in_room
 -- Each of the given agents with whether its company is a member of room $2.
 SELECT a.agent_id, a.company_id,
