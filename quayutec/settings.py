@@ -460,6 +460,12 @@ _DECLARED: list[Setting] = [
         ["gateway"],
     ),
     _g(
+        "QUAYUTEC_GATEWAY_MAX_API_KEYS",
+        100,
+        "live company API keys of one company that CreateApiKey may reach (the admin's `quayutec keys create` is not limited)",
+        ["gateway"],
+    ),
+    _g(
         "QUAYUTEC_GATEWAY_A2A_URL",
         "",
         "the gRPC address (host:port) A2A agent cards name for this Gateway; unset: the address it listens on",
