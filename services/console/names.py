@@ -13,6 +13,8 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import Any
 
+import grpc
+
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.console.session import Session
 
@@ -85,6 +87,23 @@ async def room_names(s: Session, room_id: str) -> Names:
     names = Names(s.company_id, companies={s.company_id: s.company_name})
     names.companies.update({m.company_id: m.company_name for m in members.members if m.company_name})
     names.learn(agents.agents)
+    return names
+
+
+async def company_and_room_names(s: Session, room_ids: set[str]) -> Names:
+    """The company's own names, and the agents and member companies of each room named (a room the
+    company is no longer in adds nothing)."""
+    names, *rooms = await asyncio.gather(
+        company_names(s), *(room_names(s, r) for r in room_ids), return_exceptions=True
+    )
+    if isinstance(names, BaseException):
+        raise names
+    for room in rooms:
+        if isinstance(room, Names):
+            names.agents = {**room.agents, **names.agents}
+            names.companies = {**room.companies, **names.companies}
+        elif not (isinstance(room, grpc.aio.AioRpcError) and room.code() == grpc.StatusCode.NOT_FOUND):
+            raise room
     return names
 
 

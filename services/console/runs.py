@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 from datetime import UTC, datetime
-from typing import Any
 from urllib.parse import urlencode
 
 import grpc
@@ -16,7 +15,7 @@ from starlette.responses import Response
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.client import STATUS_NAMES
 from services.console.live import encode_cursors, first_cursor, first_cursors
-from services.console.names import Names, company_names
+from services.console.names import company_and_room_names, company_names
 from services.console.session import Session, form_of
 from services.console.timeline import ENDED, effects, error_words, steps, timeline
 from services.console.web import PAGE, FormError, field, page, remember_person, words
@@ -122,7 +121,8 @@ def trace_links(request: Request, run: common_pb2.Run) -> list[dict[str, str]]:
 async def run(request: Request) -> Response:
     s = Session(request)
     run_id = request.path_params["run_id"]
-    got, names = await asyncio.gather(s.call("GetRun", gateway_pb2.GetRunRequest(run_id=run_id)), company_names(s))
+    got = await s.call("GetRun", gateway_pb2.GetRunRequest(run_id=run_id))
+    names = await company_and_room_names(s, {got.run.room_id})
     cursor = None
     if got.run.status not in ENDED:
         # Read again after taking the room's cursor: a change after this read reaches the page live.
@@ -149,21 +149,6 @@ async def run(request: Request) -> Response:
             "cursor": cursor,
         },
     )
-
-
-async def _approval_names(s: Session, waitpoints: Any) -> Names:
-    """The company's agents and rooms, and the agents of each room an approval is in (an action may name
-    another company's agent)."""
-    names = await company_names(s)
-    rooms = {w.room_id for w in waitpoints}
-    listed = await asyncio.gather(
-        *(s.call("ListAgents", gateway_pb2.ListAgentsRequest(room_id=r, page_size=500)) for r in rooms),
-        return_exceptions=True,
-    )
-    for agents in listed:
-        if not isinstance(agents, BaseException):
-            names.learn(agents.agents)
-    return names
 
 
 async def approvals(request: Request) -> Response:
@@ -209,7 +194,8 @@ async def approvals(request: Request) -> Response:
         "events": f"/approvals/events?after={encode_cursors(cursors)}" if cursors is not None else "",
         "title": "Approvals",
         "waitpoints": pending.waitpoints,
-        "names": await _approval_names(s, pending.waitpoints),
+        # An action may name another company's agent: the names of each room an approval is in too.
+        "names": await company_and_room_names(s, {w.room_id for w in pending.waitpoints}),
         "decisions": DECISIONS,
         "pretty": pretty_json,
         "notice": notice,

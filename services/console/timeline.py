@@ -163,7 +163,9 @@ def timeline(run: common_pb2.Run, approval: common_pb2.Waitpoint | None, now: da
             decided_at = _dt(approval.expires_at)
     after_model = ms(parked_at) if parked_at is not None else ms(end)
     if attempts and after_model > cursor:
-        bars.append(Bar("reply and writes", "after the model answered", cursor, after_model - cursor, "idle"))
+        answered = bool(run.posted_message_id or run.actions) or run.status not in ENDED
+        what, why = ("reply and writes", "after the model answered") if answered else ("ending", "nothing posted")
+        bars.append(Bar(what, why, cursor, after_model - cursor, "idle"))
     elif not attempts and after_model > 0:
         bars.append(Bar("claim and room read", "no model request was made", 0.0, after_model, "idle"))
 
