@@ -588,8 +588,9 @@ _DECLARED: list[Setting] = [
     ),
     _g(
         "QUAYUTEC_CONSOLE_JAEGER_URL",
-        "http://localhost:16686",
-        "base URL of the Jaeger UI that a run page links its trace to",
+        "",
+        "base URL of the Jaeger UI (as people's browsers reach it, e.g. http://localhost:16686) that a run's "
+        "page links its trace to (its /trace/TRACE_ID page); unset: the trace id is shown, not linked",
         ["console"],
     ),
     # Room

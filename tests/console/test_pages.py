@@ -494,12 +494,12 @@ async def company_pages(
     secret = (await a.locator("#new-key code.secret").text_content() or "").strip()
     assert secret.startswith("qyk_")
     assert await copied(a, "#new-key button.copy") == secret
-    await shots.both(a, "console-keys")
-    await weigh(a, "keys", weights)
     async with authed_gateway(stack.gateway_addr, secret) as ci_gw:
         assert (await ci_gw.WhoAmI(gateway_pb2.WhoAmIRequest(), timeout=10)).company.company_id == acme.company_id
         await a.goto(f"{base}/keys")
         assert secret not in await a.content()
+        await shots.both(a, "console-keys")  # no secret on it
+        await weigh(a, "keys", weights)
         ci = a.locator("#key-table tr", has_text="ci")
         await expect(ci).to_contain_text("live")
         a.once("dialog", lambda dialog: dialog.accept())
