@@ -544,7 +544,7 @@ class Agent(_message.Message):
     has_provider_key: _builtins.bool
     """True when a provider key is stored (encrypted) for this agent."""
     company_name: _builtins.str
-    """The owning company's name (not in the agents a run reads, ReadRunContext)."""
+    """The owning company's name (not in ReadRunContext's room_agents)."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import grpc
 from google.protobuf.field_mask_pb2 import FieldMask
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
@@ -13,8 +12,8 @@ from starlette.responses import RedirectResponse, Response
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.client import GatewayClient
 from services.console.rooms import answer_invitation
-from services.console.session import CALL_SECONDS, Session, SignInRefused, check_confirm_key, form_of
-from services.console.web import PAGE, FormError, field, no_store, page, typed, words
+from services.console.session import CALL_SECONDS, Session, check_confirm_key, form_of
+from services.console.web import PAGE, FormError, Refusal, field, no_store, page, typed
 
 # Agents shown per page: each costs two Gateway calls (its rights, its last runs).
 AGENTS_PAGE = 20
@@ -34,12 +33,7 @@ SHORT_RIGHTS = (
     ("close_task", "close"),
     ("cross_company_task", "cross-company"),
 )
-RIGHT_NAMES = {
-    common_pb2.ACTION_RIGHT_UNSPECIFIED: "",
-    common_pb2.ACTION_RIGHT_AUTO: "auto",
-    common_pb2.ACTION_RIGHT_HOLD: "hold",
-    common_pb2.ACTION_RIGHT_DENY: "deny",
-}
+RIGHT_NAMES = {v: "" if not v else k.removeprefix("ACTION_RIGHT_").lower() for k, v in common_pb2.ActionRight.items()}
 RIGHT_VALUES = {name: value for value, name in RIGHT_NAMES.items()}
 PROVIDERS = {
     common_pb2.PROVIDER_UNSPECIFIED: "unknown provider",
@@ -47,12 +41,7 @@ PROVIDERS = {
     common_pb2.PROVIDER_OPENAI: "OpenAI",
     common_pb2.PROVIDER_OPENAI_COMPATIBLE: "OpenAI-compatible",
 }
-INVITATION_STATUS = {
-    common_pb2.INVITATION_STATUS_UNSPECIFIED: "unspecified",
-    common_pb2.INVITATION_STATUS_PENDING: "pending",
-    common_pb2.INVITATION_STATUS_ACCEPTED: "accepted",
-    common_pb2.INVITATION_STATUS_DECLINED: "declined",
-}
+INVITATION_STATUS = {v: k.removeprefix("INVITATION_STATUS_").lower() for k, v in common_pb2.InvitationStatus.items()}
 
 
 def _effective(rights: common_pb2.AgentRights) -> dict[str, str]:
@@ -88,15 +77,10 @@ async def rights(request: Request) -> Response:
     notice = error = ""
     if request.method == "POST":
         form = await form_of(request)
-        try:
+        with Refusal() as refused:
             agent_id = field(form, "agent_id", "The agent", required=False, limit=64)
             notice = await _save_rights(s, agent_id, form)
-        except FormError as exc:
-            error = str(exc)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                raise
-            error = words(exc)[1]
+        error = refused.text
     got, listed = await asyncio.gather(
         s.call("GetAgentRights", gateway_pb2.GetAgentRightsRequest(agent_id=agent_id)),
         s.call("ListAgents", gateway_pb2.ListAgentsRequest(page_size=500)),
@@ -156,7 +140,7 @@ async def keys(request: Request) -> Response:
     kept: dict[str, str] = {}
     if request.method == "POST":
         form = await form_of(request)
-        try:
+        with Refusal() as refused:
             if revoke := field(form, "revoke", "The key", required=False, limit=64):
                 got = await s.call("RevokeApiKey", gateway_pb2.RevokeApiKeyRequest(key_id=revoke))
                 if got.key.current:  # this sign-in's own key: the sign-in has ended with it
@@ -168,14 +152,7 @@ async def keys(request: Request) -> Response:
                 made = await _make_key(s, field(form, "label", "The label", required=False, limit=200), form)
                 notice = "Made a new key."
                 kept = {}
-        except FormError as exc:
-            error = str(exc)
-        except SignInRefused as exc:
-            error = exc.text
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise
-            error = words(exc)[1]
+        error = refused.text
     listed = await s.call(
         "ListApiKeys", gateway_pb2.ListApiKeysRequest(include_sessions=sessions, page_size=PAGE, page_token=token)
     )
@@ -209,7 +186,7 @@ async def invitations(request: Request) -> Response:
     kept: dict[str, str] = {}
     if request.method == "POST":
         form = await form_of(request)
-        try:
+        with Refusal() as refused:
             if form.get("answer") == "invite":
                 kept = typed(form, "room_id", "company_id")
                 got = await s.call(
@@ -223,12 +200,7 @@ async def invitations(request: Request) -> Response:
                 kept = {}
             else:
                 notice = await answer_invitation(s, form)
-        except FormError as exc:
-            error = str(exc)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise
-            error = words(exc)[1]
+        error = refused.text
 
     def listing(status: common_pb2.InvitationStatus.ValueType, *, sent: bool = False) -> Any:
         return s.call("ListInvitations", gateway_pb2.ListInvitationsRequest(status=status, sent=sent, page_size=PAGE))

@@ -20,6 +20,7 @@ from services.console.web import (
     PAGE,
     UNSURE,
     FormError,
+    Refusal,
     field,
     page,
     remember_person,
@@ -107,19 +108,16 @@ async def room(request: Request) -> Response:
     idem = str(uuid.uuid4())
     if request.method == "POST":
         form = posted = await form_of(request)
-        try:
+        with Refusal() as refused:
             notice = await _post(s, room_id, posted)
             if not notice:
                 return RedirectResponse(f"/rooms/{room_id}", 303)
             form = None  # sent: the form starts empty again
-        except FormError as exc:
-            error = str(exc)
-        except grpc.aio.AioRpcError as exc:
-            error = words(exc)[1]
-            if exc.code() in UNSURE:
-                # It may have been written: sending it again with the same key writes it at most once.
-                sent_key = posted.get("idem")
-                idem = sent_key.removesuffix("-t") if isinstance(sent_key, str) and sent_key else idem
+        error = refused.text
+        if refused.code in UNSURE:
+            # It may have been written: sending it again with the same key writes it at most once.
+            sent_key = posted.get("idem")
+            idem = sent_key.removesuffix("-t") if isinstance(sent_key, str) and sent_key else idem
     try:
         context = await _room_context(s, room_id)
     except grpc.aio.AioRpcError as exc:

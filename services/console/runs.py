@@ -18,7 +18,7 @@ from services.console.live import encode_cursors, first_cursor, first_cursors
 from services.console.names import company_and_room_names, company_names
 from services.console.session import Session, form_of
 from services.console.timeline import ENDED, effects, error_words, steps, timeline
-from services.console.web import PAGE, FormError, field, page, remember_person, words
+from services.console.web import PAGE, FormError, Refusal, field, page, remember_person, words
 
 DECISIONS = {
     common_pb2.DECISION_PENDING: "pending",
@@ -156,7 +156,7 @@ async def approvals(request: Request) -> Response:
     notice = error = ""
     if request.method == "POST":
         form = await form_of(request)
-        try:
+        with Refusal() as refused:
             person = field(form, "person", "Your name", limit=200)
             remember_person(request, person)
             index = field(form, "index", "The action", limit=10)
@@ -176,12 +176,7 @@ async def approvals(request: Request) -> Response:
             notice = f"{verb} action #{index}." + (" The run continues." if got.completed else "")
             if got.already_decided:
                 notice = f"Action #{index} was already decided that way."
-        except FormError as exc:
-            error = str(exc)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                raise
-            error = words(exc)[1]
+        error = refused.text
     part = request.query_params.get("part") == "list"
     # The rooms' cursors first, then the lists: the live stream resumes after these cursors, so a run
     # parked between this read and the page's subscription is replayed to it, never lost.

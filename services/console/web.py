@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.templating import Jinja2Templates
 
-from services.console.session import csrf_token
+from services.console.session import SignInRefused, csrf_token
 
 # Most items one page lists (the Gateway pages further; the console shows the newest).
 PAGE = 50
@@ -107,6 +107,30 @@ def typed(form: FormData | None, *names: str) -> dict[str, str]:
     if form is None:
         return {}
     return {n: v for n in names if isinstance(v := form.get(n), str)}
+
+
+class Refusal:
+    """``with refusal:`` around what a form asks for: a FormError, a refused key confirmation or a
+    Gateway refusal is kept as the sentence the page shows (``text``, and the Gateway's ``code``),
+    not raised. (An ended sign-in is SignedOut, never an AioRpcError here: it still goes to sign-in.)"""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.code: grpc.StatusCode | None = None
+
+    def __enter__(self) -> Refusal:
+        return self
+
+    def __exit__(self, kind: object, exc: BaseException | None, tb: object) -> bool:
+        if isinstance(exc, FormError):
+            self.text = str(exc)
+        elif isinstance(exc, SignInRefused):
+            self.text = exc.text
+        elif isinstance(exc, grpc.aio.AioRpcError):
+            self.text, self.code = words(exc)[1], exc.code()
+        else:
+            return False
+        return True
 
 
 def remember_person(request: Request, person: str) -> None:

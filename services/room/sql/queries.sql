@@ -691,6 +691,7 @@ SELECT up.*, (SELECT status FROM before) AS status_before FROM up;
 WITH agent AS (
     SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
         a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
+        (SELECT c.name FROM companies c WHERE c.company_id = a.company_id) AS company_name,
         EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $2 AND m.company_id = a.company_id) AS member,
         d.remember AS default_remember, d.create_task AS default_create_task,
         d.update_task AS default_update_task, d.close_task AS default_close_task,
