@@ -462,7 +462,8 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_GATEWAY_MAX_API_KEYS",
         100,
-        "live company API keys of one company that CreateApiKey may reach (the admin's `quayutec keys create` is not limited)",
+        "live company API keys of one company that CreateApiKey may reach (the admin's `quayutec keys create` is "
+        "not limited)",
         ["gateway"],
     ),
     _g(

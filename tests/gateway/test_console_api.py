@@ -179,11 +179,10 @@ async def test_runs_filtered_by_room_status_and_time_and_paged(
     assert [r.run_id for r in (await globex_gw.ListRuns(gateway_pb2.ListRunsRequest(), timeout=10)).runs] == ["g1"]
 
     # Paged with its filters, newest first; a token is only good with the filters it came with.
-    filtered = {"room_id": launch.room_id}
-    first = await acme_gw.ListRuns(gateway_pb2.ListRunsRequest(page_size=3, **filtered), timeout=10)
+    first = await acme_gw.ListRuns(gateway_pb2.ListRunsRequest(page_size=3, room_id=launch.room_id), timeout=10)
     assert [r.run_id for r in first.runs] == ["r6", "r4", "r3"] and first.next_page_token
     rest = await acme_gw.ListRuns(
-        gateway_pb2.ListRunsRequest(page_size=3, page_token=first.next_page_token, **filtered), timeout=10
+        gateway_pb2.ListRunsRequest(page_size=3, page_token=first.next_page_token, room_id=launch.room_id), timeout=10
     )
     assert [r.run_id for r in rest.runs] == ["r1"] and not rest.next_page_token
     await expect_error(
@@ -191,7 +190,11 @@ async def test_runs_filtered_by_room_status_and_time_and_paged(
         acme_gw.ListRuns(gateway_pb2.ListRunsRequest(page_token=first.next_page_token, status=failed), timeout=10),
         "page_token",
     )
-    await expect_error(INVALID, acme_gw.ListRuns(gateway_pb2.ListRunsRequest(status=99), timeout=10), "status")
+    await expect_error(
+        INVALID,
+        acme_gw.ListRuns(gateway_pb2.ListRunsRequest(status=common_pb2.RunStatus.ValueType(99)), timeout=10),
+        "status",
+    )
     await expect_error(INVALID, acme_gw.ListRuns(gateway_pb2.ListRunsRequest(room_id="nope"), timeout=10), "room_id")
     backwards = gateway_pb2.ListRunsRequest(started_after=at(20).started_at, started_before=at(10).started_at)
     await expect_error(INVALID, acme_gw.ListRuns(backwards, timeout=10), "started_before")

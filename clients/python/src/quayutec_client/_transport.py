@@ -64,6 +64,7 @@ SAFETY: Mapping[str, Safety] = {
     "ListAgents": Safety.READ,
     "PostMessage": Safety.KEYED_WRITE,
     "ListMessages": Safety.READ,
+    "GetMessage": Safety.READ,
     "SendTask": Safety.KEYED_WRITE,
     "UpdateTask": Safety.KEYED_WRITE,
     "ListTasks": Safety.READ,
@@ -79,6 +80,10 @@ SAFETY: Mapping[str, Safety] = {
     "ListApprovals": Safety.READ,
     "DecideApproval": Safety.IDEMPOTENT_WRITE,
     "WatchRoom": Safety.READ,
+    # A repeat would make a second key.
+    "CreateApiKey": Safety.UNKEYED_WRITE,
+    "ListApiKeys": Safety.READ,
+    "RevokeApiKey": Safety.IDEMPOTENT_WRITE,
 }
 
 
