@@ -434,9 +434,9 @@ async def company_pages(
     await expect(card.locator("dl")).to_contain_text("Anthropic · claude-test")
     await expect(card.locator(".right").first).to_have_text("remember: hold")
     await expect(card.locator("dd").nth(2).locator("a[href^='/runs/']")).to_have_count(3)
-    assert await copied(a, f"#a-{planner.agent_id} h2 button.copy") == planner.agent_id
     await shots.both(a, "console-agents")
     await weigh(a, "agents", weights)
+    assert await copied(a, f"#a-{planner.agent_id} h2 button.copy") == planner.agent_id
 
     # Rights: the agent's own marked apart from the inherited; two people saving different rights keep both.
     await card.get_by_role("link", name="edit").click()
