@@ -55,8 +55,9 @@ class GatewayServiceStub:
     member, or already has a pending invitation to this room; inviting again is not needed).
     """
     ListInvitations: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListInvitationsRequest, _gateway_pb2.ListInvitationsResponse]
-    """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
-    Errors: INVALID_ARGUMENT (bad status or page token).
+    """ListInvitations to the caller's company (or, with sent, those it sent to other companies), oldest
+    first: pending ones unless status says otherwise. Each names the room, the inviting and the invited
+    company. Errors: INVALID_ARGUMENT (bad status or page token).
     """
     AcceptInvitation: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.AcceptInvitationRequest, _gateway_pb2.AcceptInvitationResponse]
     """AcceptInvitation makes the caller's company a member of the invitation's room. Accepting again
@@ -85,7 +86,7 @@ class GatewayServiceStub:
     (the caller did not create the room), FAILED_PRECONDITION (the creator cannot remove itself).
     """
     ListMembers: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListMembersRequest, _gateway_pb2.ListMembersResponse]
-    """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     RegisterAgent: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]
     """RegisterAgent registers an always-on agent of the caller's company.
     Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
@@ -95,8 +96,9 @@ class GatewayServiceStub:
     ListAgents: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]
     """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
     every member company, so people can mention them by name), another company's agent with its id,
-    name, company and created_at only. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller
-    is not a member).
+    name, company and created_at only (the room's rule `room-agents`, docs/rules.md). Each agent
+    carries its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller is not
+    a member).
     """
     PostMessage: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.PostMessageRequest, _gateway_pb2.PostMessageResponse]
     """PostMessage as a person of the caller's company, waking each mentioned agent.
@@ -105,6 +107,10 @@ class GatewayServiceStub:
     """
     ListMessages: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListMessagesRequest, _gateway_pb2.ListMessagesResponse]
     """ListMessages of a room, oldest first unless newest_first. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    GetMessage: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetMessageRequest, _gateway_pb2.GetMessageResponse]
+    """GetMessage: one message of a room (with the run that posted it, for an agent's reply).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or no such message in it).
+    """
     SendTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SendTaskRequest, _gateway_pb2.SendTaskResponse]
     """SendTask from a person of the caller's company to an agent in the room, waking the agent.
     Errors: INVALID_ARGUMENT, NOT_FOUND (room or agent).
@@ -130,11 +136,14 @@ class GatewayServiceStub:
     SearchPassages: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SearchPassagesRequest, _gateway_pb2.SearchPassagesResponse]
     """SearchPassages of a room's files. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListRuns: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListRunsRequest, _gateway_pb2.ListRunsResponse]
-    """ListRuns of the caller's own agents, newest first. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not
-    the caller's).
+    """ListRuns of the caller's own agents, newest first, optionally of one agent, one room, one status
+    and a range of start times. Errors: INVALID_ARGUMENT (a bad status, a range that ends before it
+    starts, a page token handed out for other filters), NOT_FOUND (agent not the caller's).
     """
     GetRun: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetRunRequest, _gateway_pb2.GetRunResponse]
-    """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """GetRun of one of the caller's agents, with the approval it parked on (held actions and who
+    decided them when) if it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
     SetAgentRights: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SetAgentRightsRequest, _gateway_pb2.SetAgentRightsResponse]
     """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
     agents' rights. With update_mask, only the rights it names change, in one statement, so two
@@ -204,6 +213,27 @@ class GatewayServiceStub:
     Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
     `quayutec keys revoke`).
     """
+    CreateApiKey: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CreateApiKeyRequest, _gateway_pb2.CreateApiKeyResponse]
+    """CreateApiKey makes a new API key of the caller's company; its secret is in the answer once and
+    never again (only its hash is kept). Only a company key may make one: a session key cannot, so a
+    copied sign-in can never outlive its own revocation by minting a lasting key.
+    Errors: INVALID_ARGUMENT (label over 200 bytes), PERMISSION_DENIED (called with a session key),
+    RESOURCE_EXHAUSTED (the company already has the most live keys allowed; the message names the
+    setting).
+    """
+    ListApiKeys: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListApiKeysRequest, _gateway_pb2.ListApiKeysResponse]
+    """ListApiKeys of the caller's company, oldest first: ids, labels, times and state, never a secret
+    or a hash. Any key of the company may list (session keys too); session keys are listed only with
+    include_sessions. Errors: INVALID_ARGUMENT (bad page token).
+    """
+    RevokeApiKey: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RevokeApiKeyRequest, _gateway_pb2.RevokeApiKeyResponse]
+    """RevokeApiKey revokes a key of the caller's company at once (its session keys with it; their open
+    streams end within seconds on every replica). Revoking a revoked key answers it as it is. Any key
+    of the company may revoke (revoking grants nothing); revoking the key the call is made with, or
+    the company key of the calling session key, ends the caller's own access too.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
+    answers exactly as an unknown one).
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -232,8 +262,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     member, or already has a pending invitation to this room; inviting again is not needed).
     """
     ListInvitations: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListInvitationsRequest, _gateway_pb2.ListInvitationsResponse]  # type: ignore[assignment]
-    """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
-    Errors: INVALID_ARGUMENT (bad status or page token).
+    """ListInvitations to the caller's company (or, with sent, those it sent to other companies), oldest
+    first: pending ones unless status says otherwise. Each names the room, the inviting and the invited
+    company. Errors: INVALID_ARGUMENT (bad status or page token).
     """
     AcceptInvitation: _aio.UnaryUnaryMultiCallable[_gateway_pb2.AcceptInvitationRequest, _gateway_pb2.AcceptInvitationResponse]  # type: ignore[assignment]
     """AcceptInvitation makes the caller's company a member of the invitation's room. Accepting again
@@ -262,7 +293,7 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     (the caller did not create the room), FAILED_PRECONDITION (the creator cannot remove itself).
     """
     ListMembers: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListMembersRequest, _gateway_pb2.ListMembersResponse]  # type: ignore[assignment]
-    """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     RegisterAgent: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]  # type: ignore[assignment]
     """RegisterAgent registers an always-on agent of the caller's company.
     Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
@@ -272,8 +303,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     ListAgents: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]  # type: ignore[assignment]
     """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
     every member company, so people can mention them by name), another company's agent with its id,
-    name, company and created_at only. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller
-    is not a member).
+    name, company and created_at only (the room's rule `room-agents`, docs/rules.md). Each agent
+    carries its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller is not
+    a member).
     """
     PostMessage: _aio.UnaryUnaryMultiCallable[_gateway_pb2.PostMessageRequest, _gateway_pb2.PostMessageResponse]  # type: ignore[assignment]
     """PostMessage as a person of the caller's company, waking each mentioned agent.
@@ -282,6 +314,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """
     ListMessages: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListMessagesRequest, _gateway_pb2.ListMessagesResponse]  # type: ignore[assignment]
     """ListMessages of a room, oldest first unless newest_first. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    GetMessage: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetMessageRequest, _gateway_pb2.GetMessageResponse]  # type: ignore[assignment]
+    """GetMessage: one message of a room (with the run that posted it, for an agent's reply).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or no such message in it).
+    """
     SendTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SendTaskRequest, _gateway_pb2.SendTaskResponse]  # type: ignore[assignment]
     """SendTask from a person of the caller's company to an agent in the room, waking the agent.
     Errors: INVALID_ARGUMENT, NOT_FOUND (room or agent).
@@ -307,11 +343,14 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     SearchPassages: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SearchPassagesRequest, _gateway_pb2.SearchPassagesResponse]  # type: ignore[assignment]
     """SearchPassages of a room's files. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListRuns: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListRunsRequest, _gateway_pb2.ListRunsResponse]  # type: ignore[assignment]
-    """ListRuns of the caller's own agents, newest first. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not
-    the caller's).
+    """ListRuns of the caller's own agents, newest first, optionally of one agent, one room, one status
+    and a range of start times. Errors: INVALID_ARGUMENT (a bad status, a range that ends before it
+    starts, a page token handed out for other filters), NOT_FOUND (agent not the caller's).
     """
     GetRun: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetRunRequest, _gateway_pb2.GetRunResponse]  # type: ignore[assignment]
-    """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """GetRun of one of the caller's agents, with the approval it parked on (held actions and who
+    decided them when) if it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
     SetAgentRights: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SetAgentRightsRequest, _gateway_pb2.SetAgentRightsResponse]  # type: ignore[assignment]
     """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
     agents' rights. With update_mask, only the rights it names change, in one statement, so two
@@ -381,6 +420,27 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
     `quayutec keys revoke`).
     """
+    CreateApiKey: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CreateApiKeyRequest, _gateway_pb2.CreateApiKeyResponse]  # type: ignore[assignment]
+    """CreateApiKey makes a new API key of the caller's company; its secret is in the answer once and
+    never again (only its hash is kept). Only a company key may make one: a session key cannot, so a
+    copied sign-in can never outlive its own revocation by minting a lasting key.
+    Errors: INVALID_ARGUMENT (label over 200 bytes), PERMISSION_DENIED (called with a session key),
+    RESOURCE_EXHAUSTED (the company already has the most live keys allowed; the message names the
+    setting).
+    """
+    ListApiKeys: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListApiKeysRequest, _gateway_pb2.ListApiKeysResponse]  # type: ignore[assignment]
+    """ListApiKeys of the caller's company, oldest first: ids, labels, times and state, never a secret
+    or a hash. Any key of the company may list (session keys too); session keys are listed only with
+    include_sessions. Errors: INVALID_ARGUMENT (bad page token).
+    """
+    RevokeApiKey: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RevokeApiKeyRequest, _gateway_pb2.RevokeApiKeyResponse]  # type: ignore[assignment]
+    """RevokeApiKey revokes a key of the caller's company at once (its session keys with it; their open
+    streams end within seconds on every replica). Revoking a revoked key answers it as it is. Any key
+    of the company may revoke (revoking grants nothing); revoking the key the call is made with, or
+    the company key of the calling session key, ends the caller's own access too.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
+    answers exactly as an unknown one).
+    """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     """GatewayService is the only public door. Every call carries `authorization: Bearer <api key>`
@@ -436,8 +496,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ListInvitationsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListInvitationsResponse, _abc.Awaitable[_gateway_pb2.ListInvitationsResponse]]:
-        """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
-        Errors: INVALID_ARGUMENT (bad status or page token).
+        """ListInvitations to the caller's company (or, with sent, those it sent to other companies), oldest
+        first: pending ones unless status says otherwise. Each names the room, the inviting and the invited
+        company. Errors: INVALID_ARGUMENT (bad status or page token).
         """
 
     @_abc_1.abstractmethod
@@ -496,7 +557,7 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ListMembersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListMembersResponse, _abc.Awaitable[_gateway_pb2.ListMembersResponse]]:
-        """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
 
     @_abc_1.abstractmethod
     def RegisterAgent(
@@ -518,8 +579,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_gateway_pb2.ListAgentsResponse, _abc.Awaitable[_gateway_pb2.ListAgentsResponse]]:
         """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
         every member company, so people can mention them by name), another company's agent with its id,
-        name, company and created_at only. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller
-        is not a member).
+        name, company and created_at only (the room's rule `room-agents`, docs/rules.md). Each agent
+        carries its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller is not
+        a member).
         """
 
     @_abc_1.abstractmethod
@@ -540,6 +602,16 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListMessagesResponse, _abc.Awaitable[_gateway_pb2.ListMessagesResponse]]:
         """ListMessages of a room, oldest first unless newest_first. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+
+    @_abc_1.abstractmethod
+    def GetMessage(
+        self,
+        request: _gateway_pb2.GetMessageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.GetMessageResponse, _abc.Awaitable[_gateway_pb2.GetMessageResponse]]:
+        """GetMessage: one message of a room (with the run that posted it, for an agent's reply).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or no such message in it).
+        """
 
     @_abc_1.abstractmethod
     def SendTask(
@@ -619,8 +691,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ListRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListRunsResponse, _abc.Awaitable[_gateway_pb2.ListRunsResponse]]:
-        """ListRuns of the caller's own agents, newest first. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not
-        the caller's).
+        """ListRuns of the caller's own agents, newest first, optionally of one agent, one room, one status
+        and a range of start times. Errors: INVALID_ARGUMENT (a bad status, a range that ends before it
+        starts, a page token handed out for other filters), NOT_FOUND (agent not the caller's).
         """
 
     @_abc_1.abstractmethod
@@ -629,7 +702,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.GetRunRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.GetRunResponse, _abc.Awaitable[_gateway_pb2.GetRunResponse]]:
-        """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        """GetRun of one of the caller's agents, with the approval it parked on (held actions and who
+        decided them when) if it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
 
     @_abc_1.abstractmethod
     def SetAgentRights(
@@ -746,6 +821,45 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         ended session is not possible (the call itself is refused as UNAUTHENTICATED).
         Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
         `quayutec keys revoke`).
+        """
+
+    @_abc_1.abstractmethod
+    def CreateApiKey(
+        self,
+        request: _gateway_pb2.CreateApiKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.CreateApiKeyResponse, _abc.Awaitable[_gateway_pb2.CreateApiKeyResponse]]:
+        """CreateApiKey makes a new API key of the caller's company; its secret is in the answer once and
+        never again (only its hash is kept). Only a company key may make one: a session key cannot, so a
+        copied sign-in can never outlive its own revocation by minting a lasting key.
+        Errors: INVALID_ARGUMENT (label over 200 bytes), PERMISSION_DENIED (called with a session key),
+        RESOURCE_EXHAUSTED (the company already has the most live keys allowed; the message names the
+        setting).
+        """
+
+    @_abc_1.abstractmethod
+    def ListApiKeys(
+        self,
+        request: _gateway_pb2.ListApiKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ListApiKeysResponse, _abc.Awaitable[_gateway_pb2.ListApiKeysResponse]]:
+        """ListApiKeys of the caller's company, oldest first: ids, labels, times and state, never a secret
+        or a hash. Any key of the company may list (session keys too); session keys are listed only with
+        include_sessions. Errors: INVALID_ARGUMENT (bad page token).
+        """
+
+    @_abc_1.abstractmethod
+    def RevokeApiKey(
+        self,
+        request: _gateway_pb2.RevokeApiKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RevokeApiKeyResponse, _abc.Awaitable[_gateway_pb2.RevokeApiKeyResponse]]:
+        """RevokeApiKey revokes a key of the caller's company at once (its session keys with it; their open
+        streams end within seconds on every replica). Revoking a revoked key answers it as it is. Any key
+        of the company may revoke (revoking grants nothing); revoking the key the call is made with, or
+        the company key of the calling session key, ends the caller's own access too.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
+        answers exactly as an unknown one).
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

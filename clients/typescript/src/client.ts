@@ -9,6 +9,7 @@ import {
   ActionRight,
   InvitationStatus,
   Provider,
+  RunStatus,
   TaskStatus,
   WaitpointStatus,
   type Agent,
@@ -25,8 +26,11 @@ import {
   type Task,
   type Waitpoint,
 } from "./gen/quayutec/v1/common_pb.js";
+import { timestampFromDate } from "@bufbuild/protobuf/wkt";
 import type {
   AcceptInvitationResponse,
+  ApiKey,
+  CreateApiKeyResponse,
   CreateSessionKeyResponse,
   DecideApprovalResponse,
   GetAgentRightsResponse,
@@ -300,9 +304,51 @@ export class Client {
 
   // Runs, rights and approvals.
 
-  /** Your agents' runs (or one agent's), newest first. */
-  runs(options: { agentId?: string; pageSize?: number } = {}): AsyncGenerator<Run, void, undefined> {
-    return this.paged("listRuns", { ...options }, (p) => p.runs);
+  /** Your agents' runs (or one agent's), newest first; optionally in one room, with one status, or
+   * started at or after `startedAfter` and before `startedBefore`. */
+  runs(
+    options: {
+      agentId?: string;
+      roomId?: string;
+      status?: RunStatus;
+      startedAfter?: Date;
+      startedBefore?: Date;
+      pageSize?: number;
+    } = {},
+  ): AsyncGenerator<Run, void, undefined> {
+    const { startedAfter, startedBefore, ...rest } = options;
+    return this.paged(
+      "listRuns",
+      {
+        ...rest,
+        startedAfter: startedAfter === undefined ? undefined : timestampFromDate(startedAfter),
+        startedBefore: startedBefore === undefined ? undefined : timestampFromDate(startedBefore),
+      },
+      (p) => p.runs,
+    );
+  }
+
+  /** One message of a room (an agent's reply carries the `runId` of the run that posted it). */
+  async getMessage(roomId: string, messageId: string): Promise<Message> {
+    return required((await this.unary("getMessage", { roomId, messageId })).message);
+  }
+
+  // Your company's API keys.
+
+  /** A new API key of your company (call with a company key: a session key may not). Its `secret`
+   * is in this answer only; keep it. */
+  async createApiKey(options: { label?: string } = {}): Promise<CreateApiKeyResponse> {
+    return this.unary("createApiKey", { label: options.label ?? "" });
+  }
+
+  /** Your company's keys, oldest first (never a secret); its session keys too when asked. */
+  apiKeys(options: { includeSessions?: boolean; pageSize?: number } = {}): AsyncGenerator<ApiKey, void, undefined> {
+    return this.paged("listApiKeys", { ...options }, (p) => p.keys);
+  }
+
+  /** Revoke one of your company's keys at once (its session keys with it). */
+  async revokeApiKey(keyId: string): Promise<ApiKey> {
+    return required((await this.unary("revokeApiKey", { keyId })).key);
   }
 
   /** One run's ledger row: what it posted and wrote, each model request, its trace id. */
@@ -436,6 +482,10 @@ export const WRAPS: { readonly [K in RpcKey]: keyof Client } = {
   searchPassages: "searchPassages",
   listRuns: "runs",
   getRun: "getRun",
+  getMessage: "getMessage",
+  createApiKey: "createApiKey",
+  listApiKeys: "apiKeys",
+  revokeApiKey: "revokeApiKey",
   setAgentRights: "setAgentRights",
   getAgentRights: "getAgentRights",
   listApprovals: "approvals",

@@ -67,6 +67,12 @@ export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   createSessionKey: Safety.UnkeyedWrite,
   // Ending an ended session leaves it ended (a repeat answers UNAUTHENTICATED: the client counts it done).
   endSession: Safety.IdempotentWrite,
+  getMessage: Safety.Read,
+  // A repeat would make a second key.
+  createApiKey: Safety.UnkeyedWrite,
+  listApiKeys: Safety.Read,
+  // Revoking a revoked key leaves it revoked.
+  revokeApiKey: Safety.IdempotentWrite,
 };
 
 /** TLS to the Gateway: `ca` (PEM) to trust instead of Node's roots; `serverName` when the

@@ -419,6 +419,24 @@ test("the rest of the surface against the real Gateway", async () => {
   assert.deepEqual((await collect(a.members(third.roomId))).map((m) => m.companyId), [acme.company_id]);
   // @ts-expect-error: not a provider (the compiler says so too)
   await assert.rejects(a.registerAgent({ name: "x", provider: "nonsense", model: "m" }), /not one of/);
+
+  // One message by id; runs filtered by room and start time.
+  const posted = await a.postMessage(room.roomId, "read me by id", { person: "ana" });
+  assert.equal((await a.getMessage(room.roomId, posted.message!.messageId)).body, "read me by id");
+  await assert.rejects(b.getMessage(room.roomId, posted.message!.messageId), NotFound);
+  const inRoom = await collect(a.runs({ roomId: room.roomId, startedAfter: new Date(0) }));
+  assert.ok(inRoom.every((r) => r.roomId === room.roomId));
+  assert.deepEqual(await collect(a.runs({ roomId: third.roomId })), []);
+  assert.deepEqual(await collect(a.runs({ roomId: room.roomId, startedBefore: new Date(0) })), []);
+
+  // The company's own keys: made once (the secret in this answer only), listed without secrets, revoked.
+  const made = await a.createApiKey({ label: "ci" });
+  assert.ok(made.secret.length > 0);
+  const listed = await collect(a.apiKeys());
+  assert.ok(listed.some((k) => k.keyId === made.key?.keyId && k.label === "ci"));
+  assert.ok(!JSON.stringify(listed, (_, v) => (typeof v === "bigint" ? v.toString() : v)).includes(made.secret));
+  assert.equal((await a.revokeApiKey(made.key!.keyId)).keyId, made.key!.keyId);
+  await assert.rejects(b.revokeApiKey(made.key!.keyId), NotFound);
 });
 
 // The company-wide watch (watchRooms) and session keys.

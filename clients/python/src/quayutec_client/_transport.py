@@ -64,6 +64,7 @@ SAFETY: Mapping[str, Safety] = {
     "ListAgents": Safety.READ,
     "PostMessage": Safety.KEYED_WRITE,
     "ListMessages": Safety.READ,
+    "GetMessage": Safety.READ,
     "SendTask": Safety.KEYED_WRITE,
     "UpdateTask": Safety.KEYED_WRITE,
     "ListTasks": Safety.READ,
@@ -84,6 +85,10 @@ SAFETY: Mapping[str, Safety] = {
     "CreateSessionKey": Safety.UNKEYED_WRITE,
     # Ending an ended session leaves it ended (a repeat answers UNAUTHENTICATED: the client counts it done).
     "EndSession": Safety.IDEMPOTENT_WRITE,
+    # A repeat would make a second key.
+    "CreateApiKey": Safety.UNKEYED_WRITE,
+    "ListApiKeys": Safety.READ,
+    "RevokeApiKey": Safety.IDEMPOTENT_WRITE,
 }
 
 

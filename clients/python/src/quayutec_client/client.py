@@ -11,6 +11,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -28,6 +29,8 @@ from quayutec_client.types import (
     Company,
     File,
     Invitation,
+    KeyInfo,
+    MadeKey,
     MemoryLine,
     Message,
     Passage,
@@ -208,10 +211,13 @@ class Client:
         return response.invitation
 
     @rpc("ListInvitations")
-    def invitations(self, *, status: int | str = 0, page_size: int = 0) -> AsyncIterator[Invitation]:
-        """Invitations to your company, oldest first: pending ones unless ``status`` says otherwise."""
+    def invitations(
+        self, *, status: int | str = 0, sent: bool = False, page_size: int = 0
+    ) -> AsyncIterator[Invitation]:
+        """Invitations to your company (or, ``sent``, those it sent), oldest first: pending ones unless
+        ``status`` says otherwise."""
         request = gateway_pb2.ListInvitationsRequest(
-            status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status), page_size=page_size
+            status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status), sent=sent, page_size=page_size
         )
         return self._paged("ListInvitations", request, lambda p: p.invitations)
 
@@ -266,9 +272,11 @@ class Client:
         return response.agent
 
     @rpc("ListAgents")
-    def agents(self, *, page_size: int = 0) -> AsyncIterator[Agent]:
-        """Your company's agents."""
-        return self._paged("ListAgents", gateway_pb2.ListAgentsRequest(page_size=page_size), lambda p: p.agents)
+    def agents(self, *, room_id: str = "", page_size: int = 0) -> AsyncIterator[Agent]:
+        """Your company's agents; with ``room_id``, the agents in that room (every member company's, another
+        company's by id, name and company only)."""
+        request = gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=page_size)
+        return self._paged("ListAgents", request, lambda p: p.agents)
 
     # Messages and tasks.
 
@@ -405,9 +413,28 @@ class Client:
     # Runs, rights and approvals.
 
     @rpc("ListRuns")
-    def runs(self, *, agent_id: str = "", page_size: int = 0) -> AsyncIterator[Run]:
-        """Your agents' runs (or one agent's), newest first."""
-        request = gateway_pb2.ListRunsRequest(agent_id=agent_id, page_size=page_size)
+    def runs(
+        self,
+        *,
+        agent_id: str = "",
+        room_id: str = "",
+        status: int | str = 0,
+        started_after: datetime | None = None,
+        started_before: datetime | None = None,
+        page_size: int = 0,
+    ) -> AsyncIterator[Run]:
+        """Your agents' runs (or one agent's), newest first; optionally in one room, with one status
+        ("failed"...), started at or after ``started_after`` and before ``started_before``."""
+        request = gateway_pb2.ListRunsRequest(
+            agent_id=agent_id,
+            room_id=room_id,
+            status=_enum(common_pb2.RunStatus, "RUN_STATUS_", status),
+            page_size=page_size,
+        )
+        if started_after is not None:
+            request.started_after.FromDatetime(started_after)
+        if started_before is not None:
+            request.started_before.FromDatetime(started_before)
         return self._paged("ListRuns", request, lambda p: p.runs)
 
     @rpc("GetRun")
@@ -415,6 +442,35 @@ class Client:
         """One run's ledger row: what it posted and wrote, each model request, its trace id."""
         response: gateway_pb2.GetRunResponse = await self._unary("GetRun", gateway_pb2.GetRunRequest(run_id=run_id))
         return response.run
+
+    @rpc("GetMessage")
+    async def get_message(self, room_id: str, message_id: str) -> Message:
+        """One message of a room (an agent's reply carries the ``run_id`` that posted it)."""
+        request = gateway_pb2.GetMessageRequest(room_id=room_id, message_id=message_id)
+        response: gateway_pb2.GetMessageResponse = await self._unary("GetMessage", request)
+        return response.message
+
+    # Your company's API keys.
+
+    @rpc("CreateApiKey")
+    async def create_api_key(self, label: str = "") -> MadeKey:
+        """A new API key of your company (call with a company key: a session key may not). Its
+        ``secret`` is in this answer only; keep it."""
+        response: MadeKey = await self._unary("CreateApiKey", gateway_pb2.CreateApiKeyRequest(label=label))
+        return response
+
+    @rpc("ListApiKeys")
+    def api_keys(self, *, include_sessions: bool = False, page_size: int = 0) -> AsyncIterator[KeyInfo]:
+        """Your company's keys, oldest first (never a secret); its session keys too when asked."""
+        request = gateway_pb2.ListApiKeysRequest(include_sessions=include_sessions, page_size=page_size)
+        return self._paged("ListApiKeys", request, lambda p: p.keys)
+
+    @rpc("RevokeApiKey")
+    async def revoke_api_key(self, key_id: str) -> KeyInfo:
+        """Revoke one of your company's keys at once (its session keys with it)."""
+        request = gateway_pb2.RevokeApiKeyRequest(key_id=key_id)
+        response: gateway_pb2.RevokeApiKeyResponse = await self._unary("RevokeApiKey", request)
+        return response.key
 
     @rpc("SetAgentRights")
     async def set_agent_rights(
