@@ -618,6 +618,20 @@ _DECLARED: list[Setting] = [
     _g("OTEL_SERVICE_NAME", "", "service name in traces", ALL, shown="quayutec-<service>"),
     _g("OTEL_RESOURCE_ATTRIBUTES", "", "extra resource attributes, key=value,...", ALL),
     _g("OTEL_SDK_DISABLED", False, "true turns telemetry off", ALL),
+    _g(
+        "OTEL_SEMCONV_STABILITY_OPT_IN",
+        "http,database",
+        "the instrumentations' semantic conventions: the stable HTTP and database names (gRPC's are ours)",
+        ALL,
+    ),
+    _g(
+        "QUAYUTEC_HOUSEKEEPING_TRACE_RATIO",
+        0.0,
+        "fraction (0..1) of idle polls and housekeeping calls traced as traces of their own; 0: only the "
+        "passes that change something, each recorded as one span",
+        ALL,
+        shown="0",
+    ),
 ]
 for _spec in SERVICES:
     _DECLARED += _per_service(_spec)

@@ -5,10 +5,20 @@ instrumentors patch their creation). When the standard ``OTEL_*`` variables name
 installs the gRPC, asyncpg and httpx instrumentations, so trace context flows through every hop and
 each wake is one trace; with none, nothing is instrumented, recorded or exported (configure every
 service the same way). Span attributes carry ids only: never a prompt, a reply or a key.
+
+Traces people can follow (docs/operations.md): a wake keeps the trace context of the span that
+created it and its ``deliver wake`` span links to it; a continuation's run links to the span that
+parked it. Housekeeping makes no trace while idle: polling and housekeeping RPCs are not sampled as
+roots (but for QUAYUTEC_HOUSEKEEPING_TRACE_RATIO of them), a database span without a parent is never
+recorded, and a housekeeping pass that changed something is recorded afterwards as a span of its own.
+Attribute names follow the stable semantic conventions: the instrumentations' own opt-in
+(OTEL_SEMCONV_STABILITY_OPT_IN, ``http,database`` unless set) and, for gRPC, whose instrumentation has
+none, the stable names and span names written at the end of each span.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import threading
@@ -27,11 +37,20 @@ from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetr
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
-from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased, Sampler, SamplingResult
-from opentelemetry.trace import Link, SpanKind
+from opentelemetry.sdk.trace.sampling import (
+    ALWAYS_ON,
+    Decision,
+    ParentBased,
+    Sampler,
+    SamplingResult,
+    TraceIdRatioBased,
+)
+from opentelemetry.trace import Link, SpanContext, SpanKind
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import Attributes
 
-from quayutec.config import ConfigError
+from quayutec.config import ConfigError, env_float
+from quayutec.settings import setting
 from quayutec.v1 import common_pb2, room_pb2
 
 _log = logging.getLogger("quayutec.telemetry")
@@ -41,14 +60,30 @@ DELIVERY_TRACER = "quayutec.gateway.delivery"
 RUN_TRACER = "quayutec.runtime.run"
 # Attribute namespace for our ids; the only values of ours that go on spans.
 ID_PREFIX = "quayutec."
-# RPCs a loop sends every few hundred milliseconds: as the root of a trace they are not sampled,
-# so an idle Gateway does not fill Jaeger with LeaseWakes traces (and the Room follows the flag).
+# RPCs a loop sends every few hundred milliseconds or seconds: as the root of a trace they are not
+# sampled (but for QUAYUTEC_HOUSEKEEPING_TRACE_RATIO of them), so an idle stack does not fill Jaeger
+# with polls and housekeeping (and the Room follows the flag). A pass that acted is recorded after the
+# fact (``record_housekeeping``).
 QUIET_ROOT_SPANS = frozenset(
     {
         "/quayutec.v1.RoomService/LeaseWakes",
         "/quayutec.v1.RoomService/CountPendingWakes",
+        "/quayutec.v1.RoomService/ExpireWaitpoints",
+        "/quayutec.v1.RoomService/AbandonStaleRuns",
     }
 )
+HOUSEKEEPING_TRACER = "quayutec.housekeeping"
+# The Python distribution whose version is the resource's service.version.
+DISTRIBUTION = "quayutec-rooms"
+# The instrumentations' stable-conventions opt-in, unless the operator sets OTEL_SEMCONV_STABILITY_OPT_IN.
+SEMCONV_OPT_IN = "OTEL_SEMCONV_STABILITY_OPT_IN"
+# gRPC's instrumentation has no opt-in: its pre-stable attribute names become the stable ones (or go).
+_GRPC_STABLE_NAMES: Mapping[str, str | None] = {
+    "net.peer.ip": "network.peer.address",
+    "net.peer.port": "network.peer.port",
+    "net.peer.name": None,  # "localhost" on a Unix socket: network.peer.address says it
+    "rpc.user_agent": "user_agent.original",
+}
 # Services never traced: probes, reflection, and OTLP itself (a collector in-process, in tests).
 _UNTRACED_SERVICE_PREFIXES = ("grpc.health.", "grpc.reflection.", "opentelemetry.proto.")
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -65,6 +100,8 @@ class TelemetrySettings:
     traces_endpoint: str | None
     metrics_exporter: str  # "otlp", "console" or "none"
     metrics_endpoint: str | None
+    # The fraction of idle polling and housekeeping RPCs traced as roots of their own (0: none).
+    housekeeping_ratio: float = 0.0
 
     @classmethod
     def from_env(cls, service_name: str, env: Mapping[str, str] | None = None) -> TelemetrySettings:
@@ -80,7 +117,24 @@ class TelemetrySettings:
             traces_endpoint=traces_endpoint,
             metrics_exporter=_exporter_choice(env, "OTEL_METRICS_EXPORTER", metrics_endpoint),
             metrics_endpoint=metrics_endpoint,
+            housekeeping_ratio=_housekeeping_ratio(env),
         )
+
+
+def _housekeeping_ratio(env: Mapping[str, str]) -> float:
+    name = "QUAYUTEC_HOUSEKEEPING_TRACE_RATIO"
+    ratio = env_float(env, setting(name), minimum=0.0)
+    if ratio > 1.0:
+        raise ConfigError(f"{name} must be between 0 and 1, got {ratio:g}")
+    return ratio
+
+
+def service_version() -> str:
+    """The installed package's version (service.version), or "unknown" when run from an uninstalled tree."""
+    try:
+        return importlib.metadata.version(DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _exporter_choice(env: Mapping[str, str], name: str, endpoint: str | None) -> str:
@@ -125,7 +179,11 @@ class _SwitchableProcessor(SpanProcessor):
             processor.on_start(span, parent_context=parent_context)
 
     def on_end(self, span: ReadableSpan) -> None:
-        for processor in self._delegates:
+        delegates = self._delegates
+        if not delegates:
+            return
+        span = stable_conventions(span)
+        for processor in delegates:
             processor.on_end(span)
 
     def shutdown(self) -> None:
@@ -136,16 +194,49 @@ class _SwitchableProcessor(SpanProcessor):
         return all(processor.force_flush(timeout_millis) for processor in self._delegates)
 
 
+def stable_conventions(span: ReadableSpan) -> ReadableSpan:
+    """A gRPC span with the stable names: ``pkg.Service/Method`` (no leading slash) and the network
+    attributes of today's conventions; any other span as it is."""
+    attributes = span.attributes or {}
+    if attributes.get("rpc.system") != "grpc":
+        return span
+    renamed: dict[str, Any] = {}
+    for key, value in attributes.items():
+        if key in _GRPC_STABLE_NAMES:
+            new = _GRPC_STABLE_NAMES[key]
+            if new is not None:
+                renamed.setdefault(new, value)
+        else:
+            renamed[key] = value
+    return ReadableSpan(
+        name=span.name.lstrip("/"),
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes=renamed,
+        events=span.events,
+        links=span.links,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
 class _QuietPolling(Sampler):
-    """Drops the root spans of polling RPCs (QUIET_ROOT_SPANS); everything else goes to ``inner``.
+    """Drops the root spans of polling and housekeeping RPCs (QUIET_ROOT_SPANS; ``ratio`` of them are
+    kept) and every database span without a parent (LISTEN, the cleanup loops); everything else
+    goes to ``inner``.
 
     While nothing would receive spans (no exporter, no processor), every span is dropped: trace ids
     are still made and propagated (the ledger records them), but no span is recorded, which keeps
     an unexported process as fast as an untraced one.
     """
 
-    def __init__(self, inner: Sampler) -> None:
+    def __init__(self, inner: Sampler, ratio: float = 0.0) -> None:
         self._inner = inner
+        self._quiet = TraceIdRatioBased(ratio) if ratio > 0 else None
         self._drop = SamplingResult(Decision.DROP)
         self.recording = False
 
@@ -161,8 +252,13 @@ class _QuietPolling(Sampler):
     ) -> SamplingResult:
         if not self.recording:
             return self._drop
-        if name in QUIET_ROOT_SPANS and not trace.get_current_span(parent_context).get_span_context().is_valid:
-            return self._drop
+        if not trace.get_current_span(parent_context).get_span_context().is_valid:
+            if attributes and ("db.system" in attributes or "db.system.name" in attributes):
+                return self._drop  # a database span of no call: a loop's query, never a trace of its own
+            if name in QUIET_ROOT_SPANS:
+                if self._quiet is None:
+                    return self._drop
+                return self._quiet.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
         return self._inner.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
 
     def get_description(self) -> str:
@@ -237,9 +333,14 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
         telemetry = Telemetry(settings, None, None)
         if not settings.disabled:
             resource = Resource.create(
-                {"service.namespace": "quayutec", **settings.resource_attributes, "service.name": settings.service_name}
+                {
+                    "service.namespace": "quayutec",
+                    "service.version": service_version(),
+                    **settings.resource_attributes,
+                    "service.name": settings.service_name,
+                }
             )
-            telemetry._sampler = _QuietPolling(_env_sampler())
+            telemetry._sampler = _QuietPolling(_env_sampler(), settings.housekeeping_ratio)
             telemetry.tracer_provider = TracerProvider(resource=resource, sampler=telemetry._sampler)
             telemetry.tracer_provider.add_span_processor(telemetry._processors)
             exporter = _span_exporter(settings)
@@ -296,6 +397,8 @@ def _traced(details: Any) -> bool:
 def _instrument() -> None:
     """gRPC aio server and client (context in metadata), asyncpg (statements, never parameters) and
     httpx; each once. Installed when something receives spans: without a receiver they are pure cost."""
+    # Read once, by the first instrumentation that asks: set before any is imported and installed.
+    os.environ.setdefault(SEMCONV_OPT_IN, str(setting(SEMCONV_OPT_IN).default))
     from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
     from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
@@ -354,13 +457,51 @@ def annotate(
     room_id: str = "",
     wake_id: str = "",
     run_id: str = "",
+    message_id: str = "",
+    wake_ids: Sequence[str] = (),
 ) -> None:
-    """Put our ids on ``span`` (the current span by default) as ``quayutec.<name>``; empty ones are skipped."""
+    """Put our ids on ``span`` (the current span by default) as ``quayutec.<name>`` (a list of ids:
+    ``quayutec.<name>s``); empty ones are skipped."""
     target = span if span is not None else trace.get_current_span()
-    ids = {"company_id": company_id, "agent_id": agent_id, "room_id": room_id, "wake_id": wake_id, "run_id": run_id}
+    if not target.is_recording():
+        return
+    ids = {
+        "company_id": company_id,
+        "agent_id": agent_id,
+        "room_id": room_id,
+        "wake_id": wake_id,
+        "run_id": run_id,
+        "message_id": message_id,
+    }
     for name, value in ids.items():
         if value:
             target.set_attribute(ID_PREFIX + name, value)
+    if wake_ids:
+        target.set_attribute(ID_PREFIX + "wake_ids", list(wake_ids))
+
+
+_tracecontext = TraceContextTextMapPropagator()
+
+
+def current_traceparent() -> str:
+    """The W3C traceparent of the current span when it is recorded and sampled, else "": what a row
+    created under it (a wake, a waitpoint) keeps so a later span can link back to it."""
+    span = trace.get_current_span()
+    ctx = span.get_span_context()
+    if not (ctx.is_valid and ctx.trace_flags.sampled and span.is_recording()):
+        return ""
+    carrier: dict[str, str] = {}
+    _tracecontext.inject(carrier, context=trace.set_span_in_context(span))
+    return carrier.get("traceparent", "")
+
+
+def link_to(traceparent: str) -> Link | None:
+    """A span link to the span ``traceparent`` names; None for an empty or malformed one."""
+    if not traceparent:
+        return None
+    extracted = _tracecontext.extract({"traceparent": traceparent}, context=otel_context.Context())
+    ctx: SpanContext = trace.get_current_span(extracted).get_span_context()
+    return Link(ctx) if ctx.is_valid else None
 
 
 # Got once: the SDK builds a new tracer on every get_tracer call (a few % of the Runtime's CPU when
@@ -373,11 +514,15 @@ _RUN = trace.get_tracer(RUN_TRACER)
 def wake_delivery_span(wake: common_pb2.Wake) -> Iterator[trace.Span]:
     """The root span of one wake's trace ("deliver wake"): StartRun, the run and its calls hang under it."""
     current = trace.get_current_span().get_span_context()
+    links = [Link(current)] if current.is_valid else []
+    created_by = link_to(wake.traceparent)  # the post, task or decision whose transaction made the wake
+    if created_by is not None:
+        links.append(created_by)
     with _DELIVERY.start_as_current_span(
         "deliver wake",
         context=otel_context.Context(),  # a trace of its own, whatever the poll loop is inside
         kind=SpanKind.PRODUCER,
-        links=[Link(current)] if current.is_valid else None,
+        links=links or None,
         attributes={
             "quayutec.wake.kind": common_pb2.WakeKind.Name(wake.kind).removeprefix("WAKE_KIND_").lower(),
             "quayutec.wake.delivery_attempts": wake.delivery_attempts,
@@ -389,11 +534,36 @@ def wake_delivery_span(wake: common_pb2.Wake) -> Iterator[trace.Span]:
 
 
 @contextmanager
-def run_span(*, run_id: str, agent_id: str = "", room_id: str = "", wake_id: str = "") -> Iterator[trace.Span]:
-    """The span of one background run ("run"), a child of the StartRun that claimed it."""
-    with _RUN.start_as_current_span("run", kind=SpanKind.INTERNAL) as span:
+def run_span(
+    *, run_id: str, agent_id: str = "", room_id: str = "", wake_id: str = "", continues: str = ""
+) -> Iterator[trace.Span]:
+    """The span of one background run ("run"), a child of the StartRun that claimed it. A
+    continuation names in ``continues`` the traceparent of the span that parked the run: linked."""
+    parked = link_to(continues)
+    with _RUN.start_as_current_span(
+        "run", kind=SpanKind.INTERNAL, links=[parked] if parked is not None else None
+    ) as span:
         annotate(span, agent_id=agent_id, room_id=room_id, wake_id=wake_id, run_id=run_id)
         yield span
+
+
+_HOUSEKEEPING = trace.get_tracer(HOUSEKEEPING_TRACER)
+
+
+def record_housekeeping(name: str, started_ns: int, counts: Mapping[str, int]) -> None:
+    """A housekeeping pass that changed something, recorded after the fact as a trace of its own
+    (``name``, from ``started_ns`` to now, each count as ``quayutec.housekeeping.<key>``); a pass that
+    changed nothing records nothing. Its calls were not traced (QUIET_ROOT_SPANS)."""
+    if not any(counts.values()):
+        return
+    span = _HOUSEKEEPING.start_span(
+        name,
+        context=otel_context.Context(),
+        kind=SpanKind.INTERNAL,
+        start_time=started_ns,
+        attributes={f"{ID_PREFIX}housekeeping.{key}": value for key, value in counts.items()},
+    )
+    span.end()
 
 
 def run_outcome(status: common_pb2.RunStatus.ValueType) -> str:

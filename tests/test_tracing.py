@@ -177,7 +177,7 @@ async def test_one_wake_is_one_trace_across_the_services(
 
             def settled() -> bool:
                 names = {s.name for s in received.spans() if s.span.kind == Span.SPAN_KIND_SERVER}
-                return "/quayutec.v1.RoomService/SettleWakes" in names
+                return "quayutec.v1.RoomService/SettleWakes" in names
 
             for _ in range(200):  # until the delivery has settled the wake and its spans are out
                 await asyncio.to_thread(export.force_flush)
@@ -199,20 +199,20 @@ async def test_one_wake_is_one_trace_across_the_services(
     assert {"quayutec.v1.RuntimeService", "quayutec.v1.ClaimsService", "quayutec.v1.RoomService"} <= server_services
     in_trace_names = {s.name for s in in_trace}
     for name in (
-        "/quayutec.v1.ClaimsService/ClaimOnce",
-        "/quayutec.v1.RoomService/ReadRunContext",
-        "/quayutec.v1.RoomService/RecordRun",
-        "/quayutec.v1.RoomService/PostMessage",  # the reply
+        "quayutec.v1.ClaimsService/ClaimOnce",
+        "quayutec.v1.RoomService/ReadRunContext",
+        "quayutec.v1.RoomService/RecordRun",
+        "quayutec.v1.RoomService/PostMessage",  # the reply
     ):
         assert name in in_trace_names, (name, sorted(in_trace_names))
     assert any(s.scope.startswith("opentelemetry.instrumentation.asyncpg") for s in in_trace)
     # Every span of this wake's calls is in that trace (this test makes no other such calls).
     per_wake = {
-        "/quayutec.v1.RuntimeService/StartRuns",  # a batch of one: in its only wake's trace
+        "quayutec.v1.RuntimeService/StartRuns",  # a batch of one: in its only wake's trace
         "StartRun",
-        "/quayutec.v1.ClaimsService/ClaimOnce",
-        "/quayutec.v1.RoomService/ReadRunContext",
-        "/quayutec.v1.RoomService/RecordRun",
+        "quayutec.v1.ClaimsService/ClaimOnce",
+        "quayutec.v1.RoomService/ReadRunContext",
+        "quayutec.v1.RoomService/RecordRun",
         f"chat {model}",
     }
     assert {s.trace_id for s in spans if s.name in per_wake} == {trace_id}
@@ -246,13 +246,13 @@ async def test_one_wake_is_one_trace_across_the_services(
     assert root.trace_id == trace_id
     assert not root.span.parent_span_id
     assert (root.attr("quayutec.agent_id"), root.attr("quayutec.room_id")) == (agent.agent_id, room.room_id)
-    starts = [s for s in in_trace if s.name == "/quayutec.v1.RuntimeService/StartRuns"]
+    starts = [s for s in in_trace if s.name == "quayutec.v1.RuntimeService/StartRuns"]
     assert {s.span.kind for s in starts} == {Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_SERVER}
     # The item's span hangs under the wake's delivery span and links to the call that carried it.
     assert start_servers[0].span.parent_span_id == root.span.span_id
     (call,) = [s for s in starts if _server(s)]
     assert [link.span_id for link in start_servers[0].span.links] == [call.span.span_id]
-    assert "/quayutec.v1.RoomService/SettleWakes" in in_trace_names
+    assert "quayutec.v1.RoomService/SettleWakes" in in_trace_names
     (run_span,) = [s for s in spans if s.name == "run" and s.attr("quayutec.run_id") == run_id]
     assert run_span.trace_id == trace_id
     assert run_span.span.parent_span_id == start_servers[0].span.span_id

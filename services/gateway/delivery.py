@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from quayutec.coalesce import Coalescer
-from quayutec.telemetry import Metrics, wake_delivery_span
+from quayutec.telemetry import Metrics, annotate, record_housekeeping, wake_delivery_span
 from quayutec.v1 import common_pb2, room_pb2, runtime_pb2
 from services.gateway.config import DeliveryConfig
 
@@ -255,6 +256,7 @@ class WakeDelivery:
         """Every interval: expire overdue waitpoints and end abandoned runs (at once again after a full
         batch); failures wait a turn."""
         while not self._stopping.is_set():
+            started_ns = time.time_ns()
             try:
                 response = await self._room.ExpireWaitpoints(
                     room_pb2.RoomServiceExpireWaitpointsRequest(limit=_EXPIRE_BATCH), timeout=_ROOM_TIMEOUT_SECONDS
@@ -272,6 +274,9 @@ class WakeDelivery:
             else:
                 self.expired += response.expired
                 self.abandoned += abandoned.abandoned
+                # Not traced while idle: a pass that changed something is recorded as one span.
+                counts = {"expired": response.expired, "abandoned": abandoned.abandoned}
+                record_housekeeping("expire waitpoints and abandoned runs", started_ns, counts)
                 if response.expired >= _EXPIRE_BATCH or abandoned.abandoned >= _EXPIRE_BATCH:
                     continue
             await self._sleep(self._config.expire_interval_seconds)
@@ -305,6 +310,7 @@ class WakeDelivery:
             started = await self._start_one(request)
         error = started.error
         if started.response is not None:
+            annotate(run_id=started.response.run_id)  # "deliver wake" names the run StartRun started
             if started.response.result in _DELIVERED_RESULTS:
                 _log.info(
                     "wake %s delivered (attempt %d): StartRun answered %s",

@@ -20,6 +20,7 @@ import grpc
 
 from quayutec.errors import InvalidArgument, NotFound, status_for, trailers_of
 from quayutec.ratelog import RateLimitedLog
+from quayutec.telemetry import annotate
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
 from services.gateway.auth import CallerContext
 from services.gateway.keys import KeyRpcs
@@ -485,7 +486,11 @@ class GatewayServicer(KeyRpcs):
             request.room_id,
             AGENT_NOT_IN_ROOM,
         )
-        return gateway_pb2.PostMessageResponse(message=response.message, wake_ids=[w.wake_id for w in response.wakes])
+        wake_ids = [w.wake_id for w in response.wakes]
+        annotate(
+            company_id=company_id, room_id=request.room_id, message_id=response.message.message_id, wake_ids=wake_ids
+        )
+        return gateway_pb2.PostMessageResponse(message=response.message, wake_ids=wake_ids)
 
     async def ListMessages(
         self, request: gateway_pb2.ListMessagesRequest, context: Any
@@ -858,6 +863,7 @@ class GatewayServicer(KeyRpcs):
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise not_found from None
             raise
+        annotate(company_id=company_id, room_id=response.waitpoint.room_id, run_id=response.waitpoint.run_id)
         return gateway_pb2.DecideApprovalResponse(
             waitpoint=response.waitpoint, completed=response.completed, already_decided=response.already_decided
         )

@@ -11,7 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
+from quayutec.telemetry import record_housekeeping
 from services.room.store import RoomStore
 
 BATCH = 1000
@@ -55,10 +57,12 @@ class OutboxCleaner:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self._interval)
+            started_ns = time.time_ns()
             try:
                 deleted = await self.clean_once()
             except Exception as exc:  # the database may be away for a while; try again next interval
                 _log.warning("deleting delivered wakes failed (%s); trying again in %g s", exc, self._interval)
             else:
+                record_housekeeping("delete delivered wakes", started_ns, {"deleted": deleted})
                 if deleted:
                     _log.info("deleted %d wakes delivered more than %d s ago", deleted, self._keep)

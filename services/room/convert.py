@@ -140,6 +140,7 @@ def wake(row: Row) -> common_pb2.Wake:
         source_id=row["source_id"],
         delivery_attempts=row["delivery_attempts"],
         created_at=timestamp(row["created_at"]),
+        traceparent=row["traceparent"],
     )
 
 
@@ -224,6 +225,7 @@ def run(row: Row) -> common_pb2.Run:
         model_attempts=[json_format.ParseDict(a, common_pb2.ModelAttempt()) for a in json.loads(row["model_attempts"])],
         error=row["error"],
         trace_id=row["trace_id"],
+        trace_ids=row["trace_ids"],
         active_ms=row["active_ms"],
         started_at=timestamp(row["started_at"]),
         updated_at=timestamp(row["updated_at"]),
@@ -286,4 +288,5 @@ def waitpoint(row: Row, held: Sequence[Row]) -> common_pb2.Waitpoint:
         status=text_to_enum(common_pb2.WaitpointStatus, row["status"], WAITPOINT_STATUS_PREFIX),
         created_at=timestamp(row["created_at"]),
         expires_at=timestamp(row["expires_at"]),
+        traceparent=row["traceparent"],
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 
 import asyncpg
 import grpc
@@ -14,6 +15,7 @@ from quayutec.egress import Resolver
 from quayutec.migrate import ROOM as ROOM_COMPONENT
 from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
+from quayutec.telemetry import record_housekeeping
 from quayutec.tls import load_identity
 from quayutec.v1 import room_pb2_grpc
 from services.room.cleanup import OutboxCleaner
@@ -31,11 +33,14 @@ async def clean_events(store: RoomStore, config: RoomConfig, stopping: asyncio.E
     """Removes room events older than the retention, every ``event_cleanup_seconds``, until stopped.
     Every replica may run it: a removed event is simply gone for all."""
     while not stopping.is_set():
+        started_ns, removed = time.time_ns(), 0
         try:
-            while await store.prune_events(config.event_retention_hours * 3600, EVENT_CLEANUP_BATCH) == (
-                EVENT_CLEANUP_BATCH
-            ):
-                pass
+            while True:
+                pruned = await store.prune_events(config.event_retention_hours * 3600, EVENT_CLEANUP_BATCH)
+                removed += pruned
+                if pruned < EVENT_CLEANUP_BATCH:
+                    break
+            record_housekeeping("remove old room events", started_ns, {"removed": removed})
         except Exception as exc:
             _log.warning("removing old room events failed (%s); trying again next interval", type(exc).__name__)
         with contextlib.suppress(TimeoutError):

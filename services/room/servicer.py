@@ -14,6 +14,7 @@ import grpc
 from quayutec.egress import EgressPolicy, EgressRefused, ResolutionFailed, Resolver, system_resolver
 from quayutec.errors import InvalidArgument, ServiceError, Unavailable
 from quayutec.ratelog import RateLimitedLog
+from quayutec.telemetry import annotate
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.room import convert
 from services.room import validate as v
@@ -351,11 +352,13 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
             run=RunRecord(_checked_run(request.run)) if request.HasField("run") else None,
         )
-        return room_pb2.RoomServicePostMessageResponse(
+        response = room_pb2.RoomServicePostMessageResponse(
             message=convert.message(posted.row),
             wakes=[convert.wake(w) for w in posted.wakes],
             deduplicated=posted.deduplicated,
         )
+        _annotate_post(response.message.message_id, room_id, response.wakes, request.run_id)
+        return response
 
     async def GetMessage(
         self, request: room_pb2.RoomServiceGetMessageRequest, context: Ctx
@@ -398,11 +401,13 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
             run=_run_record(request),
         )
-        return room_pb2.RoomServiceCreateTaskResponse(
+        response = room_pb2.RoomServiceCreateTaskResponse(
             task=convert.task(posted.row),
             wakes=[convert.wake(w) for w in posted.wakes],
             deduplicated=posted.deduplicated,
         )
+        annotate(room_id=room_id, wake_ids=[w.wake_id for w in response.wakes], run_id=request.run_id)
+        return response
 
     async def UpdateTask(
         self, request: room_pb2.RoomServiceUpdateTaskRequest, context: Ctx
@@ -705,6 +710,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         company_id = v.required_id(request.company_id, "company_id")
         decided_by = v.text(request.decided_by, "decided_by", v.MAX_NAME_BYTES)
         decided = await self._store.decide_held_action(token, index, company_id, decided_by, approve=request.approve)
+        wp = decided.rows.waitpoint
+        annotate(company_id=company_id, room_id=str(wp["room_id"]), run_id=wp["run_id"])
         return room_pb2.RoomServiceDecideHeldActionResponse(
             waitpoint=convert.waitpoint(decided.rows.waitpoint, decided.rows.held),
             completed=decided.completed,
@@ -818,6 +825,11 @@ def _run_record(
     return RunRecord(_checked_run(request.run), request.run_action_index)
 
 
+def _annotate_post(message_id: str, room_id: str, wakes: Sequence[common_pb2.Wake], run_id: str = "") -> None:
+    """The post's span names the message and the wakes it made (each wake's delivery links back to it)."""
+    annotate(message_id=message_id, room_id=room_id, wake_ids=[w.wake_id for w in wakes], run_id=run_id)
+
+
 def _checked_run(request_run: common_pb2.Run) -> common_pb2.Run:
     """A copy of a ledger row with its ids in canonical form; INVALID_ARGUMENT for a malformed one."""
     run = common_pb2.Run()
@@ -828,6 +840,10 @@ def _checked_run(request_run: common_pb2.Run) -> common_pb2.Run:
     run.company_id = v.optional_id(run.company_id, "run.company_id") or ""
     for field in ("wake_id", "wake_source_id", "posted_message_id", "trace_id"):
         v.text(getattr(run, field), f"run.{field}", v.MAX_KEY_BYTES, required=False)
+    if len(run.trace_ids) > v.MAX_TRACE_IDS:
+        raise InvalidArgument(f"run.trace_ids has {len(run.trace_ids)} ids; at most {v.MAX_TRACE_IDS} are allowed")
+    for trace_id in run.trace_ids:
+        v.text(trace_id, "run.trace_ids", v.MAX_KEY_BYTES, required=False)
     v.text(run.error, "run.error", v.MAX_BODY_BYTES, required=False)
     if run.ByteSize() > v.MAX_RUN_BYTES:
         raise InvalidArgument(f"the run is {run.ByteSize()} bytes; at most {v.MAX_RUN_BYTES} are allowed")

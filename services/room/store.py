@@ -15,6 +15,7 @@ from quayutec.crypto import InvalidToken, MultiFernet
 from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from quayutec.ledger import mark_undone
 from quayutec.sql import Queries
+from quayutec.telemetry import current_traceparent
 from quayutec.v1 import common_pb2
 from services.room import convert
 from services.room.rules import Act, Facts, enforce
@@ -531,6 +532,7 @@ class RoomStore:
                 dedupe_key,
                 woken,
                 str(message_id),
+                current_traceparent(),
             )
             if between_writes is not None:
                 await between_writes(conn)
@@ -599,7 +601,8 @@ class RoomStore:
             if between_writes is not None:
                 await between_writes(conn)
             woken = [to_agent_id] if to_agent_id != author.agent_id else []
-            wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]))
+            traceparent = current_traceparent()
+            wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]), traceparent)
             await self._record_write(conn, events, run, row["task_id"])
             events.add(room_id, common_pb2.ROOM_EVENT_KIND_TASK_CREATED, convert.task(row))
             await self._append_events(conn, events)
@@ -1091,7 +1094,13 @@ class RoomStore:
                 raise NotFound(f"agent {agent_id} of run {run_id} not found")
             await self._require_room(conn, room_id)
             row = await conn.fetchrow(
-                self._q["insert_waitpoint"], run_id, agent_id, company_id, room_id, expires_in_seconds
+                self._q["insert_waitpoint"],
+                run_id,
+                agent_id,
+                company_id,
+                room_id,
+                expires_in_seconds,
+                current_traceparent(),
             )
             if row is None:  # a concurrent CreateWaitpoint for this run committed first
                 return await self._waitpoint_rows(conn, await conn.fetchrow(self._q["find_waitpoint_of_run"], run_id))
@@ -1205,7 +1214,8 @@ class RoomStore:
         return int(await self._pool.fetchval(self._q["expire_due_waitpoints"], limit))
 
     async def _record_decision_wake(self, conn: asyncpg.Connection, wp: Record) -> None:
-        await conn.execute(self._q["insert_wakes"], [wp["agent_id"]], wp["room_id"], "decision", str(wp["token"]))
+        token, traceparent = str(wp["token"]), current_traceparent()
+        await conn.execute(self._q["insert_wakes"], [wp["agent_id"]], wp["room_id"], "decision", token, traceparent)
 
     async def _waitpoint_rows(self, conn: asyncpg.Connection, row: Record) -> WaitpointRows:
         held = await conn.fetch(self._q["held_actions_of"], [row["token"]])
@@ -1266,8 +1276,14 @@ def _action_of(run: common_pb2.Run, index: int) -> common_pb2.DeclaredAction:
     return action
 
 
+def trace_ids_of(run: common_pb2.Run) -> list[str]:
+    """Every trace id ``run`` names, its first (trace_id) first, each once."""
+    return list(dict.fromkeys(t for t in (run.trace_id, *run.trace_ids) if t))
+
+
 def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:
     """The ``upsert_run_with_before`` parameters of a ledger row."""
+    trace_ids = trace_ids_of(run)
     started = run.started_at.ToDatetime(tzinfo=UTC) if run.HasField("started_at") else None
     ended = run.ended_at.ToDatetime(tzinfo=UTC) if run.HasField("ended_at") else None
     return (
@@ -1284,10 +1300,11 @@ def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:
         convert.messages_json(run.actions),
         convert.messages_json(run.model_attempts),
         run.error,
-        run.trace_id,
+        trace_ids[0] if trace_ids else "",
         run.active_ms,
         started,
         ended,
+        trace_ids,
     )
 
 
@@ -1298,6 +1315,10 @@ def _same_run(stored: common_pb2.Run, incoming: common_pb2.Run) -> bool:
     candidate.ClearField("updated_at")
     if not candidate.company_id:
         candidate.company_id = stored.company_id
+    # The ledger keeps every trace id it was given, the first as trace_id.
+    merged = list(dict.fromkeys([*trace_ids_of(stored), *trace_ids_of(candidate)]))
+    candidate.trace_id = merged[0] if merged else ""
+    candidate.trace_ids[:] = merged
     if not candidate.HasField("started_at"):
         candidate.started_at.CopyFrom(stored.started_at)
     for ts in (candidate.started_at, candidate.ended_at):

@@ -29,6 +29,8 @@ MAX_RUN_BYTES = 1024 * KIB
 MAX_LAST_ERROR_CHARS = 4000
 MAX_RETRY_AFTER_MS = 24 * 3600 * 1000
 MAX_HELD_ACTIONS = 100
+# A run's traces: its first and one per continuation (a run continues once; room to spare).
+MAX_TRACE_IDS = 16
 MAX_EXPIRES_IN_SECONDS = 30 * 24 * 3600
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 500

@@ -256,7 +256,9 @@ class RunExecutor:
                 self._metrics.claim_refused()
                 return runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED, run_id
             work = self.run(wake, run_id) if waitpoint is None else self.continue_run(waitpoint)
-            task = asyncio.create_task(self._run_and_release(work, run_id), name=f"run {run_id}")
+            # A continuation's run links to the span that parked it (the parked run's trace).
+            continues = "" if waitpoint is None else waitpoint.traceparent
+            task = asyncio.create_task(self._run_and_release(work, run_id, wake, continues), name=f"run {run_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             handed_off = True
@@ -279,9 +281,13 @@ class RunExecutor:
         )
         return response
 
-    async def _run_and_release(self, work: Coroutine[Any, Any, None], run_id: str) -> None:
+    async def _run_and_release(
+        self, work: Coroutine[Any, Any, None], run_id: str, wake: Wake, continues: str = ""
+    ) -> None:
         try:
-            with run_span(run_id=run_id):
+            # The same wake and run ids as its "deliver wake" and "StartRun" spans, continuation or not.
+            ids = {"agent_id": wake.agent_id, "room_id": wake.room_id, "wake_id": wake.wake_id}
+            with run_span(run_id=run_id, continues=continues, **ids):
                 await work
         except Exception:
             self._metrics.run_ended("error")
@@ -373,7 +379,13 @@ class RunExecutor:
         if run.status != common_pb2.RUN_STATUS_PARKED:
             _log.warning("run %s is %s, not parked; its decision is not acted on", run.run_id, run.status)
             return
-        annotate(agent_id=run.agent_id, room_id=run.room_id, wake_id=run.wake_id, company_id=run.company_id)
+        # The run span names this continuation's wake (the decision's), as its delivery does.
+        annotate(company_id=run.company_id)
+        trace_id = current_trace_id()
+        if trace_id and trace_id not in run.trace_ids:  # the ledger keeps every trace of the run
+            if not run.trace_ids and run.trace_id:
+                run.trace_ids.append(run.trace_id)
+            run.trace_ids.append(trace_id)
         ledger = Ledger(self._room, run, t, started=time.monotonic() - run.active_ms / 1000, metrics=self._metrics)
         run.status = common_pb2.RUN_STATUS_RUNNING
         decisions = {h.index: h for h in waitpoint.held}
@@ -448,6 +460,8 @@ class RunExecutor:
             status=common_pb2.RUN_STATUS_RUNNING,
             trace_id=current_trace_id(),
         )
+        if run.trace_id:
+            run.trace_ids.append(run.trace_id)
         run.started_at.GetCurrentTime()
         return run
 

@@ -150,6 +150,6 @@ async def test_the_real_runtime_runs_each_wake_of_a_batch_once_in_its_own_trace(
         trace_ids.add(trace_id)
     assert len(trace_ids) == 4  # one trace per wake
     # The four were due when the delivering Gateway started: its first lease took them, one call started them.
-    calls = [s for s in spans if s.name == "/quayutec.v1.RuntimeService/StartRuns" and s.kind == SpanKind.CLIENT]
+    calls = [s for s in spans if s.name == "quayutec.v1.RuntimeService/StartRuns" and s.kind == SpanKind.CLIENT]
     assert len(calls) == 1
-    assert not [s for s in spans if s.name == "/quayutec.v1.RuntimeService/StartRun"]
+    assert not [s for s in spans if s.name == "quayutec.v1.RuntimeService/StartRun"]

@@ -223,7 +223,7 @@ SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $1) AS room_found,
 
 -- name: insert_message_with_wakes
 -- The message ($2: its id) with the room's next seq, and a wake for each agent in $11 (source id $12, the
--- message id as text), in one statement. Bumping rooms.last_seq takes the room row's lock (held to
+-- message id as text; $13 the posting span's traceparent), in one statement. Bumping rooms.last_seq takes the room row's lock (held to
 -- commit, so seq order is commit order): the caller runs it last but for its events and COMMIT.
 WITH next AS (
     UPDATE rooms SET last_seq = last_seq + 1 WHERE room_id = $1 RETURNING last_seq
@@ -234,8 +234,8 @@ WITH next AS (
     RETURNING message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
         mention_agent_ids, run_id, created_at
 ), woken AS (
-    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id)
-    SELECT a.agent_id, $1, 'message', $12 FROM message, unnest($11::uuid[]) AS a (agent_id)
+    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent)
+    SELECT a.agent_id, $1, 'message', $12, $13 FROM message, unnest($11::uuid[]) AS a (agent_id)
     ON CONFLICT (agent_id, kind, source_id) DO NOTHING
     RETURNING w
 )
@@ -264,13 +264,14 @@ ORDER BY seq DESC
 LIMIT $3;
 
 -- name: insert_wakes
-INSERT INTO wake_outbox (agent_id, room_id, kind, source_id)
-SELECT agent_id, $2, $3, $4 FROM unnest($1::uuid[]) AS a (agent_id)
+-- $5: the traceparent of the span whose transaction creates them ('' when not traced).
+INSERT INTO wake_outbox (agent_id, room_id, kind, source_id, traceparent)
+SELECT agent_id, $2, $3, $4, $5 FROM unnest($1::uuid[]) AS a (agent_id)
 ON CONFLICT (agent_id, kind, source_id) DO NOTHING
-RETURNING wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at;
+RETURNING wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, traceparent;
 
 -- name: wakes_of_source
-SELECT wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at
+SELECT wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, traceparent
 FROM wake_outbox
 WHERE source_id = $1 AND kind = $2
 ORDER BY created_at, wake_id;
@@ -408,7 +409,7 @@ LIMIT $3;
 -- $1 seconds ago yet which never continued (their continuation died before recording RUNNING);
 -- oldest first, each locked so one sweeper ends it. Seconds since the last progress in idle_seconds.
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos, trace_ids,
     floor(extract(epoch FROM now() - last_progress))::bigint AS idle_seconds
 FROM (
     SELECT r.*, r.updated_at AS last_progress
@@ -431,20 +432,20 @@ LIMIT $2;
 -- Locks one row not ended and unchanged since it was read ($2: its updated_at then); no row when it
 -- has moved on or another sweeper holds it.
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos, trace_ids
 FROM runs
 WHERE run_id = $1 AND ended_at IS NULL AND updated_at = $2
 FOR UPDATE SKIP LOCKED;
 
 -- name: get_run
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos, trace_ids
 FROM runs WHERE run_id = $1;
 
 -- name: list_runs_of_agent
 -- Filters ($5 room, $6 status, $7..$8 start time) are NULL when not asked for.
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos, trace_ids
 FROM runs
 WHERE agent_id = $1 AND ($2::uuid IS NULL OR company_id = $2) AND pos < $3
     AND ($5::uuid IS NULL OR room_id = $5) AND ($6::text IS NULL OR status = $6)
@@ -456,7 +457,7 @@ LIMIT $4;
 -- Filters ($4 room, $5 status, $6..$7 start time) are NULL when not asked for; each has its index
 -- (runs_company_room_pos, runs_company_status_pos, runs_company_started).
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos, trace_ids
 FROM runs
 WHERE company_id = $1 AND pos < $2
     AND ($4::uuid IS NULL OR room_id = $4) AND ($5::text IS NULL OR status = $5)
@@ -476,7 +477,7 @@ WHERE wake_id IN (
     LIMIT $2
     FOR UPDATE SKIP LOCKED
 )
-RETURNING wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, due_at;
+RETURNING wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, due_at, traceparent;
 
 -- name: settle_wake_delivered
 UPDATE wake_outbox SET delivered_at = now(), lease_expires_at = NULL, last_error = NULL
@@ -534,15 +535,15 @@ SELECT company_id, agent_id, remember, create_task, update_task, close_task, cro
 FROM agent_rights WHERE company_id = $1 AND agent_id IS NOT DISTINCT FROM $2;
 
 -- name: find_waitpoint_of_run
-SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos
+SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos, traceparent
 FROM waitpoints WHERE run_id = $1;
 
 -- name: insert_waitpoint
 -- No row when the run already has a waitpoint (a concurrent CreateWaitpoint committed first).
-INSERT INTO waitpoints (run_id, agent_id, company_id, room_id, expires_at)
-VALUES ($1, $2, $3, $4, now() + $5::bigint * interval '1 second')
+INSERT INTO waitpoints (run_id, agent_id, company_id, room_id, expires_at, traceparent)
+VALUES ($1, $2, $3, $4, now() + $5::bigint * interval '1 second', $6)
 ON CONFLICT (run_id) DO NOTHING
-RETURNING token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos;
+RETURNING token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos, traceparent;
 
 -- name: insert_held_actions
 INSERT INTO held_actions (token, action_index, kind, arguments_json)
@@ -554,21 +555,21 @@ FROM unnest($2::integer[], $3::text[], $4::text[]) AS h (action_index, kind, arg
 UPDATE runs SET status = 'parked', step = 'parked', updated_at = now()
 WHERE run_id = $1 AND ended_at IS NULL
 RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos;
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos, trace_ids;
 
 -- name: get_waitpoint
-SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos
+SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos, traceparent
 FROM waitpoints WHERE token = $1;
 
 -- name: lock_waitpoint
 -- Serializes decisions on one token, so exactly one of them completes it.
-SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos,
+SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos, traceparent,
     expires_at < now() AS past_expiry
 FROM waitpoints WHERE token = $1
 FOR UPDATE;
 
 -- name: list_waitpoints
-SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos
+SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos, traceparent
 FROM waitpoints
 WHERE company_id = $1 AND status = $2 AND pos > $3
 ORDER BY pos
@@ -648,14 +649,15 @@ SELECT count(*) FROM removed;
 
 -- name: upsert_run_with_before
 -- The whole ledger row as it now stands, and its status before in status_before (NULL: there was no
--- row); an ended row is left alone (no row returned).
+-- row); an ended row is left alone (no row returned). The first trace id stays trace_id, and trace_ids
+-- ($18, what the write names) only grows.
 WITH before AS (
     SELECT status FROM runs WHERE run_id = $1
 ), up AS (
     INSERT INTO runs (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at)
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, trace_ids)
     VALUES ($1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
-        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17)
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18::text[])
     ON CONFLICT (run_id) DO UPDATE SET
         agent_id = EXCLUDED.agent_id,
         company_id = EXCLUDED.company_id,
@@ -669,7 +671,12 @@ WITH before AS (
         actions = EXCLUDED.actions,
         model_attempts = EXCLUDED.model_attempts,
         error = EXCLUDED.error,
-        trace_id = EXCLUDED.trace_id,
+        trace_id = COALESCE(NULLIF(runs.trace_id, ''), EXCLUDED.trace_id),
+        -- Every trace id the row ever had, oldest first, then the write's new ones: none is lost.
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(runs.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
         active_ms = EXCLUDED.active_ms,
         started_at = COALESCE($16::timestamptz, runs.started_at),
         updated_at = now(),
@@ -677,7 +684,7 @@ WITH before AS (
     WHERE runs.ended_at IS NULL
     RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
         posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
-        pos
+        pos, trace_ids
 )
 SELECT up.*, (SELECT status FROM before) AS status_before FROM up;
 

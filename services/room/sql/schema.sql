@@ -196,7 +196,9 @@ CREATE TABLE runs (
     active_ms bigint NOT NULL DEFAULT 0,
     started_at timestamptz NOT NULL DEFAULT now(),
     updated_at timestamptz NOT NULL DEFAULT now(),
-    ended_at timestamptz
+    ended_at timestamptz,
+    -- Every trace id of the run, oldest first (trace_id is the first).
+    trace_ids text[] NOT NULL DEFAULT '{}'
 );
 CREATE INDEX runs_agent_pos ON runs (agent_id, pos);
 CREATE INDEX runs_company_pos ON runs (company_id, pos);
@@ -222,6 +224,8 @@ CREATE TABLE wake_outbox (
     delivery_attempts integer NOT NULL DEFAULT 0,
     delivered_at timestamptz,
     last_error text,
+    -- The W3C trace context of the span whose transaction created the wake ('' when not traced).
+    traceparent text NOT NULL DEFAULT '',
     CONSTRAINT wake_outbox_source_key UNIQUE (agent_id, kind, source_id)
 );
 CREATE INDEX wake_outbox_pending_due ON wake_outbox (due_at) WHERE delivered_at IS NULL;
@@ -256,7 +260,9 @@ CREATE TABLE waitpoints (
     room_id uuid NOT NULL REFERENCES rooms (room_id),
     status text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'completed', 'expired')),
     created_at timestamptz NOT NULL DEFAULT now(),
-    expires_at timestamptz NOT NULL
+    expires_at timestamptz NOT NULL,
+    -- The W3C trace context of the span that parked the run ('' when not traced).
+    traceparent text NOT NULL DEFAULT ''
 );
 CREATE INDEX waitpoints_company_status_pos ON waitpoints (company_id, status, pos);
 CREATE INDEX waitpoints_pending_expiry ON waitpoints (expires_at) WHERE status = 'pending';

@@ -832,6 +832,7 @@ class Wake(_message.Message):
     SOURCE_ID_FIELD_NUMBER: _builtins.int
     DELIVERY_ATTEMPTS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     wake_id: _builtins.str
     agent_id: _builtins.str
     room_id: _builtins.str
@@ -839,6 +840,11 @@ class Wake(_message.Message):
     source_id: _builtins.str
     """The message, task or waitpoint that caused the wake."""
     delivery_attempts: _builtins.int
+    traceparent: _builtins.str
+    """The W3C trace context ("00-<trace id>-<span id>-<flags>") of the span whose transaction created
+    the wake (the post, the task or the decision), when that span was traced; empty otherwise. The
+    wake's delivery links to it: each wake keeps a trace of its own.
+    """
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -851,10 +857,11 @@ class Wake(_message.Message):
         source_id: _builtins.str = ...,
         delivery_attempts: _builtins.int = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "created_at", b"created_at", "delivery_attempts", b"delivery_attempts", "kind", b"kind", "room_id", b"room_id", "source_id", b"source_id", "wake_id", b"wake_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "created_at", b"created_at", "delivery_attempts", b"delivery_attempts", "kind", b"kind", "room_id", b"room_id", "source_id", b"source_id", "traceparent", b"traceparent", "wake_id", b"wake_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -974,6 +981,7 @@ class Run(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     ENDED_AT_FIELD_NUMBER: _builtins.int
+    TRACE_IDS_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     agent_id: _builtins.str
     company_id: _builtins.str
@@ -987,7 +995,7 @@ class Run(_message.Message):
     """The reply message, once posted."""
     error: _builtins.str
     trace_id: _builtins.str
-    """W3C trace id (32 hex chars) to open the run in Jaeger."""
+    """W3C trace id (32 hex chars) to open the run in Jaeger: the first of trace_ids."""
     active_ms: _builtins.int
     @_builtins.property
     def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeclaredAction]: ...
@@ -999,6 +1007,12 @@ class Run(_message.Message):
     def updated_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def ended_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def trace_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Every trace of the run, oldest first: its first (trace_id) and one per continuation after a
+        decision. Each is a W3C trace id (32 hex chars); empty when no trace was exported.
+        """
+
     def __init__(
         self,
         *,
@@ -1020,10 +1034,11 @@ class Run(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         ended_at: _timestamp_pb2.Timestamp | None = ...,
+        trace_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "active_ms", b"active_ms", "agent_id", b"agent_id", "company_id", b"company_id", "ended_at", b"ended_at", "error", b"error", "model_attempts", b"model_attempts", "posted_message_id", b"posted_message_id", "room_id", b"room_id", "run_id", b"run_id", "started_at", b"started_at", "status", b"status", "step", b"step", "trace_id", b"trace_id", "updated_at", b"updated_at", "wake_id", b"wake_id", "wake_kind", b"wake_kind", "wake_source_id", b"wake_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "active_ms", b"active_ms", "agent_id", b"agent_id", "company_id", b"company_id", "ended_at", b"ended_at", "error", b"error", "model_attempts", b"model_attempts", "posted_message_id", b"posted_message_id", "room_id", b"room_id", "run_id", b"run_id", "started_at", b"started_at", "status", b"status", "step", b"step", "trace_id", b"trace_id", "trace_ids", b"trace_ids", "updated_at", b"updated_at", "wake_id", b"wake_id", "wake_kind", b"wake_kind", "wake_source_id", b"wake_source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1126,6 +1141,7 @@ class Waitpoint(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     run_id: _builtins.str
     agent_id: _builtins.str
@@ -1133,6 +1149,10 @@ class Waitpoint(_message.Message):
     """The agent's owning company: the only one that decides."""
     room_id: _builtins.str
     status: Global___WaitpointStatus.ValueType
+    traceparent: _builtins.str
+    """The W3C trace context of the span that parked the run (its CreateWaitpoint), when traced: the
+    continuation's run links to it.
+    """
     @_builtins.property
     def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldAction]: ...
     @_builtins.property
@@ -1151,10 +1171,11 @@ class Waitpoint(_message.Message):
         status: Global___WaitpointStatus.ValueType = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         expires_at: _timestamp_pb2.Timestamp | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id", "created_at", b"created_at", "expires_at", b"expires_at", "held", b"held", "room_id", b"room_id", "run_id", b"run_id", "status", b"status", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id", "created_at", b"created_at", "expires_at", b"expires_at", "held", b"held", "room_id", b"room_id", "run_id", b"run_id", "status", b"status", "token", b"token", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
