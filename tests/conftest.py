@@ -22,7 +22,9 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from quayutec.db import create_pool, embedded_ctl, embedded_database_url, embedded_pgdata, embedded_pid, with_database
 from quayutec.migrate import migrate
 from quayutec.telemetry import SpanCapture, configure_for_tests
+from services.runtime.standin import StandinProvider
 from tests.harness.channels import make_test_pki
+from tests.harness.otlp import Collector, otlp_collector
 
 # Fixtures shared by modules that own a PostgreSQL of their own (outage tests).
 pytest_plugins = ["tests.harness.postgres"]
@@ -142,3 +144,17 @@ def captured() -> Iterator[tuple[InMemorySpanExporter, SpanCapture]]:
         yield exporter, capture
     finally:
         capture.close()
+
+
+@pytest.fixture
+async def collector() -> AsyncIterator[tuple[Collector, SpanCapture]]:
+    """An OTLP/gRPC receiver in the test, with this process's spans exported to it (tests.harness.otlp)."""
+    async with otlp_collector() as got:
+        yield got
+
+
+@pytest.fixture
+def standin() -> Iterator[StandinProvider]:
+    """The stand-in model provider (a real HTTP server on 127.0.0.1)."""
+    with StandinProvider() as provider:
+        yield provider

@@ -11,111 +11,23 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
-import grpc
 import pytest
-from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
-from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from quayutec.config import ConfigError
-from quayutec.telemetry import (
-    SpanCapture,
-    TelemetrySettings,
-    configure_for_tests,
-    setup_telemetry,
-)
+from quayutec.telemetry import SpanCapture, TelemetrySettings, setup_telemetry
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.model import RETRY_WAIT_EVENT, RetryPolicy
 from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.gateway import authed_gateway, ended_run, make_company, running_gateway
+from tests.harness.otlp import Collector, Got, flushed_until
 from tests.harness.room import running_room
 from tests.harness.runtime import running_runtime
 
 ENDED = (common_pb2.RUN_STATUS_SUCCEEDED, common_pb2.RUN_STATUS_FAILED, common_pb2.RUN_STATUS_TIMED_OUT)
-
-
-@dataclass(frozen=True)
-class Got:
-    """One received span with its instrumentation scope."""
-
-    scope: str
-    span: Span
-
-    @property
-    def trace_id(self) -> str:
-        return self.span.trace_id.hex()
-
-    @property
-    def name(self) -> str:
-        return self.span.name
-
-    def attr(self, key: str) -> Any:
-        for kv in self.span.attributes:
-            if kv.key == key:
-                return _value(kv.value)
-        return None
-
-
-def _value(value: AnyValue) -> Any:
-    kind = value.WhichOneof("value")
-    if kind == "array_value":
-        return tuple(_value(v) for v in value.array_value.values)
-    return getattr(value, kind) if kind else None
-
-
-@dataclass
-class Collector(trace_service_pb2_grpc.TraceServiceServicer):
-    """The OTLP/gRPC trace receiver: keeps every export request as it came."""
-
-    requests: list[trace_service_pb2.ExportTraceServiceRequest] = field(default_factory=list)
-
-    async def Export(
-        self, request: trace_service_pb2.ExportTraceServiceRequest, context: Any
-    ) -> trace_service_pb2.ExportTraceServiceResponse:
-        self.requests.append(request)
-        return trace_service_pb2.ExportTraceServiceResponse()
-
-    def spans(self) -> list[Got]:
-        return [
-            Got(scope_spans.scope.name, span)
-            for request in self.requests
-            for resource_spans in request.resource_spans
-            for scope_spans in resource_spans.scope_spans
-            for span in scope_spans.spans
-        ]
-
-    def raw(self) -> bytes:
-        return b"".join(request.SerializeToString() for request in self.requests)
-
-
-@pytest.fixture
-async def collector() -> AsyncIterator[tuple[Collector, SpanCapture]]:
-    """A receiver on an ephemeral port and this process's telemetry exporting to it over OTLP."""
-    servicer = Collector()
-    server = grpc.aio.server()
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(servicer, server)  # type: ignore[no-untyped-call]
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    # Installs the instrumentations: before any of the services' servers and channels exist.
-    export = configure_for_tests(OTLPSpanExporter(endpoint=f"127.0.0.1:{port}", insecure=True))
-    try:
-        yield servicer, export
-    finally:
-        await asyncio.to_thread(export.close)
-        await server.stop(None)
-
-
-@pytest.fixture
-def standin() -> Iterator[StandinProvider]:
-    with StandinProvider() as provider:
-        yield provider
 
 
 async def test_one_wake_is_one_trace_across_the_services(
@@ -175,15 +87,11 @@ async def test_one_wake_is_one_trace_across_the_services(
             assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
             assert [a.status_code for a in run.model_attempts] == [429, 200]
 
-            def settled() -> bool:
-                names = {s.name for s in received.spans() if s.span.kind == Span.SPAN_KIND_SERVER}
+            def settled(spans: list[Got]) -> bool:  # the delivery has settled the wake and its spans are out
+                names = {s.name for s in spans if s.span.kind == Span.SPAN_KIND_SERVER}
                 return "quayutec.v1.RoomService/SettleWakes" in names
 
-            for _ in range(200):  # until the delivery has settled the wake and its spans are out
-                await asyncio.to_thread(export.force_flush)
-                if settled():
-                    break
-                await asyncio.sleep(0.05)
+            await flushed_until(received, export, settled)
 
     await asyncio.to_thread(export.force_flush)
     spans = received.spans()

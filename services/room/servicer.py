@@ -676,6 +676,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             if run.status not in _PARKED_STATUS or run.step not in _PARKED_STEP or run.HasField("ended_at"):
                 raise InvalidArgument("a parking run has status PARKED, step PARKED and no ended_at")
             run.status, run.step = common_pb2.RUN_STATUS_PARKED, common_pb2.RUN_STEP_PARKED
+        annotate(run_id=run_id)  # the span the continuation's run links to
         rows = await self._store.create_waitpoint(run_id, held, expires_in, run)
         return room_pb2.RoomServiceCreateWaitpointResponse(waitpoint=convert.waitpoint(rows.waitpoint, rows.held))
 

@@ -1,0 +1,329 @@
+"""Traces people can follow, checked from outside with an OTLP/gRPC receiver of our own (issue 27).
+
+All four services run in this process and export to the receiver in the test. Each test pins one
+promise of docs/operations.md ("Following a run in Jaeger"):
+- a post and the wake it made reach each other: the post's spans name the message and wake ids,
+  the wake's ``deliver wake`` span links to the post's span, and the reply is in the wake's trace;
+- a parked run, its decision and its continuation reach each other by links, the ledger keeps
+  both trace ids, and inside the continuation ``deliver wake``, ``StartRun`` and ``run`` name the
+  same wake and run;
+- an idle stack exports no trace at all, and housekeeping that acts is one span;
+- every exported attribute name is a stable semantic-convention name (or one of ours).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
+
+from quayutec.telemetry import SpanCapture, service_version
+from quayutec.v1 import common_pb2, gateway_pb2
+from services.runtime.run import run_id_for
+from services.runtime.standin import StandinProvider
+from tests.harness.claims import running_claims
+from tests.harness.gateway import CompanyKey, authed_gateway, ended_run, make_company, running_gateway
+from tests.harness.otlp import Collector, Got, flushed_until
+from tests.harness.room import running_room
+from tests.harness.runtime import running_runtime
+
+SERVER = Span.SPAN_KIND_SERVER
+
+
+@dataclass
+class Stack:
+    """The four services with one company, one room and one agent, seen through the public Gateway."""
+
+    gw: Any  # GatewayServiceStub with the company's key
+    company: CompanyKey
+    room_id: str
+    agent_id: str
+    model: str
+
+
+@asynccontextmanager
+async def traced_stack(
+    database_url: str, standin: StandinProvider, *, room_env: dict[str, str] | None = None, **gateway_env: str
+) -> AsyncIterator[Stack]:
+    async with (
+        running_claims(database_url) as claims_addr,
+        running_room(database_url, **(room_env or {})) as room_addr,
+        running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
+        running_gateway(
+            database_url,
+            room_addr,
+            runtime_addr,
+            QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05",
+            QUAYUTEC_GATEWAY_POST_RATE="0",
+            **gateway_env,
+        ) as gateway_addr,
+    ):
+        company = await make_company(database_url, room_addr, "Acme")
+        async with authed_gateway(gateway_addr, company.secret) as gw:
+            room = (await gw.CreateRoom(gateway_pb2.CreateRoomRequest(name="launch"), timeout=10)).room
+            model = f"claude-links-{uuid.uuid4().hex[:8]}"
+            agent = (
+                await gw.RegisterAgent(
+                    gateway_pb2.RegisterAgentRequest(
+                        name="planner",
+                        provider=common_pb2.PROVIDER_ANTHROPIC,
+                        model=model,
+                        provider_key=f"sk-ant-{uuid.uuid4().hex}",
+                    ),
+                    timeout=10,
+                )
+            ).agent
+            yield Stack(gw, company, room.room_id, agent.agent_id, model)
+
+
+async def post(stack: Stack, body: str) -> gateway_pb2.PostMessageResponse:
+    response: gateway_pb2.PostMessageResponse = await stack.gw.PostMessage(
+        gateway_pb2.PostMessageRequest(
+            room_id=stack.room_id, person="ana", body=body, mention_agent_ids=[stack.agent_id]
+        ),
+        timeout=10,
+    )
+    return response
+
+
+async def run_in_status(stack: Stack, run_id: str, status: common_pb2.RunStatus.ValueType) -> common_pb2.Run:
+    """Poll GetRun until the run is in ``status`` (a bound on polling, not a timing assertion)."""
+    for _ in range(1200):
+        try:
+            run: common_pb2.Run = (await stack.gw.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), timeout=10)).run
+            if run.status == status:
+                return run
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"run {run_id} never reached {common_pb2.RunStatus.Name(status)}")
+
+
+def one(spans: list[Got], name: str, **attributes: Any) -> Got:
+    """The one span called ``name`` whose attributes (``quayutec_x`` for ``quayutec.x``) match."""
+    wanted = {key.replace("_", ".", 1) if key.startswith("quayutec_") else key: v for key, v in attributes.items()}
+    found = [s for s in spans if s.name == name and all(s.attr(k) == v for k, v in wanted.items())]
+    assert len(found) == 1, (name, wanted, sorted({s.name for s in spans}))
+    return found[0]
+
+
+def settled_wakes(count: int) -> Any:
+    """Done when ``count`` SettleWakes calls have been received (each wake's delivery has ended)."""
+
+    def done(spans: list[Got]) -> bool:
+        return sum(1 for s in spans if s.name == "quayutec.v1.RoomService/SettleWakes" and s.span.kind == SERVER) >= (
+            count
+        )
+
+    return done
+
+
+async def test_a_post_and_its_wake_reach_each_other(
+    collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
+) -> None:
+    received, export = collector
+    async with traced_stack(database_url, standin) as stack:
+        standin.enqueue_reply("On it.", model=stack.model)
+        posted = await post(stack, "@planner plan the launch")
+        (wake_id,) = posted.wake_ids
+        message_id = posted.message.message_id
+        run = await ended_run(stack.gw, run_id_for(stack.agent_id, wake_id))
+        assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
+        spans = await flushed_until(received, export, settled_wakes(1))
+
+    # The post: the Gateway's call and the Room's write both name the message and the wake.
+    by_post = dict(quayutec_message_id=message_id, quayutec_wake_ids=(wake_id,))
+    gateway_post = one(spans, "quayutec.v1.GatewayService/PostMessage", **by_post)
+    room_post = one(spans, "quayutec.v1.RoomService/PostMessage", **by_post)
+    assert room_post.trace_id == gateway_post.trace_id
+    assert room_post.span.parent_span_id == _client_of(spans, room_post).span.span_id
+
+    # The wake: its own trace, whose root links back to the span whose transaction made it.
+    delivery = one(spans, "deliver wake", quayutec_wake_id=wake_id)
+    assert delivery.trace_id == run.trace_id != room_post.trace_id
+    assert not delivery.span.parent_span_id
+    assert delivery.links_to(room_post)
+    assert delivery.attr("quayutec.run_id") == run.run_id
+
+    # The reply: posted in the wake's trace, its span naming the reply's message id.
+    reply = one(spans, "quayutec.v1.RoomService/PostMessage", quayutec_message_id=run.posted_message_id)
+    assert reply.trace_id == run.trace_id
+    assert reply.attr("quayutec.run_id") == run.run_id
+    assert reply.attr("quayutec.wake_ids") is None  # the reply mentions no one: it woke no agent
+    assert list(run.trace_ids) == [run.trace_id]
+
+
+async def test_a_parked_run_its_decision_and_its_continuation_are_linked(
+    collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
+) -> None:
+    received, export = collector
+    async with traced_stack(database_url, standin) as stack:
+        await stack.gw.SetAgentRights(
+            gateway_pb2.SetAgentRightsRequest(agent_id=stack.agent_id, remember=common_pb2.ACTION_RIGHT_HOLD),
+            timeout=10,
+        )
+        remember = {"name": "remember", "arguments": {"text": "launch on Friday", "private": False}}
+        standin.enqueue_reply("Noted.", [remember], model=stack.model)
+        (wake_id,) = (await post(stack, "@planner remember the launch day")).wake_ids
+        run_id = run_id_for(stack.agent_id, wake_id)
+        parked = await run_in_status(stack, run_id, common_pb2.RUN_STATUS_PARKED)
+        approvals = (await stack.gw.ListApprovals(gateway_pb2.ListApprovalsRequest(), timeout=10)).waitpoints
+        (approval,) = [a for a in approvals if a.run_id == run_id]
+        await stack.gw.DecideApproval(
+            gateway_pb2.DecideApprovalRequest(token=approval.token, index=0, person="ana", approve=True), timeout=10
+        )
+        run = await ended_run(stack.gw, run_id)
+        assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
+        spans = await flushed_until(received, export, settled_wakes(2))
+
+    # The ledger keeps both traces, the first one as trace_id.
+    first, continued = run.trace_ids
+    assert first == run.trace_id == parked.trace_id != continued
+    assert list(parked.trace_ids) == [first]
+
+    parking = one(spans, "quayutec.v1.RoomService/CreateWaitpoint", quayutec_run_id=run_id)
+    assert parking.trace_id == first
+    decision = one(spans, "quayutec.v1.RoomService/DecideHeldAction", quayutec_run_id=run_id)
+    assert decision.trace_id not in (first, continued)
+    assert one(spans, "quayutec.v1.GatewayService/DecideApproval", quayutec_run_id=run_id).trace_id == (
+        decision.trace_id
+    )
+
+    # The continuation's trace: its delivery links to the decision, its run to the parking.
+    delivery = one(spans, "deliver wake", **{"quayutec.wake.kind": "decision"})
+    decision_wake = delivery.attr("quayutec.wake_id")
+    assert decision_wake != wake_id
+    assert delivery.trace_id == continued
+    assert delivery.links_to(decision)
+    continuation = one(spans, "run", quayutec_run_id=run_id, quayutec_wake_id=decision_wake)
+    assert continuation.trace_id == continued
+    assert continuation.links_to(parking)
+    # Inside it, the delivery, the Runtime's StartRun and the run name the same wake and run.
+    start = one(spans, "StartRun", quayutec_wake_id=decision_wake)
+    assert start.trace_id == continued
+    for span in (delivery, start, continuation):
+        assert (span.attr("quayutec.wake_id"), span.attr("quayutec.run_id")) == (decision_wake, run_id), span.name
+    # The first run's spans name the first wake, and its run span links to nothing.
+    first_run = one(spans, "run", quayutec_run_id=run_id, quayutec_wake_id=wake_id)
+    assert first_run.trace_id == first and not first_run.span.links
+
+
+def _client_of(spans: list[Got], server: Got) -> Got:
+    """The client span whose call ``server`` served."""
+    (client,) = [s for s in spans if s.span.span_id == server.span.parent_span_id]
+    return client
+
+
+# Housekeeping on a short leash, so 30 s idle see many passes of every loop: expiry and abandoned
+# runs (Gateway), delivered wakes and old events (Room), key re-checks and LISTEN (Gateway).
+BUSY_HOUSEKEEPING = {
+    "QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS": "0.2",
+    "QUAYUTEC_GATEWAY_KEY_RECHECK_SECONDS": "0.5",
+}
+BUSY_ROOM = {
+    "QUAYUTEC_ROOM_DELIVERED_WAKES_KEEP_SECONDS": "0",
+    "QUAYUTEC_ROOM_OUTBOX_CLEANUP_INTERVAL_SECONDS": "0.3",
+    "QUAYUTEC_ROOM_EVENT_CLEANUP_SECONDS": "1",
+}
+IDLE_SECONDS = 30
+
+
+async def test_an_idle_stack_exports_no_trace_and_housekeeping_that_acts_is_one_span(
+    collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
+) -> None:
+    received, export = collector
+    async with traced_stack(database_url, standin, room_env=BUSY_ROOM, **BUSY_HOUSEKEEPING) as stack:
+        await asyncio.to_thread(export.force_flush)
+        before = len(received.spans())  # setting the stack up (company, room, agent) made traces
+        await asyncio.sleep(IDLE_SECONDS)  # idle: no request, only the loops
+        await asyncio.to_thread(export.force_flush)
+        idle = received.spans()[before:]
+        assert idle == [], sorted({(s.scope, s.name) for s in idle})
+
+        # Housekeeping that acts: the delivered wake is deleted, and that pass is one span.
+        standin.enqueue_reply("On it.", model=stack.model)
+        (wake_id,) = (await post(stack, "@planner plan")).wake_ids
+        await ended_run(stack.gw, run_id_for(stack.agent_id, wake_id))
+
+        def deleted(spans: list[Got]) -> bool:
+            return any(s.name == "delete delivered wakes" for s in spans)
+
+        spans = await flushed_until(received, export, deleted, rounds=600)
+    cleanups = [s for s in spans if s.scope == "quayutec.housekeeping"]
+    assert cleanups and {s.name for s in cleanups} == {"delete delivered wakes"}
+    assert all(s.attr("quayutec.housekeeping.deleted") >= 1 for s in cleanups)
+    assert all(not s.span.parent_span_id for s in cleanups)
+    # No database span without a parent, ever (LISTEN, the loops' queries): each is part of a call.
+    database = [s for s in spans if s.scope.startswith("opentelemetry.instrumentation.asyncpg")]
+    assert database
+    assert [s.name for s in database if not s.span.parent_span_id] == []
+
+
+# The stable semantic-convention names our spans may carry (gRPC's are the RPC conventions' own),
+# and the pre-stable ones that must never appear again.
+STABLE_ATTRIBUTES = frozenset(
+    {
+        # gRPC (rpc.*: the RPC conventions; the network ones stable)
+        "rpc.system",
+        "rpc.service",
+        "rpc.method",
+        "rpc.grpc.status_code",
+        "network.peer.address",
+        "network.peer.port",
+        "user_agent.original",
+        # PostgreSQL (database conventions, stable)
+        "db.system.name",
+        "db.namespace",
+        "db.query.text",
+        "db.operation.name",
+        "server.address",
+        "server.port",
+        "network.transport",
+        "error.type",
+        # HTTP client (stable)
+        "http.request.method",
+        "http.response.status_code",
+        "url.full",
+        "network.protocol.version",
+        # the model call (GenAI conventions)
+        "gen_ai.operation.name",
+        "gen_ai.provider.name",
+        "gen_ai.request.model",
+        "gen_ai.response.model",
+        "gen_ai.response.finish_reasons",
+        "gen_ai.usage.input_tokens",
+        "gen_ai.usage.output_tokens",
+    }
+)
+PRE_STABLE = ("net.peer.", "net.host.", "http.method", "http.url", "http.status_code", "db.statement", "db.system")
+
+
+async def test_span_attributes_are_stable_convention_names(
+    collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
+) -> None:
+    received, export = collector
+    async with traced_stack(database_url, standin) as stack:
+        standin.enqueue_reply("On it.", model=stack.model)
+        (wake_id,) = (await post(stack, "@planner plan")).wake_ids
+        await ended_run(stack.gw, run_id_for(stack.agent_id, wake_id))
+        spans = await flushed_until(received, export, settled_wakes(1))
+
+    scopes = {s.scope.split(".")[-1] for s in spans}
+    assert {"grpc", "asyncpg", "httpx"} <= scopes, scopes  # every instrumentation was seen
+    names = {name for s in spans for name in s.attribute_names()}
+    ours = {name for name in names if name.startswith("quayutec.")}
+    assert names - ours <= STABLE_ATTRIBUTES, sorted(names - ours - STABLE_ATTRIBUTES)
+    assert not [n for n in names if n.startswith(PRE_STABLE) and n != "db.system.name"]
+    # gRPC span names are "package.Service/Method", without the leading slash.
+    assert not [s.name for s in spans if s.name.startswith("/")]
+    assert "quayutec.v1.RoomService/ReadRunContext" in {s.name for s in spans}
+    # Every span's resource names the service and its version (the installed package's).
+    assert {s.resource.get("service.version") for s in spans} == {service_version()} != {"unknown"}
+    assert all(s.resource.get("service.name") for s in spans)
