@@ -53,7 +53,7 @@ async def traced_stack(
 ) -> AsyncIterator[Stack]:
     async with (
         running_claims(database_url) as claims_addr,
-        running_room(database_url, **(room_env or {})) as room_addr,
+        running_room(database_url, pool=None, resolver=None, **(room_env or {})) as room_addr,
         running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
         running_gateway(
             database_url,
