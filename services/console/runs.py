@@ -108,13 +108,19 @@ async def runs(request: Request) -> Response:
     return page(request, "runs.html", context, 400 if error else 200)
 
 
-def trace_links(request: Request, run: common_pb2.Run) -> list[dict[str, str]]:
-    """Where the run's trace can be opened: Jaeger's page of it, when QUAYUTEC_CONSOLE_JAEGER_URL is set.
-    Another trace viewer is one more entry here."""
+def trace_links(jaeger_url: str, run: common_pb2.Run) -> list[dict[str, str]]:
+    """Each trace of the run, oldest first (its first, then one per continuation after a decision):
+    its id, its label and, when QUAYUTEC_CONSOLE_JAEGER_URL is set, Jaeger's page of it (``href``;
+    empty otherwise). Another trace viewer is one more href here."""
+    trace_ids = list(dict.fromkeys(t for t in (run.trace_id, *run.trace_ids) if t))
     links = []
-    jaeger = request.app.state.config.jaeger_url
-    if jaeger and run.trace_id:
-        links.append({"href": f"{jaeger}/trace/{run.trace_id}", "label": "Open the trace in Jaeger"})
+    for number, trace_id in enumerate(trace_ids):
+        if number == 0:
+            label = "the trace" if len(trace_ids) == 1 else "the first trace"
+        else:
+            label = "the continuation's trace" if len(trace_ids) == 2 else f"continuation {number}'s trace"
+        href = f"{jaeger_url}/trace/{trace_id}" if jaeger_url else ""
+        links.append({"trace_id": trace_id, "label": label, "href": href})
     return links
 
 
@@ -145,7 +151,7 @@ async def run(request: Request) -> Response:
             "error_words": error_words(r),
             "woken_by": WAKES.get(r.wake_kind, "a wake"),
             "wake_message": r.wake_source_id if r.wake_kind == common_pb2.WAKE_KIND_MESSAGE else "",
-            "trace_links": trace_links(request, r),
+            "trace_links": trace_links(request.app.state.config.jaeger_url, r),
             "cursor": cursor,
         },
     )
