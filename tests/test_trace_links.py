@@ -14,96 +14,19 @@ promise of docs/operations.md ("Following a run in Jaeger"):
 from __future__ import annotations
 
 import asyncio
-import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
-import grpc
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
 from quayutec.telemetry import SpanCapture, service_version
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
-from tests.harness.claims import running_claims
-from tests.harness.gateway import CompanyKey, authed_gateway, ended_run, make_company, running_gateway
+from tests.harness.gateway import ended_run, run_reaching
 from tests.harness.otlp import Collector, Got, flushed_until
-from tests.harness.room import running_room
-from tests.harness.runtime import running_runtime
+from tests.harness.stack import wake_stack
 
 SERVER = Span.SPAN_KIND_SERVER
-
-
-@dataclass
-class Stack:
-    """The four services with one company, one room and one agent, seen through the public Gateway."""
-
-    gw: Any  # GatewayServiceStub with the company's key
-    company: CompanyKey
-    room_id: str
-    agent_id: str
-    model: str
-
-
-@asynccontextmanager
-async def traced_stack(
-    database_url: str, standin: StandinProvider, *, room_env: dict[str, str] | None = None, **gateway_env: str
-) -> AsyncIterator[Stack]:
-    async with (
-        running_claims(database_url) as claims_addr,
-        running_room(database_url, pool=None, resolver=None, **(room_env or {})) as room_addr,
-        running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
-        running_gateway(
-            database_url,
-            room_addr,
-            runtime_addr,
-            QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05",
-            QUAYUTEC_GATEWAY_POST_RATE="0",
-            **gateway_env,
-        ) as gateway_addr,
-    ):
-        company = await make_company(database_url, room_addr, "Acme")
-        async with authed_gateway(gateway_addr, company.secret) as gw:
-            room = (await gw.CreateRoom(gateway_pb2.CreateRoomRequest(name="launch"), timeout=10)).room
-            model = f"claude-links-{uuid.uuid4().hex[:8]}"
-            agent = (
-                await gw.RegisterAgent(
-                    gateway_pb2.RegisterAgentRequest(
-                        name="planner",
-                        provider=common_pb2.PROVIDER_ANTHROPIC,
-                        model=model,
-                        provider_key=f"sk-ant-{uuid.uuid4().hex}",
-                    ),
-                    timeout=10,
-                )
-            ).agent
-            yield Stack(gw, company, room.room_id, agent.agent_id, model)
-
-
-async def post(stack: Stack, body: str) -> gateway_pb2.PostMessageResponse:
-    response: gateway_pb2.PostMessageResponse = await stack.gw.PostMessage(
-        gateway_pb2.PostMessageRequest(
-            room_id=stack.room_id, person="ana", body=body, mention_agent_ids=[stack.agent_id]
-        ),
-        timeout=10,
-    )
-    return response
-
-
-async def run_in_status(stack: Stack, run_id: str, status: common_pb2.RunStatus.ValueType) -> common_pb2.Run:
-    """Poll GetRun until the run is in ``status`` (a bound on polling, not a timing assertion)."""
-    for _ in range(1200):
-        try:
-            run: common_pb2.Run = (await stack.gw.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), timeout=10)).run
-            if run.status == status:
-                return run
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.NOT_FOUND:
-                raise
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"run {run_id} never reached {common_pb2.RunStatus.Name(status)}")
 
 
 def one(spans: list[Got], name: str, **attributes: Any) -> Got:
@@ -129,12 +52,11 @@ async def test_a_post_and_its_wake_reach_each_other(
     collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
 ) -> None:
     received, export = collector
-    async with traced_stack(database_url, standin) as stack:
+    async with wake_stack(database_url, standin) as stack:
         standin.enqueue_reply("On it.", model=stack.model)
-        posted = await post(stack, "@planner plan the launch")
+        posted, run = await stack.replied("@planner plan the launch")
         (wake_id,) = posted.wake_ids
         message_id = posted.message.message_id
-        run = await ended_run(stack.gw, run_id_for(stack.agent_id, wake_id))
         assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
         spans = await flushed_until(received, export, settled_wakes(1))
 
@@ -164,16 +86,16 @@ async def test_a_parked_run_its_decision_and_its_continuation_are_linked(
     collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
 ) -> None:
     received, export = collector
-    async with traced_stack(database_url, standin) as stack:
+    async with wake_stack(database_url, standin) as stack:
         await stack.gw.SetAgentRights(
             gateway_pb2.SetAgentRightsRequest(agent_id=stack.agent_id, remember=common_pb2.ACTION_RIGHT_HOLD),
             timeout=10,
         )
         remember = {"name": "remember", "arguments": {"text": "launch on Friday", "private": False}}
         standin.enqueue_reply("Noted.", [remember], model=stack.model)
-        (wake_id,) = (await post(stack, "@planner remember the launch day")).wake_ids
+        (wake_id,) = (await stack.post("@planner remember the launch day")).wake_ids
         run_id = run_id_for(stack.agent_id, wake_id)
-        parked = await run_in_status(stack, run_id, common_pb2.RUN_STATUS_PARKED)
+        parked = await run_reaching(stack.gw, run_id, lambda r: r.status == common_pb2.RUN_STATUS_PARKED)
         approvals = (await stack.gw.ListApprovals(gateway_pb2.ListApprovalsRequest(), timeout=10)).waitpoints
         (approval,) = [a for a in approvals if a.run_id == run_id]
         await stack.gw.DecideApproval(
@@ -239,7 +161,7 @@ async def test_an_idle_stack_exports_no_trace_and_housekeeping_that_acts_is_one_
     collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
 ) -> None:
     received, export = collector
-    async with traced_stack(database_url, standin, room_env=BUSY_ROOM, **BUSY_HOUSEKEEPING) as stack:
+    async with wake_stack(database_url, standin, room_env=BUSY_ROOM, gateway_env=BUSY_HOUSEKEEPING) as stack:
         await asyncio.to_thread(export.force_flush)
         before = len(received.spans())  # setting the stack up (company, room, agent) made traces
         await asyncio.sleep(IDLE_SECONDS)  # idle: no request, only the loops
@@ -249,8 +171,7 @@ async def test_an_idle_stack_exports_no_trace_and_housekeeping_that_acts_is_one_
 
         # Housekeeping that acts: the delivered wake is deleted, and that pass is one span.
         standin.enqueue_reply("On it.", model=stack.model)
-        (wake_id,) = (await post(stack, "@planner plan")).wake_ids
-        await ended_run(stack.gw, run_id_for(stack.agent_id, wake_id))
+        await stack.replied("@planner plan")
 
         def deleted(spans: list[Got]) -> bool:
             return any(s.name == "delete delivered wakes" for s in spans)
@@ -309,10 +230,9 @@ async def test_span_attributes_are_stable_convention_names(
     collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
 ) -> None:
     received, export = collector
-    async with traced_stack(database_url, standin) as stack:
+    async with wake_stack(database_url, standin) as stack:
         standin.enqueue_reply("On it.", model=stack.model)
-        (wake_id,) = (await post(stack, "@planner plan")).wake_ids
-        await ended_run(stack.gw, run_id_for(stack.agent_id, wake_id))
+        await stack.replied("@planner plan")
         spans = await flushed_until(received, export, settled_wakes(1))
 
     scopes = {s.scope.split(".")[-1] for s in spans}

@@ -19,13 +19,9 @@ from quayutec.config import ConfigError
 from quayutec.telemetry import SpanCapture, TelemetrySettings, setup_telemetry
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.model import RETRY_WAIT_EVENT, RetryPolicy
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
-from tests.harness.claims import running_claims
-from tests.harness.gateway import authed_gateway, ended_run, make_company, running_gateway
 from tests.harness.otlp import Collector, Got, flushed_until
-from tests.harness.room import running_room
-from tests.harness.runtime import running_runtime
+from tests.harness.stack import wake_stack
 
 ENDED = (common_pb2.RUN_STATUS_SUCCEEDED, common_pb2.RUN_STATUS_FAILED, common_pb2.RUN_STATUS_TIMED_OUT)
 
@@ -43,55 +39,26 @@ async def test_one_wake_is_one_trace_across_the_services(
     standin.enqueue_fault("rate_limit", model)
     standin.enqueue_reply(reply, model=model)
 
-    async with (
-        running_claims(database_url) as claims_addr,
-        running_room(database_url) as room_addr,
-        running_runtime(
-            claims_addr, room_addr, standin_url=standin.base_url, policy=RetryPolicy(default_waits=(0.01, 0.01))
-        ) as runtime_addr,
-        running_gateway(
-            database_url,
-            room_addr,
-            runtime_addr,
-            QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05",
-            QUAYUTEC_GATEWAY_POST_RATE="0",
-        ) as gateway_addr,
-    ):
-        acme = await make_company(database_url, room_addr, "Acme")
-        async with authed_gateway(gateway_addr, acme.secret) as gw:
-            room = (await gw.CreateRoom(gateway_pb2.CreateRoomRequest(name="launch"), timeout=10)).room
-            agent = (
-                await gw.RegisterAgent(
-                    gateway_pb2.RegisterAgentRequest(
-                        name="planner",
-                        provider=common_pb2.PROVIDER_ANTHROPIC,
-                        model=model,
-                        provider_key=key,
-                        system_prompt=system_prompt,
-                    ),
-                    timeout=10,
-                )
-            ).agent
-            posted = await gw.PostMessage(
-                gateway_pb2.PostMessageRequest(
-                    room_id=room.room_id,
-                    person="ana",
-                    body=f"@planner {prompt}",
-                    mention_agent_ids=[agent.agent_id],
-                ),
-                timeout=10,
-            )
-            (wake_id,) = posted.wake_ids
-            run_id = run_id_for(agent.agent_id, wake_id)
-            run = await ended_run(gw, run_id)
-            assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
-            assert [a.status_code for a in run.model_attempts] == [429, 200]
+    agent = gateway_pb2.RegisterAgentRequest(
+        name="planner",
+        provider=common_pb2.PROVIDER_ANTHROPIC,
+        model=model,
+        provider_key=key,
+        system_prompt=system_prompt,
+    )
+    policy = RetryPolicy(default_waits=(0.01, 0.01))
+    async with wake_stack(database_url, standin, policy=policy, agent=agent) as stack:
+        posted, run = await stack.replied(f"@planner {prompt}")
+        assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
+        assert [a.status_code for a in run.model_attempts] == [429, 200]
 
-            def settled(spans: list[Got]) -> bool:  # the delivery has settled the wake and its spans are out
-                names = {s.name for s in spans if s.span.kind == Span.SPAN_KIND_SERVER}
-                return "quayutec.v1.RoomService/SettleWakes" in names
+        def settled(spans: list[Got]) -> bool:  # the delivery has settled the wake and its spans are out
+            names = {s.name for s in spans if s.span.kind == Span.SPAN_KIND_SERVER}
+            return "quayutec.v1.RoomService/SettleWakes" in names
 
-            await flushed_until(received, export, settled)
+        await flushed_until(received, export, settled)
+    (wake_id,) = posted.wake_ids
+    run_id = run.run_id
 
     await asyncio.to_thread(export.force_flush)
     spans = received.spans()
@@ -153,7 +120,7 @@ async def test_one_wake_is_one_trace_across_the_services(
     (root,) = [s for s in spans if s.name == "deliver wake" and s.attr("quayutec.wake_id") == wake_id]
     assert root.trace_id == trace_id
     assert not root.span.parent_span_id
-    assert (root.attr("quayutec.agent_id"), root.attr("quayutec.room_id")) == (agent.agent_id, room.room_id)
+    assert (root.attr("quayutec.agent_id"), root.attr("quayutec.room_id")) == (stack.agent_id, stack.room_id)
     starts = [s for s in in_trace if s.name == "quayutec.v1.RuntimeService/StartRuns"]
     assert {s.span.kind for s in starts} == {Span.SPAN_KIND_CLIENT, Span.SPAN_KIND_SERVER}
     # The item's span hangs under the wake's delivery span and links to the call that carried it.
@@ -164,7 +131,7 @@ async def test_one_wake_is_one_trace_across_the_services(
     (run_span,) = [s for s in spans if s.name == "run" and s.attr("quayutec.run_id") == run_id]
     assert run_span.trace_id == trace_id
     assert run_span.span.parent_span_id == start_servers[0].span.span_id
-    assert run_span.attr("quayutec.company_id") == acme.company_id
+    assert run_span.attr("quayutec.company_id") == stack.company.company_id
     assert start_servers[0].attr("quayutec.wake_id") == wake_id
     assert all(a.span.trace_id == run_span.span.trace_id for a in attempts)
 

@@ -144,16 +144,23 @@ async def join_room(
 
 async def ended_run(gw: Any, run_id: str) -> common_pb2.Run:
     """Poll the Gateway's GetRun until the run's ledger row has ended (NOT_FOUND: not recorded yet)."""
+    return await run_reaching(gw, run_id, lambda run: run.step == common_pb2.RUN_STEP_ENDED, "end")
+
+
+async def run_reaching(
+    gw: Any, run_id: str, reached: Callable[[common_pb2.Run], bool], what: str = "reach the state awaited"
+) -> common_pb2.Run:
+    """Poll the Gateway's GetRun until ``reached(run)`` (NOT_FOUND: not recorded yet)."""
     for _ in range(1200):  # a bound on polling, not a timing assertion
         try:
             run: common_pb2.Run = (await gw.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), timeout=10)).run
-            if run.step == common_pb2.RUN_STEP_ENDED:
+            if reached(run):
                 return run
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
         await asyncio.sleep(0.05)
-    raise AssertionError(f"run {run_id} did not end")
+    raise AssertionError(f"run {run_id} did not {what}")
 
 
 def self_signed_tls(folder: Path) -> tuple[Path, Path, bytes]:
