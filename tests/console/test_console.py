@@ -172,8 +172,8 @@ async def _scenario(
         await expect(timeline).to_contain_text(step)
     await expect(timeline.locator("li", has_text="action #0 remember")).to_contain_text("done")
     await expect(timeline.locator("li", has_text="action #1 create_task")).to_contain_text("denied")
-    if done_trace := runs[0].trace_id:
-        link = run_page.get_by_role("link", name="in Jaeger")
+    if done_trace := runs[0].trace_id:  # traced when this process exports spans: its first trace's link
+        link = run_page.get_by_role("link", name="Open the first trace in Jaeger")
         await expect(link).to_have_attribute("href", f"{JAEGER}/trace/{done_trace}")
     await shots.take(run_page, "run")
     await run_page.set_viewport_size(PHONE)
