@@ -13,10 +13,13 @@ import asyncio
 import uuid
 
 import pytest
+from opentelemetry import trace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from quayutec.config import ConfigError
-from quayutec.telemetry import SpanCapture, TelemetrySettings, setup_telemetry
+from quayutec.telemetry import QUIET_ROOT_SPANS, SpanCapture, TelemetrySettings, _QuietPolling, setup_telemetry
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.model import RETRY_WAIT_EVENT, RetryPolicy
 from services.runtime.standin import StandinProvider
@@ -174,3 +177,28 @@ def test_service_name_and_resource_attributes() -> None:
 def test_an_unknown_exporter_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="OTEL_TRACES_EXPORTER"):
         TelemetrySettings.from_env("room", {"OTEL_TRACES_EXPORTER": "zipkin"})
+
+
+def test_the_housekeeping_trace_ratio_is_a_fraction() -> None:
+    assert TelemetrySettings.from_env("gateway", {}).housekeeping_ratio == 0.0
+    assert (
+        TelemetrySettings.from_env("gateway", {"QUAYUTEC_HOUSEKEEPING_TRACE_RATIO": "0.25"}).housekeeping_ratio == 0.25
+    )
+    with pytest.raises(ConfigError, match="QUAYUTEC_HOUSEKEEPING_TRACE_RATIO"):
+        TelemetrySettings.from_env("gateway", {"QUAYUTEC_HOUSEKEEPING_TRACE_RATIO": "2"})
+
+
+def test_idle_roots_and_database_spans_without_a_call_are_not_sampled() -> None:
+    parent = trace.set_span_in_context(
+        trace.NonRecordingSpan(SpanContext(1, 2, is_remote=True, trace_flags=TraceFlags(TraceFlags.SAMPLED)))
+    )
+    database = {"db.system.name": "postgresql"}
+    for ratio, idle_roots in ((0.0, Decision.DROP), (1.0, Decision.RECORD_AND_SAMPLE)):
+        sampler = _QuietPolling(ParentBased(ALWAYS_ON), ratio)
+        sampler.recording = True
+        for name in QUIET_ROOT_SPANS:
+            assert sampler.should_sample(None, 7, name).decision == idle_roots, name
+            assert sampler.should_sample(parent, 7, name).decision == Decision.RECORD_AND_SAMPLE  # part of a call
+        assert sampler.should_sample(None, 7, "LISTEN", attributes=database).decision == Decision.DROP
+        assert sampler.should_sample(parent, 7, "SELECT", attributes=database).decision == Decision.RECORD_AND_SAMPLE
+        assert sampler.should_sample(None, 7, "deliver wake").decision == Decision.RECORD_AND_SAMPLE
