@@ -400,7 +400,7 @@ async def controlled_stack(database_url: str) -> AsyncIterator[tuple[SdkStack, s
                             "parent_span_id": f"{s.parent.span_id:016x}" if s.parent else None,
                         }
                         for s in exporter.get_finished_spans()
-                        if s.name == f"/{GATEWAY_SERVICE}/{body['rpc']}" and s.kind == trace.SpanKind.SERVER
+                        if s.name == f"{GATEWAY_SERVICE}/{body['rpc']}" and s.kind == trace.SpanKind.SERVER
                     ]
                 }
 
