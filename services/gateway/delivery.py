@@ -276,7 +276,7 @@ class WakeDelivery:
                 self.abandoned += abandoned.abandoned
                 # Not traced while idle: a pass that changed something is recorded as one span.
                 counts = {"expired": response.expired, "abandoned": abandoned.abandoned}
-                record_housekeeping("expire waitpoints and abandoned runs", started_ns, counts)
+                record_housekeeping("housekeeping", started_ns, counts)
                 if response.expired >= _EXPIRE_BATCH or abandoned.abandoned >= _EXPIRE_BATCH:
                     continue
             await self._sleep(self._config.expire_interval_seconds)
