@@ -59,12 +59,12 @@ from bench.common import (
 )
 from quayutec.crypto import Fernet, MultiFernet
 from quayutec.db import create_pool
+from quayutec.ledger import run_id_for
 from quayutec.sql import Queries
 from quayutec.tls import GATEWAY
 from quayutec.v1 import common_pb2, runtime_pb2, runtime_pb2_grpc
 from services.runtime.model import DECLARED_ACTIONS, ChatMessage, ModelRequest, ModelTarget
 from services.runtime.model import anthropic as anthropic_wire
-from services.runtime.run import run_id_for
 
 MAX_KEY = 2**63 - 1
 CLAIM_SQL = (

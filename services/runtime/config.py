@@ -40,7 +40,7 @@ class RuntimeConfig:
     waitpoint_ttl_seconds: int = 86_400
     # Where an owner-supplied base URL may lead besides public https addresses (EGRESS_ALLOW).
     egress: EgressPolicy = field(default_factory=EgressPolicy)
-    # Comma-separated step boundaries at which a run pauses forever (crash tests only).
+    # Comma-separated step boundaries at which a run pauses until SIGUSR1 (crash tests only).
     failpoints: frozenset[str] = frozenset()
 
     @classmethod
@@ -70,5 +70,13 @@ class RuntimeConfig:
 
 # The step boundaries a crash test can stop a run at.
 FAILPOINTS = frozenset(
-    {"claimed", "model_called", "reply_posted", "action_written", "continuation_claimed", "continued"}
+    {
+        "before_room_read",
+        "claimed",
+        "model_called",
+        "reply_posted",
+        "action_written",
+        "continuation_claimed",
+        "continued",
+    }
 )

@@ -198,7 +198,7 @@ async def test_an_overdue_approval_expires_and_wakes_its_run_once(
     await pool.execute("UPDATE waitpoints SET expires_at = now() - interval '1 minute' WHERE token = $1", overdue)
     fast = {"QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.02", "QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS": "0.05"}
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **fast),
     ):
         await runtime.wait_until(lambda: any(c.request.wake_source_id == overdue for c in runtime.calls))

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from quayutec.ledger import run_id_for
 from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.stack import free_port
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
@@ -83,7 +84,7 @@ async def test_wakes_are_delivered_once_with_their_source(
     )
     assert await pending(room_stub) == 3
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **FAST),
     ):
         await eventually(lambda: _none_pending(room_stub))
@@ -116,10 +117,12 @@ async def test_already_claimed_is_delivered(
             room_pb2.RoomServiceLeaseWakesRequest(lease_owner="test", max_wakes=1, lease_seconds=1), timeout=10
         )
         first = leased.wakes[0]
-        # Claimed before (as if a Runtime took it and the settle was lost); the lease lapses.
+        # Claimed before, and its run recorded (as if a Runtime took it and the settle was lost); the
+        # lease lapses.
         await claims.ClaimOnce(claims_pb2.ClaimOnceRequest(agent_id=first.agent_id, wake_id=first.wake_id))
+    await record_first_row(room_addr, first)
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **FAST),
     ):
         await eventually(lambda: _none_pending(room_stub))
@@ -130,11 +133,30 @@ async def test_already_claimed_is_delivered(
     }
 
 
+async def record_first_row(room_addr: str, wake: common_pb2.Wake) -> None:
+    """The ledger row a Runtime's run records first (with its room read), for a wake claimed by hand."""
+    row = common_pb2.Run(
+        run_id=run_id_for(wake.agent_id, wake.wake_id),
+        agent_id=wake.agent_id,
+        room_id=wake.room_id,
+        wake_id=wake.wake_id,
+        wake_kind=wake.kind,
+        wake_source_id=wake.source_id,
+        status=common_pb2.RUN_STATUS_RUNNING,
+        step=common_pb2.RUN_STEP_CLAIMED,
+        attempt="the claimant",
+    )
+    async with service_channel(room_addr, "runtime") as channel:
+        await room_pb2_grpc.RoomServiceStub(channel).RecordRun(
+            room_pb2.RoomServiceRecordRunRequest(run=row), timeout=10
+        )
+
+
 async def test_refusals_and_timeouts_are_retried_until_claimed(
     database_url: str, room_addr: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
 ) -> None:
     _, wake_ids = await post_wakes(acme_gw, agents=3, messages=1)
-    async with running_standin_runtime(claims_addr) as (runtime_addr, runtime):
+    async with running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime):
         runtime.script(wake_ids[0], "UNAVAILABLE", "RESOURCE_EXHAUSTED", "HANG")
         runtime.script(wake_ids[1], "RESOURCE_EXHAUSTED")
         async with running_gateway(
@@ -183,7 +205,7 @@ async def test_runtime_down_for_a_while_then_up_delivers_every_wake_once(
         await eventually(each_failed_twice)
         assert failed_wakes() == set(wake_ids)
         assert await pending(room_stub) == len(wake_ids)  # still pending while Runtime is down
-        async with running_standin_runtime(claims_addr, port=port) as (_, runtime):
+        async with running_standin_runtime(claims_addr, room_addr, port=port) as (_, runtime):
             await eventually(lambda: _none_pending(room_stub))
     assert Counter(c.request.wake_id for c in runtime.calls) == Counter(wake_ids)
     assert {c.answer for c in runtime.calls} == {"ACCEPTED"}
@@ -203,7 +225,7 @@ async def test_room_down_then_up_the_loop_keeps_polling(
             _, wake_ids = await post_wakes(acme_gw, agents=3, messages=2)
     # The Room is down now.
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **FAST),
     ):
 
@@ -225,7 +247,7 @@ async def test_two_replicas_deliver_a_thousand_wakes_once_each(
 ) -> None:
     replica = {**FAST, "QUAYUTEC_GATEWAY_DELIVERY_BATCH_SIZE": "25", "QUAYUTEC_GATEWAY_DELIVERY_CONCURRENCY": "25"}
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **replica),
         running_gateway(database_url, room_addr, runtime_addr, **replica),
     ):
@@ -265,7 +287,7 @@ async def test_replica_stopped_mid_delivery_loses_nothing(
         "QUAYUTEC_GATEWAY_DELIVERY_STOP_GRACE_SECONDS": "0",
         "QUAYUTEC_GATEWAY_GRACE_SECONDS": "0",
     }
-    async with running_standin_runtime(claims_addr) as (runtime_addr, runtime):
+    async with running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime):
         # Half the wakes hang before Runtime claims them, half after: the replica is stopped mid-call.
         for n, wake_id in enumerate(wake_ids):
             runtime.script(wake_id, "HANG" if n % 2 else "CLAIM_THEN_HANG")
@@ -287,7 +309,7 @@ async def test_gateway_process_killed_mid_delivery_loses_and_doubles_nothing(
         "QUAYUTEC_GATEWAY_LEASE_SECONDS": "3",
         "QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS": "2.9",
     }
-    async with running_standin_runtime(claims_addr) as (runtime_addr, runtime):
+    async with running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime):
         for n, wake_id in enumerate(wake_ids):
             runtime.script(wake_id, "HANG" if n % 2 else "CLAIM_THEN_HANG")
         env = {

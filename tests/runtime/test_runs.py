@@ -11,8 +11,8 @@ import grpc
 import pytest
 
 from quayutec.egress import EgressPolicy
+from quayutec.ledger import run_id_for
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.room import running_room

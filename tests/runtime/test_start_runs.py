@@ -14,12 +14,13 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from quayutec.ledger import run_id_for
 from quayutec.telemetry import SpanCapture
 from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, room_pb2_grpc, runtime_pb2
 from services.runtime.backend import RetryingRoom
 from services.runtime.claims_client import ClaimsClient
 from services.runtime.model import RealClock, RetryPolicy
-from services.runtime.run import RunExecutor, run_id_for
+from services.runtime.run import RunExecutor
 from services.runtime.servicer import MAX_START_RUNS_ITEMS, RuntimeServicer
 from services.runtime.standin import StandinProvider
 from tests.harness.channels import service_channel
