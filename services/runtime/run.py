@@ -17,6 +17,7 @@ import logging
 import sys
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
@@ -265,6 +266,7 @@ class RunExecutor:
         self._tasks: set[asyncio.Task[None]] = set()
         # Set by release_failpoints (SIGUSR1 in tests): runs paused at a failpoint go on.
         self._failpoints_released = asyncio.Event()
+        self._failpoints_passed: Counter[str] = Counter()
 
     async def start(
         self, wake: Wake, *, time_left: float | None = None
@@ -562,9 +564,14 @@ class RunExecutor:
     async def _failpoint(self, name: str, run_id: str) -> None:
         """Crash tests name step boundaries at which a run pauses, to be killed there (or let go on
         by ``release_failpoints``)."""
-        if name in self._config.failpoints and not self._failpoints_released.is_set():
-            print(f"failpoint {name} reached by run {run_id}", file=sys.stderr, flush=True)
-            await self._failpoints_released.wait()
+        let_through = self._config.failpoints.get(name)
+        if let_through is None or self._failpoints_released.is_set():
+            return
+        if self._failpoints_passed[name] < let_through:
+            self._failpoints_passed[name] += 1
+            return
+        print(f"failpoint {name} reached by run {run_id}", file=sys.stderr, flush=True)
+        await self._failpoints_released.wait()
 
     async def read_room(self, wake: Wake, ledger: Ledger) -> RoomView:
         """Everything the run sees of the room, read in one call that also records the claimed row."""

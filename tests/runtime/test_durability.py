@@ -8,10 +8,9 @@ Each test prints its figures (wakes acted, lost, doubled; seconds to finish): ru
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -75,20 +74,6 @@ class RoomProcess(ServiceProcess):
                 "QUAYUTEC_ENCRYPTION_KEY": TEST_ENCRYPTION_KEY,
             },
         )
-
-    async def wait_ready(self, limit: float = 30.0) -> None:
-        await super().wait_ready(limit)
-        # Keep draining its log so the child never blocks on a full pipe.
-        assert self.proc.stderr is not None
-        threading.Thread(target=_drain, args=(self.proc.stderr,), daemon=True).start()
-
-
-def _drain(stream: Iterator[str]) -> None:
-    try:
-        for _ in stream:
-            pass
-    except (OSError, ValueError):
-        return
 
 
 @dataclass(frozen=True)
