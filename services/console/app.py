@@ -56,6 +56,7 @@ MAX_FIELD_CHARS = 20_000
 MAX_MENTIONS = 20
 
 RUN_EVENTS = {
+    common_pb2.ROOM_EVENT_KIND_RUN_NOT_STARTED,
     common_pb2.ROOM_EVENT_KIND_RUN_STARTED,
     common_pb2.ROOM_EVENT_KIND_RUN_PARKED,
     common_pb2.ROOM_EVENT_KIND_RUN_ENDED,
@@ -123,6 +124,9 @@ def pretty_json(text: str) -> str:
 
 def timeline(run: common_pb2.Run) -> list[dict[str, str]]:
     """A run's ledger as the steps a person follows: what happened, in order, with its outcome."""
+    if run.status == common_pb2.RUN_STATUS_NOT_STARTED:
+        detail = f"wake {run.wake_id}: no run has read the room yet, nothing was done; it is delivered again"
+        return [{"what": "not started", "detail": detail, "at": when(run.started_at), "state": "wait"}]
     items: list[dict[str, str]] = [{"what": "claimed", "detail": f"wake {run.wake_id}", "at": when(run.started_at)}]
     if run.step >= common_pb2.RUN_STEP_ROOM_READ:
         items.append({"what": "room read", "detail": ""})

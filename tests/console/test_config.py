@@ -86,3 +86,11 @@ def test_a_parked_run_and_a_failed_attempt_on_the_timeline() -> None:
         ("action #0 create_task", "held", "wait"),
         ("parked", "waiting for your company's decision on held actions", "wait"),
     ]
+
+
+def test_a_run_that_never_started_says_so_on_the_timeline() -> None:
+    run = common_pb2.Run(run_id="r", wake_id="w", status=common_pb2.RUN_STATUS_NOT_STARTED, error="not started: ...")
+    steps = [(s["what"], s["detail"], s.get("state", "")) for s in timeline(run)]
+    assert steps == [
+        ("not started", "wake w: no run has read the room yet, nothing was done; it is delivered again", "wait")
+    ]
