@@ -284,7 +284,7 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS",
         5.0,
-        "how often expired waitpoints and abandoned runs are ended",
+        "how often the housekeeping runs: expired waitpoints and abandoned runs are ended, runs not started recorded",
         ["gateway"],
         shown="5",
     ),
