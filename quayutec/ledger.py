@@ -29,3 +29,9 @@ def mark_undone(run: common_pb2.Run, detail: str) -> None:
 def run_id_for(agent_id: str, wake_id: str) -> str:
     """The id of the run of ``agent_id`` woken by ``wake_id`` (the same for every delivery of the wake)."""
     return str(uuid.uuid5(RUN_NAMESPACE, f"{agent_id}\x00{wake_id}"))
+
+
+def continuation_attempt(waitpoint_token: str, claimant: str) -> str:
+    """The ledger attempt of a parked run's continuation: the Room lets only such an attempt, of the
+    run's decided waitpoint, take a PARKED row over (its fence)."""
+    return f"continue:{waitpoint_token}:{claimant}"

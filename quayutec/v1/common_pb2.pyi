@@ -979,10 +979,11 @@ class Run(_message.Message):
     """W3C trace id (32 hex chars) to open the run in Jaeger."""
     active_ms: _builtins.int
     attempt: _builtins.str
-    """The delivery whose run holds this row: the claimant token of its StartRun (empty on a NOT_STARTED
-    row). The Room applies a ledger write only to a new row, a row of the same attempt, or a
-    NOT_STARTED or PARKED row (which the write takes over); any other is refused ALREADY_EXISTS, so
-    at most one run of a wake ever reads the room.
+    """The delivery whose run holds this row: the claimant token of its StartRun ("continue:<waitpoint
+    token>:<claimant token>" for a continuation; empty on a NOT_STARTED row). The Room applies a
+    ledger write only to a new row, a row of the same attempt, a NOT_STARTED row, or a PARKED row
+    whose waitpoint was decided when the write is its continuation (the write takes the row over);
+    any other is refused ALREADY_EXISTS, so at most one run of a wake ever reads the room.
     """
     @_builtins.property
     def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeclaredAction]: ...

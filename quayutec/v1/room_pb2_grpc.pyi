@@ -144,8 +144,9 @@ class RoomServiceStub:
     RecordRun: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRecordRunRequest, _room_pb2.RoomServiceRecordRunResponse]
     """RecordRun writes the ledger row of a run as it now stands (insert or replace). Every ledger
     write (here, with ReadRunContext, with a post or an action's write, with CreateWaitpoint) is
-    fenced by run.attempt: it applies to a new row, a row of the same attempt, or a NOT_STARTED or
-    PARKED row (taken over by the write); a row of another attempt refuses it.
+    fenced by run.attempt: it applies to a new row, a row of the same attempt, a NOT_STARTED row, or
+    a PARKED row whose waitpoint was decided when the write is its continuation (see Run.attempt;
+    the write takes the row over); a row of another attempt refuses it.
     Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), ALREADY_EXISTS (the row is held
     by another attempt's run: nothing was written; that run stops), FAILED_PRECONDITION (the row is
     already ended and the write would change it).
@@ -352,8 +353,9 @@ class RoomServiceAsyncStub(RoomServiceStub):
     RecordRun: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRecordRunRequest, _room_pb2.RoomServiceRecordRunResponse]  # type: ignore[assignment]
     """RecordRun writes the ledger row of a run as it now stands (insert or replace). Every ledger
     write (here, with ReadRunContext, with a post or an action's write, with CreateWaitpoint) is
-    fenced by run.attempt: it applies to a new row, a row of the same attempt, or a NOT_STARTED or
-    PARKED row (taken over by the write); a row of another attempt refuses it.
+    fenced by run.attempt: it applies to a new row, a row of the same attempt, a NOT_STARTED row, or
+    a PARKED row whose waitpoint was decided when the write is its continuation (see Run.attempt;
+    the write takes the row over); a row of another attempt refuses it.
     Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), ALREADY_EXISTS (the row is held
     by another attempt's run: nothing was written; that run stops), FAILED_PRECONDITION (the row is
     already ended and the write would change it).
@@ -725,8 +727,9 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_room_pb2.RoomServiceRecordRunResponse, _abc.Awaitable[_room_pb2.RoomServiceRecordRunResponse]]:
         """RecordRun writes the ledger row of a run as it now stands (insert or replace). Every ledger
         write (here, with ReadRunContext, with a post or an action's write, with CreateWaitpoint) is
-        fenced by run.attempt: it applies to a new row, a row of the same attempt, or a NOT_STARTED or
-        PARKED row (taken over by the write); a row of another attempt refuses it.
+        fenced by run.attempt: it applies to a new row, a row of the same attempt, a NOT_STARTED row, or
+        a PARKED row whose waitpoint was decided when the write is its continuation (see Run.attempt;
+        the write takes the row over); a row of another attempt refuses it.
         Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), ALREADY_EXISTS (the row is held
         by another attempt's run: nothing was written; that run stops), FAILED_PRECONDITION (the row is
         already ended and the write would change it).

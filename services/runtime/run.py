@@ -27,7 +27,7 @@ import httpx
 from opentelemetry import trace
 
 from quayutec.errors import InvalidArgument, ResourceExhausted, Unavailable
-from quayutec.ledger import mark_undone, run_id_for
+from quayutec.ledger import continuation_attempt, mark_undone, run_id_for
 from quayutec.telemetry import Metrics, annotate, run_outcome, run_span
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
 from services.runtime.backend import MIN_TRY_SECONDS, retryable, with_retries
@@ -476,7 +476,7 @@ class RunExecutor:
             _log.warning("run %s is %s, not parked; its decision is not acted on", run.run_id, run.status)
             return
         annotate(agent_id=run.agent_id, room_id=run.room_id, wake_id=run.wake_id, company_id=run.company_id)
-        run.attempt = attempt.token
+        run.attempt = continuation_attempt(waitpoint.token, attempt.token)
         ledger = Ledger(
             self._room,
             run,

@@ -8,13 +8,15 @@ a row, so no claim stays out of the ledger.
 
 from __future__ import annotations
 
+import uuid
+
 import asyncpg
 import grpc
 
-from quayutec.ledger import run_id_for
+from quayutec.ledger import continuation_attempt, run_id_for
 from quayutec.v1 import common_pb2, room_pb2
 from tests.room.conftest import Stub, World, agent_author, expect_error, post
-from tests.room.test_rights_waitpoints import park
+from tests.room.test_rights_waitpoints import decide, park
 from tests.room.test_run_context import a_run, context_request, get_run
 from tests.room.test_runs_wakes import lease, settle
 
@@ -77,14 +79,29 @@ async def test_a_row_refuses_every_write_of_another_attempt(room: Stub, world: W
     )
 
 
-async def test_a_parked_row_is_taken_over_by_one_continuation(room: Stub, world: World) -> None:
-    await park(room, world, "run-parked", attempt="the run")
-    continuation = await get_run(room, "run-parked")
-    continuation.status = common_pb2.RUN_STATUS_RUNNING
-    continuation.attempt = "continuation one"
-    assert (await record(room, continuation)).attempt == "continuation one"
-    continuation.attempt = "continuation two"
-    await expect_error(HELD, room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=continuation)))
+async def test_a_parked_row_is_taken_over_by_one_continuation_of_its_decided_waitpoint(
+    room: Stub, world: World
+) -> None:
+    waitpoint = await park(room, world, "run-parked", attempt="the run")
+    row = await get_run(room, "run-parked")
+    row.status = common_pb2.RUN_STATUS_RUNNING
+
+    def as_attempt(attempt: str) -> room_pb2.RoomServiceRecordRunRequest:
+        candidate = common_pb2.Run()
+        candidate.CopyFrom(row)
+        candidate.attempt = attempt
+        return room_pb2.RoomServiceRecordRunRequest(run=candidate)
+
+    one, two = (continuation_attempt(waitpoint.token, claimant) for claimant in ("one", "two"))
+    # Not decided yet: no continuation may take it.
+    await expect_error(HELD, room.RecordRun(as_attempt(one)))
+    for index in (1, 2):  # its held actions
+        await decide(room, waitpoint.token, index, world.acme.company_id)
+    # A redelivery of the run's own wake (its claim refused) never takes a parked row: it read before.
+    await expect_error(HELD, room.RecordRun(as_attempt("a redelivery of the message")))
+    await expect_error(HELD, room.RecordRun(as_attempt(continuation_attempt(str(uuid.uuid4()), "x"))))
+    assert (await room.RecordRun(as_attempt(one))).run.attempt == one
+    await expect_error(HELD, room.RecordRun(as_attempt(two)))
 
 
 async def test_a_wake_delivered_with_no_run_gets_a_not_started_row_which_one_run_takes_over(

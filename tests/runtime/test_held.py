@@ -133,6 +133,18 @@ async def test_a_decision_continues_the_run_once(
         r1, r2 = runtime_stub(one, CHANNELS), runtime_stub(two, CHANNELS)
         run = await start_and_wait(w, r1, PARKED)
         assert [a.outcome for a in run.actions] == [DONE, HELD]
+        # The run's own wake delivered again while it is parked: the fence refuses every such run.
+        own = runtime_pb2.StartRunRequest(
+            agent_id=run.agent_id,
+            wake_id=run.wake_id,
+            room_id=run.room_id,
+            wake_kind=run.wake_kind,
+            wake_source_id=run.wake_source_id,
+        )
+        again = await asyncio.gather(*(rt.StartRun(own) for rt in [r1, r2] * 4))
+        assert {a.result for a in again} == {runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED}
+        assert (await w.run(run.run_id)).status == common_pb2.RUN_STATUS_PARKED
+        assert len(standin.requests(w.model_a)) == 1
         wp = await waitpoint_of(w, run.run_id)
         decided = await asyncio.gather(*(decide(w, wp.token, 1, approve) for _ in range(12)))
         assert sum(d.completed for d in decided) == 1
@@ -145,7 +157,11 @@ async def test_a_decision_continues_the_run_once(
         assert [a.result for a in answers].count(runtime_pb2.START_RUN_RESULT_ACCEPTED) == 1
         assert {a.run_id for a in answers} == {run.run_id}
         done = await w.wait_for_run(run.run_id, ENDED)
+        # And after the decision, once the continuation ran.
+        again = await asyncio.gather(*(rt.StartRun(own) for rt in [r1, r2] * 4))
+        assert {a.result for a in again} == {runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED}
     assert done.status == common_pb2.RUN_STATUS_SUCCEEDED, done.error
+    assert len(standin.requests(w.model_a)) == 1
     assert done.actions[1].outcome == (DONE if approve else DENIED)
     assert "ana" in done.actions[1].detail
     assert len(await w.tasks_for(w.agent_b.agent_id)) == (1 if approve else 0)

@@ -626,7 +626,8 @@ SELECT count(*) FROM removed;
 -- name: upsert_run_with_before
 -- The whole ledger row as it now stands, and its status before in status_before (NULL: there was no
 -- row). The fence ($18, the writing run's attempt): a row is written when it is new, holds the same
--- attempt, or is not_started or parked (the write takes it over); an ended row, or one another
+-- attempt, is not_started, or is parked and the write is a continuation of its decided waitpoint
+-- (attempt 'continue:<token>:...'); the write then takes the row over. An ended row, or one another
 -- attempt holds, is left alone (no row returned).
 WITH before AS (
     SELECT status FROM runs WHERE run_id = $1
@@ -655,7 +656,15 @@ WITH before AS (
         ended_at = EXCLUDED.ended_at,
         attempt = EXCLUDED.attempt
     WHERE runs.ended_at IS NULL
-        AND (runs.attempt = EXCLUDED.attempt OR runs.status IN ('not_started', 'parked'))
+        AND (
+            runs.attempt = EXCLUDED.attempt
+            OR runs.status = 'not_started'
+            OR (runs.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = runs.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
     RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
         posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
         pos, attempt
