@@ -37,6 +37,25 @@ ACCEPTED = runtime_pb2.START_RUN_RESULT_ACCEPTED
 ALREADY_CLAIMED = runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED
 
 
+async def record_first_row(
+    room: room_pb2_grpc.RoomServiceStub, request: runtime_pb2.StartRunRequest, token: str
+) -> None:
+    """The first ledger row of the run of ``request``'s wake, as the Runtime's run records it with its
+    room read (RUNNING, the claimed step, ``token`` as its attempt); ``room`` called as "runtime"."""
+    row = common_pb2.Run(
+        run_id=run_id_for(request.agent_id, request.wake_id),
+        agent_id=request.agent_id,
+        room_id=request.room_id,
+        wake_id=request.wake_id,
+        wake_kind=request.wake_kind,
+        wake_source_id=request.wake_source_id,
+        status=common_pb2.RUN_STATUS_RUNNING,
+        step=common_pb2.RUN_STEP_CLAIMED,
+        attempt=token,
+    )
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=row), timeout=10)
+
+
 @dataclass(frozen=True)
 class Call:
     """One StartRun the stand-in received, and what it answered ("ACCEPTED", "UNAVAILABLE", ...)."""
@@ -86,28 +105,13 @@ class StandinRuntime:
         )
         run_id = run_id_for(request.agent_id, request.wake_id)
         if claim.claimed and request.wake_kind != common_pb2.WAKE_KIND_DECISION:
-            await self._record_run(request, run_id, token)
+            await record_first_row(self._room, request, token)
         if step == "CLAIM_THEN_HANG":
             self._record(request, "CLAIMED_THEN_HANG" if claim.claimed else "ALREADY_CLAIMED_THEN_HANG", context)
             await asyncio.Event().wait()
         result = ACCEPTED if claim.claimed else ALREADY_CLAIMED
         self._record(request, runtime_pb2.StartRunResult.Name(result).removeprefix("START_RUN_RESULT_"), context)
         return runtime_pb2.StartRunResponse(result=result, run_id=run_id)
-
-    async def _record_run(self, request: runtime_pb2.StartRunRequest, run_id: str, token: str) -> None:
-        """The run's first ledger row, as the Runtime's run records it with its room read."""
-        row = common_pb2.Run(
-            run_id=run_id,
-            agent_id=request.agent_id,
-            room_id=request.room_id,
-            wake_id=request.wake_id,
-            wake_kind=request.wake_kind,
-            wake_source_id=request.wake_source_id,
-            status=common_pb2.RUN_STATUS_RUNNING,
-            step=common_pb2.RUN_STEP_CLAIMED,
-            attempt=token,
-        )
-        await self._room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=row), timeout=10)
 
     async def wait_until(self, predicate: Callable[[], bool], within: float = 60.0) -> None:
         """Wait for ``predicate()`` to hold, re-checking after every call; fails after ``within`` seconds."""

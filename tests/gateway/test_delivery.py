@@ -19,11 +19,10 @@ from typing import Any
 
 import pytest
 
-from quayutec.ledger import run_id_for
-from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
+from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtime_pb2
 from services.stack import free_port
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
-from tests.gateway.runtime_standin import running_standin_runtime
+from tests.gateway.runtime_standin import record_first_row, running_standin_runtime
 from tests.harness.channels import mtls_env, service_channel
 from tests.harness.gateway import authed_gateway, make_company, running_gateway
 from tests.harness.room import running_room
@@ -120,7 +119,12 @@ async def test_already_claimed_is_delivered(
         # Claimed before, and its run recorded (as if a Runtime took it and the settle was lost); the
         # lease lapses.
         await claims.ClaimOnce(claims_pb2.ClaimOnceRequest(agent_id=first.agent_id, wake_id=first.wake_id))
-    await record_first_row(room_addr, first)
+    # As a Runtime's run records it with its room read.
+    async with service_channel(room_addr, "runtime") as channel:
+        request = runtime_pb2.StartRunRequest(
+            agent_id=first.agent_id, wake_id=first.wake_id, room_id=first.room_id, wake_kind=first.kind
+        )
+        await record_first_row(room_pb2_grpc.RoomServiceStub(channel), request, "the claimant")
     async with (
         running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **FAST),
@@ -131,25 +135,6 @@ async def test_already_claimed_is_delivered(
         first.wake_id: "ALREADY_CLAIMED",
         next(w for w in wake_ids if w != first.wake_id): "ACCEPTED",
     }
-
-
-async def record_first_row(room_addr: str, wake: common_pb2.Wake) -> None:
-    """The ledger row a Runtime's run records first (with its room read), for a wake claimed by hand."""
-    row = common_pb2.Run(
-        run_id=run_id_for(wake.agent_id, wake.wake_id),
-        agent_id=wake.agent_id,
-        room_id=wake.room_id,
-        wake_id=wake.wake_id,
-        wake_kind=wake.kind,
-        wake_source_id=wake.source_id,
-        status=common_pb2.RUN_STATUS_RUNNING,
-        step=common_pb2.RUN_STEP_CLAIMED,
-        attempt="the claimant",
-    )
-    async with service_channel(room_addr, "runtime") as channel:
-        await room_pb2_grpc.RoomServiceStub(channel).RecordRun(
-            room_pb2.RoomServiceRecordRunRequest(run=row), timeout=10
-        )
 
 
 async def test_refusals_and_timeouts_are_retried_until_claimed(

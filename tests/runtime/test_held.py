@@ -134,12 +134,14 @@ async def test_a_decision_continues_the_run_once(
         run = await start_and_wait(w, r1, PARKED)
         assert [a.outcome for a in run.actions] == [DONE, HELD]
         # The run's own wake delivered again while it is parked: the fence refuses every such run.
-        own = runtime_pb2.StartRunRequest(
-            agent_id=run.agent_id,
-            wake_id=run.wake_id,
-            room_id=run.room_id,
-            wake_kind=run.wake_kind,
-            wake_source_id=run.wake_source_id,
+        own = start_request(
+            common_pb2.Wake(
+                agent_id=run.agent_id,
+                wake_id=run.wake_id,
+                room_id=run.room_id,
+                kind=run.wake_kind,
+                source_id=run.wake_source_id,
+            )
         )
         again = await asyncio.gather(*(rt.StartRun(own) for rt in [r1, r2] * 4))
         assert {a.result for a in again} == {runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED}
