@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 NODE_EXAMPLES := docs/examples/node
 NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
 
-.PHONY: demo test lint typecheck pytest protos check-protos clean bench
+.PHONY: demo test test-cluster lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/quayutec demo
 
-test: $(STAMP) lint typecheck check-protos pytest
+test: $(STAMP) lint typecheck check-protos secrets pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -31,6 +31,14 @@ typecheck: $(STAMP)
 check-protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py --check
 
+# No private key or token in any file git would commit (detect-secrets; see the script).
+secrets: $(STAMP)
+	$(BIN)/python scripts/scan_secrets.py
+
+# The dev overlay's mutual-TLS files, made before `kubectl apply -k deploy/k8s/overlays/dev`.
+k8s-dev-mtls: $(STAMP)
+	$(BIN)/python scripts/dev_k8s_mtls.py
+
 # The API guide's Node example (docs/api.md), run by tests/test_docs.py: its packages from the lock file.
 $(NODE_STAMP): $(NODE_EXAMPLES)/package-lock.json
 	cd $(NODE_EXAMPLES) && npm ci --no-audit --no-fund
@@ -38,6 +46,11 @@ $(NODE_STAMP): $(NODE_EXAMPLES)/package-lock.json
 
 pytest: $(STAMP) $(NODE_STAMP)
 	$(BIN)/pytest
+
+# The multi-host bed's tests (tests/cluster): faults across a network of namespaces, as root, in
+# namespaces of their own (`unshare`); about 8 minutes. `.ci/run` runs them after `make test`.
+test-cluster: $(STAMP)
+	$(BIN)/python -m scripts.cluster test
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -132,6 +132,45 @@ def env_float(
     return value
 
 
+# The services that hold database pools, whose replicas share the server's connections.
+WITH_DATABASE: tuple[str, ...] = ("gateway", "room", "claims")
+CONNECTIONS_RESERVED_ENV = "QUAYUTEC_DB_CONNECTIONS_RESERVED"
+
+
+@dataclass(frozen=True)
+class ConnectionBudget:
+    """What every replica of the services could hold at once: each service's most replicas times
+    its pool's size, plus a reserve (migrations, the admin commands, an operator's psql). A service
+    checks it against the server's ``max_connections`` when it starts (``quayutec.db``)."""
+
+    shares: tuple[tuple[str, int, int], ...]  # (service, most replicas, pool size)
+    reserved: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionBudget:
+        from quayutec.settings import setting
+
+        env = os.environ if env is None else env
+        shares = tuple(
+            (
+                name,
+                env_int(env, setting(f"QUAYUTEC_{name.upper()}_REPLICAS_MAX"), minimum=1),
+                env_int(env, setting(f"QUAYUTEC_{name.upper()}_DB_POOL_MAX"), minimum=1),
+            )
+            for name in WITH_DATABASE
+        )
+        return cls(shares=shares, reserved=env_int(env, setting(CONNECTIONS_RESERVED_ENV), minimum=0))
+
+    @property
+    def total(self) -> int:
+        return sum(replicas * pool for _, replicas, pool in self.shares) + self.reserved
+
+    def explain(self) -> str:
+        """``gateway 6 × 8 + room 2 × 10 + claims 2 × 5 + reserved 10 = 88``."""
+        parts = [f"{name} {replicas} × {pool}" for name, replicas, pool in self.shares]
+        return f"{' + '.join(parts)} + reserved {self.reserved} = {self.total}"
+
+
 @dataclass(frozen=True)
 class DatabaseConfig:
     """``DATABASE_URL`` when set; otherwise an embedded PostgreSQL under ``data_dir``."""
@@ -140,6 +179,7 @@ class DatabaseConfig:
     data_dir: Path
     pool_min: int = 1
     pool_max: int = 10
+    budget: ConnectionBudget | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, prefix: str = "QUAYUTEC_") -> DatabaseConfig:
@@ -152,19 +192,47 @@ class DatabaseConfig:
         pool_max = env_int(env, setting(f"{prefix}DB_POOL_MAX"), minimum=1)
         if pool_min > pool_max:
             raise ConfigError(f"{prefix}DB_POOL_MIN ({pool_min}) exceeds {prefix}DB_POOL_MAX ({pool_max})")
-        return cls(url=url, data_dir=data_dir, pool_min=pool_min, pool_max=pool_max)
+        budget = ConnectionBudget.from_env(env)
+        return cls(url=url, data_dir=data_dir, pool_min=pool_min, pool_max=pool_max, budget=budget)
+
+
+@dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a gRPC server keeps a connection that does nothing useful (every port of every
+    service): the TLS and HTTP/2 handshake must finish within ``handshake_seconds``; a connection
+    with no call open for ``idle_seconds`` is closed (GOAWAY); one quiet for ``keepalive_seconds``
+    is pinged, and closed when the ping is not answered within ``keepalive_timeout_seconds``."""
+
+    handshake_seconds: float = 10.0
+    idle_seconds: float = 300.0
+    keepalive_seconds: float = 60.0
+    keepalive_timeout_seconds: float = 20.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionLimits:
+        from quayutec.settings import setting
+
+        env = os.environ if env is None else env
+        return cls(
+            handshake_seconds=env_float(env, setting("QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS"), minimum=0.1),
+            idle_seconds=env_float(env, setting("QUAYUTEC_GRPC_IDLE_SECONDS"), minimum=1.0),
+            keepalive_seconds=env_float(env, setting("QUAYUTEC_GRPC_KEEPALIVE_SECONDS"), minimum=1.0),
+            keepalive_timeout_seconds=env_float(env, setting("QUAYUTEC_GRPC_KEEPALIVE_TIMEOUT_SECONDS"), minimum=1.0),
+        )
 
 
 @dataclass(frozen=True)
 class ServerConfig:
     """Where one service listens, how long it drains on shutdown, where its certificates come from
-    (``None``: from the environment when the server is made) and, when set, a second plaintext
-    port that serves only health checks (for probes that cannot present a client certificate)."""
+    (``None``: from the environment when the server is made), when set, a second plaintext
+    port that serves only health checks (for probes that cannot present a client certificate), and
+    how long its connections may do nothing."""
 
     listen: str
     grace_seconds: float
     mtls: MtlsConfig | None = None
     health_listen: str | None = None
+    connections: ConnectionLimits = ConnectionLimits()
 
     @classmethod
     def from_env(cls, spec: ServiceSpec, env: Mapping[str, str] | None = None) -> ServerConfig:
@@ -177,6 +245,7 @@ class ServerConfig:
             grace_seconds=env_float(env, setting(f"{spec.prefix}GRACE_SECONDS")),
             mtls=MtlsConfig.from_env(env),
             health_listen=env_str(env, setting(spec.health_listen_env)) or None,
+            connections=ConnectionLimits.from_env(env),
         )
 
 

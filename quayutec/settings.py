@@ -18,7 +18,7 @@ from quayutec.config import SERVICES, ServiceSpec
 Value = str | int | float | bool | None
 
 ALL = ("gateway", "room", "claims", "runtime")
-WITH_DATABASE = ("gateway", "room", "claims")
+WITH_DATABASE = ("gateway", "room", "claims")  # the same as quayutec.config.WITH_DATABASE
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,21 @@ def _per_service(spec: ServiceSpec) -> list[Setting]:
         found += [
             _g(f"{p}MIGRATE_ON_START", True, f"{name} applies its own migrations at start-up", [name]),
             _g(f"{p}DB_POOL_MIN", 1, f"fewest open database connections of {name}", [name]),
-            _g(f"{p}DB_POOL_MAX", 10, f"most open database connections of {name}", [name]),
+            _g(
+                f"{p}DB_POOL_MAX",
+                10,
+                f"most open database connections of one {name} replica (every database service reads it: "
+                "the connection budget)",
+                WITH_DATABASE,
+            ),
+            _g(
+                f"{p}REPLICAS_MAX",
+                1,
+                f"most {name} replicas running at once (its HPA's maxReplicas); each database service checks at "
+                "start that every service's replicas × DB_POOL_MAX, plus DB_CONNECTIONS_RESERVED, fit the "
+                "server's max_connections, and refuses to start, naming the numbers, when they do not",
+                WITH_DATABASE,
+            ),
         ]
     return found
 
@@ -122,6 +136,42 @@ _DECLARED: list[Setting] = [
         ALL,
     ),
     _g("QUAYUTEC_LOG_LEVEL", "INFO", "the services' log level: DEBUG, INFO, WARNING or ERROR", ALL),
+    _g(
+        "QUAYUTEC_DB_CONNECTIONS_RESERVED",
+        10,
+        "database connections kept out of the services' budget: migrations, the admin commands, an operator's psql",
+        WITH_DATABASE,
+    ),
+    _g(
+        "QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS",
+        10.0,
+        "a connection to any gRPC port must finish its TLS and HTTP/2 handshake within this, or it is closed"
+        " (gRPC's own default is 120)",
+        ALL,
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_IDLE_SECONDS",
+        300.0,
+        "a gRPC connection with no call open for this long is closed (GOAWAY; clients reconnect when they next"
+        " call); open streams keep it",
+        ALL,
+        shown="300",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_KEEPALIVE_SECONDS",
+        60.0,
+        "a gRPC server pings a connection quiet for this long, to find peers that are gone",
+        ALL,
+        shown="60",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_KEEPALIVE_TIMEOUT_SECONDS",
+        20.0,
+        "a ping not answered within this closes the connection and the calls on it",
+        ALL,
+        shown="20",
+    ),
     _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),
@@ -171,6 +221,14 @@ _DECLARED: list[Setting] = [
         "body); past it the attempt is a `timeout` and the retry policy decides",
         ["runtime"],
         shown="60",
+    ),
+    _g(
+        "QUAYUTEC_RUNTIME_MODEL_MAX_RESPONSE_BYTES",
+        4 * 1024 * 1024,
+        "the most of one model answer's body the Runtime reads, counted as it streams in (a declared longer "
+        "length is refused unread); past it the attempt is a final `response_too_large`, never retried",
+        ["runtime"],
+        shown="4194304 (4 MiB)",
     ),
     _g(
         "QUAYUTEC_RUNTIME_BACKEND_TIMEOUT_SECONDS",
@@ -410,6 +468,40 @@ _DECLARED: list[Setting] = [
         "",
         "the name the Gateway's certificate must carry, when not the host of QUAYUTEC_GATEWAY_ADDR",
         ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_HEADER_TIMEOUT_SECONDS",
+        10.0,
+        "a request's line and headers must arrive whole within this after the connection opens (or the previous"
+        " answer ends), or the connection is closed",
+        ["console"],
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_BODY_TIMEOUT_SECONDS",
+        30.0,
+        "a request's body must arrive whole within this after its headers (408 past it)",
+        ["console"],
+        shown="30",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_KEEP_ALIVE_SECONDS",
+        5,
+        "a kept-alive connection quiet this long after an answer is closed",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_CONNECTIONS",
+        500,
+        "open connections (event streams included) past which a request is answered 503",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_BODY_BYTES",
+        1024 * 1024,
+        "the longest request body the console reads (a form post); longer: 413, unread when its length is declared",
+        ["console"],
+        shown="1048576 (1 MiB)",
     ),
     _g(
         "QUAYUTEC_CONSOLE_JAEGER_URL",

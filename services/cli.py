@@ -19,7 +19,7 @@ from quayutec.channels import channel_as
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, DatabaseConfig, service_addr
 from quayutec.db import open_pool
 from quayutec.migrate import apply_all
-from quayutec.tls import ADMIN
+from quayutec.tls import ADMIN, CA_FOLDER, IDENTITIES, MtlsConfig, ensure_dev_pki, identity_dir
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.client import API_KEY_ENV, NOT_TRACED, STATUS_NAMES, STEP_NAMES, GatewayClient, format_run
 
@@ -124,6 +124,21 @@ async def cmd_demo(opts: argparse.Namespace) -> int:
     from services.demo import run_demo
 
     return await run_demo()
+
+
+async def cmd_pki_init(opts: argparse.Namespace) -> int:
+    """The development PKI of QUAYUTEC_DATA_DIR (made if missing): the CA's folder, read by admin
+    tooling only, and one folder per identity, each all that identity's process reads."""
+    config = MtlsConfig.from_env()
+    if config.from_files:
+        print("error: QUAYUTEC_MTLS_CA/CERT/KEY are set: this process uses those files, not a development PKI")
+        return 2
+    ensure_dev_pki(config.pki_dir)
+    print(f"development PKI in {config.pki_dir}")
+    print(f"  {identity_dir(config.pki_dir, CA_FOLDER)}/  ca.crt ca.key   (the CA: admin tooling only)")
+    for name in IDENTITIES:
+        print(f"  {identity_dir(config.pki_dir, name)}/  ca.crt tls.crt tls.key")
+    return 0
 
 
 async def cmd_migrate(opts: argparse.Namespace) -> int:
@@ -481,16 +496,22 @@ RIGHTS = {
     "auto": common_pb2.ACTION_RIGHT_AUTO,
     "hold": common_pb2.ACTION_RIGHT_HOLD,
     "deny": common_pb2.ACTION_RIGHT_DENY,
+    # Not set here: the agent inherits the company default, the default the built-in auto.
+    "inherit": common_pb2.ACTION_RIGHT_UNSPECIFIED,
 }
 RIGHT_FIELDS = ("remember", "create_task", "update_task", "close_task", "cross_company_task")
 
 
 async def cmd_rights_set(opts: argparse.Namespace) -> int:
     chosen = {f: RIGHTS[getattr(opts, f)] for f in RIGHT_FIELDS if getattr(opts, f)}
+    if not chosen:
+        raise SystemExit("name at least one right to set, e.g. --create-task hold (see --help)")
+    request = gateway_pb2.SetAgentRightsRequest(agent_id=opts.agent or "")
+    for field, right in chosen.items():
+        setattr(request, field, right)
+    request.update_mask.paths.extend(chosen)  # only these change; the others stay as they are
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).SetAgentRights(
-            gateway_pb2.SetAgentRightsRequest(agent_id=opts.agent or "", **chosen)
-        )
+        got = await _client(channel).SetAgentRights(request)
     print(_format_rights(got.rights))
     return 0
 
@@ -498,13 +519,27 @@ async def cmd_rights_set(opts: argparse.Namespace) -> int:
 async def cmd_rights_show(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         got = await _client(channel).GetAgentRights(gateway_pb2.GetAgentRightsRequest(agent_id=opts.agent or ""))
-    print("effective: " + _format_rights(got.effective))
+    own = got.agent if opts.agent else got.company_default
+    for field in RIGHT_FIELDS:
+        print(f"{field}={_right_name(getattr(got.effective, field))} ({_right_source(got, own, field)})")
     return 0
 
 
+def _right_name(right: common_pb2.ActionRight.ValueType) -> str:
+    return next((name for name, value in RIGHTS.items() if value == right), "inherit")
+
+
+def _right_source(got: gateway_pb2.GetAgentRightsResponse, own: common_pb2.AgentRights, field: str) -> str:
+    """Where an effective right comes from: set here, inherited from the company default, or built in."""
+    if getattr(own, field):
+        return "set here"
+    if getattr(got.company_default, field):
+        return "inherited from the company default"
+    return "built-in default"
+
+
 def _format_rights(rights: common_pb2.AgentRights) -> str:
-    names = {v: k for k, v in RIGHTS.items()}
-    return ", ".join(f"{f}={names.get(getattr(rights, f), 'default')}" for f in RIGHT_FIELDS)
+    return ", ".join(f"{f}={_right_name(getattr(rights, f))}" for f in RIGHT_FIELDS)
 
 
 async def cmd_approvals(opts: argparse.Namespace) -> int:
@@ -588,6 +623,12 @@ def parser() -> argparse.ArgumentParser:
     cf.set_defaults(handler=cmd_config)
     sub.add_parser("demo", help="the two-company demo, with a Runtime crash").set_defaults(handler=cmd_demo)
     sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
+    pki = sub.add_parser("pki", help="the development certificates of the data folder (admin)").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    pki.add_parser(
+        "init", help="make the development CA and each identity's certificate if missing, and show where"
+    ).set_defaults(handler=cmd_pki_init)
 
     company = sub.add_parser("company", help="companies (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
@@ -680,17 +721,22 @@ def parser() -> argparse.ArgumentParser:
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    rs = rights.add_parser("set", help="set the default for all your agents, or --agent's own")
+    rs = rights.add_parser(
+        "set",
+        help="set rights of the default for all your agents, or of --agent; only the rights named change",
+    )
     rs.add_argument("--agent", metavar="AGENT_ID", help="set this agent's own rights instead of the default")
     for field in RIGHT_FIELDS:
         rs.add_argument(
             f"--{field.replace('_', '-')}",
             dest=field,
             choices=sorted(RIGHTS),
-            help=f"what the {field} action does (unchanged when not given)",
+            help=f"what the {field} action does (unchanged when not given; inherit: take the default's again)",
         )
     rs.set_defaults(handler=cmd_rights_set)
-    rg = rights.add_parser("show", help="effective rights of the default or --agent")
+    rg = rights.add_parser(
+        "show", help="effective rights of the default or --agent, each with where it comes from (set here or inherited)"
+    )
     rg.add_argument("--agent", metavar="AGENT_ID", help="this agent's effective rights")
     rg.set_defaults(handler=cmd_rights_show)
     ap = sub.add_parser("approvals", help="held actions waiting for your decision")

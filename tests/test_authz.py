@@ -13,7 +13,7 @@ import pytest
 from google.protobuf import descriptor, message_factory
 
 from quayutec.authz import RPC_CALLERS, AuthzInterceptor, allowed_callers
-from quayutec.tls import IDENTITIES, MtlsConfig, load_identity
+from quayutec.tls import IDENTITIES, MtlsConfig, ensure_dev_pki, load_identity
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2, runtime_pb2_grpc
 from tests.harness.channels import pki_identity, service_channel
 from tests.harness.claims import running_claims
@@ -153,6 +153,7 @@ async def test_every_internal_rpc_admits_exactly_its_callers(servers: Servers) -
 
 async def test_a_caller_without_a_certificate_is_refused_at_the_handshake(servers: Servers, tmp_path: Any) -> None:
     """No certificate, or one another CA signed: the TLS handshake fails, so no RPC runs (UNAVAILABLE)."""
+    ensure_dev_pki(tmp_path / "other-pki")
     stranger = load_identity("runtime", MtlsConfig.dev(tmp_path / "other-pki"))  # the right name, the wrong CA
     ca_only = grpc.ssl_channel_credentials(root_certificates=pki_identity("runtime").ca_pem)
     for rpc in internal_rpcs():

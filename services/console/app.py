@@ -40,6 +40,7 @@ from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quayutec.config import ConfigError
+from quayutec.httpserve import HttpLimits, server_config
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.client import ACTION_NAMES, OUTCOME_NAMES, STATUS_NAMES, GatewayClient
 from services.console.config import ConsoleConfig
@@ -782,15 +783,18 @@ def main() -> int:
     try:
         config = ConsoleConfig.from_env()
         host, port = config.host_port
+        limits = HttpLimits.from_env()
     except ConfigError as exc:
         print(f"console: {exc}", flush=True)
         return 2
     app = create_app(config)
     server = uvicorn.Server(
-        uvicorn.Config(
+        # Slow or silent clients are cut and bodies bounded (quayutec.httpserve).
+        server_config(
             app,
             host=host,
             port=port,
+            limits=limits,
             log_level="info",
             proxy_headers=False,
             server_header=False,

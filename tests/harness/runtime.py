@@ -142,9 +142,9 @@ class RuntimeProcess(ServiceProcess):
         room_addr: str,
         standin_url: str,
         failpoints: str = "",
+        env: Mapping[str, str] | None = None,
         *,
         port: int | None = None,
-        env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = port or free_port()
         self.addr = f"127.0.0.1:{self.port}"
