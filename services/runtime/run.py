@@ -346,7 +346,9 @@ class RunExecutor:
             if fenced_out(exc):
                 if attempt.give(runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED) and not attempt.taking_over:
                     _log.info("run %s was taken over by another delivery before it read the room", run_id)
-            elif not attempt.give(exc):  # this call's error; nothing was recorded or done
+            elif attempt.give(exc):  # StartRun's error: nothing was recorded or done; delivered again
+                _log.info("run %s stopped before its first ledger write (nothing was done): %s", run_id, exc)
+            else:
                 self._metrics.run_ended("error")
                 _log.exception("run %s failed outside its ledger", run_id)
         finally:

@@ -150,7 +150,8 @@ async def test_refusals_and_timeouts_are_retried_until_claimed(
             runtime_addr,
             **FAST,
             QUAYUTEC_GATEWAY_LEASE_SECONDS="5",
-            QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS="0.3",
+            # Room for a claim and its first ledger row on a busy machine; the scripted hang waits it out.
+            QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS="1",
         ):
             await eventually(lambda: _none_pending(room_stub))
     by_wake: dict[str, list[str]] = {w: [] for w in wake_ids}
