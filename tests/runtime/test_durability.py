@@ -29,6 +29,7 @@ from tests.harness.postgres import OwnPostgres
 from tests.harness.room import TEST_ENCRYPTION_KEY, running_room
 from tests.harness.runtime import RuntimeProcess, ServiceProcess, running_runtime
 from tests.runtime import test_held as held
+from tests.runtime.test_takeover import script_replies
 from tests.runtime.world import World, make_world, runtime_stub, start_request
 
 WAKES = 50
@@ -159,13 +160,7 @@ async def fifty_wakes_through(
     flight (runs in their model call, others waiting to be delivered)."""
     channels: list[grpc.aio.Channel] = []
     w = await make_world(room_addr, claims_addr, channels)
-    standin.enqueue_reply(
-        "Noted.",
-        [{"name": "remember", "arguments": {"text": "noted once", "private": False}}],
-        model=w.model_a,
-        delay_seconds=MODEL_DELAY_SECONDS,
-        times=WAKES,
-    )
+    script_replies(standin, w, WAKES, MODEL_DELAY_SECONDS)
     try:
         async with (
             running_runtime(

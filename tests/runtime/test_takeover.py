@@ -189,6 +189,7 @@ async def runs_with_a_row(database_url: str, run_ids: list[str], status: str) ->
 
 
 def script_replies(standin: StandinProvider, w: World, times: int, delay: float = 0.0) -> None:
+    """``times`` replies of agent A's model, each with one remember (each wake's one write)."""
     standin.enqueue_reply(
         "Noted.",
         [{"name": "remember", "arguments": {"text": "noted once", "private": False}}],
