@@ -409,8 +409,61 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS",
         900,
-        "WatchRoom streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also counts against"
-        " the server's 1,024 concurrent RPCs",
+        "WatchRoom and WatchRooms streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also"
+        " counts against the server's 1,024 concurrent RPCs",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_MAX_ROOMS",
+        200,
+        "rooms one WatchRooms stream follows; a company in more rooms is answered RESOURCE_EXHAUSTED",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_MAX_STREAMS_PER_COMPANY",
+        100,
+        "open streams (WatchRoom, WatchRooms, A2A streaming) of one company on one replica (beyond:"
+        " RESOURCE_EXHAUSTED), so one company cannot take every stream slot",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_KEY_NOTIFY",
+        True,
+        "LISTEN for key revocations (quayutec_keys_revoked) and end the revoked key's open streams at once",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_KEY_RECHECK_SECONDS",
+        5.0,
+        "the backstop of revocation: this often, the keys of open streams are looked up again and a revoked or"
+        " expired key's streams end",
+        ["gateway"],
+        shown="5",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST",
+        20,
+        "failed authentications allowed at once per source address and per key id; beyond, refused"
+        " RESOURCE_EXHAUSTED until the rate refills",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE",
+        1.0,
+        "failed authentications a second per source address and per key id after the burst (0: no throttle)",
+        ["gateway"],
+        shown="1",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_AUTH_TRACKED",
+        10_000,
+        "sources and key ids whose failed authentications are counted, and keys known good (least recent dropped)",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_MAX_SESSION_KEYS",
+        1000,
+        "live session keys (console sign-ins, CreateSessionKey) of one company key",
         ["gateway"],
     ),
     _g(
@@ -432,8 +485,8 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_CONSOLE_SESSION_SECRET",
         "",
-        "secret signing and encrypting the console's session cookie (holds the signed-in API key); at least 32"
-        " characters",
+        "secret signing and encrypting the console's session cookie (holds the sign-in's session key); at least"
+        " 32 characters",
         ["console"],
         shown="(dev: key file in the data dir)",
         secret=True,
@@ -447,7 +500,7 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_CONSOLE_SESSION_HOURS",
         12.0,
-        "how long a console sign-in lasts",
+        "how long a console sign-in lasts (its session key at the Gateway lives as long, 1 minute to 7 days)",
         ["console"],
         shown="12",
     ),
@@ -467,6 +520,37 @@ _DECLARED: list[Setting] = [
         "QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME",
         "",
         "the name the Gateway's certificate must carry, when not the host of QUAYUTEC_GATEWAY_ADDR",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_STREAMS_PER_SESSION",
+        6,
+        "live-update streams (open pages) of one sign-in on one console replica; beyond, 429",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_SIGNIN_FAILURE_BURST",
+        10,
+        "failed sign-ins allowed at once per browser address and per key id; beyond, 429 with Retry-After",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_SIGNIN_FAILURE_RATE",
+        0.1,
+        "failed sign-ins a second per browser address and per key id after the burst (0: no throttle)",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_SIGNIN_TRACKED",
+        10_000,
+        "browser addresses and key ids whose failed sign-ins are counted (least recent dropped)",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_ORIGIN",
+        "",
+        "the origin browsers reach the console at (https://host[:port]); every POST's Origin must be it;"
+        " unset: the request's own host",
         ["console"],
     ),
     _g(
