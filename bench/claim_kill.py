@@ -23,7 +23,7 @@ from the tables themselves (claims, ledger, messages, memory) and the model's lo
 - claims without a ledger row: claimed wakes whose run has no row at the end;
 - vanished: wakes neither acted on nor recorded (no row, or a row never ended);
 - finished after the restart: seconds from the Runtime's restart until every wake that was not
-  past its room read at the kill has ended (NaN when some never did).
+  past its room read at the kill has ended (NaN when some never did, or there were none).
 
 The code before the fence (the baseline) is measured by running this same file in a checkout of
 that code: ``git worktree add /tmp/qy-base <ref> && cp bench/claim_kill.py /tmp/qy-base/bench/ &&
@@ -212,7 +212,7 @@ async def _kill_and_count(
         ended = await _count(
             conn, "SELECT count(*) FROM runs WHERE run_id = ANY($1::text[]) AND ended_at IS NOT NULL", did_nothing
         )
-        if ended == len(did_nothing):
+        if did_nothing and ended == len(did_nothing):
             finished = time.monotonic() - restarted
             break
         pending = await _count(conn, "SELECT count(*) FROM wake_outbox WHERE delivered_at IS NULL")
