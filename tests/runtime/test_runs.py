@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -17,22 +17,9 @@ from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.room import running_room
 from tests.harness.runtime import running_runtime
-from tests.runtime.world import World, make_world, runtime_stub, start_request
+from tests.runtime.world import FakeClock, World, make_world, runtime_stub, start_request
 
 LOOPBACK = "127.0.0.1/32"
-
-
-@dataclass
-class FakeClock:
-    """Records waits instead of sleeping."""
-
-    sleeps: list[float] = field(default_factory=list)
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-
-    def monotonic(self) -> float:
-        return 0.0
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
@@ -19,6 +20,24 @@ ENDED = (
     common_pb2.RUN_STATUS_FAILED,
     common_pb2.RUN_STATUS_TIMED_OUT,
 )
+
+
+@dataclass
+class FakeClock:
+    """A Runtime's clock that records waits instead of sleeping; with each wait it also notes what
+    ``witness()`` answers then (e.g. how many model requests were made before it)."""
+
+    sleeps: list[float] = field(default_factory=list)
+    witness: Callable[[], object] | None = None
+    witnessed: list[object] = field(default_factory=list)
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        if self.witness is not None:
+            self.witnessed.append(self.witness())
+
+    def monotonic(self) -> float:
+        return 0.0
 
 
 @dataclass
