@@ -16,15 +16,17 @@ import json
 import os
 import shutil
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import uvicorn
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from playwright.async_api import Browser, Page, ViewportSize, async_playwright, expect
 
+from quayutec.telemetry import SpanCapture
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.console.app import create_app
 from services.console.config import ConsoleConfig
@@ -111,7 +113,21 @@ class Shots:
         await page.screenshot(path=str(self.folder / f"{name}.png"), full_page=True)
 
 
-async def test_two_companies_in_the_console(database_url: str, tmp_path: Path) -> None:
+@pytest.fixture
+def generous_expect() -> Iterator[None]:
+    """Every expect() of this module waits up to WAIT_MS, not Playwright's 5 s: six servers and a
+    browser share the machine, and a wait is only a failsafe here, never what a test asserts."""
+    expect.set_options(timeout=WAIT_MS)
+    try:
+        yield
+    finally:
+        expect.set_options(timeout=None)
+
+
+async def test_two_companies_in_the_console(
+    database_url: str, tmp_path: Path, captured: tuple[InMemorySpanExporter, SpanCapture], generous_expect: None
+) -> None:
+    """Telemetry is on (``captured``), so every run has a trace id and its page links to Jaeger."""
     shots = Shots(tmp_path / "screenshots")
     async with running_room(database_url) as room_addr, running_claims(database_url) as claims_addr:
         acme_key = await make_company(database_url, room_addr, "Acme")
@@ -256,9 +272,10 @@ async def _scenario(
         await expect(timeline).to_contain_text(step)
     await expect(timeline.locator("li", has_text="action #0 remember")).to_contain_text("done")
     await expect(timeline.locator("li", has_text="action #1 create_task")).to_contain_text("denied")
-    if done_trace := runs[0].trace_id:
-        link = run_page.get_by_role("link", name="in Jaeger")
-        await expect(link).to_have_attribute("href", f"http://127.0.0.1:16686/trace/{done_trace}")
+    done_trace = runs[0].trace_id
+    assert len(done_trace) == 32, "the run recorded no trace id although telemetry is on"
+    link = run_page.get_by_role("link", name="in Jaeger")
+    await expect(link).to_have_attribute("href", f"http://127.0.0.1:16686/trace/{done_trace}")
     await shots.take(run_page, "run")
     await run_page.set_viewport_size(PHONE)
     await shots.take(run_page, "run-phone")
