@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -12,6 +14,7 @@ import grpc
 
 from quayutec.config import ROOM
 from quayutec.v1 import claims_pb2_grpc, common_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from services.runtime.standin import ScriptedReply, StandinProvider
 from tests.harness.channels import open_callers_stub, service_channel
 from tests.harness.room import add_member
 
@@ -20,6 +23,28 @@ ENDED = (
     common_pb2.RUN_STATUS_FAILED,
     common_pb2.RUN_STATUS_TIMED_OUT,
 )
+
+
+# How long a held reply waits at most when a test never lets it go (a failsafe, not a timing).
+HELD_REPLY_FAILSAFE_SECONDS = 120.0
+
+
+@contextmanager
+def held_replies(standin: StandinProvider, model: str, text: str = "slow") -> Iterator[threading.Event]:
+    """The stand-in holds every reply to ``model`` until the test sets the yielded event, so a run
+    stays in its model call exactly as long as the test needs (and no longer: leaving lets go)."""
+    release = threading.Event()
+
+    def reply(_: Mapping[str, object]) -> ScriptedReply:
+        release.wait(HELD_REPLY_FAILSAFE_SECONDS)
+        return ScriptedReply(text)
+
+    standin.set_responder(model, reply)
+    try:
+        yield release
+    finally:
+        release.set()
+        standin.set_responder(model, None)
 
 
 @dataclass
