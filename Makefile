@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 NODE_EXAMPLES := docs/examples/node
 NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
 
-.PHONY: demo test lint typecheck pytest protos check-protos clean bench
+.PHONY: demo test test-repeat lint typecheck pytest protos check-protos clean bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ $(NODE_STAMP): $(NODE_EXAMPLES)/package-lock.json
 
 pytest: $(STAMP) $(NODE_STAMP)
 	$(BIN)/pytest
+
+# The flake check: the console, delivery and held-action tests N times (default 20) under one
+# busy-loop process per core; prints the pass count. `make test-repeat N=5`.
+N ?= 20
+test-repeat: $(STAMP)
+	$(BIN)/python scripts/repeat_tests.py --rounds $(N)
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
