@@ -163,18 +163,7 @@ async def test_every_attempt_and_wait_is_in_the_ledger(stack: Stack) -> None:
 
 async def test_an_owner_supplied_address_gets_one_request(stack: Stack) -> None:
     w = stack.world
-    own = (
-        await w.room.RegisterAgent(
-            room_pb2.RoomServiceRegisterAgentRequest(
-                company_id=w.company_a,
-                name="own-model",
-                provider=common_pb2.PROVIDER_OPENAI_COMPATIBLE,
-                model="own-model-1",
-                base_url=stack.standin.base_url,
-                provider_key="own-secret",
-            )
-        )
-    ).agent
+    own = await w.register_own_model(stack.standin.base_url)
     stack.standin.enqueue_fault("overloaded", model="own-model-1")
     posted = await w.post("@own-model hello", [own.agent_id])
     run = await w.wait_for_run((await stack.runtime.StartRun(start_request(posted.wakes[0]))).run_id)

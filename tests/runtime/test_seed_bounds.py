@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
-from quayutec.v1 import common_pb2, room_pb2, runtime_pb2
+from quayutec.v1 import common_pb2, runtime_pb2
 from services.runtime.config import RuntimeConfig
 from services.runtime.server import create_server
 from services.runtime.standin import StandinProvider
@@ -122,19 +122,7 @@ async def test_a_provider_that_keeps_failing_gets_three_requests_two_then_eight_
 
 async def test_an_owner_supplied_address_gets_exactly_one_request(database_url: str, standin: StandinProvider) -> None:
     async with default_stack(database_url, standin) as s:
-        w = s.world
-        own = (
-            await w.room.RegisterAgent(
-                room_pb2.RoomServiceRegisterAgentRequest(
-                    company_id=w.company_a,
-                    name="own-model",
-                    provider=common_pb2.PROVIDER_OPENAI_COMPATIBLE,
-                    model="own-model-1",
-                    base_url=standin.base_url,
-                    provider_key="own-secret",
-                )
-            )
-        ).agent
+        own = await s.world.register_own_model(standin.base_url)
         standin.enqueue_fault("overloaded", model=own.model, times=ALWAYS)
         run = await run_of(s, own)
     assert [(a.number, a.status_code, a.error_class, a.wait_seconds) for a in run.model_attempts] == [

@@ -88,6 +88,21 @@ class World:
         )
         return posted
 
+    async def register_own_model(self, base_url: str, model: str = "own-model-1") -> common_pb2.Agent:
+        """An agent of company A on an OpenAI-compatible model at an owner-supplied ``base_url``."""
+        got = await self.room.RegisterAgent(
+            room_pb2.RoomServiceRegisterAgentRequest(
+                company_id=self.company_a,
+                name="own-model",
+                provider=common_pb2.PROVIDER_OPENAI_COMPATIBLE,
+                model=model,
+                base_url=base_url,
+                provider_key="own-secret",
+            )
+        )
+        agent: common_pb2.Agent = got.agent
+        return agent
+
     async def messages_by(self, agent_id: str) -> list[common_pb2.Message]:
         got = await self.room.ListMessages(room_pb2.RoomServiceListMessagesRequest(room_id=self.room_id, page_size=500))
         return [m for m in got.messages if m.author.agent_id == agent_id]
