@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 NODE_EXAMPLES := docs/examples/node
 NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
 
-.PHONY: demo test test-repeat lint typecheck pytest protos check-protos clean bench
+.PHONY: demo test test-cluster test-repeat lint typecheck pytest protos check-protos clean bench
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,11 @@ pytest: $(STAMP) $(NODE_STAMP)
 N ?= 20
 test-repeat: $(STAMP)
 	$(BIN)/python scripts/repeat_tests.py --rounds $(N)
+
+# The multi-host bed's tests (tests/cluster): faults across a network of namespaces, as root, in
+# namespaces of their own (`unshare`); about 8 minutes. `.ci/run` runs them after `make test`.
+test-cluster: $(STAMP)
+	$(BIN)/python -m scripts.cluster test
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

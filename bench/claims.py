@@ -6,7 +6,7 @@ coalescing ``ClaimsClient`` on one channel, as the Runtime does: concurrent clai
 one ClaimMany, one call in flight). Each is set beside a raw figure measured just before it.
 
 ``python bench/claims.py [--seconds 5] [--concurrency 1,64] [--default-only] [--no-coalesced] [--experiments]
-[--mtls-cost [--rounds 3]]``.
+[--mtls-cost [--rounds 3]] [--json PATH]``.
 The database is ``DATABASE_URL`` (a scratch database is created on it and dropped) or an embedded PostgreSQL in a
 tmp folder. The server runs as a separate process (``python -m services.claims``), so client load
 and server do not share an event loop. Every claim is a distinct pair; every one must be claimed.
@@ -38,7 +38,15 @@ sys.path.insert(0, str(ROOT))  # run as a script from a checkout: make quayutec 
 import asyncpg  # noqa: E402
 import grpc  # noqa: E402
 
-from bench.common import create_database, drop_database, parse_concurrency, postgres_server, run_main  # noqa: E402
+from bench.common import (  # noqa: E402
+    Figures,
+    add_json_argument,
+    create_database,
+    drop_database,
+    parse_concurrency,
+    postgres_server,
+    run_main,
+)
 from quayutec.db import create_pool  # noqa: E402
 from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
@@ -226,7 +234,7 @@ async def bench(
     data_dir: Path,
     *,
     coalesced: bool = True,
-) -> None:
+) -> Figures:
     # The machine may be shared: each gRPC figure is set beside a raw figure measured just before it.
     caches: list[tuple[int, float, float]] = []
     for c in concurrencies:
@@ -260,11 +268,18 @@ async def bench(
     for c, on, off in caches:
         print(f"{'  statement_cache_size 100 vs 0':<36} {c:>5} {on:>10.0f} {off:>11.0f} {off / on:>7.2f}")
     print(f"\n{'gRPC (mTLS), server variant: client':<52} {'conc':>5} {'claims/s':>10} {'raw/s':>11} {'gRPC/raw':>8}")
+    figures: Figures = {}
     for name, c, rate, raw in rows:
         print(f"{name:<52} {c:>5} {rate:>10.0f} {raw:>11.0f} {rate / raw:>8.2f}")
+        figures[f"{name} c={c} claims/s"] = rate
+        figures[f"{name} c={c} raw/s"] = raw
+        figures[f"{name} c={c} gRPC/raw"] = rate / raw
+    for c, on, off in caches:
+        figures[f"raw statement cache off/on c={c}"] = off / on
+    return figures
 
 
-async def mtls_cost(url: str, concurrencies: list[int], seconds: float, data_dir: Path, rounds: int) -> None:
+async def mtls_cost(url: str, concurrencies: list[int], seconds: float, data_dir: Path, rounds: int) -> Figures:
     """The same Claims server with mutual TLS and in plaintext, both running, measured in turns
     (mTLS, plaintext, mTLS, ...) so drift on a shared machine hits both alike; the median ratio."""
     pki = MtlsConfig.dev(data_dir / "pki")
@@ -286,11 +301,14 @@ async def mtls_cost(url: str, concurrencies: list[int], seconds: float, data_dir
         print(f"  measured mTLS cost of {base.name}", file=sys.stderr, flush=True)
     print(f"\nmutual TLS vs plaintext: ClaimOnce/s ratio, {rounds} alternating rounds of {seconds:g} s")
     print(f"{'server variant':<36} {'conc':>5} {'median':>7} {'min':>6} {'max':>6}")
+    figures: Figures = {}
     for name, c, ratios in rows:
         print(f"{name:<36} {c:>5} {statistics.median(ratios):>7.2f} {ratios[0]:>6.2f} {ratios[-1]:>6.2f}")
+        figures[f"{name} c={c} mTLS/plaintext"] = statistics.median(ratios)
+    return figures
 
 
-async def amain(opts: argparse.Namespace) -> None:
+async def amain(opts: argparse.Namespace) -> Figures:
     concurrencies = parse_concurrency(opts.concurrency)
     variants: tuple[Variant, ...] = DEFAULT_VARIANTS[:1] if opts.default_only else DEFAULT_VARIANTS
     variants += EXPERIMENT_VARIANTS if opts.experiments else ()
@@ -298,9 +316,10 @@ async def amain(opts: argparse.Namespace) -> None:
         url = await create_scratch_database(admin_url)
         try:
             if opts.mtls_cost:
-                await mtls_cost(url, concurrencies, opts.seconds, Path(data_dir), opts.rounds)
-            else:
-                await bench(url, concurrencies, opts.seconds, variants, Path(data_dir), coalesced=not opts.no_coalesced)
+                return await mtls_cost(url, concurrencies, opts.seconds, Path(data_dir), opts.rounds)
+            return await bench(
+                url, concurrencies, opts.seconds, variants, Path(data_dir), coalesced=not opts.no_coalesced
+            )
         finally:
             await drop_database(admin_url, url)
 
@@ -320,6 +339,7 @@ def main() -> None:
         help="instead: the same server with mTLS and in plaintext, measured in turns; the mTLS/plaintext ratio",
     )
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds per level with --mtls-cost")
+    add_json_argument(parser)
     opts = parser.parse_args()
     raise SystemExit(run_main(amain, opts))
 

@@ -1,6 +1,7 @@
 """Shared pieces of the benches: a PostgreSQL server, scratch databases, the services as processes,
 the stand-in model provider as a process, a world made through RoomService, a ledger watcher,
-percentiles and a plain table.
+percentiles and a plain table, the figures every bench writes with ``--json PATH`` (read back by
+``bench/compare.py``), and the cache outside the repository where benches keep what they install.
 
 Every bench runs as a script from the checkout (``python bench/<name>.py``); nothing here is
 imported by the services or by tests.
@@ -8,6 +9,7 @@ imported by the services or by tests.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -17,7 +19,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -443,16 +445,75 @@ def _cell(value: object) -> str:
     return str(value)
 
 
-def run_main(amain: Any, opts: Any) -> int:
-    """Run ``amain(opts)`` on the asyncio loop (as the services do); a BenchError prints one clear line, exit 1."""
+def run_main(amain: Callable[[Any], Coroutine[Any, Any, Figures | None]], opts: Any) -> int:
+    """Run ``amain(opts)`` on the asyncio loop (as the services do); a BenchError prints one clear line, exit 1.
+    With ``--json PATH`` (``add_json_argument``) the figures ``amain`` returns are written there."""
     try:
-        asyncio.run(amain(opts))
+        figures = asyncio.run(amain(opts))
     except BenchError as exc:
         print(f"bench failed: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
+    path = getattr(opts, "json", None)
+    if path:
+        write_figures(path, figures or {})
     return 0
+
+
+# -- figures as JSON ------------------------------------------------------------------------------------
+
+# A bench's named figures: "<what> <unit>" -> value (NaN when it could not be measured).
+Figures = dict[str, float]
+
+
+def level_figures(name: str, rate_unit: str, rate: float, latencies_ms: Mapping[str, Sequence[float]]) -> Figures:
+    """``"<name> <rate_unit>"`` and, per latency list, ``"<name> <what> p50 ms"`` and its p99."""
+    figures = {f"{name} {rate_unit}": rate}
+    for what, values in latencies_ms.items():
+        for q in (50, 99):
+            figures[" ".join(p for p in (name, what, f"p{q} ms") if p)] = percentile(values, q)
+    return figures
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--json",
+        metavar="PATH",
+        help="also write the figures as one JSON object to PATH ('-': print it as stdout's last line)",
+    )
+
+
+def write_figures(path: str, figures: Mapping[str, float]) -> None:
+    """``{"figures": {name: value}}`` as one line of strict JSON (NaN as null) to ``path`` or stdout."""
+    clean = {name: (None if value != value else float(value)) for name, value in figures.items()}
+    text = json.dumps({"figures": clean}, allow_nan=False, sort_keys=True)
+    if path == "-":
+        print(text, flush=True)
+    else:
+        Path(path).write_text(text + "\n")
+
+
+def read_figures(text: str) -> dict[str, float | None]:
+    """The figures of ``write_figures``'s output (its last non-empty line, so a whole stdout also parses)."""
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise BenchError("no figures: the output is empty")
+    try:
+        data = json.loads(lines[-1])
+    except json.JSONDecodeError as exc:
+        raise BenchError(f"no figures: the last line is not JSON ({exc})") from exc
+    figures = data.get("figures") if isinstance(data, dict) else None
+    if not isinstance(figures, dict) or not all(isinstance(v, (int, float)) or v is None for v in figures.values()):
+        raise BenchError('no figures: expected {"figures": {name: number or null}}')
+    return {str(k): (None if v is None else float(v)) for k, v in figures.items()}
+
+
+def bench_cache_dir() -> Path:
+    """Where the benches keep what they install or build outside the repo: ``QY_BENCH_CACHE`` or
+    ``~/.cache/quayutec-bench``."""
+    raw = os.environ.get("QY_BENCH_CACHE", "").strip()
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "quayutec-bench"
 
 
 # -- the stand-in's control API and a process's resources ------------------------------------------------

@@ -1,7 +1,7 @@
 """Many runs in flight on one Runtime: a burst of wakes posted at once through the Gateway while the
 stand-in model takes seconds to answer.
 
-``python bench/inflight.py [--wakes 2000] [--model-seconds 2,10] [--baseline-wakes 200] [--rooms 10]
+``python bench/inflight.py [--wakes 2000] [--model-seconds 2,10] [--baseline-wakes 200] [--rooms 10] [--json PATH]
 [--no-runtime-alone]``
 
 All four services run as processes on one PostgreSQL (``DATABASE_URL``'s server or an embedded
@@ -44,9 +44,11 @@ import httpx
 
 from bench.common import (
     BenchError,
+    Figures,
     PostedWake,
     ProcessSample,
     World,
+    add_json_argument,
     base_env,
     create_migrated_database,
     drop_database,
@@ -271,7 +273,7 @@ def fill(
         s.fds_per_run = (at.fds - idle.fds) / sampler.peak
 
 
-async def amain(opts: argparse.Namespace) -> None:
+async def amain(opts: argparse.Namespace) -> Figures:
     started = time.monotonic()
     limit = raise_fd_limit()  # the services inherit it (the Runtime raises its own too)
     latencies = [float(x) for x in opts.model_seconds.split(",") if x.strip()]
@@ -288,10 +290,10 @@ async def amain(opts: argparse.Namespace) -> None:
             print(f"  {s.label}: {s.wakes} wakes, model {s.model_seconds:g} s ...", file=sys.stderr)
             await run_scenario(s, admin, standin_url, opts.rooms, data_dir)
             print(f"    drained in {s.drain_s:.1f} s, peak {s.peak_in_flight} in flight", file=sys.stderr)
-    report(scenarios, limit, time.monotonic() - started)
+    return report(scenarios, limit, time.monotonic() - started)
 
 
-def report(scenarios: list[Scenario], fd_limit: int, seconds: float) -> None:
+def report(scenarios: list[Scenario], fd_limit: int, seconds: float) -> Figures:
     print(
         "\nWakes posted at once through the Gateway, the stand-in answering after the model time."
         "\nDrain = last reply - first post (PostgreSQL clocks); added = post-to-reply minus the run's model time;"
@@ -334,6 +336,16 @@ def report(scenarios: list[Scenario], fd_limit: int, seconds: float) -> None:
             for s in scenarios
         ],
     )
+    figures: Figures = {}
+    for s in scenarios:
+        name = f"{s.label} model {s.model_seconds:g} s"
+        figures[f"{name} drain s"] = s.drain_s
+        figures[f"{name} wakes/s"] = s.rate
+        figures[f"{name} peak in flight"] = float(s.peak_in_flight)
+        figures[f"{name} RSS KiB/run"] = s.rss_per_run_kib
+        figures[f"{name} fds/run"] = s.fds_per_run
+        figures[f"{name} added p50 ms"] = s.p50_ms
+        figures[f"{name} added p99 ms"] = s.p99_ms
     base = next((s for s in scenarios if s.max_runs == 32), None)
     if base is not None:
         same = [s for s in scenarios if s.max_runs is None and s.model_seconds == base.model_seconds]
@@ -343,6 +355,7 @@ def report(scenarios: list[Scenario], fd_limit: int, seconds: float) -> None:
                 f"peak in flight {s.peak_in_flight} vs {base.peak_in_flight}"
             )
     print(f"bench took {seconds:.0f} s")
+    return figures
 
 
 def main() -> int:
@@ -359,6 +372,7 @@ def main() -> int:
         help="also StartRun the wakes straight to the Runtime at the longest model time (default on)",
     )
     parser.add_argument("--rooms", type=int, default=10, help="rooms (each with its agent) the wakes spread over")
+    add_json_argument(parser)
     return run_main(amain, parser.parse_args())
 
 

@@ -1,7 +1,7 @@
 """Parked runs hold nothing in Runtime: its memory, fds, sockets and threads after parking N runs
 beside the same figures after a warm-up; then the time from a decision to the continued run's write.
 
-``python bench/parked.py [--runs 10000] [--warmup 200] [--decide 300] [--concurrency 32]``
+``python bench/parked.py [--runs 10000] [--warmup 200] [--decide 300] [--concurrency 32] [--json PATH]``
 
 Claims, Room and Runtime run as processes (no Gateway: the bench posts wakes through RoomService
 and hands them to RuntimeService.StartRun itself). The agent's company holds ``remember``, and the
@@ -34,9 +34,11 @@ import asyncpg
 from bench.common import (
     BatchWatcher,
     BenchError,
+    Figures,
     PostedWake,
     ProcessSample,
     World,
+    add_json_argument,
     base_env,
     create_migrated_database,
     drop_database,
@@ -195,7 +197,7 @@ def sample_row(label: str, parked: int, s: ProcessSample) -> list[object]:
     return [label, parked, mib(s.rss_bytes), s.fds, s.sockets, s.threads]
 
 
-async def amain(opts: argparse.Namespace) -> None:
+async def amain(opts: argparse.Namespace) -> Figures:
     if opts.runs < 1 or opts.warmup < 1 or opts.decide < 0 or opts.concurrency < 1 or opts.decide_concurrency < 1:
         raise BenchError("--runs, --warmup and the concurrencies must be positive, --decide not negative")
     if opts.decide > opts.runs:
@@ -215,7 +217,7 @@ async def amain(opts: argparse.Namespace) -> None:
                     stack.channel("runtime", GATEWAY) as runtime_channel,
                 ):
                     runtime = runtime_pb2_grpc.RuntimeServiceStub(runtime_channel)
-                    await measure(opts, room, runtime, pool, standin_url, pid, began)
+                    return await measure(opts, room, runtime, pool, standin_url, pid, began)
         finally:
             await pool.close()
             await drop_database(admin_url, url)
@@ -223,7 +225,7 @@ async def amain(opts: argparse.Namespace) -> None:
 
 async def measure(
     opts: argparse.Namespace, room: Any, runtime: Any, pool: asyncpg.Pool, standin_url: str, pid: int, began: float
-) -> None:
+) -> Figures:
     world = await make_room_world(room, f"parked-{uuid.uuid4().hex[:6]}", model=MODEL)
     await room.SetAgentRights(
         room_pb2.RoomServiceSetAgentRightsRequest(
@@ -302,6 +304,16 @@ async def measure(
         raise BenchError(f"{len(measured.failed)} runs did not park; the first: {measured.failed[0]}")
     if succeeded != len(tokens) or pending_parked != total or pending_left != total - len(tokens):
         raise BenchError("the database does not show every run parked and every decided run continued")
+    return {
+        "Runtime RSS MiB after warm-up": mib(before.rss_bytes),
+        "Runtime RSS MiB after parking": mib(after.rss_bytes),
+        "Runtime RSS after/before": after.rss_bytes / before.rss_bytes,
+        "Runtime fds after parking": float(after.fds),
+        "Runtime threads after parking": float(after.threads),
+        "parked per s": len(measured.tokens) / measured.seconds,
+        "decision to write p50 ms": percentile(latency, 50),
+        "decision to write p99 ms": percentile(latency, 99),
+    }
 
 
 def figures(values: Sequence[float]) -> list[float]:
@@ -320,6 +332,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="runs being parked at once (default 32)")
     parser.add_argument("--decide-concurrency", type=int, default=1, help="decisions in flight at once (default 1)")
     parser.add_argument("--max-runs", type=int, default=64, help="QUAYUTEC_RUNTIME_MAX_RUNS (default 64)")
+    add_json_argument(parser)
     return run_main(amain, parser.parse_args())
 
 

@@ -1,28 +1,43 @@
 """Runs per second and added latency per run (model time excluded; the stand-in answers at once),
-ours beside DBOS Transact running a workflow of the same steps on the same PostgreSQL.
+ours beside anchors running the same steps on the same PostgreSQL.
 
-``python bench/runs.py [--runs 300] [--warmup 20] [--concurrency 1,32] [--no-dbos]``
+``python bench/runs.py [--runs 300] [--warmup 20] [--concurrency 1,32] [--baseline dbos,floor[,restate]]
+[--json PATH]``
 
 Ours: Claims, Room and Runtime as processes (no Gateway: wakes are posted through RoomService and
 handed to RuntimeService.StartRun by the bench). C workers each start a run and wait until its
 ledger row has ended (one batched query on the runs table every millisecond), so C runs are in
-flight. DBOS: the same steps (claim, read the room, call the stand-in over httpx, post the reply,
-record a ledger row), each a ``@DBOS.step`` of one ``@DBOS.workflow``, started with
-``DBOS.start_workflow_async`` by C workers, its system tables in a second database on the same
-server. The database is ``DATABASE_URL``'s server or an embedded PostgreSQL in a tmp folder.
+flight. The anchors (``--baseline``, default ``dbos,floor``) run the same steps (claim, read the
+room, call the stand-in over httpx, post the reply, record a ledger row: ``bench/run_steps.py``),
+started by C workers, each on a room of its own with the same wake messages:
+
+- ``dbos``: each step a ``@DBOS.step`` of one ``@DBOS.workflow``, started with
+  ``DBOS.start_workflow_async``; its system tables in a second database on the same server.
+- ``floor``: the same steps as plain calls in the bench's own process: no gRPC, no journal beyond
+  the three commits (claim, reply, ledger row). What a Python implementation cannot beat.
+- ``restate``: a Restate server (``RESTATE_VERSION`` of ``bench/restate_anchor.py``, installed from
+  npm into the bench cache on first use) invoking a handler whose every step is a ``ctx.run``, in an
+  SDK endpoint process; the bench POSTs to its ingress and waits for the answer. The Restate server
+  tries to reach the internet at start, so with ``restate`` the whole bench re-runs itself in a
+  loopback-only network namespace (``unshare --net``; it then needs its own embedded PostgreSQL, not
+  ``DATABASE_URL``). Never in tests.
+
+It prints, per concurrency, ours/DBOS, ours/floor and ours/Restate runs/s (above 1: ours is faster;
+ours/floor is at most about 1, the share of the floor ours reaches). ``--json PATH`` also writes the
+figures as one JSON object (for ``bench/compare.py``). The database is ``DATABASE_URL``'s server or
+an embedded PostgreSQL in a tmp folder.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import os
 import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -31,17 +46,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import asyncpg
 import httpx
 
+from bench import restate_anchor
 from bench.common import (
     ENDED_RUNS_QUERY,
     ROOT,
     BatchWatcher,
     BenchError,
+    Figures,
     PostedWake,
     World,
+    add_json_argument,
     base_env,
     create_database,
     create_migrated_database,
     drop_database,
+    level_figures,
     make_room_world,
     model_ms,
     parse_concurrency,
@@ -57,20 +76,24 @@ from bench.common import (
     start_accepted,
     wait_for_room,
 )
+from bench.run_steps import RunSteps, StepRunner, agent_run, direct
 from quayutec.crypto import Fernet, MultiFernet
 from quayutec.db import create_pool
 from quayutec.sql import Queries
 from quayutec.tls import GATEWAY
 from quayutec.v1 import common_pb2, runtime_pb2, runtime_pb2_grpc
-from services.runtime.model import DECLARED_ACTIONS, ChatMessage, ModelRequest, ModelTarget
-from services.runtime.model import anthropic as anthropic_wire
 from services.runtime.run import run_id_for
 
-MAX_KEY = 2**63 - 1
-CLAIM_SQL = (
-    "INSERT INTO agent_run_locks (agent_id, wake_id) VALUES ($1, $2) ON CONFLICT DO NOTHING RETURNING claimed_at"
-)
 ROOM_WAIT_SECONDS = 600.0
+OURS = "quayutec"
+# The anchors, in the order they run, by their --baseline name: what the table calls them.
+ANCHORS = {
+    "dbos": "DBOS Transact",
+    "floor": "floor (plain calls)",
+    "restate": f"Restate {restate_anchor.RESTATE_VERSION}",
+}
+DEFAULT_ANCHORS = "dbos,floor"
+POOL_SIZE = 10  # the bench's pool, which the DBOS workflow and the floor run on
 
 
 @dataclass
@@ -159,173 +182,81 @@ async def bench_ours(
         wakes = await post_wakes(room, world, warmup + runs)
         await measure_ours(runtime, pool, world, wakes[:warmup], c)
         result, rows = await measure_ours(runtime, pool, world, wakes[warmup:], c)
-        levels.append(ledger_level("quayutec", c, result, rows))
+        levels.append(ledger_level(OURS, c, result, rows))
         print(f"  quayutec c={c}: {levels[-1].rate:.0f} runs/s", file=sys.stderr, flush=True)
     return levels
 
 
-# -- DBOS -----------------------------------------------------------------------------------------------
+# -- the anchors ----------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class DbosSide:
-    """What the DBOS workflow's steps use: the room database, the stand-in, the key cipher."""
+class AnchorWorld:
+    """An anchor's room, agent and wake messages (posted through RoomService before Room stops), per level."""
 
-    pool: asyncpg.Pool
-    http: httpx.AsyncClient
-    standin_url: str
-    cipher: MultiFernet
-    q: Queries
-    recent_messages: int = 20
+    world: World
+    wakes_per_level: list[list[PostedWake]]
 
 
-def define_dbos_workflow(side: DbosSide) -> Callable[..., Coroutine[Any, Any, str]]:
-    """Register a workflow of the run's steps (must run before DBOS is launched)."""
+async def measure_anchor(
+    system: str,
+    pool: asyncpg.Pool,
+    side: AnchorWorld,
+    concurrencies: list[int],
+    warmup: int,
+    start: Callable[[PostedWake], Awaitable[None]],
+) -> list[Level]:
+    """Each level: ``warmup`` unmeasured runs, then the rest; ``start(wake)`` returns when its run has ended."""
+    world = side.world
+    levels: list[Level] = []
+    for c, wakes in zip(concurrencies, side.wakes_per_level, strict=True):
+
+        async def one(wake: PostedWake) -> int:
+            await start(wake)
+            return 0
+
+        await closed_loop(wakes[:warmup], c, one)
+        result = await closed_loop(wakes[warmup:], c, one)
+        run_ids = [run_id_for(world.agent_id, w.wake_id) for w in wakes[warmup:]]
+        rows = await pool.fetch(ENDED_RUNS_QUERY, run_ids)
+        if len(rows) != len(run_ids):
+            raise BenchError(f"{ANCHORS[system]} recorded {len(rows)} ledger rows for {len(run_ids)} runs")
+        levels.append(ledger_level(system, c, result, rows))
+        print(f"  {ANCHORS[system]} c={c}: {levels[-1].rate:.0f} runs/s", file=sys.stderr, flush=True)
+    return levels
+
+
+def define_dbos_workflow(steps: RunSteps) -> Callable[..., Coroutine[Any, Any, str]]:
+    """Register a workflow of the run's steps, each a DBOS step (must run before DBOS is launched)."""
     from dbos import DBOS
 
-    q = side.q
+    registered = {name: DBOS.step(name=f"qy_bench_{name}")(_function(step)) for name, step in steps.named().items()}
 
-    @DBOS.step()
-    async def claim(agent_id: str, wake_id: str) -> bool:
-        return await side.pool.fetchval(CLAIM_SQL, agent_id, wake_id) is not None
+    async def do(name: str, step: Callable[..., Awaitable[Any]], *args: Any) -> Any:
+        return await registered[name](*args)
 
-    @DBOS.step()
-    async def read_room(agent_id: str, room_id: str, source_id: str) -> dict[str, Any]:
-        agent = await side.pool.fetchrow(q["get_agent_credentials"], uuid.UUID(agent_id))
-        key = side.cipher.decrypt(agent["provider_key_encrypted"]).decode()
-        company_id = agent["company_id"]
-        messages, tasks, memory = await asyncio.gather(
-            side.pool.fetch(q["list_messages_newest_first"], uuid.UUID(room_id), MAX_KEY, side.recent_messages + 1),
-            side.pool.fetch(q["list_tasks"], uuid.UUID(room_id), uuid.UUID(agent_id), "open", 0, 51),
-            side.pool.fetch(q["list_memory"], uuid.UUID(room_id), company_id, MAX_KEY, 51),
-        )
-        recent = list(reversed(messages[: side.recent_messages]))
-        wake_text = next((m["body"] for m in recent if str(m["message_id"]) == source_id), "")
-        passages: list[str] = []
-        if wake_text.strip():
-            found = await side.pool.fetch(q["search_passages_all_terms"], uuid.UUID(room_id), wake_text, 5)
-            if not found:
-                found = await side.pool.fetch(q["search_passages_any_term"], uuid.UUID(room_id), wake_text, 5)
-            passages = [p["text"] for p in found]
-        lines = ["Recent messages:", *(f"- [{m['author_person']}] {m['body']}" for m in recent)]
-        lines += [f"- task {t['task_id']}: {t['title']}" for t in tasks]
-        lines += [f"- {m['text']}" for m in memory] + [f"- {p}" for p in passages]
-        lines.append(f"You were woken by: {wake_text}" if wake_text else "You were woken.")
-        return {
-            "company_id": str(company_id),
-            "model": agent["model"],
-            "system": agent["system_prompt"],
-            "key": key,
-            "prompt": "\n".join(lines),
-        }
+    @DBOS.workflow(name="qy_bench_agent_run")
+    async def dbos_agent_run(agent_id: str, wake_id: str, room_id: str, source_id: str) -> str:
+        return await agent_run(do, steps, agent_id, wake_id, room_id, source_id)
 
-    @DBOS.step()
-    async def call_model(view: dict[str, Any]) -> dict[str, Any]:
-        target = ModelTarget(provider="anthropic", model=view["model"], api_key=view["key"], base_url=side.standin_url)
-        request = ModelRequest(
-            system=view["system"],
-            messages=(ChatMessage(role="user", content=view["prompt"]),),
-            tools=DECLARED_ACTIONS,
-            max_tokens=1024,
-        )
-        url, headers, body = anthropic_wire.build(target, request)
-        t0 = time.perf_counter()
-        response = await side.http.post(url, headers=headers, json=body)
-        duration_ms = int((time.perf_counter() - t0) * 1000)
-        response.raise_for_status()
-        reply = anthropic_wire.parse(response.content)
-        return {"text": reply.text, "duration_ms": duration_ms}
+    return dbos_agent_run
 
-    @DBOS.step()
-    async def post_reply(room_id: str, company_id: str, agent_id: str, run_id: str, text: str) -> str:
-        # The Room's own two statements for a post (its checks, then the message), without its events.
-        async with side.pool.acquire() as conn, conn.transaction():
-            room_uuid, company_uuid, agent_uuid = uuid.UUID(room_id), uuid.UUID(company_id), uuid.UUID(agent_id)
-            dedupe = f"run:{run_id}:reply"
-            check = await conn.fetchrow(q["post_check"], room_uuid, company_uuid, agent_uuid, [], dedupe)
-            if check["earlier"] is not None:
-                return str(check["earlier"]["message_id"])
-            message_id = uuid.uuid4()
-            row = await conn.fetchrow(
-                q["insert_message_with_wakes"],
-                room_uuid,
-                message_id,
-                "agent",
-                company_uuid,
-                None,
-                agent_uuid,
-                text,
-                [],
-                run_id,
-                dedupe,
-                [],
-                str(message_id),
-            )
-            return str(row["message_id"])
 
-    @DBOS.step()
-    async def record_run(row: dict[str, Any]) -> None:
-        await side.pool.fetchrow(
-            q["upsert_run_with_before"],
-            row["run_id"],
-            uuid.UUID(row["agent_id"]),
-            uuid.UUID(row["company_id"]),
-            uuid.UUID(row["room_id"]),
-            row["wake_id"],
-            "message",
-            row["source_id"],
-            "succeeded",
-            "ended",
-            row["posted_message_id"],
-            "[]",
-            json.dumps([{"number": 1, "status_code": 200, "duration_ms": str(row["model_ms"])}]),
-            "",
-            "",
-            row["active_ms"],
-            datetime.fromisoformat(row["started_at"]),
-            datetime.now(UTC),
-        )
+def _function(step: Callable[..., Awaitable[Any]]) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """A plain function calling ``step`` (DBOS marks the functions it registers; a bound method takes no marks)."""
 
-    @DBOS.workflow()
-    async def agent_run(agent_id: str, wake_id: str, room_id: str, source_id: str) -> str:
-        run_id = run_id_for(agent_id, wake_id)
-        if not await claim(agent_id, wake_id):
-            return run_id
-        started = time.monotonic()
-        started_at = datetime.now(UTC).isoformat()  # after the claim, as our ledger's started_at
-        view = await read_room(agent_id, room_id, source_id)
-        reply = await call_model(view)
-        posted = await post_reply(room_id, view["company_id"], agent_id, run_id, reply["text"])
-        await record_run(
-            {
-                "run_id": run_id,
-                "agent_id": agent_id,
-                "company_id": view["company_id"],
-                "room_id": room_id,
-                "wake_id": wake_id,
-                "source_id": source_id,
-                "posted_message_id": posted,
-                "model_ms": reply["duration_ms"],
-                "active_ms": int((time.monotonic() - started) * 1000),
-                "started_at": started_at,
-            }
-        )
-        return run_id
+    async def call(*args: Any) -> Any:
+        return await step(*args)
 
-    return agent_run
+    return call
 
 
 async def bench_dbos(
-    side: DbosSide,
-    system_url: str,
-    world: World,
-    wakes_per_level: list[list[PostedWake]],
-    concurrencies: list[int],
-    warmup: int,
+    steps: RunSteps, system_url: str, side: AnchorWorld, concurrencies: list[int], warmup: int
 ) -> list[Level]:
     from dbos import DBOS
 
-    workflow = define_dbos_workflow(side)
+    workflow = define_dbos_workflow(steps)
     DBOS(
         config={
             "name": "quayutec-bench-runs",
@@ -335,35 +266,84 @@ async def bench_dbos(
         }
     )
     DBOS.launch()
-    levels: list[Level] = []
+    world = side.world
     try:
-        for c, wakes in zip(concurrencies, wakes_per_level, strict=True):
 
-            async def one(wake: PostedWake) -> int:
-                handle: Any = await DBOS.start_workflow_async(
-                    workflow, world.agent_id, wake.wake_id, world.room_id, wake.message_id
-                )
-                await handle.get_result()
-                return 0
+        async def start(wake: PostedWake) -> None:
+            handle: Any = await DBOS.start_workflow_async(
+                workflow, world.agent_id, wake.wake_id, world.room_id, wake.message_id
+            )
+            await handle.get_result()
 
-            await closed_loop(wakes[:warmup], c, one)
-            result = await closed_loop(wakes[warmup:], c, one)
-            run_ids = [run_id_for(world.agent_id, w.wake_id) for w in wakes[warmup:]]
-            rows = await side.pool.fetch(ENDED_RUNS_QUERY, run_ids)
-            if len(rows) != len(run_ids):
-                raise BenchError(f"DBOS recorded {len(rows)} ledger rows for {len(run_ids)} workflows")
-            levels.append(ledger_level("DBOS Transact", c, result, rows))
-            print(f"  DBOS c={c}: {levels[-1].rate:.0f} runs/s", file=sys.stderr, flush=True)
+        return await measure_anchor("dbos", steps.pool, side, concurrencies, warmup, start)
     finally:
         DBOS.destroy(destroy_registry=True)
-    return levels
+
+
+async def bench_floor(steps: RunSteps, side: AnchorWorld, concurrencies: list[int], warmup: int) -> list[Level]:
+    world = side.world
+    run: StepRunner = direct
+
+    async def start(wake: PostedWake) -> None:
+        await agent_run(run, steps, world.agent_id, wake.wake_id, world.room_id, wake.message_id)
+
+    return await measure_anchor("floor", steps.pool, side, concurrencies, warmup, start)
+
+
+async def bench_restate(
+    steps: RunSteps,
+    database_url: str,
+    encryption_key: str,
+    data_dir: Path,
+    side: AnchorWorld,
+    concurrencies: list[int],
+    warmup: int,
+) -> list[Level]:
+    """Restate's server and SDK endpoint as processes (in this loopback-only namespace); C workers POST
+    to its ingress and wait for each handler's answer."""
+    world = side.world
+    logs = data_dir / "logs"
+    with (
+        restate_anchor.restate_server(data_dir / "restate", logs / "restate-server.log") as server,
+        restate_anchor.restate_endpoint(
+            database_url, steps.standin_url, encryption_key, logs / "restate-endpoint.log"
+        ) as endpoint_url,
+    ):
+        server.register(endpoint_url)
+        limits = httpx.Limits(max_connections=max(concurrencies) + 4, max_keepalive_connections=max(concurrencies) + 4)
+        async with httpx.AsyncClient(base_url=server.ingress_url, timeout=120, limits=limits) as ingress:
+
+            async def start(wake: PostedWake) -> None:
+                body = {
+                    "agent_id": world.agent_id,
+                    "wake_id": wake.wake_id,
+                    "room_id": world.room_id,
+                    "source_id": wake.message_id,
+                }
+                answer = await ingress.post(f"/{restate_anchor.SERVICE}/run", json=body)
+                if answer.status_code != 200:
+                    raise BenchError(f"Restate ingress answered {answer.status_code}: {answer.text[:500]}")
+
+            return await measure_anchor("restate", steps.pool, side, concurrencies, warmup, start)
 
 
 # -- the bench ------------------------------------------------------------------------------------------
 
 
-async def amain(opts: argparse.Namespace) -> None:
+def chosen_anchors(opts: argparse.Namespace) -> list[str]:
+    """The --baseline anchors in their running order (BenchError for an unknown one)."""
+    named = [a.strip() for a in opts.baseline.split(",") if a.strip() and a.strip() != "none"]
+    unknown = sorted(set(named) - set(ANCHORS))
+    if unknown:
+        raise BenchError(f"unknown --baseline {', '.join(unknown)}: choose from {', '.join(ANCHORS)} or none")
+    if opts.no_dbos:
+        named = [a for a in named if a != "dbos"]
+    return [a for a in ANCHORS if a in named]
+
+
+async def amain(opts: argparse.Namespace) -> Figures:
     concurrencies = parse_concurrency(opts.concurrency)
+    anchors = chosen_anchors(opts)
     started = time.monotonic()
     with scratch_dir("qy-bench-runs-") as data_dir, standin_process() as standin_url, postgres_server() as admin_url:
         url = await create_migrated_database(admin_url)
@@ -371,7 +351,7 @@ async def amain(opts: argparse.Namespace) -> None:
         env = base_env(standin_url, data_dir)
         env["QUAYUTEC_RUNTIME_MAX_RUNS"] = str(2 * max(concurrencies) + 16)
         env["QUAYUTEC_GATEWAY_DELIVERY_ENABLED"] = "false"
-        pool = await create_pool(url, min_size=2, max_size=10)
+        pool = await create_pool(url, min_size=2, max_size=POOL_SIZE)
         try:
             async with running_stack(url, ("claims", "room", "runtime"), env, data_dir / "logs") as stack:
                 await wait_for_room(stack, ROOM_WAIT_SECONDS)
@@ -382,35 +362,47 @@ async def amain(opts: argparse.Namespace) -> None:
                     runtime = runtime_pb2_grpc.RuntimeServiceStub(runtime_channel)
                     tag = uuid.uuid4().hex[:6]
                     ours_world = await make_room_world(room, f"ours-{tag}")
-                    dbos_world = await make_room_world(room, f"dbos-{tag}")
-                    # The DBOS room gets the same wake messages, posted the same way, before we stop Room.
-                    dbos_wakes = [await post_wakes(room, dbos_world, opts.warmup + opts.runs) for _ in concurrencies]
+                    # Each anchor's room gets the same wake messages, posted the same way, before we stop Room.
+                    sides: dict[str, AnchorWorld] = {}
+                    for anchor in anchors:
+                        world = await make_room_world(room, f"{anchor}-{tag}")
+                        wakes = [await post_wakes(room, world, opts.warmup + opts.runs) for _ in concurrencies]
+                        sides[anchor] = AnchorWorld(world, wakes)
                     print(f"measuring ours ({opts.runs} runs per level) ...", file=sys.stderr, flush=True)
                     levels = await bench_ours(room, runtime, pool, ours_world, concurrencies, opts.runs, opts.warmup)
-            if not opts.no_dbos:
-                print("measuring DBOS Transact on the same PostgreSQL ...", file=sys.stderr, flush=True)
-                q = Queries(ROOT / "services" / "room" / "sql" / "queries.sql")
-                cipher = MultiFernet([Fernet(env["QUAYUTEC_ENCRYPTION_KEY"].encode())])
-                async with httpx.AsyncClient(timeout=30) as http:
-                    side = DbosSide(pool, http, standin_url, cipher, q)
-                    levels += await bench_dbos(side, system_url, dbos_world, dbos_wakes, concurrencies, opts.warmup)
+            q = Queries(ROOT / "services" / "room" / "sql" / "queries.sql")
+            key = env["QUAYUTEC_ENCRYPTION_KEY"]
+            cipher = MultiFernet([Fernet(key.encode())])
+            async with httpx.AsyncClient(timeout=30) as http:
+                steps = RunSteps(pool, http, standin_url, cipher, q)
+                for anchor in anchors:
+                    print(f"measuring {ANCHORS[anchor]} on the same PostgreSQL ...", file=sys.stderr, flush=True)
+                    if anchor == "dbos":
+                        levels += await bench_dbos(steps, system_url, sides[anchor], concurrencies, opts.warmup)
+                    elif anchor == "floor":
+                        levels += await bench_floor(steps, sides[anchor], concurrencies, opts.warmup)
+                    else:
+                        levels += await bench_restate(
+                            steps, url, key, data_dir, sides[anchor], concurrencies, opts.warmup
+                        )
         finally:
             await pool.close()
             await drop_database(admin_url, url)
             await drop_database(admin_url, system_url)
-    report(levels, concurrencies, time.monotonic() - started)
+    return report(levels, concurrencies, time.monotonic() - started)
 
 
-def report(levels: list[Level], concurrencies: list[int], seconds: float) -> None:
+def report(levels: list[Level], concurrencies: list[int], seconds: float) -> Figures:
     print(
         "\nRuns: stand-in model answering at once; added latency = ledger ended_at - started_at - model attempts"
-        "\n(ms; started_at is set after the claim); client = StartRun (or start_workflow_async) to run seen ended.\n"
+        "\n(ms; started_at is set after the claim); client = from starting the run to seeing it ended.\n"
     )
+    label = {OURS: OURS, **ANCHORS}
     print_table(
         ["system", "conc", "runs", "runs/s", "added p50", "added p99", "client p50", "client p99", "refused", "failed"],
         [
             [
-                lv.system,
+                label[lv.system],
                 lv.concurrency,
                 lv.runs,
                 lv.rate,
@@ -424,17 +416,25 @@ def report(levels: list[Level], concurrencies: list[int], seconds: float) -> Non
             for lv in levels
         ],
     )
+    figures: Figures = {}
+    for lv in levels:
+        latencies = {"added": lv.added_ms, "client": lv.client_ms}
+        figures |= level_figures(f"{lv.system} c={lv.concurrency}", "runs/s", lv.rate, latencies)
     by = {(lv.system, lv.concurrency): lv for lv in levels}
-    ratios = [
-        f"c={c}: {by[('quayutec', c)].rate / by[('DBOS Transact', c)].rate:.2f}x"
-        for c in concurrencies
-        if ("DBOS Transact", c) in by and ("quayutec", c) in by
-    ]
-    if ratios:
-        print(f"\nthroughput ours/DBOS: {', '.join(ratios)}  (target: at least 3x)")
+    print()
+    for anchor in ANCHORS:
+        ratios = []
+        for c in concurrencies:
+            if (anchor, c) in by and (OURS, c) in by:
+                ratio = by[(OURS, c)].rate / by[(anchor, c)].rate
+                figures[f"ours/{anchor} c={c} runs/s"] = ratio
+                ratios.append(f"c={c}: {ratio:.2f}x")
+        if ratios:
+            print(f"throughput ours/{ANCHORS[anchor]}: {', '.join(ratios)}")
     print(f"bench took {seconds:.0f} s")
     if any(lv.failed for lv in levels):
         raise BenchError("some runs did not succeed (see the failed column); the figures are not comparable")
+    return figures
 
 
 def main() -> int:
@@ -442,8 +442,31 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=300, help="measured runs per concurrency level (default 300)")
     parser.add_argument("--warmup", type=int, default=20, help="unmeasured runs before each level (default 20)")
     parser.add_argument("--concurrency", default="1,32", help="comma-separated concurrency levels (default 1,32)")
-    parser.add_argument("--no-dbos", action="store_true", help="measure ours only")
-    return run_main(amain, parser.parse_args())
+    parser.add_argument(
+        "--baseline",
+        default=DEFAULT_ANCHORS,
+        help=f"comma-separated anchors beside ours: {', '.join(ANCHORS)} or none (default {DEFAULT_ANCHORS})",
+    )
+    parser.add_argument("--no-dbos", action="store_true", help="leave DBOS out of --baseline")
+    parser.add_argument(restate_anchor.NAMESPACE_FLAG, action="store_true", help=argparse.SUPPRESS)
+    add_json_argument(parser)
+    opts = parser.parse_args()
+    try:
+        wants_restate = "restate" in chosen_anchors(opts)
+        if wants_restate and not opts.in_loopback_netns:
+            if os.environ.get("DATABASE_URL", "").strip():
+                raise BenchError(
+                    "--baseline restate runs in a network namespace of its own, on an embedded PostgreSQL:"
+                    " unset DATABASE_URL"
+                )
+            restate_anchor.ensure_server()
+            return restate_anchor.rerun_in_loopback_namespace([str(Path(__file__).resolve()), *sys.argv[1:]])
+        if opts.in_loopback_netns:
+            restate_anchor.enter_loopback_namespace()
+    except BenchError as exc:
+        print(f"bench failed: {exc}", file=sys.stderr)
+        return 1
+    return run_main(amain, opts)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Cost as tables grow: PostMessage, LeaseWakes + SettleWake, ReadRunContext and the Gateway's
 housekeeping (AbandonStaleRuns) with 0, 100k and 1M rows already in each big table.
 
-``python bench/tables.py [--sizes 0,100000,1000000] [--calls 200]``
+``python bench/tables.py [--sizes 0,100000,1000000] [--calls 200] [--json PATH]``
 
 The Room runs as a process on one PostgreSQL (``DATABASE_URL``'s server or an embedded one). At each
 size the tables are filled up to that many rows with ``generate_series`` (one INSERT per table):
@@ -29,7 +29,9 @@ import asyncpg
 
 from bench.common import (
     BenchError,
+    Figures,
     World,
+    add_json_argument,
     base_env,
     create_migrated_database,
     drop_database,
@@ -227,7 +229,7 @@ async def explain(pool: asyncpg.Pool, world: World) -> None:
                 print(f"   {row[0]}")
 
 
-async def amain(opts: argparse.Namespace) -> None:
+async def amain(opts: argparse.Namespace) -> Figures:
     started = time.monotonic()
     try:
         sizes = sorted({int(s) for s in opts.sizes.split(",") if s.strip()})
@@ -256,25 +258,30 @@ async def amain(opts: argparse.Namespace) -> None:
         finally:
             await pool.close()
             await drop_database(admin_url, url)
-    report(results, time.monotonic() - started)
+    return report(results, time.monotonic() - started)
 
 
-def report(results: list[tuple[int, float, dict[str, list[float]]]], seconds: float) -> None:
+def report(results: list[tuple[int, float, dict[str, list[float]]]], seconds: float) -> Figures:
     print("\nRoom calls, one at a time, with N filler rows in wake_outbox (delivered), messages (same room), runs.\n")
     base = results[0][2]
     rows = []
-    for size, _, figures in results:
-        for name, values in figures.items():
-            p50 = percentile(values, 50)
-            rows.append([name, size, len(values), p50, percentile(values, 99), p50 / percentile(base[name], 50)])
+    figures: Figures = {}
+    for size, _, calls in results:
+        for name, values in calls.items():
+            p50, p99 = percentile(values, 50), percentile(values, 99)
+            rows.append([name, size, len(values), p50, p99, p50 / percentile(base[name], 50)])
+            figures[f"{name} {size} rows p50 ms"] = p50
+            figures[f"{name} {size} rows p99 ms"] = p99
     print_table(["call", "rows", "calls", "p50 ms", "p99 ms", f"p50 / {results[0][0]} rows"], rows)
     print(f"bench took {seconds:.0f} s")
+    return figures
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--sizes", default="0,100000,1000000", help="filler rows per table (default 0,100000,1000000)")
     parser.add_argument("--calls", type=int, default=200, help="calls of each kind per size (default 200)")
+    add_json_argument(parser)
     return run_main(amain, parser.parse_args())
 
 

@@ -1,7 +1,7 @@
 """Wakes per second from a posted message to a posted reply, end to end through the Gateway (the
 stand-in answering at once), beside the Gateway's post-only rate at the same concurrency.
 
-``python bench/wakes.py [--wakes 200] [--warmup 10] [--concurrency 1,32] [--poll-interval 0.05]``
+``python bench/wakes.py [--wakes 200] [--warmup 10] [--concurrency 1,32] [--poll-interval 0.05] [--json PATH]``
 
 All four services run as processes on one PostgreSQL (``DATABASE_URL``'s server or an embedded
 one). P posters each post a message mentioning the agent through Gateway PostMessage and wait for
@@ -33,9 +33,12 @@ import grpc
 
 from bench.common import (
     BatchWatcher,
+    Figures,
+    add_json_argument,
     base_env,
     create_migrated_database,
     drop_database,
+    level_figures,
     parse_concurrency,
     percentile,
     post_mention,
@@ -146,7 +149,7 @@ async def end_to_end(world: GatewayWorld, watcher: BatchWatcher, count: int, con
     return measured
 
 
-async def amain(opts: argparse.Namespace) -> None:
+async def amain(opts: argparse.Namespace) -> Figures:
     concurrencies = parse_concurrency(opts.concurrency)
     started = time.monotonic()
     results: list[Measured] = []
@@ -189,7 +192,7 @@ async def amain(opts: argparse.Namespace) -> None:
         finally:
             await pool.close()
             await drop_database(admin_url, url)
-    report(results, concurrencies, opts.poll_interval, time.monotonic() - started)
+    return report(results, concurrencies, opts.poll_interval, time.monotonic() - started)
 
 
 def cpu_seconds(stack: Any, admin_url: str) -> dict[str, float]:
@@ -212,7 +215,7 @@ def cpu_ms_each(before: dict[str, float], after: dict[str, float], count: int) -
     return {n: (after[n] - before[n]) * 1000 / count for n in sorted(after)}
 
 
-def report(results: Sequence[Measured], concurrencies: list[int], poll: float, seconds: float) -> None:
+def report(results: Sequence[Measured], concurrencies: list[int], poll: float, seconds: float) -> Figures:
     print(
         f"\nWakes through the Gateway (stand-in answering at once; Gateway delivery polls every {poll:g} s)."
         "\nEnd to end: latency = reply created_at - posted created_at; post only: PostMessage round trip.\n"
@@ -224,8 +227,23 @@ def report(results: Sequence[Measured], concurrencies: list[int], poll: float, s
             for m in results
         ],
     )
+    figures: Figures = {}
+    for m in results:
+        what = f"{'wake' if m.kind.startswith('end') else 'post'} c={m.concurrency}"
+        figures |= level_figures(what, "per s", m.rate, {"": m.latency_ms})
+        for name, ms in m.cpu_ms_per_item.items():
+            figures[f"{what} CPU ms {name}"] = ms
+        if m.cpu_ms_per_item:
+            services = sum(ms for name, ms in m.cpu_ms_per_item.items() if name != "postgres")
+            figures[f"{what} CPU ms services"] = services
+            if "postgres" in m.cpu_ms_per_item:
+                figures[f"{what} CPU ms all"] = sum(m.cpu_ms_per_item.values())
     pairs = {(m.kind.split(" ")[0], m.concurrency): m for m in results}
-    ratios = [f"c={c}: {pairs[('end', c)].rate / pairs[('post', c)].rate:.2f}" for c in concurrencies]
+    ratios = []
+    for c in concurrencies:
+        ratio = pairs[("end", c)].rate / pairs[("post", c)].rate
+        figures[f"wake/post c={c} per s"] = ratio
+        ratios.append(f"c={c}: {ratio:.2f}")
     print(f"\nend-to-end / post-only: {', '.join(ratios)}")
     cpu = [m for m in results if m.cpu_ms_per_item]
     if cpu:
@@ -250,6 +268,7 @@ def report(results: Sequence[Measured], concurrencies: list[int], poll: float, s
             ],
         )
     print(f"bench took {seconds:.0f} s")
+    return figures
 
 
 def main() -> int:
@@ -260,6 +279,7 @@ def main() -> int:
     parser.add_argument(
         "--poll-interval", type=float, default=0.05, help="Gateway delivery poll interval in s (default 0.05)"
     )
+    add_json_argument(parser)
     return run_main(amain, parser.parse_args())
 
 

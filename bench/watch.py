@@ -1,6 +1,6 @@
 """Live rooms at scale: W concurrent WatchRoom streams on one Gateway replica.
 
-``python bench/watch.py [--watchers 1000] [--posts 200] [--posters 4] [--watcher-procs 2]``
+``python bench/watch.py [--watchers 1000] [--posts 200] [--posters 4] [--watcher-procs 2] [--json PATH]``
 
 Room and Gateway run as processes on one PostgreSQL (``DATABASE_URL``'s server or an embedded one);
 the watchers run in ``--watcher-procs`` child processes of this script (so their reading does not
@@ -35,7 +35,9 @@ import grpc
 
 from bench.common import (
     BenchError,
+    Figures,
     ProcessSample,
+    add_json_argument,
     base_env,
     create_migrated_database,
     drop_database,
@@ -175,7 +177,7 @@ def cpu_seconds(pids: list[int]) -> float:
 # -- the bench ----------------------------------------------------------------------------------------------
 
 
-async def amain(opts: argparse.Namespace) -> None:
+async def amain(opts: argparse.Namespace) -> Figures:
     started = time.monotonic()
     with scratch_dir("qy-bench-watch-") as data_dir, standin_process() as standin_url, postgres_server() as admin_url:
         url = await create_migrated_database(admin_url)
@@ -252,6 +254,16 @@ async def amain(opts: argparse.Namespace) -> None:
         f"\nWatchRoom at scale: {opts.watchers} watchers of one room on one Gateway replica, "
         f"{opts.posters} posters, {opts.posts} messages per phase ({datetime.now(UTC):%Y-%m-%d})\n"
     )
+    gateway_cpu = cpu_after["gateway"] - cpu_before["gateway"]
+    figures: Figures = {
+        "PostMessage/s without watchers": without.rate,
+        "PostMessage/s with watchers": with_watchers.rate,
+        "with/without PostMessage/s": with_watchers.rate / without.rate,
+        "delivery p50 ms": percentile(latencies, 50),
+        "delivery p99 ms": percentile(latencies, 99),
+        "Gateway RSS KiB per watcher": (after.rss_bytes - before.rss_bytes) / opts.watchers / 1024,
+        "Gateway CPU us per delivery": gateway_cpu * 1e6 / max(1, len(latencies)),
+    }
     print_table(
         ["measurement", "value"],
         [
@@ -270,10 +282,7 @@ async def amain(opts: argparse.Namespace) -> None:
                 [f"{name} CPU s while posting with watchers", cpu_after[name] - cpu_before[name]]
                 for name in ("gateway", "room", "watchers")
             ),
-            [
-                "Gateway CPU us per delivery",
-                (cpu_after["gateway"] - cpu_before["gateway"]) * 1e6 / max(1, len(latencies)),
-            ],
+            ["Gateway CPU us per delivery", figures["Gateway CPU us per delivery"]],
         ],
     )
     if errors:
@@ -281,6 +290,7 @@ async def amain(opts: argparse.Namespace) -> None:
     print(f"bench took {time.monotonic() - started:.0f} s")
     if complete != opts.watchers:
         raise BenchError(f"only {complete} of {opts.watchers} watchers received every message")
+    return figures
 
 
 def main() -> int:
@@ -296,6 +306,7 @@ def main() -> int:
     parser.add_argument("--count", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--expect", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--tag", help=argparse.SUPPRESS)
+    add_json_argument(parser)
     opts = parser.parse_args()
     if opts.role == "watchers":
         return run_main(watchers_main, opts)

@@ -34,6 +34,14 @@ _SERVICE_CONFIG = json.dumps(
 )
 
 
+# A peer that falls silent (a partition, a host gone: no reset ever comes) is found out by a ping
+# unanswered for KEEPALIVE_TIMEOUT_MS, sent every KEEPALIVE_MS: the connection is closed, its calls
+# fail UNAVAILABLE, and a target naming several replicas sends its calls to the others meanwhile.
+# Without it a silent peer's connection stays "ready" until TCP gives up, many minutes later.
+KEEPALIVE_MS = 5_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+
+
 def internal_channel(
     target: str,
     *,
@@ -54,6 +62,13 @@ def internal_channel(
             *retries,
             # The server's certificate must name the service we meant, not the host we dialled.
             ("grpc.ssl_target_name_override", server),
+            # A target naming several replicas (``ipv4:a:port,b:port``, or a name resolving to many
+            # addresses) spreads the calls over every one that is connected, not only the first.
+            ("grpc.lb_policy_name", "round_robin"),
+            ("grpc.keepalive_time_ms", KEEPALIVE_MS),
+            ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             *options,

@@ -132,6 +132,45 @@ def env_float(
     return value
 
 
+# The services that hold database pools, whose replicas share the server's connections.
+WITH_DATABASE: tuple[str, ...] = ("gateway", "room", "claims")
+CONNECTIONS_RESERVED_ENV = "QUAYUTEC_DB_CONNECTIONS_RESERVED"
+
+
+@dataclass(frozen=True)
+class ConnectionBudget:
+    """What every replica of the services could hold at once: each service's most replicas times
+    its pool's size, plus a reserve (migrations, the admin commands, an operator's psql). A service
+    checks it against the server's ``max_connections`` when it starts (``quayutec.db``)."""
+
+    shares: tuple[tuple[str, int, int], ...]  # (service, most replicas, pool size)
+    reserved: int
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionBudget:
+        from quayutec.settings import setting
+
+        env = os.environ if env is None else env
+        shares = tuple(
+            (
+                name,
+                env_int(env, setting(f"QUAYUTEC_{name.upper()}_REPLICAS_MAX"), minimum=1),
+                env_int(env, setting(f"QUAYUTEC_{name.upper()}_DB_POOL_MAX"), minimum=1),
+            )
+            for name in WITH_DATABASE
+        )
+        return cls(shares=shares, reserved=env_int(env, setting(CONNECTIONS_RESERVED_ENV), minimum=0))
+
+    @property
+    def total(self) -> int:
+        return sum(replicas * pool for _, replicas, pool in self.shares) + self.reserved
+
+    def explain(self) -> str:
+        """``gateway 6 × 8 + room 2 × 10 + claims 2 × 5 + reserved 10 = 88``."""
+        parts = [f"{name} {replicas} × {pool}" for name, replicas, pool in self.shares]
+        return f"{' + '.join(parts)} + reserved {self.reserved} = {self.total}"
+
+
 @dataclass(frozen=True)
 class DatabaseConfig:
     """``DATABASE_URL`` when set; otherwise an embedded PostgreSQL under ``data_dir``."""
@@ -140,6 +179,7 @@ class DatabaseConfig:
     data_dir: Path
     pool_min: int = 1
     pool_max: int = 10
+    budget: ConnectionBudget | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, prefix: str = "QUAYUTEC_") -> DatabaseConfig:
@@ -152,7 +192,8 @@ class DatabaseConfig:
         pool_max = env_int(env, setting(f"{prefix}DB_POOL_MAX"), minimum=1)
         if pool_min > pool_max:
             raise ConfigError(f"{prefix}DB_POOL_MIN ({pool_min}) exceeds {prefix}DB_POOL_MAX ({pool_max})")
-        return cls(url=url, data_dir=data_dir, pool_min=pool_min, pool_max=pool_max)
+        budget = ConnectionBudget.from_env(env)
+        return cls(url=url, data_dir=data_dir, pool_min=pool_min, pool_max=pool_max, budget=budget)
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
-from quayutec.config import DatabaseConfig
+from quayutec.config import ConfigError, ConnectionBudget, DatabaseConfig
 
 _log = logging.getLogger("quayutec.db")
 
@@ -105,6 +105,31 @@ async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asy
 async def open_pool(config: DatabaseConfig) -> asyncpg.Pool:
     url = await resolve_database_url(config)
     return await create_pool(url, min_size=config.pool_min, max_size=config.pool_max)
+
+
+async def check_connection_budget(pool: asyncpg.Pool, budget: ConnectionBudget, service: str) -> int:
+    """Refuse to start (ConfigError, with the numbers) when every replica's pool could not be open at
+    once: the budget over what the server gives ordinary roles (``max_connections`` less its
+    superuser and reserved slots). Returns the connections left over."""
+    async with pool.acquire() as conn:
+        row = await conn.fetchrow(
+            "SELECT current_setting('max_connections')::int AS max_connections,"
+            " current_setting('superuser_reserved_connections')::int AS superuser_reserved,"
+            " coalesce(current_setting('reserved_connections', true), '0')::int AS reserved"
+        )
+    assert row is not None
+    available = int(row["max_connections"]) - int(row["superuser_reserved"]) - int(row["reserved"])
+    spare = available - budget.total
+    if spare < 0:
+        raise ConfigError(
+            f"{service}: the database connection budget ({budget.explain()}) exceeds what PostgreSQL allows "
+            f"(max_connections {row['max_connections']} - superuser_reserved_connections "
+            f"{row['superuser_reserved']} - reserved_connections {row['reserved']} = {available}); lower "
+            "QUAYUTEC_<SERVICE>_DB_POOL_MAX or QUAYUTEC_<SERVICE>_REPLICAS_MAX (and the HPA's maxReplicas with it), "
+            "or raise max_connections"
+        )
+    _log.info("%s: database connection budget %s of %d", service, budget.explain(), available)
+    return spare
 
 
 # Run in a child Python that never imports gRPC: a process with gRPC threads that forks to run

@@ -69,6 +69,28 @@ class OutOfRange(ServiceError):
     code = grpc.StatusCode.OUT_OF_RANGE
 
 
+# The trailing metadata key naming the room rule that refused a call (RuleBroken).
+RULE_METADATA_KEY = "quayutec-rule"
+
+
+class RuleBroken(ServiceError):
+    """A refusal by a rule of the room (services/room/rules.py): the rule's status code, its id
+    (sent as the ``quayutec-rule`` trailer) and its words (the message)."""
+
+    def __init__(self, code: grpc.StatusCode, rule: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.rule = rule
+
+
+def broken_rule(exc: grpc.aio.AioRpcError) -> str | None:
+    """The id of the room rule that refused the call, when a rule did (its ``quayutec-rule`` trailer)."""
+    for key, value in exc.trailing_metadata() or ():
+        if key == RULE_METADATA_KEY:
+            return str(value)
+    return None
+
+
 # Codes of a downstream service's answer that pass through unchanged to our caller.
 _PASS_THROUGH = frozenset(
     {
@@ -221,6 +243,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 code, message = status_logged(exc, method)
                 if isinstance(exc, ResourceExhausted) and exc.retry_after_ms is not None:
                     context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+                if isinstance(exc, RuleBroken):
+                    context.set_trailing_metadata(((RULE_METADATA_KEY, exc.rule),))
                 await context.abort(code, message)
 
         return grpc.unary_unary_rpc_method_handler(

@@ -17,7 +17,7 @@ from pathlib import Path
 import asyncpg
 
 from quayutec.config import DatabaseConfig
-from quayutec.db import open_pool
+from quayutec.db import check_connection_budget, open_pool
 
 ROOT = Path(__file__).resolve().parent.parent
 _MIGRATION_NAME = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
@@ -118,9 +118,12 @@ class ServicePool:
 async def service_pool(
     database: DatabaseConfig, component: Component, *, migrate_on_start: bool, pool: asyncpg.Pool | None = None
 ) -> ServicePool:
-    """The pool a service runs on (``pool``, or its own), with its component migrated when asked."""
+    """The pool a service runs on (``pool``, or its own, once the connection budget of every replica is
+    checked against the server's limit), with its component migrated when asked."""
     held = ServicePool(pool or await open_pool(database), owned=pool is None)
     try:
+        if held.owned and database.budget is not None:
+            await check_connection_budget(held.pool, database.budget, component.name)
         if migrate_on_start:
             await migrate(held.pool, (component,))
     except BaseException:

@@ -36,6 +36,8 @@ _log = logging.getLogger("quayutec.server")
 # Bounded resources on every server: message size and concurrent streams.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_CONCURRENT_RPCS = 1024
+# The shortest pause between a client's pings that the server accepts (below the clients' own period).
+MIN_PING_INTERVAL_MS = 1_000
 
 # Server reflection v1 (what current grpcurl asks first) beside v1alpha. Its messages are the same
 # as v1alpha's, field for field, so v1alpha's servicer answers both.
@@ -120,6 +122,10 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_concurrent_streams", MAX_CONCURRENT_RPCS),
+                # Our clients ping every few seconds, idle or not (quayutec.channels.KEEPALIVE_MS):
+                # accept it rather than answer "too many pings" and close their connections.
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
             ],
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )

@@ -18,7 +18,7 @@ from quayutec.config import SERVICES, ServiceSpec
 Value = str | int | float | bool | None
 
 ALL = ("gateway", "room", "claims", "runtime")
-WITH_DATABASE = ("gateway", "room", "claims")
+WITH_DATABASE = ("gateway", "room", "claims")  # the same as quayutec.config.WITH_DATABASE
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,21 @@ def _per_service(spec: ServiceSpec) -> list[Setting]:
         found += [
             _g(f"{p}MIGRATE_ON_START", True, f"{name} applies its own migrations at start-up", [name]),
             _g(f"{p}DB_POOL_MIN", 1, f"fewest open database connections of {name}", [name]),
-            _g(f"{p}DB_POOL_MAX", 10, f"most open database connections of {name}", [name]),
+            _g(
+                f"{p}DB_POOL_MAX",
+                10,
+                f"most open database connections of one {name} replica (every database service reads it: "
+                "the connection budget)",
+                WITH_DATABASE,
+            ),
+            _g(
+                f"{p}REPLICAS_MAX",
+                1,
+                f"most {name} replicas running at once (its HPA's maxReplicas); each database service checks at "
+                "start that every service's replicas × DB_POOL_MAX, plus DB_CONNECTIONS_RESERVED, fit the "
+                "server's max_connections, and refuses to start, naming the numbers, when they do not",
+                WITH_DATABASE,
+            ),
         ]
     return found
 
@@ -122,6 +136,12 @@ _DECLARED: list[Setting] = [
         ALL,
     ),
     _g("QUAYUTEC_LOG_LEVEL", "INFO", "the services' log level: DEBUG, INFO, WARNING or ERROR", ALL),
+    _g(
+        "QUAYUTEC_DB_CONNECTIONS_RESERVED",
+        10,
+        "database connections kept out of the services' budget: migrations, the admin commands, an operator's psql",
+        WITH_DATABASE,
+    ),
     _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),

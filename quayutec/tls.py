@@ -205,6 +205,22 @@ def ensure_dev_pki(pki_dir: Path) -> None:
             _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
 
 
+def write_host_pki(pki_dir: Path, leaves: Mapping[str, tuple[str, Sequence[str], Sequence[str]]]) -> None:
+    """A new CA in ``pki_dir`` and, for each ``file stem: (identity, host names, addresses)``, a
+    certificate of that identity naming where it serves (``<stem>.crt`` / ``<stem>.key``): the
+    certificates of several hosts, each replica of a service with its own (the multi-host test bed)."""
+    pki_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    ca_key, ca_cert = _make_ca()
+    _write(pki_dir / "ca.key", _key_pem(ca_key), 0o600)
+    _write(pki_dir / "ca.crt", ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
+    for stem, (identity, hosts, addresses) in leaves.items():
+        if identity not in IDENTITIES:
+            raise ValueError(f"unknown identity {identity!r}; one of {', '.join(IDENTITIES)}")
+        key, cert = _make_leaf(identity, ca_key, ca_cert, hosts=hosts, addresses=addresses)
+        _write(pki_dir / f"{stem}.key", _key_pem(key), 0o600)
+        _write(pki_dir / f"{stem}.crt", cert.public_bytes(serialization.Encoding.PEM), 0o644)
+
+
 def _complete(pki_dir: Path) -> bool:
     names = ["ca.crt", "ca.key", *(f"{n}.{ext}" for n in IDENTITIES for ext in ("crt", "key"))]
     return all((pki_dir / n).exists() for n in names)
@@ -277,16 +293,30 @@ def _make_ca() -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
 
 
 def _make_leaf(
-    name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate
+    name: str,
+    ca_key: ec.EllipticCurvePrivateKey,
+    ca_cert: x509.Certificate,
+    *,
+    hosts: Sequence[str] = (),
+    addresses: Sequence[str] = (),
 ) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    """A certificate of identity ``name``; it also names the ``hosts`` and ``addresses`` it serves on
+    (loopback when none are given: the development PKI of one machine)."""
     key = ec.generate_private_key(ec.SECP256R1())
     now = _now()
+    where: list[x509.GeneralName] = (
+        [x509.DNSName(h) for h in hosts] + [x509.IPAddress(ipaddress.ip_address(a)) for a in addresses]
+        if hosts or addresses
+        else [
+            x509.DNSName("localhost"),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.IPAddress(ipaddress.ip_address("::1")),
+        ]
+    )
     sans: list[x509.GeneralName] = [
         x509.DNSName(name),
         x509.UniformResourceIdentifier(f"{SPIFFE_PREFIX}{name}"),
-        x509.DNSName("localhost"),
-        x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
-        x509.IPAddress(ipaddress.ip_address("::1")),
+        *where,
     ]
     cert = (
         x509.CertificateBuilder()

@@ -481,16 +481,22 @@ RIGHTS = {
     "auto": common_pb2.ACTION_RIGHT_AUTO,
     "hold": common_pb2.ACTION_RIGHT_HOLD,
     "deny": common_pb2.ACTION_RIGHT_DENY,
+    # Not set here: the agent inherits the company default, the default the built-in auto.
+    "inherit": common_pb2.ACTION_RIGHT_UNSPECIFIED,
 }
 RIGHT_FIELDS = ("remember", "create_task", "update_task", "close_task", "cross_company_task")
 
 
 async def cmd_rights_set(opts: argparse.Namespace) -> int:
     chosen = {f: RIGHTS[getattr(opts, f)] for f in RIGHT_FIELDS if getattr(opts, f)}
+    if not chosen:
+        raise SystemExit("name at least one right to set, e.g. --create-task hold (see --help)")
+    request = gateway_pb2.SetAgentRightsRequest(agent_id=opts.agent or "")
+    for field, right in chosen.items():
+        setattr(request, field, right)
+    request.update_mask.paths.extend(chosen)  # only these change; the others stay as they are
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).SetAgentRights(
-            gateway_pb2.SetAgentRightsRequest(agent_id=opts.agent or "", **chosen)
-        )
+        got = await _client(channel).SetAgentRights(request)
     print(_format_rights(got.rights))
     return 0
 
@@ -498,13 +504,27 @@ async def cmd_rights_set(opts: argparse.Namespace) -> int:
 async def cmd_rights_show(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         got = await _client(channel).GetAgentRights(gateway_pb2.GetAgentRightsRequest(agent_id=opts.agent or ""))
-    print("effective: " + _format_rights(got.effective))
+    own = got.agent if opts.agent else got.company_default
+    for field in RIGHT_FIELDS:
+        print(f"{field}={_right_name(getattr(got.effective, field))} ({_right_source(got, own, field)})")
     return 0
 
 
+def _right_name(right: common_pb2.ActionRight.ValueType) -> str:
+    return next((name for name, value in RIGHTS.items() if value == right), "inherit")
+
+
+def _right_source(got: gateway_pb2.GetAgentRightsResponse, own: common_pb2.AgentRights, field: str) -> str:
+    """Where an effective right comes from: set here, inherited from the company default, or built in."""
+    if getattr(own, field):
+        return "set here"
+    if getattr(got.company_default, field):
+        return "inherited from the company default"
+    return "built-in default"
+
+
 def _format_rights(rights: common_pb2.AgentRights) -> str:
-    names = {v: k for k, v in RIGHTS.items()}
-    return ", ".join(f"{f}={names.get(getattr(rights, f), 'default')}" for f in RIGHT_FIELDS)
+    return ", ".join(f"{f}={_right_name(getattr(rights, f))}" for f in RIGHT_FIELDS)
 
 
 async def cmd_approvals(opts: argparse.Namespace) -> int:
@@ -680,17 +700,22 @@ def parser() -> argparse.ArgumentParser:
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    rs = rights.add_parser("set", help="set the default for all your agents, or --agent's own")
+    rs = rights.add_parser(
+        "set",
+        help="set rights of the default for all your agents, or of --agent; only the rights named change",
+    )
     rs.add_argument("--agent", metavar="AGENT_ID", help="set this agent's own rights instead of the default")
     for field in RIGHT_FIELDS:
         rs.add_argument(
             f"--{field.replace('_', '-')}",
             dest=field,
             choices=sorted(RIGHTS),
-            help=f"what the {field} action does (unchanged when not given)",
+            help=f"what the {field} action does (unchanged when not given; inherit: take the default's again)",
         )
     rs.set_defaults(handler=cmd_rights_set)
-    rg = rights.add_parser("show", help="effective rights of the default or --agent")
+    rg = rights.add_parser(
+        "show", help="effective rights of the default or --agent, each with where it comes from (set here or inherited)"
+    )
     rg.add_argument("--agent", metavar="AGENT_ID", help="this agent's effective rights")
     rg.set_defaults(handler=cmd_rights_show)
     ap = sub.add_parser("approvals", help="held actions waiting for your decision")

@@ -45,6 +45,8 @@ def format_run(run: common_pb2.Run) -> str:
     ]
     for action in run.actions:
         detail = f" ({action.detail})" if action.detail else ""
+        if action.rule:
+            detail += f" [rule {action.rule}]"
         result = f" -> {action.result_id}" if action.result_id else ""
         lines.append(
             f"  action #{action.index} {ACTION_NAMES[action.kind]}: {OUTCOME_NAMES[action.outcome]}{result}{detail}"

@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from quayutec.v1 import room_pb2, room_pb2_grpc
@@ -31,6 +33,41 @@ async def quayutec(*args: str, env: dict[str, str], limit: float = 120.0) -> sub
         )
 
     return await asyncio.to_thread(run)
+
+
+def client_env(database_url: str, room_addr: str, gateway_addr: str) -> dict[str, str]:
+    """The environment of the client and admin commands against these servers."""
+    return {
+        "DATABASE_URL": database_url,
+        "QUAYUTEC_ROOM_ADDR": room_addr,
+        "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
+        **mtls_env("admin"),
+    }
+
+
+@asynccontextmanager
+async def room_and_gateway(database_url: str) -> AsyncIterator[dict[str, str]]:
+    """A Room and a Gateway that delivers no wakes; yields the client commands' environment for them."""
+    from tests.harness.gateway import running_gateway
+
+    async with (
+        running_room(database_url) as room_addr,
+        running_gateway(
+            database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
+        ) as gateway_addr,
+    ):
+        yield client_env(database_url, room_addr, gateway_addr)
+
+
+def succeeding(env: dict[str, str]) -> Callable[..., Awaitable[str]]:
+    """``ok(*args, **extra_env)``: runs the command with ``env`` (plus ``extra_env``); it must succeed."""
+
+    async def ok(*args: str, **extra: str) -> str:
+        done = await quayutec(*args, env={**env, **extra})
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done.stdout
+
+    return ok
 
 
 async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path) -> None:
@@ -105,17 +142,8 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
                 database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
             ) as gateway_addr,
         ):
-            env = {
-                "DATABASE_URL": database_url,
-                "QUAYUTEC_ROOM_ADDR": room_addr,
-                "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
-                **mtls_env("admin"),
-            }
-
-            async def ok(*args: str, **extra: str) -> str:
-                done = await quayutec(*args, env={**env, **extra})
-                assert done.returncode == 0, (args, done.stdout, done.stderr)
-                return done.stdout
+            env = client_env(database_url, room_addr, gateway_addr)
+            ok = succeeding(env)
 
             company_id = (await ok("company", "create", "Acme")).split()[1]
             secret = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
@@ -155,22 +183,44 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
             assert json.loads(await ok("approvals", "--json")) == []
 
 
+async def test_rights_set_changes_only_what_it_names_and_show_says_where_each_comes_from(database_url: str) -> None:
+    """Issue 21, #5: `rights set --remember hold`, then `rights set --create-task hold`, leaves both held."""
+    async with room_and_gateway(database_url) as env:
+        ok = succeeding(env)
+
+        company_id = (await ok("company", "create", "Acme")).split()[1]
+        env["QUAYUTEC_API_KEY"] = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
+        agent_id = (
+            await ok(
+                "agent", "register", "--name", "planner", "--provider", "anthropic", "--model", "m",
+                QUAYUTEC_PROVIDER_KEY="sk-ant-cli",
+            )
+        ).split()[1]  # fmt: skip
+        await ok("rights", "set", "--remember", "hold")
+        await ok("rights", "set", "--create-task", "hold")
+        assert (await ok("rights", "show")).splitlines() == [
+            "remember=hold (set here)",
+            "create_task=hold (set here)",
+            "update_task=auto (built-in default)",
+            "close_task=auto (built-in default)",
+            "cross_company_task=auto (built-in default)",
+        ]
+        await ok("rights", "set", "--agent", agent_id, "--close-task", "deny", "--remember", "auto")
+        await ok("rights", "set", "--agent", agent_id, "--remember", "inherit")
+        assert (await ok("rights", "show", "--agent", agent_id)).splitlines() == [
+            "remember=hold (inherited from the company default)",
+            "create_task=hold (inherited from the company default)",
+            "update_task=auto (built-in default)",
+            "close_task=deny (set here)",
+            "cross_company_task=auto (built-in default)",
+        ]
+        nothing = await quayutec("rights", "set", env=env)
+        assert nothing.returncode != 0 and "name at least one right" in nothing.stderr
+
+
 async def test_invitations_leave_and_remove_from_the_command_line(database_url: str) -> None:
     """Membership by consent as two companies run it: invite, list, accept or decline, leave, remove."""
-    from tests.harness.gateway import running_gateway
-
-    async with (
-        running_room(database_url) as room_addr,
-        running_gateway(
-            database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
-        ) as gateway_addr,
-    ):
-        env = {
-            "DATABASE_URL": database_url,
-            "QUAYUTEC_ROOM_ADDR": room_addr,
-            "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
-            **mtls_env("admin"),
-        }
+    async with room_and_gateway(database_url) as env:
 
         async def run(key: str, *args: str) -> subprocess.CompletedProcess[str]:
             return await quayutec(*args, env={**env, "QUAYUTEC_API_KEY": key})
@@ -276,3 +326,22 @@ async def test_each_service_prints_help_and_does_not_start() -> None:
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"usage: python -m services.{name}"), done.stdout
         assert f"QUAYUTEC_{name.upper()}_LISTEN" in done.stdout and "listening" not in done.stderr
+
+
+def test_a_refused_action_reads_with_its_rule() -> None:
+    """`quayutec run <id>` shows a refused action's outcome, the rule's words and the rule's id."""
+    from quayutec.v1 import common_pb2
+    from services.client import format_run
+
+    run = common_pb2.Run(run_id="r", status=common_pb2.RUN_STATUS_SUCCEEDED, step=common_pb2.RUN_STEP_ENDED)
+    run.actions.add(
+        index=0,
+        kind=common_pb2.ACTION_KIND_CLOSE_TASK,
+        outcome=common_pb2.ACTION_OUTCOME_REFUSED,
+        rule="task-sender-or-assignee",
+        detail="only the company that sent task t or the company of its assignee may update or close it",
+    )
+    assert (
+        "  action #0 close_task: refused (only the company that sent task t or the company of its assignee may "
+        "update or close it) [rule task-sender-or-assignee]"
+    ) in format_run(run).splitlines()

@@ -28,6 +28,8 @@ from quayutec.config import (
     GATEWAY,
     RUNTIME,
     SERVICES,
+    WITH_DATABASE,
+    ConnectionBudget,
     ServiceSpec,
 )
 
@@ -637,3 +639,35 @@ def test_console(rendered: Rendered, overlay: str) -> None:
     service = rendered.get("Service", "console")
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
     assert rendered.get("PodDisruptionBudget", "console")["spec"]["minAvailable"] == 1
+
+
+# ---------------------------------------------------------------- connection budget
+
+# The dev overlay's PostgreSQL (postgres:16 with its defaults): max_connections 100, 3 superuser slots.
+DEV_POSTGRES_ALLOWS = 100 - 3
+
+
+def _most_replicas(r: Rendered, name: str) -> int:
+    """What Kubernetes may run of ``name`` at most: its HPA's maxReplicas, else its Deployment's replicas."""
+    hpa = r.find("HorizontalPodAutoscaler", name)
+    if hpa is not None:
+        return int(hpa["spec"]["maxReplicas"])
+    return int(r.get("Deployment", name)["spec"].get("replicas", 1))
+
+
+def test_the_connection_budget_covers_every_replica_kubernetes_may_run(overlay: str, rendered: Rendered) -> None:
+    """Each database service reads the same budget; its replica maxima are the HPAs' (or the replica
+    counts); the total fits the dev PostgreSQL, and is the figure docs/operations.md gives for prod."""
+    budgets = set()
+    for name in WITH_DATABASE:
+        env = effective_env(rendered, app_container(rendered, name))
+        budgets.add(ConnectionBudget.from_env({k: v for k, v in env.items() if isinstance(v, str)}))
+    assert len(budgets) == 1, budgets
+    budget = budgets.pop()
+    for name, replicas, _pool in budget.shares:
+        assert replicas == _most_replicas(rendered, name), (name, replicas, budget.explain())
+    assert "max_connections" not in (K8S / "overlays" / "dev" / "postgres.yaml").read_text()
+    if overlay == "dev":
+        assert budget.total <= DEV_POSTGRES_ALLOWS, budget.explain()
+    operations = (ROOT / "docs" / "operations.md").read_text()
+    assert f"| `{overlay}` | {budget.explain()} |" in operations, budget.explain()

@@ -169,7 +169,11 @@ class _ActionOutcomeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ActionO
     ACTION_OUTCOME_NOT_DONE: _ActionOutcome.ValueType  # 5
     """Not done because the run stopped first (error, time limit, crash, expiry)."""
     ACTION_OUTCOME_FAILED: _ActionOutcome.ValueType  # 6
-    """Rejected by the Room (e.g. unknown task); the detail says why."""
+    """Rejected by the Room for what it names (e.g. an unknown or closed task); the detail says why."""
+    ACTION_OUTCOME_REFUSED: _ActionOutcome.ValueType  # 7
+    """Refused by a rule of the room (docs/rules.md): the agent's company may not do this. Nothing was
+    written; `rule` names the rule and `detail` gives its words.
+    """
 
 class ActionOutcome(_ActionOutcome, metaclass=_ActionOutcomeEnumTypeWrapper):
     """ActionOutcome is what became of one declared action."""
@@ -184,7 +188,11 @@ ACTION_OUTCOME_DENIED: ActionOutcome.ValueType  # 4
 ACTION_OUTCOME_NOT_DONE: ActionOutcome.ValueType  # 5
 """Not done because the run stopped first (error, time limit, crash, expiry)."""
 ACTION_OUTCOME_FAILED: ActionOutcome.ValueType  # 6
-"""Rejected by the Room (e.g. unknown task); the detail says why."""
+"""Rejected by the Room for what it names (e.g. an unknown or closed task); the detail says why."""
+ACTION_OUTCOME_REFUSED: ActionOutcome.ValueType  # 7
+"""Refused by a rule of the room (docs/rules.md): the agent's company may not do this. Nothing was
+written; `rule` names the rule and `detail` gives its words.
+"""
 Global___ActionOutcome: _TypeAlias = ActionOutcome  # noqa: Y015
 
 class _RunStatus:
@@ -856,6 +864,7 @@ class DeclaredAction(_message.Message):
     OUTCOME_FIELD_NUMBER: _builtins.int
     RESULT_ID_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
+    RULE_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     kind: Global___ActionKind.ValueType
     arguments_json: _builtins.str
@@ -864,6 +873,8 @@ class DeclaredAction(_message.Message):
     result_id: _builtins.str
     """The id of what was written (memory_id, task_id or update_id) when done."""
     detail: _builtins.str
+    rule: _builtins.str
+    """With ACTION_OUTCOME_REFUSED: the id of the room rule that refused it (docs/rules.md)."""
     def __init__(
         self,
         *,
@@ -873,10 +884,11 @@ class DeclaredAction(_message.Message):
         outcome: Global___ActionOutcome.ValueType = ...,
         result_id: _builtins.str = ...,
         detail: _builtins.str = ...,
+        rule: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "detail", b"detail", "index", b"index", "kind", b"kind", "outcome", b"outcome", "result_id", b"result_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "detail", b"detail", "index", b"index", "kind", b"kind", "outcome", b"outcome", "result_id", b"result_id", "rule", b"rule"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

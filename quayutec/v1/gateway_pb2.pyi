@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -1193,6 +1194,7 @@ class SetAgentRightsRequest(_message.Message):
     UPDATE_TASK_FIELD_NUMBER: _builtins.int
     CLOSE_TASK_FIELD_NUMBER: _builtins.int
     CROSS_COMPANY_TASK_FIELD_NUMBER: _builtins.int
+    UPDATE_MASK_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Empty: the default for all the caller's agents."""
     remember: _common_pb2.ActionRight.ValueType
@@ -1200,6 +1202,14 @@ class SetAgentRightsRequest(_message.Message):
     update_task: _common_pb2.ActionRight.ValueType
     close_task: _common_pb2.ActionRight.ValueType
     cross_company_task: _common_pb2.ActionRight.ValueType
+    @_builtins.property
+    def update_mask(self) -> _field_mask_pb2.FieldMask:
+        """The rights this request changes, by field name: remember, create_task, update_task, close_task,
+        cross_company_task. Rights it does not name keep what is stored; a named right sent
+        ACTION_RIGHT_UNSPECIFIED is cleared (inherited again). Empty: every right is replaced by this
+        request's value, an unspecified one cleared (the meaning before update_mask existed).
+        """
+
     def __init__(
         self,
         *,
@@ -1209,10 +1219,11 @@ class SetAgentRightsRequest(_message.Message):
         update_task: _common_pb2.ActionRight.ValueType = ...,
         close_task: _common_pb2.ActionRight.ValueType = ...,
         cross_company_task: _common_pb2.ActionRight.ValueType = ...,
+        update_mask: _field_mask_pb2.FieldMask | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["update_mask", b"update_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "close_task", b"close_task", "create_task", b"create_task", "cross_company_task", b"cross_company_task", "remember", b"remember", "update_task", b"update_task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "close_task", b"close_task", "create_task", b"create_task", "cross_company_task", b"cross_company_task", "remember", b"remember", "update_mask", b"update_mask", "update_task", b"update_task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -331,9 +331,10 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateTask(self, request, context):
-        """UpdateTask adds a note and optionally closes the task. Only the task's sender's company or the
-        assignee's company may update it. Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED,
-        FAILED_PRECONDITION (task already closed).
+        """UpdateTask adds a note and optionally closes the task. Only the company that sent the task or
+        the company of its assignee may update it (the room's rule, docs/rules.md).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room or task), PERMISSION_DENIED (neither the sender's nor
+        the assignee's company; the message names the rule), FAILED_PRECONDITION (task already closed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -399,15 +400,18 @@ class GatewayServiceServicer:
 
     def SetAgentRights(self, request, context):
         """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
-        agents' rights. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not the caller's).
+        agents' rights. With update_mask, only the rights it names change, in one statement, so two
+        writers changing different rights never undo each other; without, every right is replaced.
+        Errors: INVALID_ARGUMENT (unknown right in update_mask), NOT_FOUND (agent not the caller's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetAgentRights(self, request, context):
-        """GetAgentRights: stored and effective rights of the caller's default or one of its agents.
-        Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """GetAgentRights: stored and effective rights of the caller's default or one of its agents. A right
+        left unspecified in `agent` is inherited from `company_default` (and from the built-in AUTO when
+        unspecified there too). Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -424,8 +428,9 @@ class GatewayServiceServicer:
     def DecideApproval(self, request, context):
         """DecideApproval approves or denies one held action; when the last one is decided the run
         continues once, whoever decides and however often.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
-        another company), FAILED_PRECONDITION (expired, or already decided the other way).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (a token that is unknown or of another company's agent, the
+        same answer for both; or no held action with that index), FAILED_PRECONDITION (expired, or
+        already decided the other way).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

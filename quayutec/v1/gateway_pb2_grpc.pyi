@@ -106,9 +106,10 @@ class GatewayServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (room or agent).
     """
     UpdateTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.UpdateTaskRequest, _gateway_pb2.UpdateTaskResponse]
-    """UpdateTask adds a note and optionally closes the task. Only the task's sender's company or the
-    assignee's company may update it. Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED,
-    FAILED_PRECONDITION (task already closed).
+    """UpdateTask adds a note and optionally closes the task. Only the company that sent the task or
+    the company of its assignee may update it (the room's rule, docs/rules.md).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room or task), PERMISSION_DENIED (neither the sender's nor
+    the assignee's company; the message names the rule), FAILED_PRECONDITION (task already closed).
     """
     ListTasks: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListTasksRequest, _gateway_pb2.ListTasksResponse]
     """ListTasks of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -132,11 +133,14 @@ class GatewayServiceStub:
     """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     SetAgentRights: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SetAgentRightsRequest, _gateway_pb2.SetAgentRightsResponse]
     """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
-    agents' rights. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not the caller's).
+    agents' rights. With update_mask, only the rights it names change, in one statement, so two
+    writers changing different rights never undo each other; without, every right is replaced.
+    Errors: INVALID_ARGUMENT (unknown right in update_mask), NOT_FOUND (agent not the caller's).
     """
     GetAgentRights: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetAgentRightsRequest, _gateway_pb2.GetAgentRightsResponse]
-    """GetAgentRights: stored and effective rights of the caller's default or one of its agents.
-    Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """GetAgentRights: stored and effective rights of the caller's default or one of its agents. A right
+    left unspecified in `agent` is inherited from `company_default` (and from the built-in AUTO when
+    unspecified there too). Errors: INVALID_ARGUMENT, NOT_FOUND.
     """
     ListApprovals: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListApprovalsRequest, _gateway_pb2.ListApprovalsResponse]
     """ListApprovals: the caller's parked runs with held actions awaiting its decision.
@@ -145,8 +149,9 @@ class GatewayServiceStub:
     DecideApproval: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.DecideApprovalRequest, _gateway_pb2.DecideApprovalResponse]
     """DecideApproval approves or denies one held action; when the last one is decided the run
     continues once, whoever decides and however often.
-    Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
-    another company), FAILED_PRECONDITION (expired, or already decided the other way).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (a token that is unknown or of another company's agent, the
+    same answer for both; or no held action with that index), FAILED_PRECONDITION (expired, or
+    already decided the other way).
     """
     WatchRoom: _grpc.UnaryStreamMultiCallable[_gateway_pb2.WatchRoomRequest, _gateway_pb2.WatchRoomResponse]
     """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
@@ -238,9 +243,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     Errors: INVALID_ARGUMENT, NOT_FOUND (room or agent).
     """
     UpdateTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.UpdateTaskRequest, _gateway_pb2.UpdateTaskResponse]  # type: ignore[assignment]
-    """UpdateTask adds a note and optionally closes the task. Only the task's sender's company or the
-    assignee's company may update it. Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED,
-    FAILED_PRECONDITION (task already closed).
+    """UpdateTask adds a note and optionally closes the task. Only the company that sent the task or
+    the company of its assignee may update it (the room's rule, docs/rules.md).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room or task), PERMISSION_DENIED (neither the sender's nor
+    the assignee's company; the message names the rule), FAILED_PRECONDITION (task already closed).
     """
     ListTasks: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListTasksRequest, _gateway_pb2.ListTasksResponse]  # type: ignore[assignment]
     """ListTasks of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -264,11 +270,14 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     SetAgentRights: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SetAgentRightsRequest, _gateway_pb2.SetAgentRightsResponse]  # type: ignore[assignment]
     """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
-    agents' rights. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not the caller's).
+    agents' rights. With update_mask, only the rights it names change, in one statement, so two
+    writers changing different rights never undo each other; without, every right is replaced.
+    Errors: INVALID_ARGUMENT (unknown right in update_mask), NOT_FOUND (agent not the caller's).
     """
     GetAgentRights: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetAgentRightsRequest, _gateway_pb2.GetAgentRightsResponse]  # type: ignore[assignment]
-    """GetAgentRights: stored and effective rights of the caller's default or one of its agents.
-    Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """GetAgentRights: stored and effective rights of the caller's default or one of its agents. A right
+    left unspecified in `agent` is inherited from `company_default` (and from the built-in AUTO when
+    unspecified there too). Errors: INVALID_ARGUMENT, NOT_FOUND.
     """
     ListApprovals: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListApprovalsRequest, _gateway_pb2.ListApprovalsResponse]  # type: ignore[assignment]
     """ListApprovals: the caller's parked runs with held actions awaiting its decision.
@@ -277,8 +286,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     DecideApproval: _aio.UnaryUnaryMultiCallable[_gateway_pb2.DecideApprovalRequest, _gateway_pb2.DecideApprovalResponse]  # type: ignore[assignment]
     """DecideApproval approves or denies one held action; when the last one is decided the run
     continues once, whoever decides and however often.
-    Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
-    another company), FAILED_PRECONDITION (expired, or already decided the other way).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (a token that is unknown or of another company's agent, the
+    same answer for both; or no held action with that index), FAILED_PRECONDITION (expired, or
+    already decided the other way).
     """
     WatchRoom: _aio.UnaryStreamMultiCallable[_gateway_pb2.WatchRoomRequest, _gateway_pb2.WatchRoomResponse]  # type: ignore[assignment]
     """WatchRoom streams the room's events as they happen: first those after `after` (replayed from
@@ -463,9 +473,10 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.UpdateTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.UpdateTaskResponse, _abc.Awaitable[_gateway_pb2.UpdateTaskResponse]]:
-        """UpdateTask adds a note and optionally closes the task. Only the task's sender's company or the
-        assignee's company may update it. Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED,
-        FAILED_PRECONDITION (task already closed).
+        """UpdateTask adds a note and optionally closes the task. Only the company that sent the task or
+        the company of its assignee may update it (the room's rule, docs/rules.md).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room or task), PERMISSION_DENIED (neither the sender's nor
+        the assignee's company; the message names the rule), FAILED_PRECONDITION (task already closed).
         """
 
     @_abc_1.abstractmethod
@@ -543,7 +554,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.SetAgentRightsResponse, _abc.Awaitable[_gateway_pb2.SetAgentRightsResponse]]:
         """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
-        agents' rights. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not the caller's).
+        agents' rights. With update_mask, only the rights it names change, in one statement, so two
+        writers changing different rights never undo each other; without, every right is replaced.
+        Errors: INVALID_ARGUMENT (unknown right in update_mask), NOT_FOUND (agent not the caller's).
         """
 
     @_abc_1.abstractmethod
@@ -552,8 +565,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.GetAgentRightsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.GetAgentRightsResponse, _abc.Awaitable[_gateway_pb2.GetAgentRightsResponse]]:
-        """GetAgentRights: stored and effective rights of the caller's default or one of its agents.
-        Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """GetAgentRights: stored and effective rights of the caller's default or one of its agents. A right
+        left unspecified in `agent` is inherited from `company_default` (and from the built-in AUTO when
+        unspecified there too). Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
 
     @_abc_1.abstractmethod
@@ -574,8 +588,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_gateway_pb2.DecideApprovalResponse, _abc.Awaitable[_gateway_pb2.DecideApprovalResponse]]:
         """DecideApproval approves or denies one held action; when the last one is decided the run
         continues once, whoever decides and however often.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (the token belongs to
-        another company), FAILED_PRECONDITION (expired, or already decided the other way).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (a token that is unknown or of another company's agent, the
+        same answer for both; or no held action with that index), FAILED_PRECONDITION (expired, or
+        already decided the other way).
         """
 
     @_abc_1.abstractmethod

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import field_mask_pb2 as _field_mask_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -1848,16 +1849,25 @@ class RoomServiceSetAgentRightsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RIGHTS_FIELD_NUMBER: _builtins.int
+    UPDATE_MASK_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def rights(self) -> _common_pb2.AgentRights: ...
+    @_builtins.property
+    def update_mask(self) -> _field_mask_pb2.FieldMask:
+        """The rights to change, by AgentRights field name (remember, create_task, update_task, close_task,
+        cross_company_task); the others keep what is stored. A named right left unspecified is cleared.
+        Empty: every right is replaced (unspecified ones cleared).
+        """
+
     def __init__(
         self,
         *,
         rights: _common_pb2.AgentRights | None = ...,
+        update_mask: _field_mask_pb2.FieldMask | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights", "update_mask", b"update_mask"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rights", b"rights", "update_mask", b"update_mask"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -27,7 +27,11 @@ if _version_not_supported:
 
 class RoomServiceStub:
     """RoomService owns the shared state of rooms in PostgreSQL. Internal only: it trusts its callers
-    (Gateway has authenticated and authorized the company; Runtime acts for a claimed run).
+    (Gateway has authenticated the company; Runtime acts for a claimed run) to name the author
+    truly, and decides itself, for every author alike, what that author may do: the room's rules
+    (services/room/rules.py, docs/rules.md), checked in each write's own transaction. A refusal by
+    a rule carries the trailing metadata `quayutec-rule` with the rule's id and its words as the
+    message; nothing is written.
     Every RPC may also answer UNAVAILABLE when the database is unreachable.
     List RPCs page with page_size (1..500, default 50) and an opaque page_token.
     """
@@ -262,7 +266,11 @@ class RoomServiceStub:
 
 class RoomServiceServicer:
     """RoomService owns the shared state of rooms in PostgreSQL. Internal only: it trusts its callers
-    (Gateway has authenticated and authorized the company; Runtime acts for a claimed run).
+    (Gateway has authenticated the company; Runtime acts for a claimed run) to name the author
+    truly, and decides itself, for every author alike, what that author may do: the room's rules
+    (services/room/rules.py, docs/rules.md), checked in each write's own transaction. A refusal by
+    a rule carries the trailing metadata `quayutec-rule` with the rule's id and its words as the
+    message; nothing is written.
     Every RPC may also answer UNAVAILABLE when the database is unreachable.
     List RPCs page with page_size (1..500, default 50) and an opaque page_token.
     """
@@ -430,9 +438,11 @@ class RoomServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def UpdateTask(self, request, context):
-        """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED).
+        """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED); only the company
+        that sent the task or the company of its assignee may.
         Errors: INVALID_ARGUMENT (no note and no closing status), NOT_FOUND (task), PERMISSION_DENIED
-        (the author's company is not a member), FAILED_PRECONDITION (task already closed).
+        (the author's company is not a member, or is neither the sender's nor the assignee's),
+        FAILED_PRECONDITION (task already closed).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -548,8 +558,10 @@ class RoomServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def SetAgentRights(self, request, context):
-        """SetAgentRights stores a company's default rights (agent_id empty) or one agent's.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (company, or agent not owned by the company).
+        """SetAgentRights stores a company's default rights (agent_id empty) or one agent's: the rights
+        update_mask names (the others as stored), or all of them when it is empty; one statement.
+        Errors: INVALID_ARGUMENT (unknown right in update_mask), NOT_FOUND (company, or agent not owned
+        by the company).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -592,8 +604,9 @@ class RoomServiceServicer:
         """DecideHeldAction records the owning company's decision on one held action. The decision that
         completes the token records, in the same transaction, one DECISION wake for the run's agent;
         a repeated or concurrent decision changes nothing and records no second wake.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (not the owning company),
-        FAILED_PRECONDITION (the token expired, or the action was already decided the other way).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (token unknown or of another company's agent: one answer,
+        the same message; or no held action with that index), FAILED_PRECONDITION (the token expired,
+        or the action was already decided the other way).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -874,7 +887,11 @@ def add_RoomServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class RoomService:
     """RoomService owns the shared state of rooms in PostgreSQL. Internal only: it trusts its callers
-    (Gateway has authenticated and authorized the company; Runtime acts for a claimed run).
+    (Gateway has authenticated the company; Runtime acts for a claimed run) to name the author
+    truly, and decides itself, for every author alike, what that author may do: the room's rules
+    (services/room/rules.py, docs/rules.md), checked in each write's own transaction. A refusal by
+    a rule carries the trailing metadata `quayutec-rule` with the rule's id and its words as the
+    message; nothing is written.
     Every RPC may also answer UNAVAILABLE when the database is unreachable.
     List RPCs page with page_size (1..500, default 50) and an opaque page_token.
     """

@@ -28,7 +28,11 @@ GRPC_VERSION: str
 
 class RoomServiceStub:
     """RoomService owns the shared state of rooms in PostgreSQL. Internal only: it trusts its callers
-    (Gateway has authenticated and authorized the company; Runtime acts for a claimed run).
+    (Gateway has authenticated the company; Runtime acts for a claimed run) to name the author
+    truly, and decides itself, for every author alike, what that author may do: the room's rules
+    (services/room/rules.py, docs/rules.md), checked in each write's own transaction. A refusal by
+    a rule carries the trailing metadata `quayutec-rule` with the rule's id and its words as the
+    message; nothing is written.
     Every RPC may also answer UNAVAILABLE when the database is unreachable.
     List RPCs page with page_size (1..500, default 50) and an opaque page_token.
     """
@@ -117,9 +121,11 @@ class RoomServiceStub:
     agent, or the agent's company is not a member), PERMISSION_DENIED (author's company is not a member).
     """
     UpdateTask: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceUpdateTaskRequest, _room_pb2.RoomServiceUpdateTaskResponse]
-    """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED).
+    """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED); only the company
+    that sent the task or the company of its assignee may.
     Errors: INVALID_ARGUMENT (no note and no closing status), NOT_FOUND (task), PERMISSION_DENIED
-    (the author's company is not a member), FAILED_PRECONDITION (task already closed).
+    (the author's company is not a member, or is neither the sender's nor the assignee's),
+    FAILED_PRECONDITION (task already closed).
     """
     GetTask: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetTaskRequest, _room_pb2.RoomServiceGetTaskResponse]
     """GetTask with its updates. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -169,8 +175,10 @@ class RoomServiceStub:
     CountPendingWakes: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCountPendingWakesRequest, _room_pb2.RoomServiceCountPendingWakesResponse]
     """CountPendingWakes for metrics and tests. Errors: none beyond UNAVAILABLE."""
     SetAgentRights: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSetAgentRightsRequest, _room_pb2.RoomServiceSetAgentRightsResponse]
-    """SetAgentRights stores a company's default rights (agent_id empty) or one agent's.
-    Errors: INVALID_ARGUMENT, NOT_FOUND (company, or agent not owned by the company).
+    """SetAgentRights stores a company's default rights (agent_id empty) or one agent's: the rights
+    update_mask names (the others as stored), or all of them when it is empty; one statement.
+    Errors: INVALID_ARGUMENT (unknown right in update_mask), NOT_FOUND (company, or agent not owned
+    by the company).
     """
     GetAgentRights: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRightsRequest, _room_pb2.RoomServiceGetAgentRightsResponse]
     """GetAgentRights returns the stored rules and the effective rights of one agent (or the default).
@@ -192,8 +200,9 @@ class RoomServiceStub:
     """DecideHeldAction records the owning company's decision on one held action. The decision that
     completes the token records, in the same transaction, one DECISION wake for the run's agent;
     a repeated or concurrent decision changes nothing and records no second wake.
-    Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (not the owning company),
-    FAILED_PRECONDITION (the token expired, or the action was already decided the other way).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (token unknown or of another company's agent: one answer,
+    the same message; or no held action with that index), FAILED_PRECONDITION (the token expired,
+    or the action was already decided the other way).
     """
     ExpireWaitpoints: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceExpireWaitpointsRequest, _room_pb2.RoomServiceExpireWaitpointsResponse]
     """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
@@ -225,7 +234,11 @@ class RoomServiceStub:
 @_typing.type_check_only
 class RoomServiceAsyncStub(RoomServiceStub):
     """RoomService owns the shared state of rooms in PostgreSQL. Internal only: it trusts its callers
-    (Gateway has authenticated and authorized the company; Runtime acts for a claimed run).
+    (Gateway has authenticated the company; Runtime acts for a claimed run) to name the author
+    truly, and decides itself, for every author alike, what that author may do: the room's rules
+    (services/room/rules.py, docs/rules.md), checked in each write's own transaction. A refusal by
+    a rule carries the trailing metadata `quayutec-rule` with the rule's id and its words as the
+    message; nothing is written.
     Every RPC may also answer UNAVAILABLE when the database is unreachable.
     List RPCs page with page_size (1..500, default 50) and an opaque page_token.
     """
@@ -311,9 +324,11 @@ class RoomServiceAsyncStub(RoomServiceStub):
     agent, or the agent's company is not a member), PERMISSION_DENIED (author's company is not a member).
     """
     UpdateTask: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceUpdateTaskRequest, _room_pb2.RoomServiceUpdateTaskResponse]  # type: ignore[assignment]
-    """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED).
+    """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED); only the company
+    that sent the task or the company of its assignee may.
     Errors: INVALID_ARGUMENT (no note and no closing status), NOT_FOUND (task), PERMISSION_DENIED
-    (the author's company is not a member), FAILED_PRECONDITION (task already closed).
+    (the author's company is not a member, or is neither the sender's nor the assignee's),
+    FAILED_PRECONDITION (task already closed).
     """
     GetTask: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetTaskRequest, _room_pb2.RoomServiceGetTaskResponse]  # type: ignore[assignment]
     """GetTask with its updates. Errors: INVALID_ARGUMENT, NOT_FOUND."""
@@ -363,8 +378,10 @@ class RoomServiceAsyncStub(RoomServiceStub):
     CountPendingWakes: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCountPendingWakesRequest, _room_pb2.RoomServiceCountPendingWakesResponse]  # type: ignore[assignment]
     """CountPendingWakes for metrics and tests. Errors: none beyond UNAVAILABLE."""
     SetAgentRights: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSetAgentRightsRequest, _room_pb2.RoomServiceSetAgentRightsResponse]  # type: ignore[assignment]
-    """SetAgentRights stores a company's default rights (agent_id empty) or one agent's.
-    Errors: INVALID_ARGUMENT, NOT_FOUND (company, or agent not owned by the company).
+    """SetAgentRights stores a company's default rights (agent_id empty) or one agent's: the rights
+    update_mask names (the others as stored), or all of them when it is empty; one statement.
+    Errors: INVALID_ARGUMENT (unknown right in update_mask), NOT_FOUND (company, or agent not owned
+    by the company).
     """
     GetAgentRights: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRightsRequest, _room_pb2.RoomServiceGetAgentRightsResponse]  # type: ignore[assignment]
     """GetAgentRights returns the stored rules and the effective rights of one agent (or the default).
@@ -386,8 +403,9 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """DecideHeldAction records the owning company's decision on one held action. The decision that
     completes the token records, in the same transaction, one DECISION wake for the run's agent;
     a repeated or concurrent decision changes nothing and records no second wake.
-    Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (not the owning company),
-    FAILED_PRECONDITION (the token expired, or the action was already decided the other way).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (token unknown or of another company's agent: one answer,
+    the same message; or no held action with that index), FAILED_PRECONDITION (the token expired,
+    or the action was already decided the other way).
     """
     ExpireWaitpoints: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceExpireWaitpointsRequest, _room_pb2.RoomServiceExpireWaitpointsResponse]  # type: ignore[assignment]
     """ExpireWaitpoints marks pending tokens past their expiry EXPIRED and records a DECISION wake for
@@ -418,7 +436,11 @@ class RoomServiceAsyncStub(RoomServiceStub):
 
 class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
     """RoomService owns the shared state of rooms in PostgreSQL. Internal only: it trusts its callers
-    (Gateway has authenticated and authorized the company; Runtime acts for a claimed run).
+    (Gateway has authenticated the company; Runtime acts for a claimed run) to name the author
+    truly, and decides itself, for every author alike, what that author may do: the room's rules
+    (services/room/rules.py, docs/rules.md), checked in each write's own transaction. A refusal by
+    a rule carries the trailing metadata `quayutec-rule` with the rule's id and its words as the
+    message; nothing is written.
     Every RPC may also answer UNAVAILABLE when the database is unreachable.
     List RPCs page with page_size (1..500, default 50) and an opaque page_token.
     """
@@ -622,9 +644,11 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceUpdateTaskRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceUpdateTaskResponse, _abc.Awaitable[_room_pb2.RoomServiceUpdateTaskResponse]]:
-        """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED).
+        """UpdateTask adds a note and optionally closes the task (DONE or CANCELLED); only the company
+        that sent the task or the company of its assignee may.
         Errors: INVALID_ARGUMENT (no note and no closing status), NOT_FOUND (task), PERMISSION_DENIED
-        (the author's company is not a member), FAILED_PRECONDITION (task already closed).
+        (the author's company is not a member, or is neither the sender's nor the assignee's),
+        FAILED_PRECONDITION (task already closed).
         """
 
     @_abc_1.abstractmethod
@@ -764,8 +788,10 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceSetAgentRightsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceSetAgentRightsResponse, _abc.Awaitable[_room_pb2.RoomServiceSetAgentRightsResponse]]:
-        """SetAgentRights stores a company's default rights (agent_id empty) or one agent's.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (company, or agent not owned by the company).
+        """SetAgentRights stores a company's default rights (agent_id empty) or one agent's: the rights
+        update_mask names (the others as stored), or all of them when it is empty; one statement.
+        Errors: INVALID_ARGUMENT (unknown right in update_mask), NOT_FOUND (company, or agent not owned
+        by the company).
         """
 
     @_abc_1.abstractmethod
@@ -817,8 +843,9 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         """DecideHeldAction records the owning company's decision on one held action. The decision that
         completes the token records, in the same transaction, one DECISION wake for the run's agent;
         a repeated or concurrent decision changes nothing and records no second wake.
-        Errors: INVALID_ARGUMENT, NOT_FOUND (token or index), PERMISSION_DENIED (not the owning company),
-        FAILED_PRECONDITION (the token expired, or the action was already decided the other way).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (token unknown or of another company's agent: one answer,
+        the same message; or no held action with that index), FAILED_PRECONDITION (the token expired,
+        or the action was already decided the other way).
         """
 
     @_abc_1.abstractmethod

@@ -11,6 +11,10 @@ no run yet: submitted; a run executing: working; a run parked on an approval: in
 last run failed or timed out: failed; the last run replied and the task is still open:
 input-required (the agent has answered and waits for more, or for the sender to close it); closed
 done: completed; closed cancelled: canceled.
+
+A task's answers (its agent-role history, its artifacts, its status message) are only what the task's
+assignee agent wrote: the replies its runs for the task posted and its own notes on the task. A note
+by anyone else (a person, another agent, of any company) is never shown as the agent's answer.
 """
 
 from __future__ import annotations
@@ -38,7 +42,13 @@ from quayutec.errors import InvalidArgument, NotFound, status_for
 from quayutec.v1 import common_pb2, room_pb2
 from services.gateway.auth import CallerContext
 from services.gateway.ratelimit import PostRateLimiter
-from services.gateway.servicer import MAX_BODY_BYTES, MAX_TITLE_BYTES, GatewayServicer, _is_uuid
+from services.gateway.servicer import (
+    AGENT_NOT_IN_ROOM,
+    MAX_BODY_BYTES,
+    MAX_TITLE_BYTES,
+    GatewayServicer,
+    _is_uuid,
+)
 from services.gateway.watch import RoomEventHub
 
 PROTOCOL_VERSION = "1.0"
@@ -202,7 +212,14 @@ class RoomAgentHandler(RequestHandler):
             room_pb2.RoomServiceListMessagesRequest(room_id=task.room_id, page_size=MESSAGES_READ, newest_first=True),
             timeout=self._timeout,
         )
-        found = [m for m in response.messages if m.message_id in wanted]
+        # The replies the assignee's own runs posted: its agent's messages only.
+        found = [
+            m
+            for m in response.messages
+            if m.message_id in wanted
+            and m.author.kind == common_pb2.AUTHOR_KIND_AGENT
+            and m.author.agent_id == task.to_agent_id
+        ]
         found.sort(key=lambda m: m.seq)
         return found
 
@@ -232,7 +249,7 @@ class RoomAgentHandler(RequestHandler):
                 a2a_pb2.Artifact(artifact_id=reply.message_id, name="reply", parts=[a2a_pb2.Part(text=reply.body)])
             )
         for update in task.updates:
-            if update.author.kind == common_pb2.AUTHOR_KIND_AGENT and update.note.strip():
+            if _assignee_wrote(task, update) and update.note.strip():
                 history.append(_agent_message(task.task_id, update.update_id, update.note))
                 view.artifacts.append(
                     a2a_pb2.Artifact(
@@ -286,7 +303,9 @@ class RoomAgentHandler(RequestHandler):
         getattr(create, "from").CopyFrom(
             common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=company_id, person=A2A_PERSON)
         )
-        response = await self._gateway._post_to_room(self._room.CreateTask, create, company_id)
+        response = await self._gateway._write_to_room(
+            self._room.CreateTask, create, company_id, room_id, AGENT_NOT_IN_ROOM
+        )
         task: common_pb2.Task = response.task
         return task
 
@@ -451,6 +470,12 @@ class RoomAgentHandler(RequestHandler):
 
     async def on_delete_task_push_notification_config(self, params: Any, context: ServerCallContext) -> None:
         raise PushNotificationNotSupportedError("push notifications are not supported: use SubscribeToTask")
+
+
+def _assignee_wrote(task: common_pb2.Task, update: common_pb2.TaskUpdate) -> bool:
+    """Whether the task's assignee agent wrote ``update``: only its own notes are the agent's answer
+    (a note by anyone else, a person or another agent, of any company, is never shown as one)."""
+    return update.author.kind == common_pb2.AUTHOR_KIND_AGENT and update.author.agent_id == task.to_agent_id
 
 
 def _state(task: common_pb2.Task, runs: list[common_pb2.Run]) -> a2a_pb2.TaskState:

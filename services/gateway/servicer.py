@@ -1,8 +1,10 @@
-"""GatewayService: the public door. Validates, authorizes by the caller's company, then calls the Room.
+"""GatewayService: the public door. Checks the request's shape, rate-limits, then calls the Room as the caller.
 
-The calling company comes from the auth interceptor (CallerContext). A room the caller is not a
-member of answers NOT_FOUND, as if it did not exist, and so do malformed ids; nothing another
-company owns is ever returned.
+The calling company comes from the auth interceptor (CallerContext). Who may do what to a room's
+objects is the Room's to decide (services/room/rules.py, docs/rules.md), for this door and every
+other alike: the Gateway keeps no rule of its own. It passes the Room's refusals on, except that a
+room the caller is not a member of answers NOT_FOUND, as if it did not exist, and so do malformed
+ids; nothing another company owns is ever returned.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from quayutec.errors import InvalidArgument, NotFound, PermissionDenied, status_for
+from quayutec.errors import InvalidArgument, NotFound, status_for
 from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2
 from services.gateway.auth import CallerContext
 from services.gateway.ratelimit import PostRateLimiter
@@ -33,8 +35,12 @@ MAX_SYSTEM_PROMPT_BYTES = 64 * 1024
 MAX_PROVIDER_KEY_BYTES = 4096
 MAX_PAGE_SIZE = 500
 MAX_PASSAGES = 50
+RIGHT_FIELDS = ("remember", "create_task", "update_task", "close_task", "cross_company_task")
 
 _CLOSING_STATUSES = (common_pb2.TASK_STATUS_DONE, common_pb2.TASK_STATUS_CANCELLED)
+# Said for an agent a write names that is unknown or not in the room: one answer for both, so agent ids
+# of other companies cannot be probed.
+AGENT_NOT_IN_ROOM = "agent not found in this room (unknown, or its company is not a member)"
 # The Room's answers that refuse a write for what it names (not for a fault of the Room's own).
 _REFUSALS = frozenset(
     {
@@ -162,29 +168,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise
         return str(response.agent.company_id)
 
-    async def _post_to_room(self, call: Any, request: Any, company_id: str) -> Any:
-        """A write that wakes agents (PostMessage, CreateTask), sent to the Room without asking first
-        whether the caller's company is a member: the Room admits the author in the write's own
-        transaction. Its answer is translated to what a membership check first would have answered.
+    async def _write_to_room(
+        self, call: Any, request: Any, company_id: str, room_id: str, not_found: str | None = None
+    ) -> Any:
+        """A write sent to the Room without asking first whether the caller's company is a member: the
+        Room decides by the room's rules, in the write's own transaction, whether the caller may. Its
+        answer is translated to what a membership check first would have answered.
 
-        The Room checks the room before the author, so its refusals alone would tell a non-member
-        whether the room exists, and it returns an earlier write of the same dedupe key before
-        admitting the author. So on a refusal, and on a deduplicated answer, the membership is asked
-        (a rare path): a non-member gets NOT_FOUND for the room, as for a room that does not exist.
-        A member's NOT_FOUND is about an agent: one message for an unknown agent and for one whose
-        company is not a member, so agent ids of other companies cannot be probed.
+        The Room checks what the write names before the author, so its refusals alone would tell a
+        non-member what exists, and it returns an earlier write of the same dedupe key before admitting
+        the author. So on a refusal, and on a deduplicated answer, the membership is asked (a rare path):
+        a non-member gets NOT_FOUND for the room, as for a room that does not exist. A member gets the
+        Room's refusal (its NOT_FOUND said as ``not_found`` when given).
         """
-        room_id = self._checked_room_id(request.room_id)
+        self._checked_room_id(room_id)
         try:
             response = await call(request, timeout=self._timeout)
         except grpc.aio.AioRpcError as exc:
             if exc.code() not in _REFUSALS:
                 raise
             await self._member_room(room_id, company_id)
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
-                raise NotFound("agent not found in this room (unknown, or its company is not a member)") from None
+            if exc.code() == grpc.StatusCode.NOT_FOUND and not_found is not None:
+                raise NotFound(not_found) from None
             raise
-        if response.deduplicated:  # the Room answered before admitting the author
+        if getattr(response, "deduplicated", False):  # the Room answered before admitting the author
             await self._member_room(room_id, company_id)
         return response
 
@@ -229,14 +236,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         invited = request.company_id
         if not invited:
             raise InvalidArgument("company_id is required")
-        await self._member_room(request.room_id, company_id)
+        not_found = f"company {invited[:64]!r} not found"
         if not _is_uuid(invited):
-            raise NotFound(f"company {invited[:64]!r} not found")
-        response = await self._room.CreateInvitation(
+            await self._member_room(request.room_id, company_id)
+            raise NotFound(not_found)
+        response = await self._write_to_room(
+            self._room.CreateInvitation,
             room_pb2.RoomServiceCreateInvitationRequest(
                 room_id=request.room_id, company_id=invited, invited_by_company_id=company_id
             ),
-            timeout=self._timeout,
+            company_id,
+            request.room_id,
+            not_found,
         )
         return gateway_pb2.InviteCompanyResponse(invitation=response.invitation)
 
@@ -294,10 +305,11 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def LeaveRoom(self, request: gateway_pb2.LeaveRoomRequest, context: Any) -> gateway_pb2.LeaveRoomResponse:
         company_id = self._caller.company_id()
-        await self._member_room(request.room_id, company_id)
-        await self._room.LeaveRoom(
+        await self._write_to_room(
+            self._room.LeaveRoom,
             room_pb2.RoomServiceLeaveRoomRequest(room_id=request.room_id, company_id=company_id),
-            timeout=self._timeout,
+            company_id,
+            request.room_id,
         )
         return gateway_pb2.LeaveRoomResponse()
 
@@ -308,14 +320,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         removed = request.company_id
         if not removed:
             raise InvalidArgument("company_id is required")
-        await self._member_room(request.room_id, company_id)
+        not_member = f"company {removed[:64]!r} is not a member of this room"
         if not _is_uuid(removed):
-            raise NotFound(f"company {removed[:64]!r} is not a member of this room")
-        await self._room.RemoveMember(
+            await self._member_room(request.room_id, company_id)
+            raise NotFound(not_member)
+        await self._write_to_room(
+            self._room.RemoveMember,
             room_pb2.RoomServiceRemoveMemberRequest(
                 room_id=request.room_id, company_id=removed, removed_by_company_id=company_id
             ),
-            timeout=self._timeout,
+            company_id,
+            request.room_id,
+            not_member,
         )
         return gateway_pb2.RemoveMemberResponse()
 
@@ -404,7 +420,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         for agent_id in request.mention_agent_ids:
             _required_id(agent_id, "mention_agent_ids")
         key = _idempotency_key(request.idempotency_key)
-        response = await self._post_to_room(
+        response = await self._write_to_room(
             self._room.PostMessage,
             room_pb2.RoomServicePostMessageRequest(
                 room_id=request.room_id,
@@ -414,6 +430,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 dedupe_key=self._dedupe_key(company_id, key),
             ),
             company_id,
+            request.room_id,
+            AGENT_NOT_IN_ROOM,
         )
         return gateway_pb2.PostMessageResponse(message=response.message, wake_ids=[w.wake_id for w in response.wakes])
 
@@ -456,7 +474,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             dedupe_key=self._dedupe_key(company_id, key),
         )
         getattr(create, "from").CopyFrom(author)  # `from` is a Python keyword
-        response = await self._post_to_room(self._room.CreateTask, create, company_id)
+        response = await self._write_to_room(
+            self._room.CreateTask, create, company_id, request.room_id, AGENT_NOT_IN_ROOM
+        )
         return gateway_pb2.SendTaskResponse(task=response.task, wake_ids=[w.wake_id for w in response.wakes])
 
     async def _task_in_room(self, room_id: str, task_id: str) -> common_pb2.Task:
@@ -486,12 +506,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if not note.strip() and status not in _CLOSING_STATUSES:
             raise InvalidArgument("note is required unless status closes the task (DONE or CANCELLED)")
         key = _idempotency_key(request.idempotency_key)
-        await self._member_room(request.room_id, company_id)
-        task = await self._task_in_room(request.room_id, request.task_id)
-        sender_company = getattr(task, "from").company_id
-        if company_id != sender_company and company_id != await self._agent_company(task.to_agent_id):
-            raise PermissionDenied("only the task's sender's company or its assignee's company may update it")
-        response = await self._room.UpdateTask(
+        not_found = f"task {request.task_id[:64]!r} not found in this room"
+        if not _is_uuid(request.task_id):
+            await self._member_room(request.room_id, company_id)
+            raise NotFound(not_found)
+        response = await self._write_to_room(
+            self._room.UpdateTask,
             room_pb2.RoomServiceUpdateTaskRequest(
                 task_id=request.task_id,
                 room_id=request.room_id,
@@ -500,7 +520,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 status=status,
                 dedupe_key=self._dedupe_key(company_id, key),
             ),
-            timeout=self._timeout,
+            company_id,
+            request.room_id,
+            not_found,
         )
         return gateway_pb2.UpdateTaskResponse(task=response.task)
 
@@ -572,8 +594,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             request.content.decode("utf-8")
         except UnicodeDecodeError as exc:
             raise InvalidArgument(f"content must be UTF-8 text (invalid byte at offset {exc.start})") from None
-        await self._member_room(request.room_id, company_id)
-        response = await self._room.UploadFile(
+        response = await self._write_to_room(
+            self._room.UploadFile,
             room_pb2.RoomServiceUploadFileRequest(
                 room_id=request.room_id,
                 author=author,
@@ -581,7 +603,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 content_type=content_type or "text/plain",
                 content=request.content,
             ),
-            timeout=self._timeout,
+            company_id,
+            request.room_id,
         )
         return gateway_pb2.UploadFileResponse(file=response.file)
 
@@ -660,30 +683,38 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     # --- agent rights and approvals ------------------------------------------------------------
 
-    async def _own_agent(self, agent_id: str, company_id: str) -> str:
-        """``agent_id`` when empty (the company default) or one of the caller's agents; NOT_FOUND otherwise."""
-        if agent_id and (not _is_uuid(agent_id) or await self._agent_company(agent_id) != company_id):
-            raise NotFound(f"agent {agent_id[:64]!r} not found among your company's agents")
-        return agent_id
+    async def _rights_call(self, call: Any, request: Any, agent_id: str) -> Any:
+        """A rights call for the caller's default (``agent_id`` empty) or one of its agents; the Room
+        decides whose the agent is, and an agent that is not the caller's answers NOT_FOUND."""
+        not_found = NotFound(f"agent {agent_id[:64]!r} not found among your company's agents")
+        if agent_id and not _is_uuid(agent_id):
+            raise not_found
+        try:
+            return await call(request, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise not_found from None
+            raise
 
     async def SetAgentRights(
         self, request: gateway_pb2.SetAgentRightsRequest, context: Any
     ) -> gateway_pb2.SetAgentRightsResponse:
         company_id = self._caller.company_id()
-        for field in ("remember", "create_task", "update_task", "close_task", "cross_company_task"):
+        for field in RIGHT_FIELDS:
             _check_enum(common_pb2.ActionRight, getattr(request, field), field)
-        agent_id = await self._own_agent(request.agent_id, company_id)
         rights = common_pb2.AgentRights(
             company_id=company_id,
-            agent_id=agent_id,
+            agent_id=request.agent_id,
             remember=request.remember,
             create_task=request.create_task,
             update_task=request.update_task,
             close_task=request.close_task,
             cross_company_task=request.cross_company_task,
         )
-        response = await self._room.SetAgentRights(
-            room_pb2.RoomServiceSetAgentRightsRequest(rights=rights), timeout=self._timeout
+        response = await self._rights_call(
+            self._room.SetAgentRights,
+            room_pb2.RoomServiceSetAgentRightsRequest(rights=rights, update_mask=request.update_mask),
+            request.agent_id,
         )
         return gateway_pb2.SetAgentRightsResponse(rights=response.rights)
 
@@ -691,9 +722,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.GetAgentRightsRequest, context: Any
     ) -> gateway_pb2.GetAgentRightsResponse:
         company_id = self._caller.company_id()
-        agent_id = await self._own_agent(request.agent_id, company_id)
-        response = await self._room.GetAgentRights(
-            room_pb2.RoomServiceGetAgentRightsRequest(company_id=company_id, agent_id=agent_id), timeout=self._timeout
+        response = await self._rights_call(
+            self._room.GetAgentRights,
+            room_pb2.RoomServiceGetAgentRightsRequest(company_id=company_id, agent_id=request.agent_id),
+            request.agent_id,
         )
         return gateway_pb2.GetAgentRightsResponse(
             company_default=response.company_default, agent=response.agent, effective=response.effective
@@ -743,13 +775,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 timeout=self._timeout,
             )
         except grpc.aio.AioRpcError as exc:
+            # The Room answers another company's token exactly as an unknown one (the room's rule).
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise not_found from None
-            if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
-                # Say no more than that: the Room's message may name the owning company.
-                raise PermissionDenied(
-                    "this approval belongs to another company; only its agent's company decides"
-                ) from None
             raise
         return gateway_pb2.DecideApprovalResponse(
             waitpoint=response.waitpoint, completed=response.completed, already_decided=response.already_decided

@@ -561,7 +561,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     ) -> room_pb2.RoomServiceSetAgentRightsResponse:
         company_id = v.required_id(request.rights.company_id, "rights.company_id")
         agent_id = v.optional_id(request.rights.agent_id, "rights.agent_id")
-        rights = [_right_text(getattr(request.rights, f), f"rights.{f}") for f in convert.RIGHT_FIELDS]
+        given = {f: _right_text(getattr(request.rights, f), f"rights.{f}") for f in convert.RIGHT_FIELDS}
+        rights = {f: given[f] for f in rights_named(request.update_mask.paths)}
         row = await self._store.set_agent_rights(company_id, agent_id, rights)
         return room_pb2.RoomServiceSetAgentRightsResponse(rights=convert.agent_rights(row, company_id, agent_id))
 
@@ -754,6 +755,17 @@ def _checked_run(request_run: common_pb2.Run) -> common_pb2.Run:
     if run.ByteSize() > v.MAX_RUN_BYTES:
         raise InvalidArgument(f"the run is {run.ByteSize()} bytes; at most {v.MAX_RUN_BYTES} are allowed")
     return run
+
+
+def rights_named(paths: Sequence[str]) -> tuple[str, ...]:
+    """The rights an update mask names, in AgentRights order; every right when it names none (the
+    meaning of a request without a mask: replace them all). INVALID_ARGUMENT for a path that is not one."""
+    for path in paths:
+        if path not in convert.RIGHT_FIELDS:
+            raise InvalidArgument(
+                f"update_mask names {path[:64]!r}, which is not a right; name some of {', '.join(convert.RIGHT_FIELDS)}"
+            )
+    return tuple(f for f in convert.RIGHT_FIELDS if f in paths) if paths else convert.RIGHT_FIELDS
 
 
 def _right_text(value: common_pb2.ActionRight.ValueType, field: str) -> str | None:

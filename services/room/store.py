@@ -12,11 +12,12 @@ from typing import Any
 import asyncpg
 
 from quayutec.crypto import InvalidToken, MultiFernet
-from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange, PermissionDenied
+from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from quayutec.ledger import mark_undone
 from quayutec.sql import Queries
 from quayutec.v1 import common_pb2
 from services.room import convert
+from services.room.rules import Act, Facts, enforce
 
 QUERIES_PATH = Path(__file__).resolve().parent / "sql" / "queries.sql"
 SETTLE_WAKES_PATH = Path(__file__).resolve().parent / "sql" / "settle_wakes.sql"
@@ -251,8 +252,10 @@ class RoomStore:
         member or a pending invitee."""
         async with self._pool.acquire() as conn, conn.transaction():
             room = await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
-            if room is None or not await conn.fetchval(self._q["is_member"], room_id, inviter):
+            if room is None:
                 raise NotFound(f"room {room_id} not found")
+            member = await conn.fetchval(self._q["is_member"], room_id, inviter)
+            enforce(Act.INVITE, Facts(inviter, room_id, member=member))
             if not await conn.fetchval(self._q["company_exists"], company_id):
                 raise NotFound(f"company {company_id} not found")
             if await conn.fetchval(self._q["is_member"], room_id, company_id):
@@ -310,23 +313,21 @@ class RoomStore:
             return await conn.fetchrow(self._q["get_invitation"], invitation_id)
 
     async def _lock_own_invitation(self, conn: asyncpg.Connection, invitation_id: str, company_id: str) -> Record:
-        """The invitation, locked; NOT_FOUND when unknown or addressed to another company (the same answer)."""
+        """The invitation, locked, once the room's rules let ``company_id`` answer it (unknown and
+        addressed to another company are one refusal)."""
         row = await conn.fetchrow(self._q["lock_invitation"], invitation_id)
-        if row is None or str(row["company_id"]) != company_id:
-            raise NotFound(f"invitation {invitation_id} not found among your company's invitations")
+        owner = "" if row is None else str(row["company_id"])
+        enforce(Act.ANSWER_INVITATION, Facts(company_id, object_id=invitation_id, owner_id=owner))
         return row
 
     async def leave_room(self, room_id: str, company_id: str) -> int:
         """Ends the company's membership; returns how many of its pending waitpoints in the room expired."""
         async with self._pool.acquire() as conn, conn.transaction():
             room = await conn.fetchrow(self._q["get_room"], room_id)
-            if room is None or not await conn.fetchval(self._q["is_member"], room_id, company_id):
+            if room is None:
                 raise NotFound(f"room {room_id} not found")
-            if str(room["created_by_company_id"]) == company_id:
-                raise FailedPrecondition(
-                    f"your company created room {room_id}; its creator cannot leave it (remove the other members "
-                    "instead)"
-                )
+            member = await conn.fetchval(self._q["is_member"], room_id, company_id)
+            enforce(Act.LEAVE, Facts(company_id, room_id, member=member, creator_id=str(room["created_by_company_id"])))
             expired = await self._end_membership(conn, room_id, company_id)
             if expired is None:  # a concurrent departure committed first
                 raise NotFound(f"room {room_id} not found")
@@ -336,13 +337,12 @@ class RoomStore:
         """The creator ends another company's membership; returns how many of its pending waitpoints expired."""
         async with self._pool.acquire() as conn, conn.transaction():
             room = await conn.fetchrow(self._q["get_room"], room_id)
-            if room is None or not await conn.fetchval(self._q["is_member"], room_id, removed_by_company_id):
+            if room is None:
                 raise NotFound(f"room {room_id} not found")
+            member = await conn.fetchval(self._q["is_member"], room_id, removed_by_company_id)
             creator = str(room["created_by_company_id"])
-            if creator != removed_by_company_id:
-                raise PermissionDenied(f"only the company that created room {room_id} may remove its members")
-            if company_id == creator:
-                raise FailedPrecondition(f"the creator of room {room_id} cannot remove itself")
+            facts = Facts(removed_by_company_id, room_id, member=member, creator_id=creator, target_id=company_id)
+            enforce(Act.REMOVE_MEMBER, facts)
             expired = None
             if await conn.fetchval(self._q["is_member"], room_id, company_id):
                 expired = await self._end_membership(conn, room_id, company_id)
@@ -483,14 +483,12 @@ class RoomStore:
                 await self._record_write(conn, events, run, earlier["message_id"])
                 await self._append_events(conn, events)
                 return Posted(earlier, list(check["earlier_wakes"]), True)
-            author = _checked_author(author, check["agent_company_id"], room_id, member=check["member"])
+            author = _identified(author, check["agent_company_id"])
             companies = dict(zip(check["mentioned_agent_ids"], check["mentioned_company_ids"], strict=True))
-            _require_agents_in_room(
-                room_id,
-                mention_agent_ids,
-                {str(a): c in check["member_company_ids"] for a, c in companies.items()},
-                "mentioned agent",
-            )
+            in_room = {str(a) for a, c in companies.items() if c in check["member_company_ids"]}
+            missing = next((a for a in mention_agent_ids if a not in in_room), "")
+            facts = Facts(author.company_id, room_id, member=check["member"], mention_not_in_room=missing)
+            enforce(Act.POST_MESSAGE, facts)
             message_id = uuid.uuid4()
             # The ledger row before the message: no lock on the room row is held while it is written.
             await self._record_write(conn, events, run, message_id)
@@ -551,8 +549,10 @@ class RoomStore:
                     await self._record_write(conn, events, run, earlier.row["task_id"])
                     await self._append_events(conn, events)
                     return earlier
-            author = await self._admit_author(conn, room_id, author)
-            await self._require_agents_in_room(conn, room_id, [to_agent_id], "agent")
+            assignee = await conn.fetchrow(self._q["agents_in_room"], [to_agent_id], room_id)
+            in_room = assignee is not None and bool(assignee["member"])
+            facts = Facts(author.company_id, assignee_id=to_agent_id, assignee_in_room=in_room)
+            author = await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts)
             row = await conn.fetchrow(
                 self._q["insert_task"], room_id, *author.columns(), to_agent_id, title, body, run_id, dedupe_key
             )
@@ -606,9 +606,15 @@ class RoomStore:
                     await self._append_events(conn, events)
                     updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
                     return TaskUpdated(task, earlier, list(updates), True)
+            facts = Facts(
+                author.company_id,
+                task_id=task_id,
+                sender_id=str(task["from_company_id"]),
+                assignee_company_id=str(task["assignee_company_id"] or ""),
+            )
+            author = await self._admit_author(conn, str(task["room_id"]), author, Act.UPDATE_TASK, facts)
             if task["status"] != "open":
                 raise FailedPrecondition(f"task {task_id} is already {task['status']}")
-            author = await self._admit_author(conn, str(task["room_id"]), author)
             new_status = status or "open"
             update = await conn.fetchrow(
                 self._q["insert_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
@@ -670,7 +676,7 @@ class RoomStore:
                 row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
             deduplicated = row is not None
             if row is None:
-                author = await self._admit_author(conn, room_id, author)
+                author = await self._admit_author(conn, room_id, author, Act.WRITE_MEMORY)
                 row = await conn.fetchrow(
                     self._q["insert_memory"], room_id, *author.columns(), text, visibility, run_id, dedupe_key
                 )
@@ -713,7 +719,7 @@ class RoomStore:
     ) -> Record:
         async with self._pool.acquire() as conn, conn.transaction():
             await self._require_room(conn, room_id)
-            author = await self._admit_author(conn, room_id, author)
+            author = await self._admit_author(conn, room_id, author, Act.UPLOAD_FILE)
             row = await conn.fetchrow(
                 self._q["insert_file"],
                 room_id,
@@ -987,11 +993,13 @@ class RoomStore:
 
     # -- agent rights ---------------------------------------------------------------------------------------
 
-    async def set_agent_rights(self, company_id: str, agent_id: str | None, rights: Sequence[str | None]) -> Record:
-        """Replaces the company's default (``agent_id`` None) or one agent's rules; None rights are not set."""
+    async def set_agent_rights(self, company_id: str, agent_id: str | None, rights: Mapping[str, str | None]) -> Record:
+        """Sets the rights named in ``rights`` (None: not set here) of the company's default (``agent_id``
+        None) or of one agent's rules, in one statement; the rights it does not name keep what is stored."""
+        values = [rights.get(f) for f in convert.RIGHT_FIELDS]
         async with self._pool.acquire() as conn, conn.transaction():
             await self._require_rights_owner(conn, company_id, agent_id)
-            return await conn.fetchrow(self._q["upsert_agent_rights"], company_id, agent_id, *rights)
+            return await conn.fetchrow(self._q["upsert_agent_rights"], company_id, agent_id, *values, list(rights))
 
     async def get_agent_rights(self, company_id: str, agent_id: str | None) -> tuple[Record | None, Record | None]:
         """The company's default rules and the agent's own (None where nothing is stored)."""
@@ -1004,8 +1012,9 @@ class RoomStore:
     async def _require_rights_owner(self, conn: asyncpg.Connection, company_id: str, agent_id: str | None) -> None:
         if not await conn.fetchval(self._q["company_exists"], company_id):
             raise NotFound(f"company {company_id} not found")
-        if agent_id is not None and str(await conn.fetchval(self._q["agent_company"], agent_id)) != company_id:
-            raise NotFound(f"agent {agent_id} not found in company {company_id}")
+        if agent_id is not None:
+            owner = await conn.fetchval(self._q["agent_company"], agent_id)
+            enforce(Act.SET_RIGHTS, Facts(company_id, object_id=agent_id, owner_id=str(owner or "")))
 
     # -- waitpoints -----------------------------------------------------------------------------------------
 
@@ -1082,10 +1091,8 @@ class RoomStore:
         async with self._pool.acquire() as conn:
             async with conn.transaction():
                 wp = await conn.fetchrow(self._q["lock_waitpoint"], token)
-                if wp is None:
-                    raise NotFound(f"waitpoint {token} not found")
-                if str(wp["company_id"]) != company_id:
-                    raise PermissionDenied(f"waitpoint {token} is decided by the company that owns its agent")
+                owner = "" if wp is None else str(wp["company_id"])
+                enforce(Act.DECIDE_APPROVAL, Facts(company_id, object_id=token, owner_id=owner))
                 if wp["status"] == "expired":
                     raise FailedPrecondition(f"waitpoint {token} has expired")
                 if wp["status"] == "pending" and wp["past_expiry"]:
@@ -1174,49 +1181,29 @@ class RoomStore:
         if not await conn.fetchval(self._q["room_exists"], room_id):
             raise NotFound(f"room {room_id} not found")
 
-    async def _admit_author(self, conn: asyncpg.Connection, room_id: str, author: AuthorRef) -> AuthorRef:
-        """The author with its company filled in; its company must be a member of the room. Its membership
-        row stays locked FOR SHARE to the end of the caller's transaction (see lock_membership)."""
-        company = None
+    async def _admit_author(
+        self, conn: asyncpg.Connection, room_id: str, author: AuthorRef, act: Act, facts: Facts | None = None
+    ) -> AuthorRef:
+        """The author with its company filled in, once the room's rules allow it ``act`` (``facts``: what
+        else the act's rules look at). Its membership row stays locked FOR SHARE to the end of the caller's
+        transaction (see lock_membership), so the rule it passed holds until the write commits."""
         if author.kind == "agent":
-            company = await conn.fetchval(self._q["agent_company"], author.agent_id)
-            if company is None or (author.company_id and author.company_id != str(company)):
-                return _checked_author(author, company, room_id, member=False)
-        member = await conn.fetchval(self._q["lock_membership"], room_id, author.company_id or str(company))
-        return _checked_author(author, company, room_id, member=bool(member))
-
-    async def _require_agents_in_room(
-        self, conn: asyncpg.Connection, room_id: str, agent_ids: Sequence[str], what: str
-    ) -> None:
-        if not agent_ids:
-            return
-        found = {
-            str(r["agent_id"]): r["member"] for r in await conn.fetch(self._q["agents_in_room"], agent_ids, room_id)
-        }
-        _require_agents_in_room(room_id, agent_ids, found, what)
+            author = _identified(author, await conn.fetchval(self._q["agent_company"], author.agent_id))
+        member = bool(await conn.fetchval(self._q["lock_membership"], room_id, author.company_id))
+        enforce(act, replace(facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member))
+        return author
 
 
-def _checked_author(author: AuthorRef, agent_company: Any, room_id: str, *, member: bool) -> AuthorRef:
-    """The author with its company filled in (``agent_company``: an agent author's company as stored, None
-    when the agent is unknown); its company must be a member of the room (``member``)."""
-    if author.kind == "agent":
-        if agent_company is None:
-            raise NotFound(f"author agent {author.agent_id} not found")
-        if author.company_id and author.company_id != str(agent_company):
-            raise InvalidArgument(f"author agent {author.agent_id} does not belong to company {author.company_id}")
-        author = replace(author, company_id=str(agent_company))
-    if not member:
-        raise PermissionDenied(f"company {author.company_id} is not a member of room {room_id}")
-    return author
-
-
-def _require_agents_in_room(room_id: str, agent_ids: Sequence[str], member: Mapping[str, bool], what: str) -> None:
-    """Each agent must exist (a key of ``member``) and its company be a member of the room (its value)."""
-    for agent_id in agent_ids:
-        if agent_id not in member:
-            raise NotFound(f"{what} {agent_id} not found")
-        if not member[agent_id]:
-            raise NotFound(f"{what} {agent_id} is not in room {room_id} (its company is not a member)")
+def _identified(author: AuthorRef, agent_company: Any) -> AuthorRef:
+    """The author with its company filled in: an agent author's own company as stored (``agent_company``,
+    None when the agent is unknown: NOT_FOUND; INVALID_ARGUMENT when the request named another company)."""
+    if author.kind != "agent":
+        return author
+    if agent_company is None:
+        raise NotFound(f"author agent {author.agent_id} not found")
+    if author.company_id and author.company_id != str(agent_company):
+        raise InvalidArgument(f"author agent {author.agent_id} does not belong to company {author.company_id}")
+    return replace(author, company_id=str(agent_company))
 
 
 def _passage_query(wake_text: str) -> str:

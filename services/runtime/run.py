@@ -21,7 +21,7 @@ import grpc
 import httpx
 from opentelemetry import trace
 
-from quayutec.errors import InvalidArgument, ResourceExhausted
+from quayutec.errors import InvalidArgument, ResourceExhausted, broken_rule
 from quayutec.ledger import mark_undone
 from quayutec.telemetry import Metrics, annotate, run_outcome, run_span
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
@@ -425,10 +425,10 @@ class RunExecutor:
         for action in actions:
             right = getattr(rights, RIGHT_FIELDS[action.kind]) or common_pb2.ACTION_RIGHT_AUTO
             if action.kind == common_pb2.ACTION_KIND_CREATE_TASK:
+                # An agent the run does not see in the room is the Room's to refuse, by its rules; until
+                # then it counts as another company's (the stricter right).
                 target = view.room_agents.get(json.loads(action.arguments_json)["to_agent_id"])
-                if target is None:
-                    raise DecisionError(f"create_task #{action.index} names an agent that is not in this room")
-                if target.company_id != view.agent.company_id:
+                if target is None or target.company_id != view.agent.company_id:
                     cross = rights.cross_company_task or common_pb2.ACTION_RIGHT_AUTO
                     right = max(right, cross, key=RIGHT_ORDER.index)
             action.outcome = RIGHT_OUTCOMES[right]
@@ -567,9 +567,18 @@ class RunExecutor:
             except grpc.aio.AioRpcError as exc:
                 if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
+                # Not done, and the run goes on with its other actions: refused by a rule of the room
+                # (REFUSED, in the rule's words), or rejected for what it names (FAILED). The next
+                # ledger write (the next action's, or the run's end) records it.
                 mine = next(a for a in ledger.run.actions if a.index == index)
-                mine.outcome = common_pb2.ACTION_OUTCOME_FAILED
-                mine.detail = f"{exc.code().name}: {exc.details()}"
+                rule = broken_rule(exc)
+                if rule is not None:
+                    mine.outcome = common_pb2.ACTION_OUTCOME_REFUSED
+                    mine.rule = rule
+                    mine.detail = exc.details() or rule
+                else:
+                    mine.outcome = common_pb2.ACTION_OUTCOME_FAILED
+                    mine.detail = f"{exc.code().name}: {exc.details()}"
                 continue
             action.outcome = common_pb2.ACTION_OUTCOME_DONE
             action.result_id = result_id

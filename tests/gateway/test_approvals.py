@@ -107,10 +107,17 @@ async def test_only_the_owning_company_decides_and_the_run_continues_once(
     assert not (await globex_gw.ListApprovals(gateway_pb2.ListApprovalsRequest(), timeout=10)).waitpoints
 
     decide = gateway_pb2.DecideApprovalRequest
+    # Another company's real token is answered exactly as a made-up one (no oracle of what exists).
+    made_up = str(uuid.uuid4())
+    unknown = await expect_error(
+        grpc.StatusCode.NOT_FOUND,
+        globex_gw.DecideApproval(decide(token=made_up, index=0, person="Bob", approve=True), timeout=10),
+    )
     err = await expect_error(
-        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.NOT_FOUND,
         globex_gw.DecideApproval(decide(token=token, index=0, person="Bob", approve=True), timeout=10),
     )
+    assert (err.details() or "").replace(token, "<token>") == (unknown.details() or "").replace(made_up, "<token>")
     assert agent.company_id not in (err.details() or "")
     first = await acme_gw.DecideApproval(decide(token=token, index=0, person="Ada", approve=True), timeout=10)
     assert not first.completed and not first.already_decided

@@ -414,9 +414,10 @@ async def test_a_departed_or_pending_companys_agents_are_never_run(
     assert not woken.posted_message_id
     parked = next(r for r in runs.values() if r.wake_id != posted.wake_ids[0])
     assert parked.ended_at.seconds > 0
-    # The approved action was refused by the Room (not a member), the undecided one ended undone.
+    # The approved action was refused by the Room's rule (not a member), the undecided one ended undone.
     outcomes = [(a.outcome, a.detail) for a in parked.actions]
-    assert outcomes[0][0] == common_pb2.ACTION_OUTCOME_FAILED and "not a member" in outcomes[0][1], parked
+    assert outcomes[0][0] == common_pb2.ACTION_OUTCOME_REFUSED and "not a member" in outcomes[0][1], parked
+    assert parked.actions[0].rule == "member-writes", parked
     assert outcomes[1][0] == common_pb2.ACTION_OUTCOME_NOT_DONE, parked
     # Nothing was written in the room by Globex's agent, and the pending invitee's agent never had a wake.
     messages = (await acme_gw.ListMessages(gateway_pb2.ListMessagesRequest(room_id=room.room_id), timeout=10)).messages

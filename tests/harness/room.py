@@ -73,3 +73,33 @@ async def add_member(room: Any, room_id: str, company_id: str, *, invited_by: st
     )
     member: common_pb2.RoomMember = accepted.member
     return member
+
+
+# Every table a room's rules guard; a refused write leaves each of them exactly as it was.
+GUARDED_TABLES = (
+    "messages",
+    "tasks",
+    "task_updates",
+    "memory_lines",
+    "files",
+    "passages",
+    "room_members",
+    "room_invitations",
+    "agent_rights",
+    "waitpoints",
+    "held_actions",
+    "wake_outbox",
+    "room_events",
+    "rooms",
+)
+
+
+async def room_state(pool: asyncpg.Pool, tables: tuple[str, ...] = GUARDED_TABLES) -> dict[str, str]:
+    """Every row of ``tables`` (names from this module only), as one count and digest per table: equal
+    before and after a call when the call wrote nothing there."""
+    state = {}
+    for table in tables:
+        state[table] = await pool.fetchval(
+            f"SELECT count(*) || ':' || md5(coalesce(string_agg(t::text, '|' ORDER BY t::text), '')) FROM {table} t"
+        )
+    return state

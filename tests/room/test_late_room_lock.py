@@ -14,11 +14,12 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 import asyncpg
+import grpc
 import pytest
 from cryptography.fernet import Fernet
 
 from quayutec.crypto import MultiFernet
-from quayutec.errors import PermissionDenied
+from quayutec.errors import RuleBroken
 from quayutec.v1 import common_pb2, room_pb2
 from services.room.store import AuthorRef, Posted, RoomStore, RunRecord
 from tests.room.conftest import Stub, World
@@ -108,7 +109,7 @@ async def test_a_departure_waits_for_a_post_past_its_checks_and_its_event_comes_
     await posting
     await leaving
     assert (await event_kinds(pool, world.room_id))[-2:] == ["message_posted", "member_left"]
-    with pytest.raises(PermissionDenied):
+    with pytest.raises(RuleBroken) as refused:
         await store.post_message(
             room_id=world.room_id,
             author=bolt_person(world),
@@ -117,6 +118,7 @@ async def test_a_departure_waits_for_a_post_past_its_checks_and_its_event_comes_
             run_id=None,
             dedupe_key=None,
         )
+    assert (refused.value.code, refused.value.rule) == (grpc.StatusCode.PERMISSION_DENIED, "member-writes")
 
 
 async def test_two_posts_with_one_dedupe_key_record_one_message(

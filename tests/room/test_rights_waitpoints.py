@@ -8,6 +8,7 @@ from typing import Any
 
 import asyncpg
 import grpc
+from google.protobuf.field_mask_pb2 import FieldMask
 
 from quayutec.v1 import common_pb2, room_pb2
 from tests.room.conftest import Stub, World, expect_error
@@ -129,6 +130,48 @@ async def test_rights_of_an_agent_outside_the_company_are_not_found(room: Stub, 
     await expect_error(INVALID, set_rights(room, company_id="acme"))
 
 
+async def set_masked(room: Stub, paths: list[str], **fields: Any) -> common_pb2.AgentRights:
+    request = room_pb2.RoomServiceSetAgentRightsRequest(
+        rights=common_pb2.AgentRights(**fields), update_mask=FieldMask(paths=paths)
+    )
+    rights: common_pb2.AgentRights = (await room.SetAgentRights(request)).rights
+    return rights
+
+
+async def test_an_update_mask_changes_only_the_rights_it_names(room: Stub, world: World) -> None:
+    acme, agent_id = world.acme.company_id, world.acme_agent.agent_id
+    # A first masked write of an agent's rules sets what it names and nothing else.
+    first = await set_masked(room, ["remember"], company_id=acme, agent_id=agent_id, remember=HOLD, close_task=DENY)
+    assert rights_of(first) == (HOLD, UNSET, UNSET, UNSET, UNSET)
+    second = await set_masked(room, ["create_task"], company_id=acme, agent_id=agent_id, create_task=HOLD)
+    assert rights_of(second) == (HOLD, HOLD, UNSET, UNSET, UNSET)
+    # A named right sent unspecified is cleared: inherited again.
+    cleared = await set_masked(room, ["remember", "close_task"], company_id=acme, agent_id=agent_id, close_task=DENY)
+    assert rights_of(cleared) == (UNSET, HOLD, UNSET, DENY, UNSET)
+    # Without a mask (an older client), every right is replaced, as before.
+    assert rights_of(await set_rights(room, company_id=acme, agent_id=agent_id, update_task=HOLD)) == (
+        UNSET,
+        UNSET,
+        HOLD,
+        UNSET,
+        UNSET,
+    )
+    await expect_error(INVALID, set_masked(room, ["remember", "admin"], company_id=acme, remember=HOLD), "admin")
+    await expect_error(INVALID, set_masked(room, ["remember"], company_id=acme, remember=HOLD, create_task=9), "create")
+    assert rights_of((await get_rights(room, acme)).company_default) == (UNSET,) * 5
+
+
+async def test_two_writers_of_different_rights_never_undo_each_other(room: Stub, world: World) -> None:
+    acme = world.acme.company_id
+    for right in (HOLD, DENY, AUTO, HOLD):
+        await asyncio.gather(
+            *(set_masked(room, ["remember"], company_id=acme, remember=right) for _ in range(4)),
+            *(set_masked(room, ["cross_company_task"], company_id=acme, cross_company_task=right) for _ in range(4)),
+        )
+        stored = (await get_rights(room, acme)).company_default
+        assert (stored.remember, stored.cross_company_task) == (right, right)
+
+
 # -- waitpoints ---------------------------------------------------------------------------------------------
 
 
@@ -225,10 +268,13 @@ async def test_deciding_every_held_action_completes_the_token_with_one_wake(
 
 async def test_only_the_owning_company_decides(room: Stub, world: World, pool: asyncpg.Pool) -> None:
     wp = await park(room, world)
-    await expect_error(DENIED, decide(room, wp.token, 1, world.bolt.company_id))
-    await expect_error(DENIED, decide(room, wp.token, 99, world.bolt.company_id))
+    # Another company's real token is answered exactly as a made-up one: no oracle of what exists.
+    made_up = str(uuid.uuid4())
+    unknown = await expect_error(NOT_FOUND, decide(room, made_up, 1, world.acme.company_id))
+    for index in (1, 99):
+        foreign = await expect_error(NOT_FOUND, decide(room, wp.token, index, world.bolt.company_id))
+        assert foreign.replace(wp.token, "<token>") == unknown.replace(made_up, "<token>")
     await expect_error(NOT_FOUND, decide(room, wp.token, 99, world.acme.company_id), "index")
-    await expect_error(NOT_FOUND, decide(room, str(uuid.uuid4()), 1, world.acme.company_id))
     await expect_error(INVALID, decide(room, wp.token, 1, world.acme.company_id, by=""), "decided_by")
     got = (await room.GetWaitpoint(room_pb2.RoomServiceGetWaitpointRequest(token=wp.token))).waitpoint
     assert [h.decision for h in got.held] == [PENDING, PENDING]

@@ -252,10 +252,12 @@ SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id,
 FROM tasks WHERE task_id = $1;
 
 -- name: lock_task
+-- The task, locked, with its assignee's company (which the room's rule on updating a task looks at).
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos
+    status, run_id, created_at, updated_at, pos,
+    (SELECT a.company_id FROM agents a WHERE a.agent_id = tasks.to_agent_id) AS assignee_company_id
 FROM tasks WHERE task_id = $1
-FOR NO KEY UPDATE;
+FOR NO KEY UPDATE OF tasks;
 
 -- name: set_task_status
 UPDATE tasks SET status = $2, updated_at = now() WHERE task_id = $1
@@ -460,15 +462,20 @@ FROM wake_outbox
 WHERE delivered_at IS NULL;
 
 -- name: upsert_agent_rights
--- The company's default ($2 NULL) or one agent's rules, replaced whole; NULL rights are not set here.
+-- The company's default ($2 NULL) or one agent's rules: each right named in $8 becomes its value ($3..$7;
+-- NULL: not set here), the others keep what is stored (NULL on a new row, where the caller passes NULL for
+-- them). One statement, so two writers changing different rights never undo each other's.
 INSERT INTO agent_rights (company_id, agent_id, remember, create_task, update_task, close_task, cross_company_task)
 VALUES ($1, $2, $3, $4, $5, $6, $7)
 ON CONFLICT (company_id, agent_id) DO UPDATE SET
-    remember = EXCLUDED.remember,
-    create_task = EXCLUDED.create_task,
-    update_task = EXCLUDED.update_task,
-    close_task = EXCLUDED.close_task,
-    cross_company_task = EXCLUDED.cross_company_task,
+    remember = CASE WHEN 'remember' = ANY ($8::text[]) THEN EXCLUDED.remember ELSE agent_rights.remember END,
+    create_task = CASE WHEN 'create_task' = ANY ($8::text[])
+        THEN EXCLUDED.create_task ELSE agent_rights.create_task END,
+    update_task = CASE WHEN 'update_task' = ANY ($8::text[])
+        THEN EXCLUDED.update_task ELSE agent_rights.update_task END,
+    close_task = CASE WHEN 'close_task' = ANY ($8::text[]) THEN EXCLUDED.close_task ELSE agent_rights.close_task END,
+    cross_company_task = CASE WHEN 'cross_company_task' = ANY ($8::text[])
+        THEN EXCLUDED.cross_company_task ELSE agent_rights.cross_company_task END,
     updated_at = now()
 RETURNING company_id, agent_id, remember, create_task, update_task, close_task, cross_company_task;
 
