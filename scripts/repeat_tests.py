@@ -10,6 +10,7 @@ kept in the log folder (its pytest-randomly seed is at the top).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import subprocess
 import sys
@@ -77,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"test-repeat: {opts.rounds} rounds of {', '.join(TESTS)} under {opts.hogs} CPU hogs; logs in {logs}")
     rounds_passed = tests_passed = tests_run = 0
     started = time.monotonic()
-    with cpu_hogs(opts.hogs, opts.hog_max_seconds):
+    n = 0
+    with cpu_hogs(opts.hogs, opts.hog_max_seconds), contextlib.suppress(KeyboardInterrupt):
         for n in range(1, opts.rounds + 1):
             junit, log = logs / f"round-{n}.xml", logs / f"round-{n}.log"
             began = time.monotonic()
@@ -91,10 +93,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             outcome = "passed" if code == 0 else f"FAILED (pytest exit {code}; output in {log})"
             print(f"round {n}/{opts.rounds}: {outcome}, {passed}/{run} tests, {time.monotonic() - began:.0f} s")
             sys.stdout.flush()
+        n += 1  # every round ran
     minutes = (time.monotonic() - started) / 60
+    stopped = "" if n > opts.rounds else f" (interrupted in round {n})"
     print(
-        f"test-repeat: {rounds_passed}/{opts.rounds} rounds passed, {tests_passed}/{tests_run} tests passed, "
-        f"under {opts.hogs} CPU hogs, in {minutes:.1f} min"
+        f"test-repeat: {rounds_passed}/{opts.rounds} rounds passed{stopped}, {tests_passed}/{tests_run} tests "
+        f"passed, under {opts.hogs} CPU hogs, in {minutes:.1f} min"
     )
     return 0 if rounds_passed == opts.rounds else 1
 
