@@ -2,23 +2,31 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml | sha1sum | cut -c1-12)
 
 NODE_EXAMPLES := docs/examples/node
 NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
+# The TypeScript client SDK: its packages from its lock file (tests/clients runs `npm test` against the stack).
+TS_CLIENT := clients/typescript
+TS_STAMP := $(TS_CLIENT)/node_modules/.installed
+# The Python client SDK and what it installs, downloaded once, so that tests/clients installs it into a
+# fresh venv without reaching any index.
+WHEELHOUSE := $(VENV)/wheelhouse
 
-.PHONY: demo test test-cluster test-repeat lint typecheck pytest protos check-protos clean bench
+.PHONY: demo test test-cluster test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
 	$(BIN)/pip install --quiet -e '.[dev]'
+	# The Python client SDK (clients/python), for its tests, the docs' examples and the bench.
+	$(BIN)/pip install --quiet -e clients/python
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/quayutec demo
 
-test: $(STAMP) lint typecheck check-protos pytest
+test: $(STAMP) lint typecheck check-protos secrets pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -31,12 +39,29 @@ typecheck: $(STAMP)
 check-protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py --check
 
+# No private key or token in any file git would commit (detect-secrets; see the script).
+secrets: $(STAMP)
+	$(BIN)/python scripts/scan_secrets.py
+
+# The dev overlay's mutual-TLS files, made before `kubectl apply -k deploy/k8s/overlays/dev`.
+k8s-dev-mtls: $(STAMP)
+	$(BIN)/python scripts/dev_k8s_mtls.py
+
 # The API guide's Node example (docs/api.md), run by tests/test_docs.py: its packages from the lock file.
 $(NODE_STAMP): $(NODE_EXAMPLES)/package-lock.json
 	cd $(NODE_EXAMPLES) && npm ci --no-audit --no-fund
 	touch $(NODE_STAMP)
 
-pytest: $(STAMP) $(NODE_STAMP)
+$(TS_STAMP): $(TS_CLIENT)/package-lock.json
+	cd $(TS_CLIENT) && npm ci --no-audit --no-fund
+	touch $(TS_STAMP)
+
+$(WHEELHOUSE)/.complete: $(STAMP) clients/python/pyproject.toml
+	rm -rf $(WHEELHOUSE)
+	$(BIN)/pip download --quiet -d $(WHEELHOUSE) setuptools==80.9.0 ./clients/python
+	touch $@
+
+pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(WHEELHOUSE)/.complete
 	$(BIN)/pytest
 
 # The flake check: the console, delivery and held-action tests N times (default 20) under one
@@ -62,9 +87,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/watch.py
 	$(BIN)/python bench/inflight.py
 	$(BIN)/python bench/tables.py
+	$(BIN)/python bench/clients.py
 
 # Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
 # a server that no command can reach.
 clean:
 	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
-	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules
+	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules \
+		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist

@@ -50,7 +50,7 @@ from bench.common import (  # noqa: E402
 from quayutec.db import create_pool  # noqa: E402
 from quayutec.migrate import CLAIMS as CLAIMS_COMPONENT  # noqa: E402
 from quayutec.migrate import migrate  # noqa: E402
-from quayutec.tls import Identity, MtlsConfig, load_identity  # noqa: E402
+from quayutec.tls import Identity, MtlsConfig, ensure_dev_pki, load_identity  # noqa: E402
 from quayutec.v1 import claims_pb2, claims_pb2_grpc  # noqa: E402
 from services.runtime.claims_client import ClaimsClient  # noqa: E402
 from services.stack import free_port, wait_serving  # noqa: E402
@@ -240,6 +240,7 @@ async def bench(
     for c in concurrencies:
         caches.append((c, await raw_rate(url, c, seconds), await raw_rate(url, c, seconds, statement_cache_size=0)))
     rows: list[tuple[str, int, float, float]] = []
+    ensure_dev_pki(data_dir / "pki")  # the bench is the admin tooling of its data folder
     for variant in variants:
         identity = None if variant.plaintext else load_identity("runtime", MtlsConfig.dev(data_dir / "pki"))
         with claims_process(url, variant, data_dir) as addr:
@@ -283,6 +284,7 @@ async def mtls_cost(url: str, concurrencies: list[int], seconds: float, data_dir
     """The same Claims server with mutual TLS and in plaintext, both running, measured in turns
     (mTLS, plaintext, mTLS, ...) so drift on a shared machine hits both alike; the median ratio."""
     pki = MtlsConfig.dev(data_dir / "pki")
+    ensure_dev_pki(pki.pki_dir)  # the bench is the admin tooling of its data folder
     identity = load_identity("runtime", pki)
     rows: list[tuple[str, int, list[float]]] = []
     for base in DEFAULT_VARIANTS:

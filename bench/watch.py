@@ -188,6 +188,8 @@ async def amain(opts: argparse.Namespace) -> Figures:
                 "QUAYUTEC_GATEWAY_POST_BURST": "1000000",
                 "QUAYUTEC_GATEWAY_DELIVERY_ENABLED": "false",
                 "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS": str(opts.watchers + 10),
+                # Every watcher is of one company: lift its fair share to the replica's limit.
+                "QUAYUTEC_GATEWAY_MAX_STREAMS_PER_COMPANY": str(opts.watchers + 10),
             }
         )
         pool = await create_pool(url, min_size=1, max_size=2)

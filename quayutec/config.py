@@ -197,15 +197,42 @@ class DatabaseConfig:
 
 
 @dataclass(frozen=True)
+class ConnectionLimits:
+    """How long a gRPC server keeps a connection that does nothing useful (every port of every
+    service): the TLS and HTTP/2 handshake must finish within ``handshake_seconds``; a connection
+    with no call open for ``idle_seconds`` is closed (GOAWAY); one quiet for ``keepalive_seconds``
+    is pinged, and closed when the ping is not answered within ``keepalive_timeout_seconds``."""
+
+    handshake_seconds: float = 10.0
+    idle_seconds: float = 300.0
+    keepalive_seconds: float = 60.0
+    keepalive_timeout_seconds: float = 20.0
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionLimits:
+        from quayutec.settings import setting
+
+        env = os.environ if env is None else env
+        return cls(
+            handshake_seconds=env_float(env, setting("QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS"), minimum=0.1),
+            idle_seconds=env_float(env, setting("QUAYUTEC_GRPC_IDLE_SECONDS"), minimum=1.0),
+            keepalive_seconds=env_float(env, setting("QUAYUTEC_GRPC_KEEPALIVE_SECONDS"), minimum=1.0),
+            keepalive_timeout_seconds=env_float(env, setting("QUAYUTEC_GRPC_KEEPALIVE_TIMEOUT_SECONDS"), minimum=1.0),
+        )
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """Where one service listens, how long it drains on shutdown, where its certificates come from
-    (``None``: from the environment when the server is made) and, when set, a second plaintext
-    port that serves only health checks (for probes that cannot present a client certificate)."""
+    (``None``: from the environment when the server is made), when set, a second plaintext
+    port that serves only health checks (for probes that cannot present a client certificate), and
+    how long its connections may do nothing."""
 
     listen: str
     grace_seconds: float
     mtls: MtlsConfig | None = None
     health_listen: str | None = None
+    connections: ConnectionLimits = ConnectionLimits()
 
     @classmethod
     def from_env(cls, spec: ServiceSpec, env: Mapping[str, str] | None = None) -> ServerConfig:
@@ -218,6 +245,7 @@ class ServerConfig:
             grace_seconds=env_float(env, setting(f"{spec.prefix}GRACE_SECONDS")),
             mtls=MtlsConfig.from_env(env),
             health_listen=env_str(env, setting(spec.health_listen_env)) or None,
+            connections=ConnectionLimits.from_env(env),
         )
 
 

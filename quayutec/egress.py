@@ -63,18 +63,26 @@ RULES: Mapping[str, str] = {
     "multicast": "a multicast address",
     "private": "a private address",
     "reserved": "a reserved (non-public) address",
+    # What a refused host *name* is told, whatever class its address falls in: naming the class or
+    # the address would let a caller map what internal names resolve to.
+    "non_public": "a non-public address",
 }
 
 RESOLVE_TIMEOUT_SECONDS = 5.0
 
 
 class EgressRefused(Exception):
-    """The policy refuses this destination; ``rule`` names which rule (``scheme``, ``loopback``, ...)."""
+    """The policy refuses this destination; ``rule`` names which rule (``scheme``, ``loopback``, ...).
 
-    def __init__(self, rule: str, message: str) -> None:
+    ``rule`` and ``message`` may be shown to whoever named the destination: for a host name they
+    say only ``non_public``, never the address nor its class. ``cause`` is the precise class, for
+    our own logs."""
+
+    def __init__(self, rule: str, message: str, *, cause: str | None = None) -> None:
         super().__init__(message)
         self.rule = rule
         self.message = message
+        self.cause = cause or rule
 
 
 class ResolutionFailed(Exception):
@@ -180,13 +188,12 @@ class EgressPolicy:
                 f"plain http is allowed only for hosts on the allow-list ({EGRESS_ALLOW_ENV}); use https",
             )
         rule = address_class(address)
-        if rule is not None:
-            shown = host if _parse_address(host) is not None else f"{host} resolves to {address}, which"
-            raise EgressRefused(
-                rule,
-                f"{shown} is {RULES[rule]}; model requests go to public addresses only "
-                f"(an operator can admit it with {EGRESS_ALLOW_ENV})",
-            )
+        if rule is None:
+            return
+        advice = f"model requests go to public addresses only (an operator can admit it with {EGRESS_ALLOW_ENV})"
+        if _parse_address(host) is not None:  # the caller gave the address: naming its class tells nothing new
+            raise EgressRefused(rule, f"{host} is {RULES[rule]}; {advice}")
+        raise EgressRefused("non_public", f"{host} resolves to {RULES['non_public']}; {advice}", cause=rule)
 
     async def admitted_addresses(
         self,
@@ -247,7 +254,9 @@ async def _resolve(host: str, port: int, resolver: Resolver, seconds: float | No
     for answer in answers:
         address = _parse_address(answer)
         if address is None:
-            raise EgressRefused("reserved", f"{host} resolves to {answer!r}, which is not an IP address")
+            raise EgressRefused(
+                "non_public", f"{host} resolves to something that is not an IP address", cause="reserved"
+            )
         if address not in addresses:
             addresses.append(address)
     if not addresses:

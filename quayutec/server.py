@@ -2,9 +2,10 @@
 
 Start-up order: the caller opens its pool and builds its servicer, then ``GrpcServer.start()``
 binds the server with our interceptors, health and reflection (v1 and v1alpha), and marks health
-SERVING. An internal service passes its ``identity``: it then serves mutual TLS only and admits
-each call per ``quayutec.authz``; with ``health_listen`` set, a second, plaintext server answers
-health checks only.
+SERVING. Every port cuts connections that do nothing useful (``ConnectionLimits``: handshake
+timeout, idle timeout, keepalive). An internal service passes its ``identity``: it then serves
+mutual TLS only and admits each call per ``quayutec.authz``; with ``health_listen`` set, a second,
+plaintext server answers health checks only.
 ``stop()`` marks NOT_SERVING, drains with ``server.stop(grace)``, then runs the service's own
 clean-up (closing its pool); it is safe to call twice.
 """
@@ -25,7 +26,7 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2
 from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from quayutec.authz import AuthzInterceptor
-from quayutec.config import ConfigError, ServerConfig, ServiceSpec, env_str
+from quayutec.config import ConfigError, ConnectionLimits, ServerConfig, ServiceSpec, env_str
 from quayutec.errors import ErrorMappingInterceptor
 from quayutec.settings import setting
 from quayutec.telemetry import setup_telemetry
@@ -36,8 +37,13 @@ _log = logging.getLogger("quayutec.server")
 # Bounded resources on every server: message size and concurrent streams.
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_CONCURRENT_RPCS = 1024
-# The shortest pause between a client's pings that the server accepts (below the clients' own period).
-MIN_PING_INTERVAL_MS = 1_000
+# Keepalive enforcement: our own channels ping every few seconds, idle or not
+# (quayutec.channels.KEEPALIVE_MS), to find a silent peer; a client may ping that often (at most
+# once a second while no data flows, with or without calls in flight), and the third ping sooner
+# than that closes its connection (GOAWAY too_many_pings). The argument is gRPC core's
+# GRPC_ARG_HTTP2_MIN_RECV_PING_INTERVAL_WITHOUT_DATA_MS.
+MIN_CLIENT_PING_INTERVAL_MS = 1_000
+MAX_PING_STRIKES = 2
 
 # Server reflection v1 (what current grpcurl asks first) beside v1alpha. Its messages are the same
 # as v1alpha's, field for field, so v1alpha's servicer answers both.
@@ -59,6 +65,23 @@ class _Reflection(ReflectionServicer):  # type: ignore[misc]
         except KeyError:
             return response
         return super()._file_containing_symbol(request, method.containing_service.full_name)
+
+
+def connection_options(limits: ConnectionLimits) -> list[tuple[str, int]]:
+    """The gRPC core arguments that cut connections doing nothing useful (``ConnectionLimits``)."""
+
+    def ms(seconds: float) -> int:
+        return max(1, round(seconds * 1000))
+
+    return [
+        ("grpc.server_handshake_timeout_ms", ms(limits.handshake_seconds)),
+        ("grpc.max_connection_idle_ms", ms(limits.idle_seconds)),
+        ("grpc.keepalive_time_ms", ms(limits.keepalive_seconds)),
+        ("grpc.keepalive_timeout_ms", ms(limits.keepalive_timeout_seconds)),
+        ("grpc.http2.min_ping_interval_without_data_ms", MIN_CLIENT_PING_INTERVAL_MS),
+        ("grpc.http2.max_ping_strikes", MAX_PING_STRIKES),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
 
 
 def add_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> None:
@@ -122,10 +145,7 @@ class GrpcServer:
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_concurrent_streams", MAX_CONCURRENT_RPCS),
-                # Our clients ping every few seconds, idle or not (quayutec.channels.KEEPALIVE_MS):
-                # accept it rather than answer "too many pings" and close their connections.
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_PING_INTERVAL_MS),
+                *connection_options(self._config.connections),
             ],
             maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
@@ -157,7 +177,7 @@ class GrpcServer:
         """Plaintext health checks only, for probes that cannot present a client certificate."""
         health_server = grpc.aio.server(
             interceptors=(self._errors,),
-            options=[("grpc.max_receive_message_length", 4096)],
+            options=[("grpc.max_receive_message_length", 4096), *connection_options(self._config.connections)],
             maximum_concurrent_rpcs=16,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)

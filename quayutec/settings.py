@@ -142,6 +142,36 @@ _DECLARED: list[Setting] = [
         "database connections kept out of the services' budget: migrations, the admin commands, an operator's psql",
         WITH_DATABASE,
     ),
+    _g(
+        "QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS",
+        10.0,
+        "a connection to any gRPC port must finish its TLS and HTTP/2 handshake within this, or it is closed"
+        " (gRPC's own default is 120)",
+        ALL,
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_IDLE_SECONDS",
+        300.0,
+        "a gRPC connection with no call open for this long is closed (GOAWAY; clients reconnect when they next"
+        " call); open streams keep it",
+        ALL,
+        shown="300",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_KEEPALIVE_SECONDS",
+        60.0,
+        "a gRPC server pings a connection quiet for this long, to find peers that are gone",
+        ALL,
+        shown="60",
+    ),
+    _g(
+        "QUAYUTEC_GRPC_KEEPALIVE_TIMEOUT_SECONDS",
+        20.0,
+        "a ping not answered within this closes the connection and the calls on it",
+        ALL,
+        shown="20",
+    ),
     _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),
@@ -191,6 +221,14 @@ _DECLARED: list[Setting] = [
         "body); past it the attempt is a `timeout` and the retry policy decides",
         ["runtime"],
         shown="60",
+    ),
+    _g(
+        "QUAYUTEC_RUNTIME_MODEL_MAX_RESPONSE_BYTES",
+        4 * 1024 * 1024,
+        "the most of one model answer's body the Runtime reads, counted as it streams in (a declared longer "
+        "length is refused unread); past it the attempt is a final `response_too_large`, never retried",
+        ["runtime"],
+        shown="4194304 (4 MiB)",
     ),
     _g(
         "QUAYUTEC_RUNTIME_BACKEND_TIMEOUT_SECONDS",
@@ -364,8 +402,61 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS",
         900,
-        "WatchRoom streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also counts against"
-        " the server's 1,024 concurrent RPCs",
+        "WatchRoom and WatchRooms streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also"
+        " counts against the server's 1,024 concurrent RPCs",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_WATCH_MAX_ROOMS",
+        200,
+        "rooms one WatchRooms stream follows; a company in more rooms is answered RESOURCE_EXHAUSTED",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_MAX_STREAMS_PER_COMPANY",
+        100,
+        "open streams (WatchRoom, WatchRooms, A2A streaming) of one company on one replica (beyond:"
+        " RESOURCE_EXHAUSTED), so one company cannot take every stream slot",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_KEY_NOTIFY",
+        True,
+        "LISTEN for key revocations (quayutec_keys_revoked) and end the revoked key's open streams at once",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_KEY_RECHECK_SECONDS",
+        5.0,
+        "the backstop of revocation: this often, the keys of open streams are looked up again and a revoked or"
+        " expired key's streams end",
+        ["gateway"],
+        shown="5",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST",
+        20,
+        "failed authentications allowed at once per source address and per key id; beyond, refused"
+        " RESOURCE_EXHAUSTED until the rate refills",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE",
+        1.0,
+        "failed authentications a second per source address and per key id after the burst (0: no throttle)",
+        ["gateway"],
+        shown="1",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_AUTH_TRACKED",
+        10_000,
+        "sources and key ids whose failed authentications are counted, and keys known good (least recent dropped)",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_MAX_SESSION_KEYS",
+        1000,
+        "live session keys (console sign-ins, CreateSessionKey) of one company key",
         ["gateway"],
     ),
     _g(
@@ -387,8 +478,8 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_CONSOLE_SESSION_SECRET",
         "",
-        "secret signing and encrypting the console's session cookie (holds the signed-in API key); at least 32"
-        " characters",
+        "secret signing and encrypting the console's session cookie (holds the sign-in's session key); at least"
+        " 32 characters",
         ["console"],
         shown="(dev: key file in the data dir)",
         secret=True,
@@ -402,7 +493,7 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_CONSOLE_SESSION_HOURS",
         12.0,
-        "how long a console sign-in lasts",
+        "how long a console sign-in lasts (its session key at the Gateway lives as long, 1 minute to 7 days)",
         ["console"],
         shown="12",
     ),
@@ -423,6 +514,71 @@ _DECLARED: list[Setting] = [
         "",
         "the name the Gateway's certificate must carry, when not the host of QUAYUTEC_GATEWAY_ADDR",
         ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_STREAMS_PER_SESSION",
+        6,
+        "live-update streams (open pages) of one sign-in on one console replica; beyond, 429",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_SIGNIN_FAILURE_BURST",
+        10,
+        "failed sign-ins allowed at once per browser address and per key id; beyond, 429 with Retry-After",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_SIGNIN_FAILURE_RATE",
+        0.1,
+        "failed sign-ins a second per browser address and per key id after the burst (0: no throttle)",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_SIGNIN_TRACKED",
+        10_000,
+        "browser addresses and key ids whose failed sign-ins are counted (least recent dropped)",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_ORIGIN",
+        "",
+        "the origin browsers reach the console at (https://host[:port]); every POST's Origin must be it;"
+        " unset: the request's own host",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_HEADER_TIMEOUT_SECONDS",
+        10.0,
+        "a request's line and headers must arrive whole within this after the connection opens (or the previous"
+        " answer ends), or the connection is closed",
+        ["console"],
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_BODY_TIMEOUT_SECONDS",
+        30.0,
+        "a request's body must arrive whole within this after its headers (408 past it)",
+        ["console"],
+        shown="30",
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_KEEP_ALIVE_SECONDS",
+        5,
+        "a kept-alive connection quiet this long after an answer is closed",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_CONNECTIONS",
+        500,
+        "open connections (event streams included) past which a request is answered 503",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_MAX_BODY_BYTES",
+        1024 * 1024,
+        "the longest request body the console reads (a form post); longer: 413, unread when its length is declared",
+        ["console"],
+        shown="1048576 (1 MiB)",
     ),
     _g(
         "QUAYUTEC_CONSOLE_JAEGER_URL",

@@ -10,9 +10,16 @@ Where the certificates come from:
 
 * Production: ``QUAYUTEC_MTLS_CA``, ``QUAYUTEC_MTLS_CERT`` and ``QUAYUTEC_MTLS_KEY`` name PEM files
   (the CA that signs every service, this process's certificate and its private key).
-* One machine, nothing configured: the first process to start creates a development CA and one
-  certificate per identity under ``<data dir>/pki/`` (private keys 0600), under a file lock so
-  services starting together do not race; every process with the same data folder finds them.
+* One machine, nothing configured: the development PKI under ``<data dir>/pki/``, made by the
+  admin tooling (``quayutec up``, ``quayutec demo``, ``quayutec pki init``, any admin command),
+  never by a service::
+
+      pki/ca/         ca.key, ca.crt         the CA: only the admin tooling reads this folder
+      pki/<identity>/ ca.crt, tls.crt, tls.key   one folder per identity (gateway, room, ...)
+
+  A service reads its own folder alone: the CA certificate, its certificate and its key; it is
+  never handed the CA's key, so it cannot mint another identity. Folders are 0700 and keys 0600;
+  creation holds a file lock so tools starting together do not race.
 
 A caller with no certificate, or one our CA did not sign, is refused during the TLS handshake: it
 never reaches a handler, and its client sees UNAVAILABLE.
@@ -51,6 +58,13 @@ CERT_ENV = "QUAYUTEC_MTLS_CERT"
 KEY_ENV = "QUAYUTEC_MTLS_KEY"
 SPIFFE_PREFIX = "spiffe://quayutec/"
 PKI_FOLDER = "pki"
+# Inside the PKI folder: the CA's own folder, and in each identity's folder the files a Kubernetes
+# TLS Secret also holds.
+CA_FOLDER = "ca"
+CA_CERT = "ca.crt"
+CA_KEY = "ca.key"
+CERT_FILE = "tls.crt"
+KEY_FILE = "tls.key"
 
 _CA_DAYS = 3650
 _CERT_DAYS = 825
@@ -89,8 +103,17 @@ class MtlsConfig:
 
     @classmethod
     def dev(cls, pki_dir: Path) -> MtlsConfig:
-        """The development PKI in ``pki_dir`` (created on first use)."""
+        """The development PKI in ``pki_dir`` (made by ``ensure_dev_pki``, the admin tooling)."""
         return cls(pki_dir=Path(pki_dir).absolute())
+
+    def identity_files(self, name: str) -> tuple[Path, Path, Path]:
+        """The CA certificate, certificate and key ``name`` reads: the configured files, or its own
+        folder of the development PKI."""
+        if self.from_files:
+            assert self.ca_path is not None and self.cert_path is not None and self.key_path is not None
+            return self.ca_path, self.cert_path, self.key_path
+        folder = identity_dir(self.pki_dir, name)
+        return folder / CA_CERT, folder / CERT_FILE, folder / KEY_FILE
 
 
 @dataclass(frozen=True)
@@ -116,29 +139,39 @@ class Identity:
 
 
 def load_identity(name: str, config: MtlsConfig | None = None) -> Identity:
-    """This process's identity ``name``: from the configured files, or the development PKI."""
+    """This process's identity ``name``: from the configured files, or its folder of the development
+    PKI. Only ``admin`` (the admin tooling) makes a missing development PKI; a service that finds
+    none stops and says how to make it."""
     if name not in IDENTITIES:
         raise ValueError(f"unknown identity {name!r}; one of {', '.join(IDENTITIES)}")
     config = MtlsConfig.from_env() if config is None else config
+    ca_path, cert_path, key_path = config.identity_files(name)
     if config.from_files:
-        assert config.ca_path is not None and config.cert_path is not None and config.key_path is not None
-        ca = _read(config.ca_path, CA_ENV)
-        cert = _read(config.cert_path, CERT_ENV)
-        key_pem = _read(config.key_path, KEY_ENV)
+        ca, cert, key_pem = _read(ca_path, CA_ENV), _read(cert_path, CERT_ENV), _read(key_path, KEY_ENV)
         named = certificate_identity(x509.load_pem_x509_certificate(cert))
         if named != name:
             raise ConfigError(
-                f"{CERT_ENV} ({config.cert_path}) names {named or 'no quayutec identity'}, but this process is "
+                f"{CERT_ENV} ({cert_path}) names {named or 'no quayutec identity'}, but this process is "
                 f"{name!r}: give it a certificate with URI SAN {SPIFFE_PREFIX}{name}"
             )
         return Identity(name=name, ca_pem=ca, cert_pem=cert, key_pem=key_pem)
-    ensure_dev_pki(config.pki_dir)
-    return Identity(
-        name=name,
-        ca_pem=(config.pki_dir / "ca.crt").read_bytes(),
-        cert_pem=(config.pki_dir / f"{name}.crt").read_bytes(),
-        key_pem=(config.pki_dir / f"{name}.key").read_bytes(),
-    )
+    if name == ADMIN:
+        ensure_dev_pki(config.pki_dir)
+    try:
+        return Identity(
+            name=name, ca_pem=ca_path.read_bytes(), cert_pem=cert_path.read_bytes(), key_pem=key_path.read_bytes()
+        )
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no development certificate for {name} in {ca_path.parent}: the admin tooling makes the development "
+            f"PKI (`quayutec pki init`, `quayutec up` or `quayutec demo`, with the same {DATA_DIR_ENV}); a service "
+            f"never makes it. Or set {CA_ENV}, {CERT_ENV} and {KEY_ENV}."
+        ) from None
+
+
+def identity_dir(pki_dir: Path, name: str) -> Path:
+    """The folder of the development PKI that identity ``name`` reads (``ca`` for the CA itself)."""
+    return pki_dir / name
 
 
 def _read(path: Path, env: str) -> bytes:
@@ -174,17 +207,21 @@ def peer_identity(auth_context: Mapping[str, Sequence[bytes]]) -> str | None:
 
 
 def ensure_dev_pki(pki_dir: Path) -> None:
-    """Create the development CA and every identity's certificate in ``pki_dir`` if missing.
+    """Make the development CA (``pki_dir/ca/``) and every identity's folder if missing. For the
+    admin tooling only: it reads and writes the CA's key.
 
     Safe when several processes start at once: creation holds an exclusive lock on
-    ``pki_dir/.lock``, and every file is written to a temporary name and renamed into place."""
+    ``pki_dir/.lock``, and every file is written to a temporary name and renamed into place. A
+    PKI of the old flat layout (the CA's key beside the services' keys) is removed and made anew."""
     if _complete(pki_dir):
         return
     pki_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     with _locked(pki_dir / ".lock"):
         if _complete(pki_dir):
             return
-        ca_key_path, ca_cert_path = pki_dir / "ca.key", pki_dir / "ca.crt"
+        _remove_flat_layout(pki_dir)
+        ca_dir = _private_dir(pki_dir / CA_FOLDER)
+        ca_key_path, ca_cert_path = ca_dir / CA_KEY, ca_dir / CA_CERT
         if ca_key_path.exists() and ca_cert_path.exists():
             ca_key = serialization.load_pem_private_key(ca_key_path.read_bytes(), password=None)
             ca_cert = x509.load_pem_x509_certificate(ca_cert_path.read_bytes())
@@ -196,13 +233,15 @@ def ensure_dev_pki(pki_dir: Path) -> None:
             _write(ca_key_path, _key_pem(ca_key), 0o600)
             _write(ca_cert_path, ca_cert.public_bytes(serialization.Encoding.PEM), 0o644)
             new_ca = True
+        ca_pem = ca_cert.public_bytes(serialization.Encoding.PEM)
         for name in IDENTITIES:
-            cert_path, key_path = pki_dir / f"{name}.crt", pki_dir / f"{name}.key"
-            if cert_path.exists() and key_path.exists() and not new_ca:
+            folder = _private_dir(identity_dir(pki_dir, name))
+            if not new_ca and all((folder / f).exists() for f in (CA_CERT, CERT_FILE, KEY_FILE)):
                 continue
             key, cert = _make_leaf(name, ca_key, ca_cert)
-            _write(key_path, _key_pem(key), 0o600)
-            _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            _write(folder / KEY_FILE, _key_pem(key), 0o600)
+            _write(folder / CERT_FILE, cert.public_bytes(serialization.Encoding.PEM), 0o644)
+            _write(folder / CA_CERT, ca_pem, 0o644)
 
 
 def write_host_pki(pki_dir: Path, leaves: Mapping[str, tuple[str, Sequence[str], Sequence[str]]]) -> None:
@@ -222,8 +261,21 @@ def write_host_pki(pki_dir: Path, leaves: Mapping[str, tuple[str, Sequence[str],
 
 
 def _complete(pki_dir: Path) -> bool:
-    names = ["ca.crt", "ca.key", *(f"{n}.{ext}" for n in IDENTITIES for ext in ("crt", "key"))]
+    names = [f"{CA_FOLDER}/{CA_CERT}", f"{CA_FOLDER}/{CA_KEY}"]
+    names += [f"{n}/{f}" for n in IDENTITIES for f in (CA_CERT, CERT_FILE, KEY_FILE)]
     return all((pki_dir / n).exists() for n in names)
+
+
+def _private_dir(path: Path) -> Path:
+    path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
+    return path
+
+
+def _remove_flat_layout(pki_dir: Path) -> None:
+    """The first layout kept every file, the CA's key included, in ``pki_dir`` itself."""
+    for name in (CA_CERT, CA_KEY, *(f"{n}.{ext}" for n in IDENTITIES for ext in ("crt", "key"))):
+        (pki_dir / name).unlink(missing_ok=True)
 
 
 @contextmanager

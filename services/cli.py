@@ -19,7 +19,7 @@ from quayutec.channels import channel_as
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, DatabaseConfig, service_addr
 from quayutec.db import open_pool
 from quayutec.migrate import apply_all
-from quayutec.tls import ADMIN
+from quayutec.tls import ADMIN, CA_FOLDER, IDENTITIES, MtlsConfig, ensure_dev_pki, identity_dir
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.client import API_KEY_ENV, NOT_TRACED, STATUS_NAMES, STEP_NAMES, GatewayClient, format_run
 
@@ -126,6 +126,21 @@ async def cmd_demo(opts: argparse.Namespace) -> int:
     return await run_demo()
 
 
+async def cmd_pki_init(opts: argparse.Namespace) -> int:
+    """The development PKI of QUAYUTEC_DATA_DIR (made if missing): the CA's folder, read by admin
+    tooling only, and one folder per identity, each all that identity's process reads."""
+    config = MtlsConfig.from_env()
+    if config.from_files:
+        print("error: QUAYUTEC_MTLS_CA/CERT/KEY are set: this process uses those files, not a development PKI")
+        return 2
+    ensure_dev_pki(config.pki_dir)
+    print(f"development PKI in {config.pki_dir}")
+    print(f"  {identity_dir(config.pki_dir, CA_FOLDER)}/  ca.crt ca.key   (the CA: admin tooling only)")
+    for name in IDENTITIES:
+        print(f"  {identity_dir(config.pki_dir, name)}/  ca.crt tls.crt tls.key")
+    return 0
+
+
 async def cmd_migrate(opts: argparse.Namespace) -> int:
     await apply_all()
     return 0
@@ -204,13 +219,21 @@ async def cmd_keys_list(opts: argparse.Namespace) -> int:
 
     async def act(pool: Any) -> int:
         await _company_exists(pool, opts.company)
-        keys = await list_api_keys(pool, opts.company)
+        keys = await list_api_keys(pool, opts.company, sessions=opts.sessions)
         rows = [
             {
                 "key_id": k.key_id,
                 "label": k.label,
                 "created_at": k.created_at.isoformat(timespec="seconds"),
                 "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
+                **(
+                    {
+                        "session_of": k.parent_key_id or "",
+                        "expires_at": k.expires_at.isoformat(timespec="seconds") if k.expires_at else "",
+                    }
+                    if opts.sessions
+                    else {}
+                ),
             }
             for k in keys
         ]
@@ -455,7 +478,13 @@ def format_event(event: common_pb2.RoomEvent) -> str:
 
 
 async def cmd_watch(opts: argparse.Namespace) -> int:
-    """Prints the room's events as they happen, like `tail -f`; resumes by itself after a drop."""
+    """Prints the room's events (or, with --all, every room's) as they happen, like `tail -f`; resumes by
+    itself after a drop."""
+    if opts.all:
+        if opts.after is not None:
+            print("--after goes with --room; `watch --all` starts from now", file=sys.stderr)
+            return 2
+        return await _watch_all()
     after: int | None = opts.after
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
@@ -474,6 +503,29 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
                 if exc.code() not in WATCH_RESUMABLE:
                     raise
                 print(f"watch ended ({exc.code().name}: {exc.details()}); resuming after {after}", file=sys.stderr)
+                await asyncio.sleep(WATCH_RESUME_PAUSE_SECONDS)
+
+
+async def _watch_all() -> int:
+    """Every room of the company in one WatchRooms stream: one line per event, prefixed by its room."""
+    cursors: dict[str, int] = {}
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        while True:
+            request = gateway_pb2.WatchRoomsRequest(
+                after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in cursors.items()]
+            )
+            try:
+                async for item in client.WatchRooms(request):
+                    for event in item.events:
+                        print(f"room {event.room_id} {format_event(event)}", flush=True)
+                        cursors[event.room_id] = event.cursor
+                    if item.HasField("heartbeat"):
+                        cursors = {r.room_id: r.cursor for r in item.heartbeat.rooms}
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() not in WATCH_RESUMABLE:
+                    raise
+                print(f"watch ended ({exc.code().name}: {exc.details()}); resuming", file=sys.stderr)
                 await asyncio.sleep(WATCH_RESUME_PAUSE_SECONDS)
 
 
@@ -608,6 +660,12 @@ def parser() -> argparse.ArgumentParser:
     cf.set_defaults(handler=cmd_config)
     sub.add_parser("demo", help="the two-company demo, with a Runtime crash").set_defaults(handler=cmd_demo)
     sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
+    pki = sub.add_parser("pki", help="the development certificates of the data folder (admin)").add_subparsers(
+        dest="action", required=True, metavar="ACTION"
+    )
+    pki.add_parser(
+        "init", help="make the development CA and each identity's certificate if missing, and show where"
+    ).set_defaults(handler=cmd_pki_init)
 
     company = sub.add_parser("company", help="companies (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
@@ -623,11 +681,12 @@ def parser() -> argparse.ArgumentParser:
     kc.add_argument("--company", required=True, help=COMPANY_ID)
     kc.add_argument("--label", default="", help="a note to tell keys apart (e.g. ci)")
     kc.set_defaults(handler=cmd_keys_create)
-    kr = keys.add_parser("revoke", help="revoke a key at once")
+    kr = keys.add_parser("revoke", help="revoke a key at once (its open streams and session keys end too)")
     kr.add_argument("key_id", help="the key's id (as `keys create` or `keys list` print)")
     kr.set_defaults(handler=cmd_keys_revoke)
     kl = keys.add_parser("list", help="list a company's keys, revoked ones included")
     kl.add_argument("--company", required=True, help=COMPANY_ID)
+    kl.add_argument("--sessions", action="store_true", help="also the session keys (console sign-ins) its keys made")
     _json(kl)
     kl.set_defaults(handler=cmd_keys_list)
 
@@ -693,9 +752,15 @@ def parser() -> argparse.ArgumentParser:
     _limit(ms, 20)
     _json(ms)
     ms.set_defaults(handler=cmd_messages)
-    wt = sub.add_parser("watch", help="print a room's events as they happen (like tail -f)")
-    wt.add_argument("--room", required=True, metavar="ROOM_ID", help="the room to follow (you must be a member)")
-    wt.add_argument("--after", type=int, help="start after this cursor (0: from the oldest kept); default: from now")
+    wt = sub.add_parser("watch", help="print a room's events, or every room's, as they happen (like tail -f)")
+    which = wt.add_mutually_exclusive_group(required=True)
+    which.add_argument("--room", metavar="ROOM_ID", help="the room to follow (you must be a member)")
+    which.add_argument(
+        "--all", action="store_true", help="every room of your company, in one stream (rooms joined while watching too)"
+    )
+    wt.add_argument(
+        "--after", type=int, help="with --room: start after this cursor (0: from the oldest kept); default: from now"
+    )
     wt.set_defaults(handler=cmd_watch)
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
         dest="action", required=True, metavar="ACTION"

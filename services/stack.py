@@ -23,7 +23,7 @@ from quayutec.channels import channel_as
 from quayutec.config import CLAIMS, GATEWAY, ROOM, RUNTIME, SERVICES, DatabaseConfig, ServiceSpec
 from quayutec.db import create_pool, embedded_ctl, embedded_pgdata, embedded_pid, resolve_database_url
 from quayutec.migrate import migrate
-from quayutec.tls import ADMIN, MtlsConfig
+from quayutec.tls import ADMIN, MtlsConfig, ensure_dev_pki
 
 REPO = Path(__file__).resolve().parent.parent
 STOP_SECONDS = 15.0
@@ -293,7 +293,11 @@ class LocalStack:
         await self.start_services([s.name for s in SERVICES])
 
     async def start_services(self, names: Sequence[str]) -> None:
-        """Start in dependency order, each SERVING before the services that call it start."""
+        """Start in dependency order, each SERVING before the services that call it start. This
+        admin tooling makes the development PKI first: a service only reads its own folder of it."""
+        mtls = self.mtls()
+        if not mtls.from_files:
+            ensure_dev_pki(mtls.pki_dir)
         for spec in (CLAIMS, ROOM, RUNTIME, GATEWAY):
             if spec.name in names:
                 self.start(spec.name)

@@ -22,6 +22,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from quayutec.db import create_pool, embedded_ctl, embedded_database_url, embedded_pgdata, embedded_pid, with_database
 from quayutec.migrate import migrate
 from quayutec.telemetry import SpanCapture, configure_for_tests
+from tests.harness.channels import make_test_pki
 
 # Fixtures shared by modules that own a PostgreSQL of their own (outage tests).
 pytest_plugins = ["tests.harness.postgres"]
@@ -29,6 +30,12 @@ pytest_plugins = ["tests.harness.postgres"]
 # One template per test session, so sessions running side by side never drop each other's.
 TEMPLATE_DB = f"quayutec_test_template_{os.getpid()}"
 REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def test_pki() -> None:
+    """The test PKI every server started here reads its own folder of (the tests are its admin)."""
+    make_test_pki()
 
 
 @pytest.fixture(scope="session")

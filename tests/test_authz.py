@@ -17,21 +17,24 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import descriptor, message_factory
+from google.protobuf.message import Message
 
 import quayutec.v1
 from quayutec.authz import RPC_CALLERS, AuthzInterceptor
-from quayutec.tls import IDENTITIES, MtlsConfig, load_identity
-from quayutec.v1 import common_pb2, room_pb2, runtime_pb2, runtime_pb2_grpc
+from quayutec.tls import IDENTITIES, MtlsConfig, ensure_dev_pki, load_identity
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, runtime_pb2, runtime_pb2_grpc
 from tests.harness.channels import pki_identity, service_channel
 from tests.harness.claims import running_claims
-from tests.harness.gateway import make_company, running_gateway
+from tests.harness.gateway import authed_gateway, make_company, running_gateway
 from tests.harness.room import running_room
 from tests.harness.runtime import running_runtime
 
 # The callers, spelled here rather than imported: a renamed identity must fail this test too.
 GATEWAY, RUNTIME, ADMIN = "gateway", "runtime", "admin"
-# The public API's caller: any company presenting a live API key (the Gateway's AuthInterceptor).
+# The public API's callers (the Gateway's AuthInterceptor): a company's live API key, and a live
+# short-lived session key made with one (what a console sign-in holds).
 COMPANY_KEY = "a company's API key"
+SESSION_KEY = "a session key"
 
 ROOM_SERVICE = "quayutec.v1.RoomService"
 CLAIMS_SERVICE = "quayutec.v1.ClaimsService"
@@ -39,7 +42,7 @@ RUNTIME_SERVICE = "quayutec.v1.RuntimeService"
 GATEWAY_SERVICE = "quayutec.v1.GatewayService"
 
 _G, _R, _A, _GR = frozenset({GATEWAY}), frozenset({RUNTIME}), frozenset({ADMIN}), frozenset({GATEWAY, RUNTIME})
-_KEY = frozenset({COMPANY_KEY})
+_KEY = frozenset({COMPANY_KEY, SESSION_KEY})
 
 # THE SPECIFICATION: service → RPC → who may call it. Change a row only when the design changes.
 SPEC: dict[str, dict[str, frozenset[str]]] = {
@@ -128,9 +131,13 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
         "ListApprovals": _KEY,
         "DecideApproval": _KEY,
         "WatchRoom": _KEY,
+        "WatchRooms": _KEY,
+        "CreateSessionKey": frozenset({COMPANY_KEY}),  # a session key cannot make another
+        "EndSession": frozenset({SESSION_KEY}),  # a company key is revoked with `quayutec keys revoke`
     },
 }
 INTERNAL_SERVICES = (ROOM_SERVICE, CLAIMS_SERVICE, RUNTIME_SERVICE)
+GATEWAY_CALLERS = {COMPANY_KEY, SESSION_KEY}
 REFUSED_BY_AUTHZ = {grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED}
 # What an admitted caller must never see: a refusal, or no handler at all.
 NOT_ADMITTED = {*REFUSED_BY_AUTHZ, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNIMPLEMENTED}
@@ -150,11 +157,15 @@ class Rpc:
         return f"{self.service}/{self.method.name}"
 
     async def outcome(
-        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] | None = None
+        self,
+        channel: grpc.aio.Channel,
+        metadata: tuple[tuple[str, str], ...] | None = None,
+        message: Message | None = None,
     ) -> tuple[grpc.StatusCode, str]:
-        """The status of the RPC called with an empty request over ``channel`` (OK for a stream that
-        sent its first message)."""
+        """The status of the RPC called over ``channel`` with ``message`` (an empty request by
+        default); OK for a stream that sent its first message."""
         request = message_factory.GetMessageClass(self.method.input_type)
+        sent = message if message is not None else request()
         response = message_factory.GetMessageClass(self.method.output_type)
         codecs: dict[str, Any] = {
             "request_serializer": request.SerializeToString,
@@ -163,9 +174,9 @@ class Rpc:
         assert not self.method.client_streaming, f"{self.name}: this test sends single requests only"
         try:
             if not self.method.server_streaming:
-                await channel.unary_unary(self.path, **codecs)(request(), timeout=10, metadata=metadata)
+                await channel.unary_unary(self.path, **codecs)(sent, timeout=10, metadata=metadata)
                 return grpc.StatusCode.OK, ""
-            call = channel.unary_stream(self.path, **codecs)(request(), timeout=10, metadata=metadata)
+            call = channel.unary_stream(self.path, **codecs)(sent, timeout=10, metadata=metadata)
             try:
                 async for _ in call:
                     break
@@ -200,7 +211,7 @@ def test_every_rpc_has_a_row_in_the_specification_and_every_row_an_rpc() -> None
     for service, rows in SPEC.items():
         for method, callers in rows.items():
             assert callers, f"{service}/{method}: a row names at least one caller"
-            known = set(IDENTITIES) if service in INTERNAL_SERVICES else {COMPANY_KEY}
+            known = set(IDENTITIES) if service in INTERNAL_SERVICES else GATEWAY_CALLERS
             assert callers <= known, f"{service}/{method}: unknown callers {sorted(callers - known)}"
 
 
@@ -291,9 +302,27 @@ async def test_every_internal_rpc_admits_exactly_its_callers(servers: Servers) -
     assert not wrong, "\n".join(wrong)
 
 
-async def test_every_gateway_rpc_admits_a_company_key_only(database_url: str) -> None:
+# A request each caller is judged on where the refusal comes after the request is checked (an empty
+# one would be refused for itself first).
+JUDGED_ON = {"CreateSessionKey": gateway_pb2.CreateSessionKeyRequest(ttl_seconds=600)}
+# RPCs that end the key they are called with: each call of one gets a fresh session key.
+ENDS_ITS_KEY = {"EndSession"}
+# How the Gateway refuses a key an RPC's row does not name.
+GATEWAY_REFUSALS = {
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+}
+
+
+def _bearer(secret: str) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {secret}"),)
+
+
+async def test_every_gateway_rpc_admits_exactly_its_keys(database_url: str) -> None:
     """Each RPC of the public API, read from the descriptor, on a running Gateway: without a key, or
-    with one that is not live, it is refused before any handler; with a company's key it is served."""
+    with one that is not live, it is refused before any handler; a company's key and a session key
+    are served where their row names them and refused where it does not."""
     rpcs = [rpc for rpc in declared_rpcs() if rpc.service == GATEWAY_SERVICE]
     assert rpcs
     unknown_key = f"qyk_{uuid.uuid4()}_not-a-secret"
@@ -306,29 +335,45 @@ async def test_every_gateway_rpc_admits_a_company_key_only(database_url: str) ->
             "127.0.0.1:9",
             QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false",
             QUAYUTEC_GATEWAY_POST_RATE="0",
+            # Every RPC is called twice without a live key: no throttle of failed authentications.
+            QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE="0",
         ) as gateway_addr,
     ):
         acme = await make_company(database_url, room_addr, "Acme")
+
+        async def session_key() -> str:
+            async with authed_gateway(gateway_addr, acme.secret) as gw:
+                made = await gw.CreateSessionKey(gateway_pb2.CreateSessionKeyRequest(ttl_seconds=3600), timeout=10)
+            return str(made.secret)
+
+        session = await session_key()
         async with grpc.aio.insecure_channel(gateway_addr) as channel:
             for rpc in rpcs:
                 row = SPEC[GATEWAY_SERVICE].get(rpc.method.name)
                 if row is None:
                     wrong.append(f"{rpc.path}: no row in the specification")
                     continue
-                assert row == {COMPANY_KEY}, f"{rpc.path}: this test checks company-key rows only"
-                for metadata in (None, (("authorization", f"Bearer {unknown_key}"),)):
-                    code, details = await rpc.outcome(channel, metadata)
+                message = JUDGED_ON.get(rpc.method.name)
+                for shown, metadata in (("no key", None), ("an unknown key", _bearer(unknown_key))):
+                    code, details = await rpc.outcome(channel, metadata, message)
                     if code != grpc.StatusCode.UNAUTHENTICATED:
-                        shown = "no key" if metadata is None else "an unknown key"
                         wrong.append(f"{rpc.path} with {shown}: expected UNAUTHENTICATED, got {code.name} {details}")
-                code, details = await rpc.outcome(channel, (("authorization", f"Bearer {acme.secret}"),))
-                if code in NOT_ADMITTED:
-                    wrong.append(f"{rpc.path} with a company's key: {code.name} {details}")
+                for caller in (COMPANY_KEY, SESSION_KEY):
+                    if caller == COMPANY_KEY:
+                        secret = acme.secret
+                    else:
+                        secret = await session_key() if rpc.method.name in ENDS_ITS_KEY else session
+                    code, details = await rpc.outcome(channel, _bearer(secret), message)
+                    if caller in row and code in NOT_ADMITTED:
+                        wrong.append(f"{rpc.path} with {caller}: {code.name} {details}")
+                    if caller not in row and code not in GATEWAY_REFUSALS:
+                        wrong.append(f"{rpc.path} with {caller}: expected a refusal, got {code.name} {details}")
     assert not wrong, "\n".join(wrong)
 
 
 async def test_a_caller_without_a_certificate_is_refused_at_the_handshake(servers: Servers, tmp_path: Any) -> None:
     """No certificate, or one another CA signed: the TLS handshake fails, so no RPC runs (UNAVAILABLE)."""
+    ensure_dev_pki(tmp_path / "other-pki")
     stranger = load_identity("runtime", MtlsConfig.dev(tmp_path / "other-pki"))  # the right name, the wrong CA
     ca_only = grpc.ssl_channel_credentials(root_certificates=pki_identity("runtime").ca_pem)
     for rpc in internal_rpcs():

@@ -116,7 +116,15 @@ async def test_admin_with_another_ca_is_refused_and_told_what_to_fix(database_ur
         )
     assert done.returncode == 2
     assert "mutual TLS" in done.stderr and "QUAYUTEC_DATA_DIR" in done.stderr
-    assert (tmp_path / "pki" / "admin.key").exists()
+    assert (tmp_path / "pki" / "admin" / "tls.key").exists()
+
+
+async def test_pki_init_makes_the_dev_pki_and_shows_its_folders(tmp_path: Path) -> None:
+    done = await quayutec("pki", "init", env={"QUAYUTEC_DATA_DIR": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert f"{tmp_path / 'pki' / 'ca'}/  ca.crt ca.key" in done.stdout
+    assert f"{tmp_path / 'pki' / 'room'}/  ca.crt tls.crt tls.key" in done.stdout
+    assert (tmp_path / "pki" / "ca" / "ca.key").exists() and (tmp_path / "pki" / "room" / "tls.key").exists()
 
 
 async def test_client_commands_need_an_api_key(tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ import ipaddress
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -85,13 +86,39 @@ def _validator() -> list[str]:
 
 
 _RENDERED: dict[str, str] = {}
+# The dev overlay needs its mutual-TLS files, made at apply time (scripts/dev_k8s_mtls.py): it is
+# rendered from a copy of deploy/k8s where the script wrote them, as a developer's apply would.
+_WORK = tempfile.TemporaryDirectory(prefix="qy-k8s-")
+
+
+def prepared_k8s() -> Path:
+    """A copy of deploy/k8s whose dev overlay has the files the script makes (made once)."""
+    copy = Path(_WORK.name) / "k8s"
+    if not copy.exists():
+        shutil.copytree(K8S, copy, ignore=shutil.ignore_patterns("mtls"))
+        made = subprocess.run(
+            [
+                sys.executable,
+                str(ROOT / "scripts" / "dev_k8s_mtls.py"),
+                "--pki",
+                str(Path(_WORK.name) / "pki"),
+                "--out",
+                str(copy / "overlays" / "dev" / "mtls"),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert made.returncode == 0, f"scripts/dev_k8s_mtls.py failed:\n{made.stderr}"
+    return copy
 
 
 def render(overlay: str) -> str:
     if overlay not in _RENDERED:
         kubectl = _kubectl()
+        root = prepared_k8s() if overlay == "dev" else K8S
         result = subprocess.run(
-            [kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+            [kubectl, "kustomize", str(root / "overlays" / overlay)],
             capture_output=True,
             text=True,
             timeout=120,
@@ -455,6 +482,39 @@ def test_each_service_presents_its_own_mtls_certificate(rendered: Rendered, over
 
                 cert = x509.load_pem_x509_certificate(base64.b64decode(data[key]))
                 assert certificate_identity(cert) == spec.name, f"{secret} does not name {spec.name}"
+
+
+def test_the_dev_overlay_commits_no_private_key_and_carries_no_ca_key() -> None:
+    """Its mutual-TLS files are made at apply time (ignored by git); the Secrets they become hold
+    each identity's own key, matching its certificate, and never the CA's key."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    from quayutec.tls import IDENTITIES, certificate_identity
+
+    tracked = subprocess.run(
+        ["git", "ls-files", str(K8S)], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.split()
+    assert not [f for f in tracked if f.endswith(".key") or "/mtls/" in f], "a key or certificate is committed"
+    ignored = subprocess.run(
+        ["git", "check-ignore", "-q", str(K8S / "overlays" / "dev" / "mtls" / "room" / "tls.key")], cwd=ROOT
+    )
+    assert ignored.returncode == 0, "the dev overlay's generated mtls/ files are not ignored by git"
+    r = Rendered(render("dev"))
+    ca_key = (Path(_WORK.name) / "pki" / "ca" / "ca.key").read_bytes()
+    for name in IDENTITIES:
+        (secret,) = [s for s in r.of("Secret") if s["metadata"]["name"].startswith(f"quayutec-mtls-{name}-")]
+        data = {k: base64.b64decode(v) for k, v in secret["data"].items()}
+        assert sorted(data) == ["ca.crt", "tls.crt", "tls.key"]
+        cert = x509.load_pem_x509_certificate(data["tls.crt"])
+        key = serialization.load_pem_private_key(data["tls.key"], password=None)
+        assert certificate_identity(cert) == name
+        assert cert.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        ) == key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        cert.verify_directly_issued_by(x509.load_pem_x509_certificate(data["ca.crt"]))
+    for secret in r.of("Secret"):
+        assert all(base64.b64decode(v) != ca_key for v in secret.get("data", {}).values())
 
 
 # ---------------------------------------------------------------- network exposure

@@ -81,6 +81,19 @@ def test_the_api_guide_shows_the_examples_as_they_are() -> None:
         assert text == (DOCS / name).read_text(), f"docs/api.md shows an old copy of docs/{name}"
 
 
+def test_the_client_guides_show_their_examples_as_they_are() -> None:
+    """Their examples run in tests/clients (from a fresh venv, and from the packed npm package)."""
+    expected = {
+        "clients-python.md": {"examples/python_sdk/quickstart.py", "examples/python_sdk/follow.py"},
+        "clients-typescript.md": {"examples/typescript_sdk/quickstart.mjs", "examples/typescript_sdk/follow.mjs"},
+    }
+    for page, names in expected.items():
+        shown = dict(_EXAMPLE.findall((DOCS / page).read_text()))
+        assert set(shown) == names, page
+        for name, text in shown.items():
+            assert text == (DOCS / name).read_text(), f"docs/{page} shows an old copy of docs/{name}"
+
+
 def _tool(name: str, how: str) -> str:
     found = shutil.which(name, path=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]))
     if found is None:

@@ -1485,3 +1485,190 @@ class WatchRoomResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchRoomResponse: _TypeAlias = WatchRoomResponse  # noqa: Y015
+
+@_typing.final
+class WatchRoomsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AFTER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def after(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomCursor]:
+        """Resume these rooms after these cursors (each room at most once); rooms not named start from now."""
+
+    def __init__(
+        self,
+        *,
+        after: _abc.Iterable[Global___RoomCursor] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRoomsRequest: _TypeAlias = WatchRoomsRequest  # noqa: Y015
+
+@_typing.final
+class RoomCursor(_message.Message):
+    """A room and a cursor of its event log."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    CURSOR_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    cursor: _builtins.int
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        cursor: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cursor", b"cursor", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomCursor: _TypeAlias = RoomCursor  # noqa: Y015
+
+@_typing.final
+class WatchRoomsHeartbeat(_message.Message):
+    """WatchRoomsHeartbeat says the stream is alive and has delivered, for every room it follows, everything
+    up to that room's cursor that the caller may see; resuming after these cursors is exact.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOMS_FIELD_NUMBER: _builtins.int
+    SENT_AT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rooms(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomCursor]: ...
+    @_builtins.property
+    def sent_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        rooms: _abc.Iterable[Global___RoomCursor] | None = ...,
+        sent_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["sent_at", b"sent_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rooms", b"rooms", "sent_at", b"sent_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRoomsHeartbeat: _TypeAlias = WatchRoomsHeartbeat  # noqa: Y015
+
+@_typing.final
+class WatchRoomsResponse(_message.Message):
+    """WatchRoomsResponse carries either events (one or more, of one or more rooms, each room's in its
+    order) or a heartbeat.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.RoomEvent]: ...
+    @_builtins.property
+    def heartbeat(self) -> Global___WatchRoomsHeartbeat: ...
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[_common_pb2.RoomEvent] | None = ...,
+        heartbeat: Global___WatchRoomsHeartbeat | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["heartbeat", b"heartbeat"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "heartbeat", b"heartbeat"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchRoomsResponse: _TypeAlias = WatchRoomsResponse  # noqa: Y015
+
+@_typing.final
+class CreateSessionKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TTL_SECONDS_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    ttl_seconds: _builtins.int
+    """How long the key lives: 60 to 604800 seconds (7 days)."""
+    label: _builtins.str
+    """A note shown by `quayutec keys list --sessions`; at most 200 bytes."""
+    def __init__(
+        self,
+        *,
+        ttl_seconds: _builtins.int = ...,
+        label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSessionKeyRequest: _TypeAlias = CreateSessionKeyRequest  # noqa: Y015
+
+@_typing.final
+class CreateSessionKeyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    key_id: _builtins.str
+    secret: _builtins.str
+    """The key itself (qyk_<key id>_<secret>), returned once and never stored."""
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        key_id: _builtins.str = ...,
+        secret: _builtins.str = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expires_at", b"expires_at", "key_id", b"key_id", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateSessionKeyResponse: _TypeAlias = CreateSessionKeyResponse  # noqa: Y015
+
+@_typing.final
+class EndSessionRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndSessionRequest: _TypeAlias = EndSessionRequest  # noqa: Y015
+
+@_typing.final
+class EndSessionResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    key_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        key_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_id", b"key_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EndSessionResponse: _TypeAlias = EndSessionResponse  # noqa: Y015

@@ -187,6 +187,21 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomResponse.FromString,
                 _registered_method=True)
+        self.WatchRooms = channel.unary_stream(
+                '/quayutec.v1.GatewayService/WatchRooms',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomsResponse.FromString,
+                _registered_method=True)
+        self.CreateSessionKey = channel.unary_unary(
+                '/quayutec.v1.GatewayService/CreateSessionKey',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.CreateSessionKeyRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.CreateSessionKeyResponse.FromString,
+                _registered_method=True)
+        self.EndSession = channel.unary_unary(
+                '/quayutec.v1.GatewayService/EndSession',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.EndSessionRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.EndSessionResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -444,8 +459,53 @@ class GatewayServiceServicer:
         The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
         OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
         reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
-        too slowly to keep up (resume from the last cursor received). Each open stream counts
-        against the Gateway's limit of concurrent RPCs.
+        too slowly to keep up (resume from the last cursor received). An `after` past the room's newest
+        event is OUT_OF_RANGE (the message names the newest). Each open stream counts against the
+        Gateway's limit of concurrent RPCs, its per-company limit of open streams and its replica-wide
+        limit of watches (RESOURCE_EXHAUSTED, the message naming which limit and its value). A stream
+        ends with UNAUTHENTICATED within seconds when its key is revoked or expires.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchRooms(self, request, context):
+        """WatchRooms streams the events of every room of the caller's company in one stream: each room's
+        events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
+        passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
+        named start from now, and a named room the company is no longer a member of is skipped.
+        A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
+        the first of that room on the stream); a room it leaves or is removed from ends with the
+        MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
+        A heartbeat lists every room followed with its cursor: it comes when every room has caught up,
+        whenever the rooms followed change, and whenever the stream is otherwise idle.
+        Errors: INVALID_ARGUMENT (a malformed room id, a negative cursor, a room named twice, more rooms
+        named than the stream follows), OUT_OF_RANGE (a cursor past its room's newest event, or older than
+        the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
+        follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
+        the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateSessionKey(self, request, context):
+        """CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
+        it works like the key that made it until it expires or is ended, and is revoked with that key.
+        Errors: INVALID_ARGUMENT (ttl_seconds out of range, label too long), PERMISSION_DENIED (called
+        with a session key: a session key cannot make another), RESOURCE_EXHAUSTED (the calling key
+        already has the most live session keys allowed; the message names the limit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndSession(self, request, context):
+        """EndSession revokes the session key the call is made with: every later call with it answers
+        UNAUTHENTICATED, and its open streams end on every Gateway replica within seconds. Ending an
+        ended session is not possible (the call itself is refused as UNAUTHENTICATED).
+        Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
+        `quayutec keys revoke`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -598,6 +658,21 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.WatchRoom,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomResponse.SerializeToString,
+            ),
+            'WatchRooms': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchRooms,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.WatchRoomsResponse.SerializeToString,
+            ),
+            'CreateSessionKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSessionKey,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.CreateSessionKeyRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.CreateSessionKeyResponse.SerializeToString,
+            ),
+            'EndSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndSession,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.EndSessionRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.EndSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1391,6 +1466,87 @@ class GatewayService:
             '/quayutec.v1.GatewayService/WatchRoom',
             quayutec_dot_v1_dot_gateway__pb2.WatchRoomRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.WatchRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchRooms(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/WatchRooms',
+            quayutec_dot_v1_dot_gateway__pb2.WatchRoomsRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.WatchRoomsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateSessionKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/CreateSessionKey',
+            quayutec_dot_v1_dot_gateway__pb2.CreateSessionKeyRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.CreateSessionKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/EndSession',
+            quayutec_dot_v1_dot_gateway__pb2.EndSessionRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.EndSessionResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -161,8 +161,41 @@ class GatewayServiceStub:
     The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
     OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
     reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
-    too slowly to keep up (resume from the last cursor received). Each open stream counts
-    against the Gateway's limit of concurrent RPCs.
+    too slowly to keep up (resume from the last cursor received). An `after` past the room's newest
+    event is OUT_OF_RANGE (the message names the newest). Each open stream counts against the
+    Gateway's limit of concurrent RPCs, its per-company limit of open streams and its replica-wide
+    limit of watches (RESOURCE_EXHAUSTED, the message naming which limit and its value). A stream
+    ends with UNAUTHENTICATED within seconds when its key is revoked or expires.
+    """
+    WatchRooms: _grpc.UnaryStreamMultiCallable[_gateway_pb2.WatchRoomsRequest, _gateway_pb2.WatchRoomsResponse]
+    """WatchRooms streams the events of every room of the caller's company in one stream: each room's
+    events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
+    passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
+    named start from now, and a named room the company is no longer a member of is skipped.
+    A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
+    the first of that room on the stream); a room it leaves or is removed from ends with the
+    MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
+    A heartbeat lists every room followed with its cursor: it comes when every room has caught up,
+    whenever the rooms followed change, and whenever the stream is otherwise idle.
+    Errors: INVALID_ARGUMENT (a malformed room id, a negative cursor, a room named twice, more rooms
+    named than the stream follows), OUT_OF_RANGE (a cursor past its room's newest event, or older than
+    the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
+    follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
+    the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+    """
+    CreateSessionKey: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CreateSessionKeyRequest, _gateway_pb2.CreateSessionKeyResponse]
+    """CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
+    it works like the key that made it until it expires or is ended, and is revoked with that key.
+    Errors: INVALID_ARGUMENT (ttl_seconds out of range, label too long), PERMISSION_DENIED (called
+    with a session key: a session key cannot make another), RESOURCE_EXHAUSTED (the calling key
+    already has the most live session keys allowed; the message names the limit).
+    """
+    EndSession: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.EndSessionRequest, _gateway_pb2.EndSessionResponse]
+    """EndSession revokes the session key the call is made with: every later call with it answers
+    UNAUTHENTICATED, and its open streams end on every Gateway replica within seconds. Ending an
+    ended session is not possible (the call itself is refused as UNAUTHENTICATED).
+    Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
+    `quayutec keys revoke`).
     """
 
 @_typing.type_check_only
@@ -298,8 +331,41 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
     OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
     reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
-    too slowly to keep up (resume from the last cursor received). Each open stream counts
-    against the Gateway's limit of concurrent RPCs.
+    too slowly to keep up (resume from the last cursor received). An `after` past the room's newest
+    event is OUT_OF_RANGE (the message names the newest). Each open stream counts against the
+    Gateway's limit of concurrent RPCs, its per-company limit of open streams and its replica-wide
+    limit of watches (RESOURCE_EXHAUSTED, the message naming which limit and its value). A stream
+    ends with UNAUTHENTICATED within seconds when its key is revoked or expires.
+    """
+    WatchRooms: _aio.UnaryStreamMultiCallable[_gateway_pb2.WatchRoomsRequest, _gateway_pb2.WatchRoomsResponse]  # type: ignore[assignment]
+    """WatchRooms streams the events of every room of the caller's company in one stream: each room's
+    events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
+    passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
+    named start from now, and a named room the company is no longer a member of is skipped.
+    A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
+    the first of that room on the stream); a room it leaves or is removed from ends with the
+    MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
+    A heartbeat lists every room followed with its cursor: it comes when every room has caught up,
+    whenever the rooms followed change, and whenever the stream is otherwise idle.
+    Errors: INVALID_ARGUMENT (a malformed room id, a negative cursor, a room named twice, more rooms
+    named than the stream follows), OUT_OF_RANGE (a cursor past its room's newest event, or older than
+    the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
+    follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
+    the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+    """
+    CreateSessionKey: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CreateSessionKeyRequest, _gateway_pb2.CreateSessionKeyResponse]  # type: ignore[assignment]
+    """CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
+    it works like the key that made it until it expires or is ended, and is revoked with that key.
+    Errors: INVALID_ARGUMENT (ttl_seconds out of range, label too long), PERMISSION_DENIED (called
+    with a session key: a session key cannot make another), RESOURCE_EXHAUSTED (the calling key
+    already has the most live session keys allowed; the message names the limit).
+    """
+    EndSession: _aio.UnaryUnaryMultiCallable[_gateway_pb2.EndSessionRequest, _gateway_pb2.EndSessionResponse]  # type: ignore[assignment]
+    """EndSession revokes the session key the call is made with: every later call with it answers
+    UNAUTHENTICATED, and its open streams end on every Gateway replica within seconds. Ending an
+    ended session is not possible (the call itself is refused as UNAUTHENTICATED).
+    Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
+    `quayutec keys revoke`).
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -606,8 +672,59 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
         OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
         reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
-        too slowly to keep up (resume from the last cursor received). Each open stream counts
-        against the Gateway's limit of concurrent RPCs.
+        too slowly to keep up (resume from the last cursor received). An `after` past the room's newest
+        event is OUT_OF_RANGE (the message names the newest). Each open stream counts against the
+        Gateway's limit of concurrent RPCs, its per-company limit of open streams and its replica-wide
+        limit of watches (RESOURCE_EXHAUSTED, the message naming which limit and its value). A stream
+        ends with UNAUTHENTICATED within seconds when its key is revoked or expires.
+        """
+
+    @_abc_1.abstractmethod
+    def WatchRooms(
+        self,
+        request: _gateway_pb2.WatchRoomsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_gateway_pb2.WatchRoomsResponse], _abc.AsyncIterator[_gateway_pb2.WatchRoomsResponse]]:
+        """WatchRooms streams the events of every room of the caller's company in one stream: each room's
+        events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
+        passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
+        named start from now, and a named room the company is no longer a member of is skipped.
+        A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
+        the first of that room on the stream); a room it leaves or is removed from ends with the
+        MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
+        A heartbeat lists every room followed with its cursor: it comes when every room has caught up,
+        whenever the rooms followed change, and whenever the stream is otherwise idle.
+        Errors: INVALID_ARGUMENT (a malformed room id, a negative cursor, a room named twice, more rooms
+        named than the stream follows), OUT_OF_RANGE (a cursor past its room's newest event, or older than
+        the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
+        follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
+        the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+        """
+
+    @_abc_1.abstractmethod
+    def CreateSessionKey(
+        self,
+        request: _gateway_pb2.CreateSessionKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.CreateSessionKeyResponse, _abc.Awaitable[_gateway_pb2.CreateSessionKeyResponse]]:
+        """CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
+        it works like the key that made it until it expires or is ended, and is revoked with that key.
+        Errors: INVALID_ARGUMENT (ttl_seconds out of range, label too long), PERMISSION_DENIED (called
+        with a session key: a session key cannot make another), RESOURCE_EXHAUSTED (the calling key
+        already has the most live session keys allowed; the message names the limit).
+        """
+
+    @_abc_1.abstractmethod
+    def EndSession(
+        self,
+        request: _gateway_pb2.EndSessionRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.EndSessionResponse, _abc.Awaitable[_gateway_pb2.EndSessionResponse]]:
+        """EndSession revokes the session key the call is made with: every later call with it answers
+        UNAUTHENTICATED, and its open streams end on every Gateway replica within seconds. Ending an
+        ended session is not possible (the call itself is refused as UNAUTHENTICATED).
+        Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
+        `quayutec keys revoke`).
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -1,21 +1,21 @@
 """The room console: server-rendered pages over the Gateway, as the signed-in company.
 
-It keeps no state of its own. The session cookie (signed, HttpOnly, SameSite=Lax, Secure unless
-configured off for plain-http development) holds the company's API key encrypted with a key derived
-from the session secret, the CSRF token every form carries, and the person's name last used. Every
-page is one or a few Gateway calls with that key, so a company sees exactly what the Gateway shows
-it. Live updates come from the Gateway's WatchRoom stream, relayed to the page as Server-Sent Events.
+It keeps no state of its own beyond counters. The session cookie (signed, HttpOnly, SameSite=Lax,
+Secure unless configured off for plain-http development) holds the sign-in's session key (a
+short-lived key the Gateway made from the company's API key, ended at sign-out: session.py)
+encrypted with a key derived from the session secret, the CSRF token every form carries, and the
+person's name last used. Every page is one or a few Gateway calls with that key, so a company sees
+exactly what the Gateway shows it. Live updates come from the Gateway's WatchRoom and WatchRooms
+streams, relayed to the page as Server-Sent Events (live.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import hashlib
 import json
 import logging
-import secrets
 import uuid
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 import uvicorn
-from cryptography.fernet import Fernet, InvalidToken
+from cryptography.fernet import Fernet
 from google.protobuf.timestamp_pb2 import Timestamp
 from starlette.applications import Starlette
 from starlette.datastructures import FormData
@@ -33,34 +33,44 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, RedirectResponse, Response, StreamingResponse
+from starlette.responses import HTMLResponse, RedirectResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from quayutec.config import ConfigError
+from quayutec.httpserve import HttpLimits, server_config
+from quayutec.throttle import AuthThrottle
 from quayutec.v1 import common_pb2, gateway_pb2
-from services.client import ACTION_NAMES, OUTCOME_NAMES, STATUS_NAMES, GatewayClient
+from services.client import ACTION_NAMES, OUTCOME_NAMES, STATUS_NAMES
 from services.console.config import ConsoleConfig
+from services.console.live import (
+    StreamSlots,
+    approval_events,
+    encode_cursors,
+    first_cursor,
+    first_cursors,
+    room_events,
+)
+from services.console.session import (
+    MAX_MENTIONS,
+    SIGNIN_SETTINGS,
+    Session,
+    SignedOut,
+    SignInRefused,
+    csrf_token,
+    form_of,
+    sign_in,
+    sign_out,
+)
 
 _log = logging.getLogger("quayutec.console")
 HERE = Path(__file__).resolve().parent
 COOKIE = "quayutec_console"
 # Most items one page lists (the Gateway pages further; the console shows the newest).
 PAGE = 50
-# Rooms whose events one approvals page follows.
-WATCHED_ROOMS = 50
-CALL_SECONDS = 10.0
 MAX_FIELD_CHARS = 20_000
-MAX_MENTIONS = 20
-
-RUN_EVENTS = {
-    common_pb2.ROOM_EVENT_KIND_RUN_STARTED,
-    common_pb2.ROOM_EVENT_KIND_RUN_PARKED,
-    common_pb2.ROOM_EVENT_KIND_RUN_ENDED,
-    common_pb2.ROOM_EVENT_KIND_APPROVAL_AWAITING,
-}
 DECISIONS = {
     common_pb2.DECISION_PENDING: "pending",
     common_pb2.DECISION_APPROVED: "approved",
@@ -78,10 +88,6 @@ _WORDS: dict[grpc.StatusCode, tuple[int, str]] = {
 }
 
 
-class SignedOut(Exception):
-    """No usable sign-in: the page sends the person to the sign-in form."""
-
-
 class FormError(Exception):
     """A form's input cannot be used; the message says what to fix."""
 
@@ -91,7 +97,10 @@ def words(exc: grpc.aio.AioRpcError) -> tuple[int, str]:
     code = exc.code()
     if code in _WORDS:
         status, text = _WORDS[code]
-        if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED) and exc.details():
+        if (
+            code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.RESOURCE_EXHAUSTED)
+            and exc.details()
+        ):
             text = f"{text} ({exc.details()})"
         return status, text
     if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS):
@@ -172,52 +181,6 @@ def timeline(run: common_pb2.Run) -> list[dict[str, str]]:
 # -- the session --------------------------------------------------------------------------------------
 
 
-class Session:
-    """The signed-in company of one request: its Gateway client and CSRF token."""
-
-    def __init__(self, request: Request) -> None:
-        self.request = request
-        box: Fernet = request.app.state.box
-        sealed = request.session.get("key")
-        if not isinstance(sealed, str):
-            raise SignedOut
-        try:
-            api_key = box.decrypt(sealed.encode(), ttl=request.app.state.config.session_seconds).decode()
-        except InvalidToken:
-            request.session.clear()
-            raise SignedOut from None
-        self.client = GatewayClient(request.app.state.channel, api_key)
-        self.company_id: str = request.session.get("company_id", "")
-        self.company_name: str = request.session.get("company_name", "")
-
-    async def call(self, name: str, message: Any) -> Any:
-        try:
-            return await getattr(self.client, name)(message, timeout=CALL_SECONDS)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-                self.request.session.clear()
-                raise SignedOut from None
-            raise
-
-
-def csrf_token(request: Request) -> str:
-    token = request.session.get("csrf")
-    if not isinstance(token, str):
-        token = secrets.token_urlsafe(32)
-        request.session["csrf"] = token
-    return token
-
-
-async def form_of(request: Request) -> FormData:
-    """The posted form, after checking its CSRF token against the session's."""
-    form = await request.form(max_files=0, max_fields=20 + MAX_MENTIONS)
-    sent = form.get("csrf")
-    kept = request.session.get("csrf")
-    if not isinstance(sent, str) or not isinstance(kept, str) or not secrets.compare_digest(sent, kept):
-        raise HTTPException(403, "This form has expired. Reload the page and try again.")
-    return form
-
-
 def field(form: FormData, name: str, what: str, *, required: bool = True, limit: int = MAX_FIELD_CHARS) -> str:
     value = form.get(name)
     text = value.strip() if isinstance(value, str) else ""
@@ -275,28 +238,27 @@ async def signin(request: Request) -> Response:
     if not key:
         return page(request, "signin.html", {"title": "Sign in", "error": "Enter your company's API key."}, 400)
     try:
-        who = await GatewayClient(request.app.state.channel, key).WhoAmI(
-            gateway_pb2.WhoAmIRequest(), timeout=CALL_SECONDS
-        )
+        await sign_in(request, key)
+    except SignInRefused as refused:
+        answer = page(request, "signin.html", {"title": "Sign in", "error": refused.text}, refused.status)
+        if refused.retry_after_seconds is not None:
+            answer.headers["Retry-After"] = str(max(1, refused.retry_after_seconds))
+        return answer
     except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-            text = "That API key was not accepted. Check it, or ask your administrator for a new one."
-            return page(request, "signin.html", {"title": "Sign in", "error": text}, 401)
         status, text = words(exc)
         return page(request, "signin.html", {"title": "Sign in", "error": text}, status)
-    request.session.clear()  # a new session: a fresh CSRF token, nothing of the one before
-    request.session["key"] = request.app.state.box.encrypt(key.encode()).decode()
-    request.session["company_id"] = who.company.company_id
-    request.session["company_name"] = who.company.name
-    csrf_token(request)
     return RedirectResponse("/rooms", 303)
 
 
 async def signout(request: Request) -> Response:
     await form_of(request)
-    request.session.clear()
-    response = RedirectResponse("/signin", 303)
-    return response
+    if await sign_out(request):
+        return RedirectResponse("/signin", 303)
+    text = (
+        "You are signed out here, but the Gateway could not be reached to end this sign-in everywhere; it "
+        "ends when it expires. Tell your administrator if this device is not yours."
+    )
+    return page(request, "signin.html", {"title": "Sign in", "error": text}, 503)
 
 
 async def rooms(request: Request) -> Response:
@@ -321,26 +283,6 @@ async def rooms(request: Request) -> Response:
         "rooms.html",
         {"title": "Rooms", "rooms": listed.rooms, "invitations": invited.invitations, "notice": notice},
     )
-
-
-async def first_cursor(s: Session, room_id: str) -> int:
-    """The room's newest cursor, from the first heartbeat of a WatchRoom without ``after``: the page
-    reads the room after it and the live stream resumes from it, so nothing between is missed."""
-    call = s.client.WatchRoom(gateway_pb2.WatchRoomRequest(room_id=room_id), timeout=CALL_SECONDS)
-    try:
-        async for response in call:
-            if response.HasField("heartbeat"):
-                return int(response.heartbeat.cursor)
-            if response.events:
-                return int(response.events[-1].cursor)
-    except grpc.aio.AioRpcError as exc:
-        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-            s.request.session.clear()
-            raise SignedOut from None
-        raise
-    finally:
-        call.cancel()
-    return 0
 
 
 async def room(request: Request) -> Response:
@@ -452,6 +394,10 @@ async def approvals(request: Request) -> Response:
             if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                 raise
             error = words(exc)[1]
+    part = request.query_params.get("part") == "list"
+    # The rooms' cursors first, then the lists: the live stream resumes after these cursors, so a run
+    # parked between this read and the page's subscription is replayed to it, never lost.
+    cursors = None if part else await first_cursors(s)
     pending, listed = await asyncio.gather(
         s.call(
             "ListApprovals",
@@ -460,6 +406,7 @@ async def approvals(request: Request) -> Response:
         s.call("ListRooms", gateway_pb2.ListRoomsRequest(page_size=PAGE)),
     )
     context = {
+        "events": f"/approvals/events?after={encode_cursors(cursors)}" if cursors is not None else "",
         "title": "Approvals",
         "waitpoints": pending.waitpoints,
         "room_names": _room_names(listed),
@@ -469,7 +416,7 @@ async def approvals(request: Request) -> Response:
         "notice": notice,
         "error": error,
     }
-    name = "approvals_list.html" if request.query_params.get("part") == "list" else "approvals.html"
+    name = "approvals_list.html" if part else "approvals.html"
     return page(request, name, context, 400 if error else 200)
 
 
@@ -502,128 +449,6 @@ async def run(request: Request) -> Response:
             "cursor": cursor,
         },
     )
-
-
-# -- live updates ---------------------------------------------------------------------------------
-
-
-def sse(event: str, data: Mapping[str, Any], cursor: int | None = None) -> str:
-    head = f"id: {cursor}\n" if cursor is not None else ""
-    return f"{head}event: {event}\ndata: {json.dumps(data)}\n\n"
-
-
-def render_event(request: Request, event: common_pb2.RoomEvent) -> dict[str, Any] | None:
-    """What the room page does with one event: put a rendered item in a list, take one out, or
-    (for runs) note it."""
-    templates: Jinja2Templates = request.app.state.templates
-    parts = templates.env.get_template("parts.html").module
-    kind = event.kind
-    if kind == common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED:
-        m = event.message
-        return {"op": "put", "list": "messages", "id": f"m-{m.message_id}", "html": str(parts.message(m))}  # type: ignore[attr-defined]
-    if kind in (common_pb2.ROOM_EVENT_KIND_TASK_CREATED, common_pb2.ROOM_EVENT_KIND_TASK_UPDATED):
-        t = event.task
-        if t.status != common_pb2.TASK_STATUS_OPEN:
-            return {"op": "drop", "id": f"t-{t.task_id}"}
-        return {"op": "put", "list": "tasks", "id": f"t-{t.task_id}", "html": str(parts.task(t))}  # type: ignore[attr-defined]
-    if kind == common_pb2.ROOM_EVENT_KIND_TASK_CLOSED:
-        return {"op": "drop", "id": f"t-{event.task.task_id}"}
-    if kind == common_pb2.ROOM_EVENT_KIND_MEMORY_WRITTEN:
-        line = event.memory
-        return {"op": "put", "list": "memory", "id": f"k-{line.memory_id}", "html": str(parts.memory(line))}  # type: ignore[attr-defined]
-    if kind == common_pb2.ROOM_EVENT_KIND_FILE_UPLOADED:
-        f = event.file
-        return {"op": "put", "list": "files", "id": f"f-{f.file_id}", "html": str(parts.file(f))}  # type: ignore[attr-defined]
-    if kind in RUN_EVENTS:
-        run_id = event.run.run_id or event.approval.run_id
-        return {"op": "run", "run_id": run_id, "kind": common_pb2.RoomEventKind.Name(kind)}
-    return None
-
-
-async def watch(s: Session, room_id: str, after: int | None) -> AsyncIterator[tuple[int, common_pb2.RoomEvent | None]]:
-    """(cursor, event) for each event of the room after ``after``, and (cursor, None) for heartbeats."""
-    request = gateway_pb2.WatchRoomRequest(room_id=room_id)
-    if after is not None:
-        request.after = after
-    call = s.client.WatchRoom(request)
-    try:
-        async for response in call:
-            for event in response.events:
-                yield event.cursor, event
-            if response.HasField("heartbeat"):
-                yield response.heartbeat.cursor, None
-    finally:
-        call.cancel()
-
-
-def _after(request: Request) -> int | None:
-    raw = request.headers.get("last-event-id") or request.query_params.get("after") or ""
-    return int(raw) if raw.isdigit() else None
-
-
-def stream(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(
-        body, media_type="text/event-stream", headers={"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-    )
-
-
-async def room_events(request: Request) -> Response:
-    s = Session(request)
-    room_id = request.path_params["room_id"]
-    after = _after(request)
-
-    async def body() -> AsyncIterator[str]:
-        yield "retry: 2000\n\n"
-        try:
-            async for cursor, event in watch(s, room_id, after):
-                if event is None:
-                    yield sse("beat", {}, cursor)
-                    continue
-                item = render_event(request, event)
-                yield sse("room", item or {"op": "none"}, cursor)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OUT_OF_RANGE):
-                yield sse(
-                    "gone",
-                    {
-                        "message": words(exc)[1]
-                        if exc.code() != grpc.StatusCode.OUT_OF_RANGE
-                        else "Events were missed: reload the page."
-                    },
-                )
-            # Otherwise the browser reconnects and resumes after the last id it saw.
-
-    return stream(body())
-
-
-async def approval_events(request: Request) -> Response:
-    """One stream for the approvals page: a "changed" event whenever a run of any of the company's
-    rooms is parked, continues or ends, so the page re-reads its list."""
-    s = Session(request)
-    listed = await s.call("ListRooms", gateway_pb2.ListRoomsRequest(page_size=WATCHED_ROOMS))
-    room_ids = [r.room_id for r in listed.rooms]
-
-    async def body() -> AsyncIterator[str]:
-        queue: asyncio.Queue[str] = asyncio.Queue(maxsize=64)
-
-        async def follow(room_id: str) -> None:
-            with contextlib.suppress(grpc.aio.AioRpcError):
-                async for _cursor, event in watch(s, room_id, None):
-                    if event is not None and event.kind in RUN_EVENTS and queue.empty():
-                        queue.put_nowait(room_id)
-
-        tasks = [asyncio.create_task(follow(room_id)) for room_id in room_ids]
-        try:
-            yield "retry: 2000\n\n"
-            while True:
-                room_id = await queue.get()
-                yield sse("changed", {"room_id": room_id})
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-    return stream(body())
 
 
 # -- errors, headers, wiring ----------------------------------------------------------------------
@@ -770,6 +595,8 @@ def create_app(config: ConsoleConfig, *, channel: grpc.aio.Channel | None = None
     app.state.config = config
     app.state.templates = templates
     app.state.box = session_box(config.session_secret)
+    app.state.stream_slots = StreamSlots(config.max_streams_per_session)
+    app.state.signin_throttle = AuthThrottle(config.signin_throttle, _log, what="sign-ins", settings=SIGNIN_SETTINGS)
     return app
 
 
@@ -778,15 +605,18 @@ def main() -> int:
     try:
         config = ConsoleConfig.from_env()
         host, port = config.host_port
+        limits = HttpLimits.from_env()
     except ConfigError as exc:
         print(f"console: {exc}", flush=True)
         return 2
     app = create_app(config)
     server = uvicorn.Server(
-        uvicorn.Config(
+        # Slow or silent clients are cut and bodies bounded (quayutec.httpserve).
+        server_config(
             app,
             host=host,
             port=port,
+            limits=limits,
             log_level="info",
             proxy_headers=False,
             server_header=False,

@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from quayutec.config import DATA_DIR_ENV, GATEWAY, ConfigError, env_bool, env_float, env_str, service_addr
+from quayutec.config import DATA_DIR_ENV, GATEWAY, ConfigError, env_bool, env_float, env_int, env_str, service_addr
 from quayutec.settings import setting
+from quayutec.throttle import ThrottleConfig
 
 SECRET_FILE = "console-session.key"
 MIN_SECRET_CHARS = 32
@@ -26,6 +28,12 @@ class ConsoleConfig:
     # TLS to the Gateway: None for plaintext; otherwise the CA's PEM (b"" for the system's roots).
     gateway_ca: bytes | None = None
     gateway_tls_name: str = ""
+    # Open live-update streams of one sign-in on this replica.
+    max_streams_per_session: int = 6
+    # Failed sign-ins per browser address and per key id.
+    signin_throttle: ThrottleConfig = field(default_factory=lambda: ThrottleConfig(rate_per_second=0.1, burst=10))
+    # The origin browsers reach the console at ("": the request's own host); every POST's Origin must match.
+    origin: str = ""
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -50,6 +58,9 @@ class ConsoleConfig:
             except OSError as exc:
                 raise ConfigError(f"cannot read QUAYUTEC_CONSOLE_GATEWAY_CA ({ca_path}): {exc.strerror}") from exc
         hours = env_float(env, setting("QUAYUTEC_CONSOLE_SESSION_HOURS"), minimum=0.01)
+        origin = env_str(env, setting("QUAYUTEC_CONSOLE_ORIGIN")).strip().rstrip("/")
+        if origin and (urlsplit(origin).scheme not in ("http", "https") or not urlsplit(origin).netloc):
+            raise ConfigError(f"QUAYUTEC_CONSOLE_ORIGIN must read https://host[:port], got {origin!r}")
         return cls(
             listen=env_str(env, setting("QUAYUTEC_CONSOLE_LISTEN")),
             gateway_addr=service_addr(GATEWAY, env),
@@ -59,6 +70,13 @@ class ConsoleConfig:
             jaeger_url=env_str(env, setting("QUAYUTEC_CONSOLE_JAEGER_URL")).rstrip("/"),
             gateway_ca=gateway_ca,
             gateway_tls_name=env_str(env, setting("QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME")),
+            max_streams_per_session=env_int(env, setting("QUAYUTEC_CONSOLE_MAX_STREAMS_PER_SESSION"), minimum=1),
+            signin_throttle=ThrottleConfig(
+                rate_per_second=env_float(env, setting("QUAYUTEC_CONSOLE_SIGNIN_FAILURE_RATE")),
+                burst=env_int(env, setting("QUAYUTEC_CONSOLE_SIGNIN_FAILURE_BURST"), minimum=1),
+                max_subjects=env_int(env, setting("QUAYUTEC_CONSOLE_SIGNIN_TRACKED"), minimum=1),
+            ),
+            origin=origin,
         )
 
 

@@ -2,11 +2,15 @@
 
 A key reads ``qyk_<key_id>_<random>``; only its SHA-256 is stored. Authentication looks the key up
 by ``key_id`` and compares hashes in constant time, once per call and without a cache, so a revoked
-key stops working at once.
+key stops working at once; a stream opened before is ended by ``OpenStreams`` (services/gateway/streams.py).
+A session key (CreateSessionKey, what a console sign-in uses) is a key of the same form with a parent
+company key and an expiry. Failed authentications are throttled per source address and per key id
+(quayutec.throttle.AuthThrottle): beyond the burst they are answered RESOURCE_EXHAUSTED unchecked.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import hashlib
@@ -14,19 +18,34 @@ import hmac
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import asyncpg
 import grpc
 
-from quayutec.errors import InvalidArgument, Unauthenticated, WrappedHandlers, status_for
+from quayutec.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    WrappedHandlers,
+    status_for,
+)
+from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
 from services.gateway.store import ApiKey, ApiKeyStore
+from services.gateway.streams import OpenStream, OpenStreams
 
 _log = logging.getLogger("quayutec.gateway.auth")
 
 KEY_PREFIX = "qyk_"
 MAX_LABEL_BYTES = 200
+# A session key lives 1 minute to 7 days.
+SESSION_TTL_SECONDS = (60, 7 * 86_400)
+THROTTLE_SETTINGS = "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST / _RATE"
 # Services reachable without a key: health checks and reflection.
 UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _HOW_TO_AUTH = "send metadata 'authorization: Bearer <api key>' with a key made by `quayutec` for your company"
@@ -57,15 +76,54 @@ def parse_key_id(secret: str) -> uuid.UUID | None:
     return parsed if str(parsed) == key_id else None
 
 
+def _label(label: str) -> str:
+    if len(label.encode("utf-8")) > MAX_LABEL_BYTES:
+        raise InvalidArgument(f"label must be at most {MAX_LABEL_BYTES} bytes")
+    return label
+
+
+def _new_secret() -> tuple[uuid.UUID, str]:
+    key_id = uuid.uuid4()
+    return key_id, f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+
+
 async def create_api_key(pool: asyncpg.Pool, company_id: str, label: str) -> tuple[str, str]:
     """Make a key for ``company_id``; returns ``(key_id, secret)``. The secret is shown once, never stored."""
     company = _parse_uuid(company_id, "company_id")
-    if len(label.encode("utf-8")) > MAX_LABEL_BYTES:
-        raise InvalidArgument(f"label must be at most {MAX_LABEL_BYTES} bytes")
-    key_id = uuid.uuid4()
-    secret = f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
-    await ApiKeyStore(pool).insert_key(key_id, company, _hash_secret(secret), label)
+    key_id, secret = _new_secret()
+    await ApiKeyStore(pool).insert_key(key_id, company, _hash_secret(secret), _label(label))
     return str(key_id), secret
+
+
+async def create_session_key(
+    store: ApiKeyStore, caller: Caller, ttl_seconds: int, label: str, *, most: int
+) -> tuple[ApiKey, str]:
+    """A session key of the caller's company key, living ``ttl_seconds``; returns it and its secret."""
+    low, high = SESSION_TTL_SECONDS
+    if not low <= ttl_seconds <= high:
+        raise InvalidArgument(f"ttl_seconds must be between {low} and {high} (7 days), got {ttl_seconds}")
+    if caller.session:
+        raise PermissionDenied("a session key cannot make another session key: call with your company's API key")
+    key_id, secret = _new_secret()
+    made = await store.insert_session_key(
+        key_id, _hash_secret(secret), _label(label), uuid.UUID(caller.key_id), ttl_seconds, most
+    )
+    if made is None:
+        raise ResourceExhausted(
+            f"this API key already has {most} live session keys (QUAYUTEC_GATEWAY_MAX_SESSION_KEYS); end some "
+            "(EndSession) or wait until they expire"
+        )
+    return made, secret
+
+
+async def end_session(store: ApiKeyStore, caller: Caller) -> None:
+    """Revoke the caller's session key (the trigger notifies every replica, whose streams of it end)."""
+    if not caller.session:
+        raise FailedPrecondition(
+            "EndSession ends a session key, and this call was made with a company API key: revoke that with "
+            "`quayutec keys revoke <key id>`"
+        )
+    await store.revoke_key(uuid.UUID(caller.key_id))
 
 
 async def revoke_api_key(pool: asyncpg.Pool, key_id: str) -> bool:
@@ -77,25 +135,60 @@ async def revoke_api_key(pool: asyncpg.Pool, key_id: str) -> bool:
     return await ApiKeyStore(pool).revoke_key(parsed)
 
 
-async def list_api_keys(pool: asyncpg.Pool, company_id: str) -> list[ApiKey]:
-    """The keys of one company, oldest first, revoked ones included (never hashes or secrets)."""
-    return await ApiKeyStore(pool).list_keys(_parse_uuid(company_id, "company_id"))
+async def list_api_keys(pool: asyncpg.Pool, company_id: str, *, sessions: bool = False) -> list[ApiKey]:
+    """The keys of one company, oldest first, revoked ones included (never hashes or secrets); its
+    session keys too when ``sessions``."""
+    return await ApiKeyStore(pool).list_keys(_parse_uuid(company_id, "company_id"), sessions=sessions)
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who makes a call: the company, and the key it authenticated with."""
+
+    company_id: str
+    key_id: str
+    # A session key (CreateSessionKey), and when it expires.
+    session: bool = False
+    expires_at: datetime | None = None
 
 
 class Authenticator:
-    """Resolves an ``authorization`` metadata value to the company whose live key it carries."""
+    """Resolves an ``authorization`` metadata value to the caller whose live key it carries, throttling
+    failed attempts per source address and per key id."""
 
-    def __init__(self, store: ApiKeyStore) -> None:
+    def __init__(self, store: ApiKeyStore, throttle: ThrottleConfig | None = None) -> None:
         self._store = store
+        self._throttle = AuthThrottle(
+            throttle or ThrottleConfig(), _log, what="authentications", settings=THROTTLE_SETTINGS
+        )
 
-    async def company_for(self, authorization: str | None) -> str:
+    async def caller_for(self, authorization: str | None, peer: str = "") -> Caller:
+        subjects = [f"source:{source_of(peer)}"]
+        secret = ""
+        key_id: uuid.UUID | None = None
+        if authorization:
+            scheme, _, secret = authorization.strip().partition(" ")
+            secret = secret.strip() if scheme.lower() == "bearer" else ""
+            key_id = parse_key_id(secret)
+        if key_id is not None:
+            subjects.append(f"key:{key_id}")
+        refused = self._throttle.refusal(subjects, str(key_id) if key_id else None, secret)
+        if refused is not None:
+            wait_ms, sentence = refused
+            raise ResourceExhausted(sentence, retry_after_ms=wait_ms)
+        try:
+            caller = await self._check(authorization, secret, key_id)
+        except Unauthenticated:
+            self._throttle.failed(subjects)
+            raise
+        self._throttle.succeeded(caller.key_id, secret)
+        return caller
+
+    async def _check(self, authorization: str | None, secret: str, key_id: uuid.UUID | None) -> Caller:
         if not authorization:
             raise Unauthenticated(f"no API key: {_HOW_TO_AUTH}")
-        scheme, _, secret = authorization.strip().partition(" ")
-        secret = secret.strip()
-        if scheme.lower() != "bearer" or not secret:
+        if not secret:
             raise Unauthenticated(f"malformed authorization metadata: {_HOW_TO_AUTH}")
-        key_id = parse_key_id(secret)
         if key_id is None:
             raise Unauthenticated(f"malformed API key (keys read qyk_<key id>_<secret>): {_HOW_TO_AUTH}")
         stored = await self._store.get_key_hash(key_id)
@@ -103,27 +196,38 @@ class Authenticator:
             raise Unauthenticated(f"unknown API key: {_HOW_TO_AUTH}")
         if stored.revoked:
             raise Unauthenticated(f"this API key was revoked: {_HOW_TO_AUTH}")
-        return stored.company_id
+        if stored.expired:
+            raise Unauthenticated(f"this session key expired (sign in again): {_HOW_TO_AUTH}")
+        return Caller(
+            company_id=stored.company_id,
+            key_id=str(key_id),
+            session=stored.parent_key_id is not None,
+            expires_at=stored.expires_at,
+        )
 
 
 class CallerContext:
-    """Carries the authenticated company from the interceptor to the servicer of the same call."""
+    """Carries the authenticated caller from the interceptor to the servicer of the same call."""
 
     def __init__(self) -> None:
-        self._company: contextvars.ContextVar[str | None] = contextvars.ContextVar("quayutec_caller", default=None)
+        self._caller: contextvars.ContextVar[Caller | None] = contextvars.ContextVar("quayutec_caller", default=None)
+
+    def caller(self) -> Caller:
+        """The caller; only callable inside an authenticated call."""
+        caller = self._caller.get()
+        if caller is None:
+            raise Unauthenticated(f"no authenticated company: {_HOW_TO_AUTH}")
+        return caller
 
     def company_id(self) -> str:
         """The calling company; only callable inside an authenticated call."""
-        company = self._company.get()
-        if company is None:
-            raise Unauthenticated(f"no authenticated company: {_HOW_TO_AUTH}")
-        return company
+        return self.caller().company_id
 
-    def set(self, company_id: str) -> contextvars.Token[str | None]:
-        return self._company.set(company_id)
+    def set(self, caller: Caller) -> contextvars.Token[Caller | None]:
+        return self._caller.set(caller)
 
-    def reset(self, token: contextvars.Token[str | None]) -> None:
-        self._company.reset(token)
+    def reset(self, token: contextvars.Token[Caller | None]) -> None:
+        self._caller.reset(token)
 
 
 def _authorization(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
@@ -134,11 +238,13 @@ def _authorization(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
-    """Authenticates every call except health and reflection, before any handler code runs."""
+    """Authenticates every call except health and reflection, before any handler code runs; registers
+    every server stream with ``streams`` (the company's fair share; ended when its key is revoked)."""
 
-    def __init__(self, authenticator: Authenticator, caller: CallerContext) -> None:
+    def __init__(self, authenticator: Authenticator, caller: CallerContext, streams: OpenStreams) -> None:
         self._authenticator = authenticator
         self._caller = caller
+        self._streams = streams
         # The authenticating handler of each method, built once rather than per call.
         self._wrapped = WrappedHandlers()
 
@@ -161,8 +267,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         inner = handler.unary_unary
 
         async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            company_id = await self._authenticate(method, context)
-            token = self._caller.set(company_id)
+            caller = await self._authenticate(method, context)
+            token = self._caller.set(caller)
             try:
                 return await inner(request, context)
             finally:
@@ -174,28 +280,41 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             response_serializer=handler.response_serializer,
         )
 
-    async def _authenticate(self, method: str, context: grpc.aio.ServicerContext) -> str:
-        """The caller's company from its API key, or the call is aborted (UNAUTHENTICATED, or what failed)."""
+    async def _authenticate(self, method: str, context: grpc.aio.ServicerContext) -> Caller:
+        """The caller from its API key, or the call is aborted (UNAUTHENTICATED, RESOURCE_EXHAUSTED when
+        throttled, or what failed)."""
         try:
-            return await self._authenticator.company_for(_authorization(context.invocation_metadata()))
+            return await self._authenticator.caller_for(_authorization(context.invocation_metadata()), context.peer())
         except Exception as exc:
-            code, message = status_for(exc)
-            if code != grpc.StatusCode.UNAUTHENTICATED:
-                _log.warning("authenticating %s failed: %s", method, message, exc_info=exc)
-            await context.abort(code, message)
+            await _abort(context, exc, f"authenticating {method}")
             raise  # abort raises; this line is never reached
 
     def _authenticated_stream(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        """The same authentication for a server-streaming RPC (WatchRoom), before its first item."""
+        """The same authentication for a server-streaming RPC, before its first item; the stream counts
+        against its company's share and ends (UNAUTHENTICATED) when its key is revoked or expires."""
         inner = handler.unary_stream
 
         async def authenticated(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            company_id = await self._authenticate(method, context)
-            token = self._caller.set(company_id)
+            caller = await self._authenticate(method, context)
             try:
-                async for item in inner(request, context):
-                    yield item
+                opened = self._streams.open(caller.company_id, caller.key_id, caller.expires_at)
+            except ResourceExhausted as exc:
+                await _abort(context, exc, method)
+                raise
+            token = self._caller.set(caller)
+            try:
+                produced = inner(request, context)
+                if hasattr(produced, "__aiter__"):
+                    relayed = self._items(produced.__aiter__(), opened, context, method)
+                    try:
+                        async for item in relayed:
+                            yield item
+                    finally:
+                        await relayed.aclose()
+                else:  # a handler that answers without items (one not implemented)
+                    await produced
             finally:
+                self._streams.close(opened)
                 with contextlib.suppress(ValueError):  # closed from another context: that task ends anyway
                     self._caller.reset(token)
 
@@ -204,3 +323,43 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             request_deserializer=handler.request_deserializer,
             response_serializer=handler.response_serializer,
         )
+
+    @staticmethod
+    async def _items(
+        items: AsyncIterator[Any], opened: OpenStream, context: grpc.aio.ServicerContext, method: str
+    ) -> AsyncGenerator[Any, None]:
+        """The handler's items until it ends, or until OpenStreams ends the stream (its key was revoked
+        or expired): then the call is aborted with why, whether it was waiting for an item or sending one."""
+        try:
+            while True:
+                opened.waiting = True
+                try:
+                    item = await items.__anext__()
+                except StopAsyncIteration:
+                    return
+                except asyncio.CancelledError:
+                    if opened.ended is None:
+                        raise
+                    opened.uncancel()  # ended by OpenStreams: the caller is told why, not "cancelled"
+                    await _abort(context, opened.ended, method)
+                    raise
+                finally:
+                    opened.waiting = False
+                if opened.ended is not None:  # ended while the item before was being sent
+                    await _abort(context, opened.ended, method)
+                yield item
+        finally:
+            close = getattr(items, "aclose", None)
+            if close is not None:
+                await close()
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
+    """Abort the call with ``exc``'s status (and the retry-after trailer of a throttle); log what is
+    neither the caller's fault nor a limit."""
+    code, message = status_for(exc)
+    if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED):
+        _log.warning("%s failed: %s", what, message, exc_info=exc)
+    if isinstance(exc, ResourceExhausted) and exc.retry_after_ms is not None:
+        context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+    await context.abort(code, message)

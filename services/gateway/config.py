@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from quayutec.config import (
@@ -21,6 +21,7 @@ from quayutec.config import (
     service_addr,
 )
 from quayutec.settings import setting
+from quayutec.throttle import ThrottleConfig
 
 
 @dataclass(frozen=True)
@@ -86,9 +87,28 @@ class WatchConfig:
     heartbeat_seconds: float = 15.0
     # While the LISTEN connection is down, streams re-read their room this often instead.
     check_seconds: float = 0.5
-    # Most WatchRoom streams this replica serves at once (each also counts against the server's
-    # concurrent RPC limit); beyond it WatchRoom answers RESOURCE_EXHAUSTED.
+    # Most WatchRoom and WatchRooms streams this replica serves at once (each also counts against the
+    # server's concurrent RPC limit); beyond it they answer RESOURCE_EXHAUSTED.
     max_streams: int = 900
+    # Most rooms one WatchRooms stream follows (a company in more rooms is answered RESOURCE_EXHAUSTED).
+    max_rooms: int = 200
+
+
+@dataclass(frozen=True)
+class StreamsConfig:
+    """Every server stream of an API key (WatchRoom, WatchRooms, A2A streaming): the company's fair share
+    of a replica, and how soon a revoked or expired key's open streams end."""
+
+    # Most open streams of one company on one replica, well below WatchConfig.max_streams.
+    max_per_company: int = 100
+    # LISTEN for key revocations (quayutec_keys_revoked) and end the key's streams at once.
+    revocation_notify: bool = True
+    # The backstop: this often, the keys of open streams are looked up again (a missed notification).
+    recheck_seconds: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_per_company < 1 or self.recheck_seconds <= 0:
+            raise ConfigError("the per-company stream limit must be at least 1 and the re-check interval positive")
 
 
 @dataclass(frozen=True)
@@ -109,6 +129,11 @@ class GatewayConfig:
     rate_limit: RateLimitConfig = RateLimitConfig()
     delivery: DeliveryConfig = DeliveryConfig()
     watch: WatchConfig = WatchConfig()
+    streams: StreamsConfig = StreamsConfig()
+    # Failed authentications per source address and per key id.
+    auth_throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
+    # Most live session keys (CreateSessionKey) of one company key.
+    max_session_keys: int = 1000
     # The address A2A agent cards name ("" : the address the server is bound to).
     a2a_url: str = ""
     # Longest wait of a blocking A2A SendMessage.
@@ -154,6 +179,17 @@ class GatewayConfig:
             heartbeat_seconds=env_float(env, setting(f"{p}WATCH_HEARTBEAT_SECONDS"), minimum=0.01),
             check_seconds=env_float(env, setting(f"{p}WATCH_CHECK_SECONDS"), minimum=0.01),
             max_streams=env_int(env, setting(f"{p}WATCH_MAX_STREAMS"), minimum=1),
+            max_rooms=env_int(env, setting(f"{p}WATCH_MAX_ROOMS"), minimum=1),
+        )
+        streams = StreamsConfig(
+            max_per_company=env_int(env, setting(f"{p}MAX_STREAMS_PER_COMPANY"), minimum=1),
+            revocation_notify=env_bool(env, setting(f"{p}KEY_NOTIFY")),
+            recheck_seconds=env_float(env, setting(f"{p}KEY_RECHECK_SECONDS"), minimum=0.05),
+        )
+        auth_throttle = ThrottleConfig(
+            rate_per_second=env_float(env, setting(f"{p}AUTH_FAILURE_RATE")),
+            burst=env_int(env, setting(f"{p}AUTH_FAILURE_BURST"), minimum=1),
+            max_subjects=env_int(env, setting(f"{p}AUTH_TRACKED"), minimum=1),
         )
         return cls(
             server=ServerConfig.from_env(GATEWAY, env),
@@ -168,6 +204,9 @@ class GatewayConfig:
             rate_limit=rate_limit,
             delivery=delivery,
             watch=watch,
+            streams=streams,
+            auth_throttle=auth_throttle,
+            max_session_keys=env_int(env, setting(f"{p}MAX_SESSION_KEYS"), minimum=1),
             a2a_url=env_str(env, setting(f"{p}A2A_URL")).strip(),
             a2a_block_seconds=env_float(env, setting(f"{p}A2A_BLOCK_SECONDS"), minimum=0.0),
         )

@@ -1,14 +1,16 @@
-"""PostgreSQL LISTEN for the Room's notifications, one connection per channel per Gateway replica:
-"new wakes" (the delivery loop polls at once instead of at the end of its interval) and "room events"
-(payload: the room id; WatchRoom streams read their room's new events). Polling stays the fallback
-whenever a listener is down."""
+"""PostgreSQL LISTEN, one connection per listener per Gateway replica: the Room's "new wakes" (the
+delivery loop polls at once instead of at the end of its interval); and, on one other connection, the
+Room's "room events" (payload: the room id; watch streams read their room's new events), the
+Gateway's "keys revoked" (payload: the key id; that key's open streams end) and "company rooms"
+(payload: a company id that joined or made a room; its WatchRooms streams follow it). Polling and
+periodic re-checks stay the fallback whenever a listener is down."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import asyncpg
@@ -17,23 +19,24 @@ _log = logging.getLogger("quayutec.gateway.notify")
 
 CHANNEL = "quayutec_wakes"
 ROOM_EVENTS_CHANNEL = "quayutec_room_events"
+COMPANY_ROOMS_CHANNEL = "quayutec_company_rooms"
 RECONNECT_SECONDS = 2.0
 
 
 class Listener:
-    """Holds one pooled connection LISTENing on ``channel``; calls ``on_notify(payload)`` for each
-    notification and ``on_listening()`` each time LISTEN takes effect (anything committed before)."""
+    """Holds one pooled connection LISTENing on each channel of ``channels``; calls the channel's
+    function with the payload of each notification, and ``on_listening()`` each time LISTEN takes
+    effect (anything committed before)."""
 
     def __init__(
         self,
         pool: asyncpg.Pool,
-        channel: str,
-        on_notify: Callable[[str], None],
+        channels: Mapping[str, Callable[[str], None]],
         on_listening: Callable[[], None],
     ) -> None:
         self._pool = pool
-        self._channel = channel
-        self._on_notify = on_notify
+        self._channels = dict(channels)
+        self._channel = ", ".join(self._channels)
         self._on_listening = on_listening
         self._stopping = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -51,8 +54,8 @@ class Listener:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    def _notified(self, _conn: Any, _pid: int, _channel: str, payload: str) -> None:
-        self._on_notify(payload)
+    def _notified(self, _conn: Any, _pid: int, channel: str, payload: str) -> None:
+        self._channels[channel](payload)
 
     async def _run(self) -> None:
         while not self._stopping.is_set():
@@ -69,7 +72,8 @@ class Listener:
         lost = asyncio.Event()
         conn.add_termination_listener(lambda _conn: lost.set())
         try:
-            await conn.add_listener(self._channel, self._notified)
+            for channel in self._channels:
+                await conn.add_listener(channel, self._notified)
             self.listening.set()
             self._on_listening()  # anything committed before LISTEN took effect
             waiters = {asyncio.ensure_future(lost.wait()), asyncio.ensure_future(self._stopping.wait())}
@@ -83,7 +87,8 @@ class Listener:
                 conn.terminate()
             else:
                 with contextlib.suppress(Exception):
-                    await conn.remove_listener(self._channel, self._notified)  # UNLISTEN before it goes back
+                    for channel in self._channels:
+                        await conn.remove_listener(channel, self._notified)  # UNLISTEN before it goes back
             await self._pool.release(conn)
 
 
@@ -91,4 +96,4 @@ class WakeListener(Listener):
     """LISTEN ``quayutec_wakes``; calls ``on_wakes`` for each notification and after (re)connecting."""
 
     def __init__(self, pool: asyncpg.Pool, on_wakes: Callable[[], None]) -> None:
-        super().__init__(pool, CHANNEL, lambda _payload: on_wakes(), on_wakes)
+        super().__init__(pool, {CHANNEL: lambda _payload: on_wakes()}, on_wakes)

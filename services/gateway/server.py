@@ -18,10 +18,11 @@ from services.gateway.a2a import A2AGrpcHandler, RoomAgentHandler
 from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
 from services.gateway.config import GatewayConfig
 from services.gateway.delivery import WakeDelivery
-from services.gateway.notify import ROOM_EVENTS_CHANNEL, Listener, WakeListener
+from services.gateway.notify import COMPANY_ROOMS_CHANNEL, ROOM_EVENTS_CHANNEL, Listener, WakeListener
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.servicer import GatewayServicer
 from services.gateway.store import ApiKeyStore
+from services.gateway.streams import KEYS_REVOKED_CHANNEL, OpenStreams
 from services.gateway.watch import RoomEventHub
 
 # Files and messages up to 10 MiB pass through to the Room.
@@ -76,10 +77,29 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         room_timeout_seconds=config.room_timeout_seconds,
         listening=lambda: events_listener.listening.is_set(),
     )
-    events_listener = Listener(pool, ROOM_EVENTS_CHANNEL, hub.notified, hub.reconnected)
+    keys = ApiKeyStore(pool)
+    # Every open stream of this replica: each company's share, ended when its key is revoked.
+    streams = OpenStreams(config.streams, keys)
+    channels = {ROOM_EVENTS_CHANNEL: hub.notified, COMPANY_ROOMS_CHANNEL: hub.rooms_changed}
+    if config.streams.revocation_notify:
+        channels[KEYS_REVOKED_CHANNEL] = streams.revoked
+
+    def listening() -> None:
+        hub.reconnected()
+        streams.listening()
+
+    events_listener = Listener(pool, channels, listening)
     # One per-company rate limit for the Gateway's own API and the A2A door.
     limiter = PostRateLimiter(config.rate_limit)
-    servicer = GatewayServicer(room, caller, limiter, room_timeout_seconds=config.room_timeout_seconds, watch=hub)
+    servicer = GatewayServicer(
+        room,
+        caller,
+        limiter,
+        room_timeout_seconds=config.room_timeout_seconds,
+        watch=hub,
+        keys=keys,
+        max_session_keys=config.max_session_keys,
+    )
 
     def card_url() -> str:
         if config.a2a_url:
@@ -108,6 +128,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
         a2a_pb2_grpc.add_A2AServiceServicer_to_server(a2a, server)  # type: ignore[no-untyped-call]
         events_listener.start()
+        streams.start()
         if config.delivery.enabled:
             delivery.start()
             if config.delivery.wake_notify:
@@ -117,6 +138,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         try:
             await listener.stop()
             await events_listener.stop()
+            await streams.stop()
             await delivery.stop()
             await room_channel.close()
             await runtime_channel.close()
@@ -128,7 +150,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         config=config.server,
         register=register,
         on_stop=on_stop,
-        interceptors=(AuthInterceptor(Authenticator(ApiKeyStore(pool)), caller),),
+        interceptors=(AuthInterceptor(Authenticator(keys, config.auth_throttle), caller, streams),),
         credentials=credentials,
     )
     return grpc_server

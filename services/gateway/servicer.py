@@ -10,18 +10,23 @@ ids; nothing another company owns is ever returned.
 from __future__ import annotations
 
 import asyncio
+import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
 import grpc
 
 from quayutec.errors import InvalidArgument, NotFound, status_for
+from quayutec.ratelog import RateLimitedLog
 from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2
-from services.gateway.auth import CallerContext
+from services.gateway.auth import CallerContext, create_session_key, end_session
 from services.gateway.ratelimit import PostRateLimiter
+from services.gateway.store import ApiKeyStore
 from services.gateway.watch import RoomEventHub
+
+_log = logging.getLogger("quayutec.gateway.servicer")
 
 MAX_NAME_BYTES = 200
 MAX_BODY_BYTES = 64 * 1024
@@ -38,6 +43,9 @@ MAX_PASSAGES = 50
 RIGHT_FIELDS = ("remember", "create_task", "update_task", "close_task", "cross_company_task")
 
 _CLOSING_STATUSES = (common_pb2.TASK_STATUS_DONE, common_pb2.TASK_STATUS_CANCELLED)
+_registration_log = logging.getLogger("quayutec.gateway.registration")
+# How the Room refuses a registration: a base_url its egress rules refuse, or a host it cannot resolve.
+_REGISTRATION_REFUSALS = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE})
 # Said for an agent a write names that is unknown or not in the room: one answer for both, so agent ids
 # of other companies cannot be probed.
 AGENT_NOT_IN_ROOM = "agent not found in this room (unknown, or its company is not a member)"
@@ -116,12 +124,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         *,
         room_timeout_seconds: float,
         watch: RoomEventHub | None = None,
+        keys: ApiKeyStore | None = None,
+        max_session_keys: int = 1000,
     ) -> None:
         self._room = room
         self._caller = caller
         self._limiter = limiter
         self._timeout = room_timeout_seconds
         self._watch = watch
+        self._keys = keys
+        self._max_session_keys = max_session_keys
+        # One line per refused registration, no traceback; anyone with a key can cause them, so bounded.
+        self._refusals = RateLimitedLog(_registration_log)
 
     # --- helpers -------------------------------------------------------------------------------
 
@@ -195,6 +209,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             await self._member_room(room_id, company_id)
         return response
 
+    async def _rooms_changed(self, company_id: str) -> None:
+        """Tell every replica's WatchRooms streams of the company to follow its new room now (their
+        periodic re-listing is the fallback, so a failure here fails nothing)."""
+        if self._keys is None:
+            return
+        try:
+            await self._keys.notify_company_rooms(company_id)
+        except Exception as exc:
+            _log.warning("announcing a room change of company %s failed (%s)", company_id, type(exc).__name__)
+
     @staticmethod
     def _dedupe_key(company_id: str, key: str) -> str:
         """Idempotency keys are namespaced by company so two companies' keys never collide."""
@@ -215,6 +239,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         response = await self._room.CreateRoom(
             room_pb2.RoomServiceCreateRoomRequest(company_id=company_id, name=name), timeout=self._timeout
         )
+        await self._rooms_changed(company_id)
         return gateway_pb2.CreateRoomResponse(room=response.room)
 
     async def ListRooms(self, request: gateway_pb2.ListRoomsRequest, context: Any) -> gateway_pb2.ListRoomsResponse:
@@ -289,6 +314,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             ),
             timeout=self._timeout,
         )
+        await self._rooms_changed(company_id)
         return gateway_pb2.AcceptInvitationResponse(invitation=response.invitation, member=response.member)
 
     async def DeclineInvitation(
@@ -375,18 +401,26 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise InvalidArgument("base_url is required for PROVIDER_OPENAI_COMPATIBLE")
         provider_key = _required_text(request.provider_key, "provider_key", MAX_PROVIDER_KEY_BYTES)
         system_prompt = _optional_text(request.system_prompt, "system_prompt", MAX_SYSTEM_PROMPT_BYTES)
-        response = await self._room.RegisterAgent(
-            room_pb2.RoomServiceRegisterAgentRequest(
-                company_id=company_id,
-                name=name,
-                provider=request.provider,
-                model=model,
-                base_url=base_url,
-                provider_key=provider_key,
-                system_prompt=system_prompt,
-            ),
-            timeout=self._timeout,
-        )
+        try:
+            response = await self._room.RegisterAgent(
+                room_pb2.RoomServiceRegisterAgentRequest(
+                    company_id=company_id,
+                    name=name,
+                    provider=request.provider,
+                    model=model,
+                    base_url=base_url,
+                    provider_key=provider_key,
+                    system_prompt=system_prompt,
+                ),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() not in _REGISTRATION_REFUSALS:
+                raise
+            # The Room refused (its base_url check, or it cannot resolve the host now): passed on as is.
+            code, details = exc.code(), exc.details() or exc.code().name
+            self._refusals.warning("RegisterAgent refused for company %s: %s %s", company_id, code.name, details)
+            await context.abort(code, details)
         return gateway_pb2.RegisterAgentResponse(agent=response.agent)
 
     async def ListAgents(self, request: gateway_pb2.ListAgentsRequest, context: Any) -> gateway_pb2.ListAgentsResponse:
@@ -788,10 +822,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def WatchRoom(
         self, request: gateway_pb2.WatchRoomRequest, context: Any
     ) -> AsyncIterator[gateway_pb2.WatchRoomResponse]:
-        try:
-            company_id = self._caller.company_id()
-            if self._watch is None:
-                raise NotImplementedError("WatchRoom is not served by this Gateway")
+        def items(hub: RoomEventHub, company_id: str) -> AsyncIterator[gateway_pb2.WatchRoomResponse]:
             if not request.room_id:
                 raise InvalidArgument("room_id is required")
             if not _is_uuid(request.room_id):
@@ -799,10 +830,73 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             after = request.after if request.HasField("after") else None
             if after is not None and after < 0:
                 raise InvalidArgument(f"after must be a cursor (0 or more) or unset (from now), got {after}")
-            async for item in self._watch.watch(request.room_id, company_id, after):
+            return hub.watch(request.room_id, company_id, after)
+
+        async for item in self._stream(context, items):
+            yield item
+
+    async def WatchRooms(
+        self, request: gateway_pb2.WatchRoomsRequest, context: Any
+    ) -> AsyncIterator[gateway_pb2.WatchRoomsResponse]:
+        def items(hub: RoomEventHub, company_id: str) -> AsyncIterator[gateway_pb2.WatchRoomsResponse]:
+            return hub.watch_rooms(company_id, _room_cursors(request.after, hub.config.max_rooms))
+
+        async for item in self._stream(context, items):
+            yield item
+
+    async def _stream(
+        self, context: Any, items: Callable[[RoomEventHub, str], AsyncIterator[Any]]
+    ) -> AsyncIterator[Any]:
+        """A watch's items, its failures answered with their status codes."""
+        try:
+            company_id = self._caller.company_id()
+            if self._watch is None:
+                raise NotImplementedError("watching is not served by this Gateway")
+            async for item in items(self._watch, company_id):
                 yield item
         except (grpc.aio.AbortError, asyncio.CancelledError):
             raise
         except Exception as exc:
             code, message = status_for(exc)
             await context.abort(code, message)
+
+    # --- session keys --------------------------------------------------------------------------
+
+    async def CreateSessionKey(
+        self, request: gateway_pb2.CreateSessionKeyRequest, context: Any
+    ) -> gateway_pb2.CreateSessionKeyResponse:
+        caller = self._caller.caller()
+        if self._keys is None:
+            raise NotImplementedError("session keys are not served by this Gateway")
+        self._limiter.take(caller.company_id)
+        made, secret = await create_session_key(
+            self._keys, caller, request.ttl_seconds, request.label, most=self._max_session_keys
+        )
+        response = gateway_pb2.CreateSessionKeyResponse(key_id=made.key_id, secret=secret)
+        if made.expires_at is not None:
+            response.expires_at.FromDatetime(made.expires_at)
+        return response
+
+    async def EndSession(self, request: gateway_pb2.EndSessionRequest, context: Any) -> gateway_pb2.EndSessionResponse:
+        caller = self._caller.caller()
+        if self._keys is None:
+            raise NotImplementedError("session keys are not served by this Gateway")
+        await end_session(self._keys, caller)
+        return gateway_pb2.EndSessionResponse(key_id=caller.key_id)
+
+
+def _room_cursors(after: Any, most: int) -> dict[str, int]:
+    """WatchRooms' ``after``: room id to cursor, each room once, every id well-formed."""
+    if len(after) > most:
+        raise InvalidArgument(f"after names {len(after)} rooms; a WatchRooms stream follows at most {most}")
+    cursors: dict[str, int] = {}
+    for index, named in enumerate(after):
+        if not _is_uuid(named.room_id):
+            raise InvalidArgument(f"after[{index}].room_id must be a room id (uuid), got {named.room_id[:64]!r}")
+        if named.cursor < 0:
+            raise InvalidArgument(f"after[{index}].cursor must be 0 or more, got {named.cursor}")
+        room_id = named.room_id.lower()
+        if room_id in cursors:
+            raise InvalidArgument(f"after names room {room_id} twice")
+        cursors[room_id] = int(named.cursor)
+    return cursors

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -13,6 +14,8 @@ import asyncpg
 from quayutec.sql import Queries
 
 QUERIES_PATH = Path(__file__).resolve().parent / "sql" / "queries.sql"
+# A session key's row is kept this long after it expires (it answers "expired" until then), then removed.
+SESSION_KEY_KEEP_SECONDS = 86_400
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,9 @@ class ApiKey:
     label: str
     created_at: datetime
     revoked_at: datetime | None
+    # A session key's company key, and when it expires (both None for a company key).
+    parent_key_id: str | None = None
+    expires_at: datetime | None = None
 
     @property
     def revoked(self) -> bool:
@@ -37,20 +43,26 @@ class StoredKeyHash:
     company_id: str
     key_hash: bytes
     revoked: bool
+    expired: bool = False
+    parent_key_id: str | None = None
+    expires_at: datetime | None = None
 
 
 def _api_key(row: Any) -> ApiKey:
+    parent = row["parent_key_id"]
     return ApiKey(
         key_id=str(row["key_id"]),
         company_id=str(row["company_id"]),
         label=row["label"],
         created_at=row["created_at"],
         revoked_at=row["revoked_at"],
+        parent_key_id=str(parent) if parent is not None else None,
+        expires_at=row["expires_at"],
     )
 
 
 class ApiKeyStore:
-    """Inserts, looks up, revokes and lists API keys."""
+    """Inserts, looks up, revokes and lists API keys and session keys."""
 
     def __init__(self, pool: asyncpg.Pool, queries: Queries | None = None) -> None:
         self._pool = pool
@@ -60,17 +72,48 @@ class ApiKeyStore:
         row = await self._pool.fetchrow(self._q["insert_api_key"], key_id, company_id, key_hash, label)
         return _api_key(row)
 
+    async def insert_session_key(
+        self, key_id: uuid.UUID, key_hash: bytes, label: str, parent: uuid.UUID, ttl_seconds: int, most: int
+    ) -> ApiKey | None:
+        """The new session key of ``parent``; None when the parent is revoked or has ``most`` live ones."""
+        row = await self._pool.fetchrow(
+            self._q["insert_session_key"], key_id, key_hash, label, parent, float(ttl_seconds), most
+        )
+        return _api_key(row) if row is not None else None
+
     async def get_key_hash(self, key_id: uuid.UUID) -> StoredKeyHash | None:
         row = await self._pool.fetchrow(self._q["get_api_key"], key_id)
         if row is None:
             return None
+        parent = row["parent_key_id"]
         return StoredKeyHash(
-            company_id=str(row["company_id"]), key_hash=bytes(row["key_hash"]), revoked=row["revoked_at"] is not None
+            company_id=str(row["company_id"]),
+            key_hash=bytes(row["key_hash"]),
+            revoked=bool(row["revoked"]),
+            expired=bool(row["expired"]),
+            parent_key_id=str(parent) if parent is not None else None,
+            expires_at=row["expires_at"],
         )
 
     async def revoke_key(self, key_id: uuid.UUID) -> bool:
         return await self._pool.fetchval(self._q["revoke_api_key"], key_id) is not None
 
-    async def list_keys(self, company_id: uuid.UUID) -> list[ApiKey]:
-        rows = await self._pool.fetch(self._q["list_api_keys"], company_id)
+    async def dead_keys(self, key_ids: Iterable[str]) -> set[str]:
+        """Of ``key_ids``, those unknown, revoked (or whose company key is) or expired."""
+        ids = [uuid.UUID(k) for k in key_ids]
+        if not ids:
+            return set()
+        rows = await self._pool.fetch(self._q["dead_keys"], ids)
+        return {str(r["key_id"]) for r in rows}
+
+    async def prune_session_keys(self, limit: int = 1000) -> int:
+        """Removes up to ``limit`` session keys expired more than a day ago; how many went."""
+        status: str = await self._pool.execute(self._q["prune_session_keys"], float(SESSION_KEY_KEEP_SECONDS), limit)
+        return int(status.rpartition(" ")[2] or 0)
+
+    async def list_keys(self, company_id: uuid.UUID, *, sessions: bool = False) -> list[ApiKey]:
+        rows = await self._pool.fetch(self._q["list_api_keys"], company_id, sessions)
         return [_api_key(r) for r in rows]
+
+    async def notify_company_rooms(self, company_id: str) -> None:
+        await self._pool.execute(self._q["notify_company_rooms"], company_id)

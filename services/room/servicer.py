@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any, TypeAlias
 
 import grpc
 
 from quayutec.egress import EgressPolicy, EgressRefused, ResolutionFailed, Resolver, system_resolver
-from quayutec.errors import InvalidArgument, Unavailable
+from quayutec.errors import InvalidArgument, ServiceError, Unavailable
+from quayutec.ratelog import RateLimitedLog
 from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.room import convert
 from services.room import validate as v
@@ -17,6 +19,7 @@ from services.room.passages import split_passages
 from services.room.store import HeldSpec, RoomStore, RunRecord, WakeToSettle
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
+_registration_log = logging.getLogger("quayutec.room.registration")
 
 _PROVIDERS = {
     common_pb2.PROVIDER_ANTHROPIC: "anthropic",
@@ -91,6 +94,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         self._egress = egress or EgressPolicy()
         self._resolver = resolver or system_resolver
         self._event_retention_hours = event_retention_hours
+        # One line per refused registration, no traceback; anyone with a key can cause them, so bounded.
+        self._refusals = RateLimitedLog(_registration_log)
 
     # -- companies, rooms, members --------------------------------------------------------------------------
 
@@ -219,7 +224,13 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         if request.provider == common_pb2.PROVIDER_OPENAI_COMPATIBLE and base_url is None:
             raise InvalidArgument("base_url is required for PROVIDER_OPENAI_COMPATIBLE")
         if base_url is not None:
-            await self._check_egress(base_url)
+            refused = await self._egress_refusal(base_url)
+            if refused is not None:
+                error, cause = refused
+                self._refusals.warning(
+                    "RegisterAgent refused for company %s: %s (%s)", company_id, error.message, cause
+                )
+                await context.abort(error.code, error.message)
         row = await self._store.register_agent(
             company_id=company_id,
             name=v.text(request.name, "name", v.MAX_NAME_BYTES),
@@ -231,17 +242,19 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         )
         return room_pb2.RoomServiceRegisterAgentResponse(agent=convert.agent(row))
 
-    async def _check_egress(self, base_url: str) -> None:
+    async def _egress_refusal(self, base_url: str) -> tuple[ServiceError, str] | None:
         """The Runtime's egress rules, applied now so a refused address is refused at registration
-        (the Runtime checks again on the address it dials)."""
+        (the Runtime checks again on the address it dials): None when admitted, else the error the
+        caller gets (it never says what a name resolves to) and the precise cause, for our log."""
         try:
             await self._egress.check_url(base_url, self._resolver)
         except EgressRefused as exc:
-            raise InvalidArgument(f"base_url refused ({exc.rule}): {exc.message}") from None
+            return InvalidArgument(f"base_url refused ({exc.rule}): {exc.message}"), exc.cause
         except ResolutionFailed as exc:
             if exc.temporary:
-                raise Unavailable(f"base_url: {exc}; try again later") from None
-            raise InvalidArgument(f"base_url: {exc}; name a host that resolves") from None
+                return Unavailable(f"base_url: {exc}; try again later"), "resolution failed, temporarily"
+            return InvalidArgument(f"base_url: {exc}; name a host that resolves"), "does not resolve"
+        return None
 
     async def GetAgent(
         self, request: room_pb2.RoomServiceGetAgentRequest, context: Ctx

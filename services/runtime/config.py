@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from quayutec.config import CLAIMS, ROOM, RUNTIME, ConfigError, ServerConfig, env_float, env_int, env_str, service_addr
 from quayutec.egress import EgressPolicy
 from quayutec.settings import setting
+from services.runtime.model import DEFAULT_MAX_RESPONSE_BYTES
 
 P = RUNTIME.prefix
 
@@ -27,6 +28,8 @@ class RuntimeConfig:
     run_seconds: float = 300.0
     # Timeout of one model request: of each phase (connect, read, write, pool) and of the whole request.
     model_timeout_seconds: float = 60.0
+    # The most of one model answer's body that is read; a longer one is a final response_too_large.
+    model_max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
     # Deadline of one call to Claims or Room.
     backend_timeout_seconds: float = 10.0
     # How long a Room call that is safe to repeat (reads, ledger rows, writes with a dedupe key) is
@@ -57,6 +60,7 @@ class RuntimeConfig:
             max_runs=env_int(env, setting(f"{P}MAX_RUNS"), minimum=1),
             run_seconds=env_float(env, setting(f"{P}RUN_SECONDS"), minimum=0.001),
             model_timeout_seconds=env_float(env, setting(f"{P}MODEL_TIMEOUT_SECONDS"), minimum=0.001),
+            model_max_response_bytes=env_int(env, setting(f"{P}MODEL_MAX_RESPONSE_BYTES"), minimum=1024),
             backend_timeout_seconds=env_float(env, setting(f"{P}BACKEND_TIMEOUT_SECONDS"), minimum=0.001),
             room_retry_seconds=env_float(env, setting(f"{P}ROOM_RETRY_SECONDS"), minimum=0.0),
             anthropic_base_url=env_str(env, setting(f"{P}ANTHROPIC_BASE_URL")).rstrip("/"),

@@ -514,6 +514,7 @@ class RunExecutor:
             policy=self._policy,
             clock=self._clock,
             on_attempt=on_attempt,
+            max_response_bytes=self._config.model_max_response_bytes,
         )
         if outcome.reply is None:
             await ledger.end(common_pb2.RUN_STATUS_FAILED, f"model call failed: {outcome.error}")

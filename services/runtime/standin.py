@@ -37,8 +37,11 @@ FAULT_KINDS = frozenset(
         "quota",
         "spend_cap",
         "raw",
+        "huge",
     }
 )
+# A `huge` body goes out in writes of this many bytes.
+HUGE_CHUNK = 64 * 1024
 REDACTED = "REDACTED"
 _SECRET_HEADERS = frozenset({"x-api-key", "authorization", "api-key"})
 
@@ -49,6 +52,9 @@ class Fault:
 
     `retry_after` / `retry_after_ms` set those headers; `seconds` is how long `timeout` stalls;
     `raw` sends `status`, `body` (dict/list as JSON, str as text, None as empty) and `headers`.
+    `huge` sends `status` with a body of `size` bytes, made as it is sent (the stand-in never holds
+    it), chunked or, with `declare_length`, under a content-length; how much of it went out before
+    the client hung up is in ``StandinProvider.huge_bytes_sent()``.
     `headers` are added to any fault (e.g. {"x-should-retry": "false"}).
     """
 
@@ -59,6 +65,8 @@ class Fault:
     status: int = 500
     body: Any = None
     headers: Mapping[str, str] = field(default_factory=dict)
+    size: int = 0
+    declare_length: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in FAULT_KINDS:
@@ -108,6 +116,7 @@ class _State:
         self.stopping = threading.Event()
         self.counter = 0
         self.responders: dict[str, Responder] = {}
+        self.huge_sent: list[int] = []
 
     def enqueue(self, item: Script, model: str | None, times: int) -> None:
         if times < 1:
@@ -138,6 +147,7 @@ class _State:
         with self.lock:
             self.queues.clear()
             self.records.clear()
+            self.huge_sent.clear()
 
 
 class StandinProvider:
@@ -217,6 +227,12 @@ class StandinProvider:
 
     def requests(self, model: str | None = None) -> list[RecordedRequest]:
         return self._state.requests(model)
+
+    def huge_bytes_sent(self) -> list[int]:
+        """Per `huge` answer, in order: the body bytes written before it ended (all of them, or as
+        many as went out before the client closed the connection)."""
+        with self._state.lock:
+            return list(self._state.huge_sent)
 
     def reset(self) -> None:
         """Forget queued behaviour and recorded requests."""
@@ -353,6 +369,9 @@ class _Handler(BaseHTTPRequestHandler):
         if kind == "raw":
             self._send_raw(fault.status, fault.body, extra)
             return
+        if kind == "huge":
+            self._send_huge(fault, extra)
+            return
         status, etype, message, code = _FAULTS[wire][kind]
         if kind == "unknown_model":
             message = message.format(model=model)
@@ -412,6 +431,33 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:  # the client gave up
                 self.close_connection = True
                 return
+
+    def _send_huge(self, fault: Fault, headers: Mapping[str, str]) -> None:
+        """``fault.size`` bytes of JSON whitespace, written HUGE_CHUNK at a time until done or the client
+        hangs up; the bytes that went out are recorded."""
+        self.send_response(fault.status)
+        self.send_header("content-type", "application/json")
+        if fault.declare_length:
+            self.send_header("content-length", str(fault.size))
+        else:
+            self.send_header("transfer-encoding", "chunked")
+        for name, value in headers.items():
+            self.send_header(name, value)
+        self.end_headers()
+        chunk = b" " * HUGE_CHUNK
+        sent = 0
+        try:
+            while sent < fault.size and not self.server.state.stopping.is_set():
+                part = chunk[: min(HUGE_CHUNK, fault.size - sent)]
+                self.wfile.write(part if fault.declare_length else b"%x\r\n%s\r\n" % (len(part), part))
+                sent += len(part)
+            if not fault.declare_length:
+                self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except OSError:  # the client stopped reading and closed the connection
+            self.close_connection = True
+        with self.server.state.lock:
+            self.server.state.huge_sent.append(sent)
 
     def _send_json(self, status: int, body: Any) -> None:
         self._send_raw(status, body, {})

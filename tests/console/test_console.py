@@ -54,27 +54,31 @@ PAGE_WEIGHT_LIMIT = 32_000
 PHONE = ViewportSize(width=390, height=844)
 
 
-def console_config(gateway_addr: str) -> ConsoleConfig:
+SESSION_SECRET = "test-secret-" + "x" * 40
+
+
+def console_config(gateway_addr: str, **env: str) -> ConsoleConfig:
     config = ConsoleConfig.from_env(
         {
             "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
-            "QUAYUTEC_CONSOLE_SESSION_SECRET": "test-secret-" + "x" * 40,
+            "QUAYUTEC_CONSOLE_SESSION_SECRET": SESSION_SECRET,
             # The test serves plain http on loopback; a Secure cookie would not be sent back.
             "QUAYUTEC_CONSOLE_SECURE_COOKIE": "false",
             "QUAYUTEC_CONSOLE_JAEGER_URL": "http://127.0.0.1:16686",
+            **env,
         }
     )
     return replace(config, listen="127.0.0.1:0")
 
 
 @asynccontextmanager
-async def running_console(gateway_addr: str) -> AsyncIterator[str]:
-    """Yields the base URL of the console served by uvicorn in this event loop."""
+async def running_console(gateway_addr: str, **env: str) -> AsyncIterator[str]:
+    """Yields the base URL of the console served by uvicorn in this event loop (``env``: console settings)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(console_config(gateway_addr)), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(console_config(gateway_addr, **env)), log_level="warning"))
     task = asyncio.create_task(server.serve(sockets=[sock]))
     try:
         async with asyncio.timeout(30):

@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 from pathlib import Path
 
 import grpc
 import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quayutec.config import ConfigError
 from quayutec.v1 import gateway_pb2
 from services.gateway.config import DeliveryConfig, GatewayConfig
-from tests.harness.gateway import authed_gateway, running_gateway
+from tests.harness.gateway import authed_gateway, running_gateway, self_signed_tls
 
 NOWHERE = "127.0.0.1:9"
 
@@ -67,36 +61,8 @@ def test_bad_settings_name_the_variable(env: dict[str, str], names: str) -> None
         GatewayConfig.from_env(env)
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path, bytes]:
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
-    now = datetime.datetime.now(datetime.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False,
-        )
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
-    cert_path, key_path = tmp_path / "tls.crt", tmp_path / "tls.key"
-    cert_path.write_bytes(cert_pem)
-    key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return cert_path, key_path, cert_pem
-
-
 async def test_tls_serves_only_tls(database_url: str, tmp_path: Path) -> None:
-    cert_path, key_path, cert_pem = _self_signed(tmp_path)
+    cert_path, key_path, cert_pem = self_signed_tls(tmp_path)
     async with running_gateway(
         database_url,
         NOWHERE,

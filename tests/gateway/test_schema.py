@@ -38,7 +38,7 @@ async def test_schema_matches_migrations(template_ready: str) -> None:
             await conn.close()
         pool = await create_pool(from_migrations, min_size=1, max_size=1)
         try:
-            assert [m.name for m in await migrate(pool, (GATEWAY,))] == ["init"]
+            assert [m.name for m in await migrate(pool, (GATEWAY,))] == ["init", "session_keys_revocation"]
         finally:
             await pool.close()
         columns, indexes = await _shape(from_schema)

@@ -82,10 +82,13 @@ async def log_of(room_addr: str, room_id: str, company_id: str, after: int) -> l
 
 
 @asynccontextmanager
-async def second_gateway(database_url: str, room_addr: str, key: CompanyKey, **env: str) -> AsyncIterator[GatewayStub]:
+async def second_gateway(
+    database_url: str, room_addr: str, key: CompanyKey | str, **env: str
+) -> AsyncIterator[GatewayStub]:
+    """Another Gateway replica on the same database (no delivery, no rate limit), and a stub with ``key``."""
     async with (
         running_gateway(database_url, room_addr, NOWHERE, **{**QUIET, **env}) as addr,
-        authed_gateway(addr, key.secret) as gw,
+        authed_gateway(addr, key if isinstance(key, str) else key.secret) as gw,
     ):
         yield gw
 

@@ -18,24 +18,31 @@ from typing import Any
 import grpc
 
 from quayutec.authz import CALLER_PREFERENCE, CallersStub
-from quayutec.tls import CA_ENV, CERT_ENV, IDENTITIES, KEY_ENV, Identity, MtlsConfig, load_identity
+from quayutec.tls import CA_ENV, CERT_ENV, IDENTITIES, KEY_ENV, Identity, MtlsConfig, ensure_dev_pki, load_identity
 
-# One development PKI for every test session of this user (made once, under a lock, reused).
-TEST_MTLS = MtlsConfig.dev(Path(tempfile.gettempdir()) / f"qy-test-pki-{os.getuid()}")
+# One development PKI for every test session of this user (made once, under a lock, reused; the
+# folder name says its layout, so sessions of an older layout keep theirs).
+TEST_MTLS = MtlsConfig.dev(Path(tempfile.gettempdir()) / f"qy-test-pki2-{os.getuid()}")
+
+
+def make_test_pki() -> None:
+    """The tests play the admin tooling: they make the test PKI the servers they start read."""
+    ensure_dev_pki(TEST_MTLS.pki_dir)
 
 
 def pki_identity(identity: str) -> Identity:
     """The certificate and key of ``identity`` in the test PKI."""
     if identity not in IDENTITIES:
         raise ValueError(f"unknown identity {identity!r}; one of {', '.join(IDENTITIES)}")
+    make_test_pki()
     return load_identity(identity, TEST_MTLS)
 
 
 def mtls_env(identity: str) -> dict[str, str]:
     """The QUAYUTEC_MTLS_* settings that make a child process ``identity`` of the test PKI."""
     pki_identity(identity)
-    pki = TEST_MTLS.pki_dir
-    return {CA_ENV: str(pki / "ca.crt"), CERT_ENV: str(pki / f"{identity}.crt"), KEY_ENV: str(pki / f"{identity}.key")}
+    ca, cert, key = TEST_MTLS.identity_files(identity)
+    return {CA_ENV: str(ca), CERT_ENV: str(cert), KEY_ENV: str(key)}
 
 
 def service_channel(addr: str, identity: str, **kwargs: Any) -> grpc.aio.Channel:

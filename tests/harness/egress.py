@@ -22,14 +22,18 @@ TEST_HOSTS: Mapping[str, Sequence[str]] = {
 
 
 class TableResolver:
-    """Answers from ``table`` and records each question; an unknown name does not resolve."""
+    """Answers from ``table`` and records each question; an unknown name does not resolve, and a
+    name in ``temporary`` fails as a resolver that cannot answer now (EAI_AGAIN)."""
 
-    def __init__(self, table: Mapping[str, Sequence[str]] | None = None) -> None:
+    def __init__(self, table: Mapping[str, Sequence[str]] | None = None, *, temporary: Iterable[str] = ()) -> None:
         self.table: dict[str, Sequence[str]] = dict(TEST_HOSTS if table is None else table)
+        self.temporary = frozenset(temporary)
         self.asked: list[tuple[str, int]] = []
 
     async def __call__(self, host: str, port: int) -> Sequence[str]:
         self.asked.append((host, port))
+        if host.lower() in self.temporary:
+            raise socket.gaierror(socket.EAI_AGAIN, "Temporary failure in name resolution")
         answer = self.table.get(host.lower())
         if answer is None:
             raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")

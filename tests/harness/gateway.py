@@ -9,14 +9,21 @@ async with running_gateway(database_url, room_addr, runtime_addr, QUAYUTEC_GATEW
 from __future__ import annotations
 
 import asyncio
+import datetime
+import ipaddress
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import grpc
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from quayutec.db import create_pool
 from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2, room_pb2_grpc
@@ -147,3 +154,33 @@ async def ended_run(gw: Any, run_id: str) -> common_pb2.Run:
                 raise
         await asyncio.sleep(0.05)
     raise AssertionError(f"run {run_id} did not end")
+
+
+def self_signed_tls(folder: Path) -> tuple[Path, Path, bytes]:
+    """A self-signed certificate for localhost and 127.0.0.1 and its key, written into ``folder``
+    (for QUAYUTEC_GATEWAY_TLS_CERT / _KEY); returns both paths and the certificate's PEM to trust."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_pem = cert.public_bytes(serialization.Encoding.PEM)
+    cert_path, key_path = folder / "tls.crt", folder / "tls.key"
+    cert_path.write_bytes(cert_pem)
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path, cert_pem

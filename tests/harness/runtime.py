@@ -112,7 +112,14 @@ class ServiceProcess:
 class RuntimeProcess(ServiceProcess):
     """``python -m services.runtime`` against the given Claims, Room and model stand-in."""
 
-    def __init__(self, claims_addr: str, room_addr: str, standin_url: str, failpoints: str = "") -> None:
+    def __init__(
+        self,
+        claims_addr: str,
+        room_addr: str,
+        standin_url: str,
+        failpoints: str = "",
+        env: Mapping[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         super().__init__(
@@ -124,5 +131,6 @@ class RuntimeProcess(ServiceProcess):
                 "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin_url,
                 "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin_url,
                 "QUAYUTEC_RUNTIME_FAILPOINTS": failpoints,
+                **(env or {}),
             },
         )

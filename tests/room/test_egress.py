@@ -6,6 +6,7 @@ never connects to the address it checks.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 
 import grpc
@@ -41,29 +42,32 @@ TABLE = {
     "split.test": (PUBLIC, "10.9.8.7"),  # one bad answer among good ones is enough to refuse
 }
 
+# (url, the rule the caller is told, the precise class our log names). A host *name* is told only
+# "non_public": naming the class or the address would map what internal names resolve to; an
+# address given literally is named with its class (that tells the caller nothing new).
 REFUSED = [
-    ("https://loop.test/v1", "loopback"),
-    ("https://loop6.test/v1", "loopback"),
-    ("https://127.0.0.1:8443/v1", "loopback"),
-    ("https://[::1]/v1", "loopback"),
-    ("https://mapped.test/v1", "loopback"),
-    ("https://intranet.test/v1", "private"),
-    ("https://home.test/v1", "private"),
-    ("https://ula.test/v1", "private"),
-    ("https://cgnat.test/v1", "private"),
-    ("https://split.test/v1", "private"),
-    ("https://metadata.test/latest", "metadata"),
-    ("https://169.254.169.254/latest", "metadata"),
-    ("https://metadata6.test/latest", "metadata"),
-    ("https://alibaba.test/latest", "metadata"),
-    ("https://linklocal.test/v1", "link_local"),
-    ("https://linklocal6.test/v1", "link_local"),
-    ("https://multicast.test/v1", "multicast"),
-    ("https://multicast6.test/v1", "multicast"),
-    ("https://zero.test/v1", "unspecified"),
-    ("https://zero6.test/v1", "unspecified"),
-    ("https://0.0.0.0/v1", "unspecified"),
-    ("http://models.acme.test/v1", "plain_http"),
+    ("https://loop.test/v1", "non_public", "loopback"),
+    ("https://loop6.test/v1", "non_public", "loopback"),
+    ("https://127.0.0.1:8443/v1", "loopback", "loopback"),
+    ("https://[::1]/v1", "loopback", "loopback"),
+    ("https://mapped.test/v1", "non_public", "loopback"),
+    ("https://intranet.test/v1", "non_public", "private"),
+    ("https://home.test/v1", "non_public", "private"),
+    ("https://ula.test/v1", "non_public", "private"),
+    ("https://cgnat.test/v1", "non_public", "private"),
+    ("https://split.test/v1", "non_public", "private"),
+    ("https://metadata.test/latest", "non_public", "metadata"),
+    ("https://169.254.169.254/latest", "metadata", "metadata"),
+    ("https://metadata6.test/latest", "non_public", "metadata"),
+    ("https://alibaba.test/latest", "non_public", "metadata"),
+    ("https://linklocal.test/v1", "non_public", "link_local"),
+    ("https://linklocal6.test/v1", "non_public", "link_local"),
+    ("https://multicast.test/v1", "non_public", "multicast"),
+    ("https://multicast6.test/v1", "non_public", "multicast"),
+    ("https://zero.test/v1", "non_public", "unspecified"),
+    ("https://zero6.test/v1", "non_public", "unspecified"),
+    ("https://0.0.0.0/v1", "unspecified", "unspecified"),
+    ("http://models.acme.test/v1", "plain_http", "plain_http"),
 ]
 
 
@@ -93,17 +97,22 @@ def registration(company_id: str, base_url: str) -> room_pb2.RoomServiceRegister
     )
 
 
-@pytest.mark.parametrize(("url", "rule"), REFUSED)
+@pytest.mark.parametrize(("url", "rule", "cause"), REFUSED)
 async def test_a_refused_address_is_invalid_argument_naming_the_rule(
-    room_as_gateway: Stub, url: str, rule: str
+    room_as_gateway: Stub, url: str, rule: str, cause: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     acme = await make_company(room_as_gateway)
-    details = await expect_error(
-        INVALID, room_as_gateway.RegisterAgent(registration(acme.company_id, url)), f"({rule})"
-    )
+    with caplog.at_level(logging.INFO):
+        details = await expect_error(
+            INVALID, room_as_gateway.RegisterAgent(registration(acme.company_id, url)), f"({rule})"
+        )
     assert "QUAYUTEC_RUNTIME_EGRESS_ALLOW" in details or rule == "scheme"
     listed = await room_as_gateway.ListAgents(room_pb2.RoomServiceListAgentsRequest(company_id=acme.company_id))
     assert not listed.agents
+    # One line in our log, without a traceback, naming the precise class for the operator.
+    (line,) = [r for r in caplog.records if "RegisterAgent refused" in r.getMessage()]
+    assert line.exc_info is None and f"({cause})" in line.getMessage() and acme.company_id in line.getMessage()
+    assert [r for r in caplog.records if r.exc_info] == []
 
 
 async def test_a_public_https_address_is_registered(room_as_gateway: Stub, resolver: TableResolver) -> None:
@@ -141,16 +150,46 @@ async def test_the_allow_list_admits_listed_networks_and_hosts(database_url: str
         assert (await room.RegisterAgent(registration(acme.company_id, "https://split.test/v1"))).agent.base_url
         # What the list does not name stays refused.
         for url, rule in (
-            ("https://loop.test/v1", "loopback"),
-            ("https://metadata6.test/v1", "metadata"),
+            ("https://loop.test/v1", "non_public"),
+            ("https://metadata6.test/v1", "non_public"),
             ("http://models.acme.test/v1", "plain_http"),
         ):
             await expect_error(INVALID, room.RegisterAgent(registration(acme.company_id, url)), f"({rule})")
 
 
-async def test_the_message_names_the_host_the_address_and_the_class(room_as_gateway: Stub) -> None:
+@pytest.mark.parametrize("host", [h for h in TABLE if h != "models.acme.test"])
+async def test_the_message_never_says_what_a_name_resolves_to(room_as_gateway: Stub, host: str) -> None:
+    """No DNS oracle: whatever class of address an internal name has, the answer is the same words
+    with the host swapped, and holds none of its addresses."""
     acme = await make_company(room_as_gateway)
     details = await expect_error(
-        INVALID, room_as_gateway.RegisterAgent(registration(acme.company_id, "https://metadata.test/")), "base_url"
+        INVALID, room_as_gateway.RegisterAgent(registration(acme.company_id, f"https://{host}/")), "base_url"
     )
-    assert "169.254.169.254" in details and "cloud metadata" in details
+    assert details.replace(host, "HOST") == (
+        "base_url refused (non_public): HOST resolves to a non-public address; model requests go to public "
+        "addresses only (an operator can admit it with QUAYUTEC_RUNTIME_EGRESS_ALLOW)"
+    )
+    for address in TABLE[host]:
+        assert address not in details
+
+
+async def test_an_unresolvable_host_is_one_line_without_a_traceback(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A host the resolver cannot answer for now: UNAVAILABLE (try again), one log line, no traceback."""
+    resolver = TableResolver(TABLE, temporary={"flaky.test"})
+    async with (
+        running_room(database_url, resolver=resolver) as addr,
+        callers_stub(addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as room,
+    ):
+        acme = await make_company(room)
+        with caplog.at_level(logging.INFO):
+            for _ in range(3):
+                await expect_error(
+                    grpc.StatusCode.UNAVAILABLE,
+                    room.RegisterAgent(registration(acme.company_id, "https://flaky.test/v1")),
+                    "try again later",
+                )
+    lines = [r for r in caplog.records if "RegisterAgent refused" in r.getMessage()]
+    assert len(lines) == 3
+    assert [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR] == []

@@ -68,11 +68,15 @@ def guarded(policy: EgressPolicy, table: Mapping[str, Sequence[str]], **kwargs: 
 
 @pytest.mark.parametrize(("answer", "scheme", "rule"), REFUSED)
 async def test_the_dialled_address_is_checked(answer: str, scheme: str, rule: str) -> None:
+    """A name is refused as ``non_public`` (its class kept as the cause, for our logs only): what the
+    owner sees never says what the name resolves to."""
     dialer = RecordingDialer()
     async with guarded(EgressPolicy(), {HOST: (answer,)}, dialer=dialer) as http:
         with pytest.raises(EgressRefused) as refused:
             await http.post(f"{scheme}://{HOST}/v1/chat/completions", json={})
-    assert refused.value.rule == rule
+    assert refused.value.rule == ("plain_http" if rule == "plain_http" else "non_public")
+    assert refused.value.cause == rule
+    assert answer not in refused.value.message
     assert dialer.dialled == []
 
 
@@ -116,7 +120,8 @@ async def test_a_refusal_is_one_final_attempt_in_the_outcome() -> None:
         outcome = await call_model(http, target, REQUEST, policy=RetryPolicy(), clock=RealClock())
     assert outcome.reply is None and outcome.error_class == "egress_refused"
     assert len(outcome.attempts) == 1 and not outcome.attempts[0].retryable
-    assert "metadata" in outcome.attempts[0].detail
+    assert "non-public" in outcome.attempts[0].detail
+    assert "metadata" not in outcome.attempts[0].detail and "169.254" not in outcome.attempts[0].detail
     assert dialer.dialled == []
 
 
@@ -319,7 +324,8 @@ async def test_a_rebound_name_is_refused_by_the_runtime(database_url: str, stand
             await channel.close()
     assert run.status == common_pb2.RUN_STATUS_FAILED
     assert [a.error_class for a in run.model_attempts] == ["egress_refused"]
-    assert "loopback" in run.model_attempts[0].detail and "egress_refused" in run.error
+    assert "non-public" in run.model_attempts[0].detail and "egress_refused" in run.error
+    assert "127.0.0.1" not in run.model_attempts[0].detail and "loopback" not in run.model_attempts[0].detail
     assert at_registration.asked == [(HOST, 443)] and at_connect.asked == [(HOST, 443)]
     assert dialer.dialled == []
     assert standin.requests() == []

@@ -1,4 +1,5 @@
-// Live updates from the console's Server-Sent Events (the Gateway's WatchRoom stream). No polling.
+// Live updates from the console's Server-Sent Events (the Gateway's WatchRoom / WatchRooms streams).
+// No polling. "Live" only once the stream says so (the Gateway confirmed the subscription).
 "use strict";
 (function () {
   const live = document.getElementById("live");
@@ -9,8 +10,12 @@
   const runId = live.dataset.run;
   const refresh = live.dataset.refresh;
   const template = document.createElement("template");
-  source.addEventListener("open", () => say("Live"));
-  source.addEventListener("error", () => say("Reconnecting…"));
+  say("Connecting…");
+  source.addEventListener("live", () => say("Live"));
+  source.addEventListener("error", () => {
+    if (source.readyState === EventSource.CLOSED) say("Live updates stopped (signed out, or too many open pages). Reload to try again.");
+    else say("Reconnecting…");
+  });
   source.addEventListener("gone", (e) => { source.close(); say(JSON.parse(e.data).message); });
   source.addEventListener("room", (e) => {
     const item = JSON.parse(e.data);

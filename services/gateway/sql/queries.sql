@@ -1,24 +1,69 @@
--- All SQL of the Gateway: API keys.
+-- All SQL of the Gateway: API keys, session keys and their revocation.
 
 -- name: insert_api_key
 INSERT INTO api_keys (key_id, company_id, key_hash, label)
 VALUES ($1, $2, $3, $4)
-RETURNING key_id, company_id, label, created_at, revoked_at;
+RETURNING key_id, company_id, label, created_at, revoked_at, parent_key_id, expires_at;
+
+-- name: insert_session_key
+-- A session key of the live company key $4 (never of another session key), living $5 seconds; the
+-- parent row is share-locked, so a concurrent revocation of it either comes first (nothing is made)
+-- or waits for this insert and revokes it too. Nothing when the parent is revoked or has $6 live ones.
+INSERT INTO api_keys (key_id, company_id, key_hash, label, parent_key_id, expires_at)
+SELECT $1, parent.company_id, $2, $3, parent.key_id, now() + make_interval(secs => $5)
+FROM (
+    SELECT key_id, company_id FROM api_keys
+    WHERE key_id = $4 AND revoked_at IS NULL AND parent_key_id IS NULL
+    FOR SHARE
+) parent
+WHERE (
+    SELECT count(*) FROM api_keys
+    WHERE parent_key_id = $4 AND revoked_at IS NULL AND expires_at > now()
+) < $6
+RETURNING key_id, company_id, label, created_at, revoked_at, parent_key_id, expires_at;
 
 -- name: get_api_key
--- One indexed lookup per authenticated call; no cache, so a revoke takes effect at once.
-SELECT key_id, company_id, key_hash, revoked_at
-FROM api_keys
-WHERE key_id = $1;
+-- One indexed lookup per authenticated call; no cache, so a revoke takes effect at once. A session
+-- key counts as revoked when its parent is (the trigger revokes it too; this covers the race).
+SELECT k.key_id, k.company_id, k.key_hash, k.parent_key_id, k.expires_at, k.expires_at <= now() AS expired,
+    (k.revoked_at IS NOT NULL OR parent.revoked_at IS NOT NULL) AS revoked
+FROM api_keys k
+LEFT JOIN api_keys parent ON parent.key_id = k.parent_key_id
+WHERE k.key_id = $1;
 
 -- name: revoke_api_key
+-- The trigger api_keys_revoked revokes its session keys and NOTIFYs quayutec_keys_revoked.
 UPDATE api_keys
 SET revoked_at = coalesce(revoked_at, now())
 WHERE key_id = $1
 RETURNING key_id;
 
+-- name: dead_keys
+-- Of the key ids $1 (the keys of open streams), those no longer usable: unknown, revoked (or their
+-- parent is), or expired.
+SELECT ids.key_id
+FROM unnest($1::uuid[]) AS ids (key_id)
+LEFT JOIN api_keys k ON k.key_id = ids.key_id
+LEFT JOIN api_keys parent ON parent.key_id = k.parent_key_id
+WHERE k.key_id IS NULL OR k.revoked_at IS NOT NULL OR parent.revoked_at IS NOT NULL OR k.expires_at <= now();
+
+-- name: prune_session_keys
+-- Removes up to $2 session keys expired more than $1 seconds ago.
+DELETE FROM api_keys
+WHERE key_id IN (
+    SELECT key_id FROM api_keys
+    WHERE parent_key_id IS NOT NULL AND expires_at < now() - make_interval(secs => $1)
+    LIMIT $2
+);
+
 -- name: list_api_keys
-SELECT key_id, company_id, label, created_at, revoked_at
+-- A company's keys, its session keys only when $2.
+SELECT key_id, company_id, label, created_at, revoked_at, parent_key_id, expires_at
 FROM api_keys
-WHERE company_id = $1
+WHERE company_id = $1 AND ($2 OR parent_key_id IS NULL)
 ORDER BY created_at, key_id;
+
+-- name: notify_company_rooms
+-- Tells every Gateway replica that the rooms of company $1 changed (it joined or made one), so its
+-- WatchRooms streams follow the new room at once.
+SELECT pg_notify('quayutec_company_rooms', $1::text);

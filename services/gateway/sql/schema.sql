@@ -2,13 +2,34 @@
 
 -- API keys of companies (companies themselves live in the Room). The secret is
 -- qyk_<key_id>_<random>; only its SHA-256 is kept, looked up by key_id.
+-- A session key (a console sign-in) has a parent key, the company key that made it, and an expiry;
+-- revoking the parent revokes it too.
 CREATE TABLE api_keys (
     key_id uuid PRIMARY KEY,
     company_id uuid NOT NULL,
     key_hash bytea NOT NULL,
     label text NOT NULL DEFAULT '',
     created_at timestamptz NOT NULL DEFAULT now(),
-    revoked_at timestamptz
+    revoked_at timestamptz,
+    parent_key_id uuid REFERENCES api_keys (key_id),
+    expires_at timestamptz,
+    CONSTRAINT api_keys_session_expires_check CHECK ((parent_key_id IS NULL) = (expires_at IS NULL))
 );
 
 CREATE INDEX api_keys_company_idx ON api_keys (company_id, created_at);
+CREATE INDEX api_keys_parent_idx ON api_keys (parent_key_id, expires_at) WHERE parent_key_id IS NOT NULL;
+
+-- A revoked key's session keys are revoked with it, and every Gateway replica LISTENing on
+-- quayutec_keys_revoked is told at commit (payload: the key id), so the key's open streams end.
+CREATE FUNCTION api_key_revoked() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    UPDATE api_keys SET revoked_at = NEW.revoked_at WHERE parent_key_id = NEW.key_id AND revoked_at IS NULL;
+    PERFORM pg_notify('quayutec_keys_revoked', NEW.key_id::text);
+    RETURN NULL;
+END
+$$;
+
+CREATE TRIGGER api_keys_revoked
+    AFTER UPDATE OF revoked_at ON api_keys
+    FOR EACH ROW WHEN (OLD.revoked_at IS NULL AND NEW.revoked_at IS NOT NULL)
+    EXECUTE FUNCTION api_key_revoked();

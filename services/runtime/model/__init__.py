@@ -2,7 +2,15 @@
 formats, classifying each answer per provider-errors.md."""
 
 from .classify import Verdict, classify_exception, classify_response, sanitize
-from .client import RETRY_WAIT_EVENT, TRACER_NAME, OnAttempt, call_model, make_http_client, make_owner_http_client
+from .client import (
+    DEFAULT_MAX_RESPONSE_BYTES,
+    RETRY_WAIT_EVENT,
+    TRACER_NAME,
+    OnAttempt,
+    call_model,
+    make_http_client,
+    make_owner_http_client,
+)
 from .policy import Clock, RealClock, RetryPolicy
 from .types import (
     DECLARED_ACTIONS,
@@ -20,6 +28,7 @@ from .types import (
 
 __all__ = [
     "DECLARED_ACTIONS",
+    "DEFAULT_MAX_RESPONSE_BYTES",
     "RETRY_WAIT_EVENT",
     "TRACER_NAME",
     "Attempt",

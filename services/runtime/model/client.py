@@ -24,6 +24,8 @@ TRACER_NAME = "quayutec.runtime.model"
 # One tracer for the process (a proxy until a provider is installed): get_tracer per call is costly.
 _TRACER = trace.get_tracer(TRACER_NAME)
 RETRY_WAIT_EVENT = "quayutec.model.retry_wait"
+# The most of one answer's body that is read (QUAYUTEC_RUNTIME_MODEL_MAX_RESPONSE_BYTES).
+DEFAULT_MAX_RESPONSE_BYTES = 4 * 1024 * 1024
 
 OnAttempt = Callable[[Attempt], Awaitable[None]]
 
@@ -85,9 +87,11 @@ async def call_model(
     clock: Clock,
     on_attempt: OnAttempt | None = None,
     tracer: Tracer | None = None,
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
 ) -> ModelOutcome:
     """Call the model with bounded retries; every attempt is traced and handed to `on_attempt`
-    (awaited before any wait, so the ledger has it even if the run dies while waiting)."""
+    (awaited before any wait, so the ledger has it even if the run dies while waiting). No answer's
+    body is read past ``max_response_bytes``: a longer one ends the call as ``response_too_large``."""
     tracer = tracer or _TRACER
     budget = 1 if target.owner_supplied else policy.max_requests
     attempts: list[Attempt] = []
@@ -99,7 +103,7 @@ async def call_model(
             record_exception=False,
         ) as span:
             started = clock.monotonic()
-            status, reply, verdict = await _send_once(http, target, request)
+            status, reply, verdict = await _send_once(http, target, request, max_response_bytes)
             duration_ms = max(0.0, (clock.monotonic() - started) * 1000.0)
             error_class, retryable, wait = _decide(verdict, number, budget, policy)
             _annotate(span, status, reply, error_class, retryable, wait)
@@ -146,29 +150,41 @@ def _wire(target: ModelTarget) -> _Wire:
 
 
 async def _send_once(
-    http: httpx.AsyncClient, target: ModelTarget, request: ModelRequest
+    http: httpx.AsyncClient, target: ModelTarget, request: ModelRequest, max_bytes: int
 ) -> tuple[int | None, ModelReply | None, Verdict]:
     """One request. Returns (status, reply or None, verdict).
 
     httpx bounds each read; the client's timeout also bounds the whole request (connect, headers
-    and the whole body), so a body that trickles in is a timeout too."""
+    and the whole body), so a body that trickles in is a timeout too. The body is counted as it
+    comes in and never read past ``max_bytes`` (nor decompressed: we ask for no content coding)."""
     wire = _wire(target)
     url, headers, body = wire.build(target, request)
     total = total_seconds(http)
+    status: int | None = None
     try:
-        async with asyncio.timeout(total):
-            response = await http.post(url, headers=headers, json=body)
+        async with (
+            asyncio.timeout(total),
+            http.stream("POST", url, headers={**headers, "accept-encoding": "identity"}, json=body) as response,
+        ):
+            status = response.status_code
+            content = await read_capped(response, max_bytes)
     except EgressRefused as exc:
         # Nothing was sent: the address the host resolved to is not one we send requests to.
         return None, None, Verdict("egress_refused", False, None, sanitize(f"egress refused ({exc.rule}): {exc}", ""))
     except TimeoutError:
         return None, None, Verdict("timeout", True, None, f"TimeoutError: no whole answer within {total:g} s")
+    except CodedBody as exc:
+        return status, None, Verdict("bad_reply", False, None, sanitize(f"{status} bad_reply: {exc}", target.api_key))
     except (httpx.HTTPError, httpx.InvalidURL, UnicodeError) as exc:
         return None, None, classify_exception(exc, target.api_key)
-    status = response.status_code
+    assert status is not None
+    if content is None:
+        # Final: the provider already did (and may bill) the work; asking again would fetch as much.
+        detail = f"{status} response_too_large: the answer is longer than {max_bytes} bytes; the rest was not read"
+        return status, None, Verdict("response_too_large", False, None, detail)
     if 200 <= status < 300:
         try:
-            reply = wire.parse(response.content)
+            reply = wire.parse(content)
         except BadReply as exc:
             detail = sanitize(f"{status} bad_reply: {exc}", target.api_key)
             return status, None, Verdict("bad_reply", False, None, detail)
@@ -177,10 +193,34 @@ async def _send_once(
         "anthropic" if wire is _ANTHROPIC else "openai",
         status,
         response.headers,
-        response.content,
+        content,
         target.api_key,
     )
     return status, None, verdict
+
+
+class CodedBody(Exception):
+    """The answer came with a content coding we did not ask for (we send ``accept-encoding: identity``)."""
+
+
+async def read_capped(response: httpx.Response, limit: int) -> bytes | None:
+    """The raw body, or None as soon as it is known to pass ``limit`` bytes: from its declared
+    length before anything is read, else while it streams in (at most ``limit`` plus one network
+    read is ever held). A compressed body is refused rather than inflated past any bound."""
+    coding = response.headers.get("content-encoding", "").strip().lower()
+    if coding not in ("", "identity"):
+        raise CodedBody(f"the answer is {coding}-encoded; we ask for identity")
+    declared = response.headers.get("content-length", "").strip()
+    if declared.isdigit() and int(declared) > limit:
+        return None
+    parts: list[bytes] = []
+    size = 0
+    async for part in response.aiter_raw():
+        size += len(part)
+        if size > limit:
+            return None
+        parts.append(part)
+    return b"".join(parts)
 
 
 def total_seconds(http: httpx.AsyncClient) -> float | None:

@@ -1,0 +1,479 @@
+"""The client: ``connect(address, api_key)`` and one method per Gateway RPC.
+
+Adding an RPC: regenerate the stubs (scripts/gen_protos.py), give it a line in
+``_transport.SAFETY``, and a method here marked ``@rpc("TheRpc")`` that builds the request and
+calls ``self._unary`` (or ``self._paged`` for a list). tests/clients fails while one is missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any, Protocol, TypeVar
+
+from google.protobuf.message import Message as _ProtoMessage
+
+from quayutec_client._proto import common_pb2, gateway_pb2
+from quayutec_client._transport import ApiKey, Transport, channel_for
+from quayutec_client.retry import RetryPolicy
+from quayutec_client.types import (
+    AcceptedInvitation,
+    Agent,
+    AgentRights,
+    ApprovalDecision,
+    Company,
+    File,
+    Invitation,
+    MemoryLine,
+    Message,
+    Passage,
+    PostedMessage,
+    RightsOfAgent,
+    Room,
+    RoomMember,
+    Run,
+    SentTask,
+    Task,
+    Waitpoint,
+)
+from quayutec_client.watch import RoomWatch
+
+T = TypeVar("T")
+F = TypeVar("F", bound=Callable[..., Any])
+
+# gRPC reconnects to a Gateway that went away within this (its default ceiling is two minutes).
+DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+)
+
+
+def rpc(name: str) -> Callable[[F], F]:
+    """Marks the method that wraps Gateway RPC ``name`` (what the coverage test reads)."""
+
+    def mark(method: F) -> F:
+        method.__quayutec_rpc__ = name  # type: ignore[attr-defined]
+        return method
+
+    return mark
+
+
+def rpc_methods() -> dict[str, str]:
+    """Gateway RPC name -> the Client method that wraps it."""
+    return {
+        member.__quayutec_rpc__: name for name, member in vars(Client).items() if hasattr(member, "__quayutec_rpc__")
+    }
+
+
+@dataclass(frozen=True)
+class Tls:
+    """TLS to the Gateway: ``root_certificates`` (PEM) to trust instead of the system's roots, and
+    ``server_name`` when the certificate names the Gateway otherwise than the address does."""
+
+    root_certificates: bytes | None = None
+    server_name: str | None = None
+
+
+def new_idempotency_key() -> str:
+    """A fresh key for one logical write (sent unchanged on each of its retries)."""
+    return str(uuid.uuid4())
+
+
+class _EnumType(Protocol):
+    def Value(self, name: str) -> Any: ...
+    def keys(self) -> list[str]: ...
+
+
+def _enum(wrapper: _EnumType, prefix: str, value: int | str) -> Any:
+    """An enum value from its value or its short name ("anthropic" -> PROVIDER_ANTHROPIC)."""
+    if isinstance(value, int):
+        return value
+    try:
+        return wrapper.Value(prefix + value.upper())
+    except ValueError:
+        names = [n.removeprefix(prefix).lower() for n in wrapper.keys() if not n.endswith("_UNSPECIFIED")]
+        raise ValueError(f"{value!r} is not one of {names}") from None
+
+
+def connect(
+    address: str,
+    api_key: str,
+    *,
+    tls: Tls | None = None,
+    plaintext: bool = False,
+    retry: RetryPolicy | None = None,
+    channel_options: Sequence[tuple[str, Any]] = (),
+) -> Client:
+    """A client of the Gateway at ``address`` ("host:port") calling as the company of ``api_key``.
+
+    TLS is on, with the system's roots unless ``tls`` names others; ``plaintext=True`` turns it off
+    (a Gateway on your own machine). ``retry`` is the policy of every call (``RetryPolicy()`` by
+    default). Call it from async code; close the client with ``await client.close()`` or
+    ``async with connect(...) as client``.
+    """
+    if plaintext and tls is not None:
+        raise ValueError("plaintext=True and tls options contradict each other: choose one")
+    key = ApiKey(api_key)
+    tls = tls or Tls()
+    channel = channel_for(
+        address,
+        plaintext=plaintext,
+        root_certificates=tls.root_certificates,
+        server_name=tls.server_name,
+        options=(*DEFAULT_CHANNEL_OPTIONS, *channel_options),
+    )
+    return Client(Transport(channel, key, address, sleep=asyncio.sleep), retry or RetryPolicy())
+
+
+class Client:
+    """The Gateway API as the calling company sees it. Every method retries as its policy allows
+    and raises a ``quayutec_client.errors.QuayutecError`` subclass when it fails."""
+
+    def __init__(self, transport: Transport, policy: RetryPolicy) -> None:
+        self._transport = transport
+        self.retry_policy = policy
+
+    def __repr__(self) -> str:
+        return f"Client(address={self._transport.address!r}, retry_policy={self.retry_policy!r})"
+
+    def with_retry(self, policy: RetryPolicy) -> Client:
+        """The same client (one channel) with another retry policy."""
+        return Client(self._transport, policy)
+
+    async def close(self) -> None:
+        """Close the channel (of this client and those made from it with ``with_retry``)."""
+        await self._transport.channel.close()
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    def _unary(self, name: str, request: _ProtoMessage) -> Awaitable[Any]:
+        return self._transport.unary(name, request, self.retry_policy)
+
+    async def _paged(self, name: str, request: Any, items: Callable[[Any], Iterable[T]]) -> AsyncIterator[T]:
+        """Every item of every page, each page fetched (and retried) when the previous one is used up."""
+        while True:
+            page = await self._unary(name, request)
+            for item in items(page):
+                yield item
+            if not page.next_page_token:
+                return
+            request.page_token = page.next_page_token
+
+    # Identity and rooms.
+
+    @rpc("WhoAmI")
+    async def who_am_i(self) -> Company:
+        """The company the API key names."""
+        response: gateway_pb2.WhoAmIResponse = await self._unary("WhoAmI", gateway_pb2.WhoAmIRequest())
+        return response.company
+
+    @rpc("CreateRoom")
+    async def create_room(self, name: str) -> Room:
+        """A new room; your company is its first member."""
+        response: gateway_pb2.CreateRoomResponse = await self._unary(
+            "CreateRoom", gateway_pb2.CreateRoomRequest(name=name)
+        )
+        return response.room
+
+    @rpc("ListRooms")
+    def rooms(self, *, page_size: int = 0) -> AsyncIterator[Room]:
+        """The rooms your company is a member of."""
+        return self._paged("ListRooms", gateway_pb2.ListRoomsRequest(page_size=page_size), lambda p: p.rooms)
+
+    @rpc("ListMembers")
+    def members(self, room_id: str, *, page_size: int = 0) -> AsyncIterator[RoomMember]:
+        """The member companies of a room."""
+        request = gateway_pb2.ListMembersRequest(room_id=room_id, page_size=page_size)
+        return self._paged("ListMembers", request, lambda p: p.members)
+
+    # Invitations and membership.
+
+    @rpc("InviteCompany")
+    async def invite_company(self, room_id: str, company_id: str) -> Invitation:
+        """Invite a company into a room; it becomes a member when it accepts."""
+        request = gateway_pb2.InviteCompanyRequest(room_id=room_id, company_id=company_id)
+        response: gateway_pb2.InviteCompanyResponse = await self._unary("InviteCompany", request)
+        return response.invitation
+
+    @rpc("ListInvitations")
+    def invitations(self, *, status: int | str = 0, page_size: int = 0) -> AsyncIterator[Invitation]:
+        """Invitations to your company, oldest first: pending ones unless ``status`` says otherwise."""
+        request = gateway_pb2.ListInvitationsRequest(
+            status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status), page_size=page_size
+        )
+        return self._paged("ListInvitations", request, lambda p: p.invitations)
+
+    @rpc("AcceptInvitation")
+    async def accept_invitation(self, invitation_id: str) -> AcceptedInvitation:
+        """Become a member of the invitation's room (accepting again answers the same)."""
+        request = gateway_pb2.AcceptInvitationRequest(invitation_id=invitation_id)
+        response: AcceptedInvitation = await self._unary("AcceptInvitation", request)
+        return response
+
+    @rpc("DeclineInvitation")
+    async def decline_invitation(self, invitation_id: str) -> Invitation:
+        """Refuse an invitation (declining again changes nothing)."""
+        request = gateway_pb2.DeclineInvitationRequest(invitation_id=invitation_id)
+        response: gateway_pb2.DeclineInvitationResponse = await self._unary("DeclineInvitation", request)
+        return response.invitation
+
+    @rpc("LeaveRoom")
+    async def leave_room(self, room_id: str) -> None:
+        """End your company's membership at once."""
+        await self._unary("LeaveRoom", gateway_pb2.LeaveRoomRequest(room_id=room_id))
+
+    @rpc("RemoveMember")
+    async def remove_member(self, room_id: str, company_id: str) -> None:
+        """End another company's membership (the room's creator only)."""
+        await self._unary("RemoveMember", gateway_pb2.RemoveMemberRequest(room_id=room_id, company_id=company_id))
+
+    # Agents.
+
+    @rpc("RegisterAgent")
+    async def register_agent(
+        self,
+        name: str,
+        *,
+        provider: int | str,
+        model: str,
+        provider_key: str = "",
+        base_url: str = "",
+        system_prompt: str = "",
+    ) -> Agent:
+        """An always-on agent of your company; ``provider`` is "anthropic", "openai" or
+        "openai_compatible" (with ``base_url``). The provider key is stored encrypted, never returned."""
+        request = gateway_pb2.RegisterAgentRequest(
+            name=name,
+            provider=_enum(common_pb2.Provider, "PROVIDER_", provider),
+            model=model,
+            provider_key=provider_key,
+            base_url=base_url,
+            system_prompt=system_prompt,
+        )
+        response: gateway_pb2.RegisterAgentResponse = await self._unary("RegisterAgent", request)
+        return response.agent
+
+    @rpc("ListAgents")
+    def agents(self, *, page_size: int = 0) -> AsyncIterator[Agent]:
+        """Your company's agents."""
+        return self._paged("ListAgents", gateway_pb2.ListAgentsRequest(page_size=page_size), lambda p: p.agents)
+
+    # Messages and tasks.
+
+    @rpc("PostMessage")
+    async def post_message(
+        self,
+        room_id: str,
+        body: str,
+        *,
+        person: str,
+        mentions: Sequence[str] = (),
+        idempotency_key: str | None = None,
+    ) -> PostedMessage:
+        """Post as ``person`` of your company, waking each agent in ``mentions`` (agent ids) once.
+
+        Safe to retry: the call carries ``idempotency_key`` (a fresh one when None), the same on every
+        retry, so it posts once. Pass your own to make retries of your own (after a crash) safe too."""
+        request = gateway_pb2.PostMessageRequest(
+            room_id=room_id,
+            person=person,
+            body=body,
+            mention_agent_ids=mentions,
+            idempotency_key=idempotency_key or new_idempotency_key(),
+        )
+        response: PostedMessage = await self._unary("PostMessage", request)
+        return response
+
+    @rpc("ListMessages")
+    def messages(self, room_id: str, *, newest_first: bool = False, page_size: int = 0) -> AsyncIterator[Message]:
+        """A room's messages, oldest first unless ``newest_first``."""
+        request = gateway_pb2.ListMessagesRequest(room_id=room_id, newest_first=newest_first, page_size=page_size)
+        return self._paged("ListMessages", request, lambda p: p.messages)
+
+    @rpc("SendTask")
+    async def send_task(
+        self,
+        room_id: str,
+        *,
+        to_agent_id: str,
+        title: str,
+        person: str,
+        body: str = "",
+        idempotency_key: str | None = None,
+    ) -> SentTask:
+        """Send a task from ``person`` to an agent in the room, waking it once (safe to retry, as
+        ``post_message``)."""
+        request = gateway_pb2.SendTaskRequest(
+            room_id=room_id,
+            person=person,
+            to_agent_id=to_agent_id,
+            title=title,
+            body=body,
+            idempotency_key=idempotency_key or new_idempotency_key(),
+        )
+        response: SentTask = await self._unary("SendTask", request)
+        return response
+
+    @rpc("UpdateTask")
+    async def update_task(
+        self,
+        room_id: str,
+        task_id: str,
+        *,
+        person: str,
+        note: str = "",
+        status: int | str = 0,
+        idempotency_key: str | None = None,
+    ) -> Task:
+        """Add a note to a task; ``status`` "done" or "cancelled" closes it (safe to retry)."""
+        request = gateway_pb2.UpdateTaskRequest(
+            room_id=room_id,
+            task_id=task_id,
+            person=person,
+            note=note,
+            status=_enum(common_pb2.TaskStatus, "TASK_STATUS_", status),
+            idempotency_key=idempotency_key or new_idempotency_key(),
+        )
+        response: gateway_pb2.UpdateTaskResponse = await self._unary("UpdateTask", request)
+        return response.task
+
+    @rpc("ListTasks")
+    def tasks(
+        self, room_id: str, *, to_agent_id: str = "", status: int | str = 0, page_size: int = 0
+    ) -> AsyncIterator[Task]:
+        """A room's tasks, optionally those of one agent or in one status."""
+        request = gateway_pb2.ListTasksRequest(
+            room_id=room_id,
+            to_agent_id=to_agent_id,
+            status=_enum(common_pb2.TaskStatus, "TASK_STATUS_", status),
+            page_size=page_size,
+        )
+        return self._paged("ListTasks", request, lambda p: p.tasks)
+
+    @rpc("GetTask")
+    async def get_task(self, room_id: str, task_id: str) -> Task:
+        """One task with its updates."""
+        request = gateway_pb2.GetTaskRequest(room_id=room_id, task_id=task_id)
+        response: gateway_pb2.GetTaskResponse = await self._unary("GetTask", request)
+        return response.task
+
+    # Memory and files.
+
+    @rpc("ListMemory")
+    def memory(self, room_id: str, *, query: str = "", page_size: int = 0) -> AsyncIterator[MemoryLine]:
+        """Memory lines your company may read (room-wide and its own), optionally searched."""
+        request = gateway_pb2.ListMemoryRequest(room_id=room_id, query=query, page_size=page_size)
+        return self._paged("ListMemory", request, lambda p: p.lines)
+
+    @rpc("UploadFile")
+    async def upload_file(
+        self, room_id: str, name: str, content: bytes | str, *, person: str, content_type: str = "text/plain"
+    ) -> File:
+        """Upload UTF-8 text (at most 10 MiB) into a room, searchable by passage."""
+        data = content.encode("utf-8") if isinstance(content, str) else content
+        request = gateway_pb2.UploadFileRequest(
+            room_id=room_id, person=person, name=name, content_type=content_type, content=data
+        )
+        response: gateway_pb2.UploadFileResponse = await self._unary("UploadFile", request)
+        return response.file
+
+    @rpc("ListFiles")
+    def files(self, room_id: str, *, page_size: int = 0) -> AsyncIterator[File]:
+        """A room's files (without their content)."""
+        request = gateway_pb2.ListFilesRequest(room_id=room_id, page_size=page_size)
+        return self._paged("ListFiles", request, lambda p: p.files)
+
+    @rpc("SearchPassages")
+    async def search_passages(self, room_id: str, query: str, *, limit: int = 0) -> list[Passage]:
+        """The passages of a room's files that best match ``query``."""
+        request = gateway_pb2.SearchPassagesRequest(room_id=room_id, query=query, limit=limit)
+        response: gateway_pb2.SearchPassagesResponse = await self._unary("SearchPassages", request)
+        return list(response.passages)
+
+    # Runs, rights and approvals.
+
+    @rpc("ListRuns")
+    def runs(self, *, agent_id: str = "", page_size: int = 0) -> AsyncIterator[Run]:
+        """Your agents' runs (or one agent's), newest first."""
+        request = gateway_pb2.ListRunsRequest(agent_id=agent_id, page_size=page_size)
+        return self._paged("ListRuns", request, lambda p: p.runs)
+
+    @rpc("GetRun")
+    async def get_run(self, run_id: str) -> Run:
+        """One run's ledger row: what it posted and wrote, each model request, its trace id."""
+        response: gateway_pb2.GetRunResponse = await self._unary("GetRun", gateway_pb2.GetRunRequest(run_id=run_id))
+        return response.run
+
+    @rpc("SetAgentRights")
+    async def set_agent_rights(
+        self,
+        *,
+        agent_id: str = "",
+        remember: int | str | None = None,
+        create_task: int | str | None = None,
+        update_task: int | str | None = None,
+        close_task: int | str | None = None,
+        cross_company_task: int | str | None = None,
+        replace: bool = False,
+    ) -> AgentRights:
+        """Set "auto", "hold" or "deny" per action for one agent, or for all (``agent_id`` empty).
+
+        Only the rights you name change; the others keep what is stored ("unspecified" clears one,
+        so it is inherited again). ``replace=True`` replaces every right, those not named cleared."""
+        named = {
+            "remember": remember,
+            "create_task": create_task,
+            "update_task": update_task,
+            "close_task": close_task,
+            "cross_company_task": cross_company_task,
+        }
+        given = {k: _enum(common_pb2.ActionRight, "ACTION_RIGHT_", v) for k, v in named.items() if v is not None}
+        request = gateway_pb2.SetAgentRightsRequest(agent_id=agent_id, **given)
+        if not replace:
+            if not given:
+                raise ValueError("name at least one right to set (or replace=True to clear them all)")
+            request.update_mask.paths.extend(given)
+        response: gateway_pb2.SetAgentRightsResponse = await self._unary("SetAgentRights", request)
+        return response.rights
+
+    @rpc("GetAgentRights")
+    async def get_agent_rights(self, agent_id: str = "") -> RightsOfAgent:
+        """Stored and effective rights of your default (``agent_id`` empty) or of one agent."""
+        response: RightsOfAgent = await self._unary(
+            "GetAgentRights", gateway_pb2.GetAgentRightsRequest(agent_id=agent_id)
+        )
+        return response
+
+    @rpc("ListApprovals")
+    def approvals(self, *, status: int | str = 0, page_size: int = 0) -> AsyncIterator[Waitpoint]:
+        """Your parked runs whose held actions await your decision (pending unless ``status``)."""
+        request = gateway_pb2.ListApprovalsRequest(
+            status=_enum(common_pb2.WaitpointStatus, "WAITPOINT_STATUS_", status), page_size=page_size
+        )
+        return self._paged("ListApprovals", request, lambda p: p.waitpoints)
+
+    @rpc("DecideApproval")
+    async def decide_approval(self, token: str, index: int, *, person: str, approve: bool) -> ApprovalDecision:
+        """Approve or deny one held action; the decision that completes a waitpoint continues its run
+        once (deciding again the same way answers ``already_decided``)."""
+        request = gateway_pb2.DecideApprovalRequest(token=token, index=index, person=person, approve=approve)
+        response: ApprovalDecision = await self._unary("DecideApproval", request)
+        return response
+
+    # Following a room.
+
+    @rpc("WatchRoom")
+    def watch(self, room_id: str, *, after: int | None = None, idle_timeout: float = 60.0) -> RoomWatch:
+        """A room's events, replayed after ``after`` (a cursor you kept; 0: from the oldest kept) and
+        then live, as they happen; without ``after``, from now. See ``RoomWatch``."""
+        return RoomWatch(self._transport, self.retry_policy, room_id, after=after, idle_timeout=idle_timeout)

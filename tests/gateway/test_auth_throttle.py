@@ -1,0 +1,102 @@
+"""Failed authentications are throttled per source address and per key id: beyond the burst they are
+answered RESOURCE_EXHAUSTED (with the wait in the message and the retry-after-ms trailer) without
+being checked, one log line per burst; a key that works is never locked out; memory stays bounded."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+
+import grpc
+import pytest
+
+from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
+from quayutec.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.gateway.conftest import NOWHERE
+from tests.harness.gateway import CompanyKey, running_gateway
+
+THROTTLE_LOG = "quayutec.gateway.auth"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_two_hundred_wrong_keys_are_throttled_with_one_log_line(
+    database_url: str, room_addr: str, acme: CompanyKey, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, THROTTLE_LOG)
+    async with (
+        running_gateway(database_url, room_addr, NOWHERE, QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false") as addr,
+        grpc.aio.insecure_channel(addr) as channel,
+    ):
+        gw = gateway_pb2_grpc.GatewayServiceStub(channel)
+
+        async def who(secret: str) -> grpc.aio.AioRpcError | None:
+            try:
+                await gw.WhoAmI(
+                    gateway_pb2.WhoAmIRequest(), metadata=(("authorization", f"Bearer {secret}"),), timeout=10
+                )
+            except grpc.aio.AioRpcError as exc:
+                return exc
+            return None
+
+        # The company's key works before the attack, so this replica knows it.
+        assert await who(acme.secret) is None
+        answers = [await who(f"qyk_{uuid.uuid4()}_{'x' * 43}") for _ in range(200)]
+        codes = [a.code() if a else None for a in answers]
+        # The default burst (20) is answered as usual; the rest is refused unchecked (the rate refills
+        # about one a second, so a slow machine may see a few more checked).
+        unauthenticated = codes.count(grpc.StatusCode.UNAUTHENTICATED)
+        exhausted = [a for a in answers if a and a.code() == grpc.StatusCode.RESOURCE_EXHAUSTED]
+        assert codes[:20] == [grpc.StatusCode.UNAUTHENTICATED] * 20
+        assert unauthenticated + len(exhausted) == 200 and len(exhausted) >= 100, codes
+        refusal = exhausted[0]
+        assert "too many failed authentications from your address" in (refusal.details() or "")
+        assert "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST" in (refusal.details() or "")
+        assert "retry after" in (refusal.details() or "")
+        trailer = dict(refusal.trailing_metadata() or ())
+        assert int(trailer["retry-after-ms"]) > 0
+        # A key that works here is not locked out by its address's throttle.
+        assert await who(acme.secret) is None
+    lines = [r for r in caplog.records if "failed authentications at once" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]  # one line per burst, not per try
+    assert "source:127.0.0.1" in lines[0].getMessage()
+
+
+def test_a_key_id_is_throttled_from_any_address_and_the_tables_stay_bounded() -> None:
+    clock = Clock()
+    log = logging.getLogger("test.throttle")
+    throttle = AuthThrottle(
+        ThrottleConfig(rate_per_second=1.0, burst=3, max_subjects=50), log, what="sign-ins", settings="S", clock=clock
+    )
+    key = "key:" + str(uuid.uuid4())
+    for n in range(3):  # three addresses, one key id
+        assert throttle.refusal([f"source:10.0.0.{n}", key], key, "wrong") is None
+        throttle.failed([f"source:10.0.0.{n}", key])
+    refused = throttle.refusal(["source:10.0.0.9", key], key, "wrong")
+    assert refused is not None and "with this key id" in refused[1] and refused[0] == 1000
+    clock.now += 1.0  # one token back
+    assert throttle.refusal(["source:10.0.0.9", key], key, "wrong") is None
+    # The right secret of a key that worked here passes even while its id is throttled.
+    throttle.succeeded(key, "right")
+    throttle.failed(["source:10.0.0.9", key])
+    assert throttle.refusal(["source:10.0.0.9", key], key, "wrong") is not None
+    assert throttle.refusal(["source:10.0.0.9", key], key, "right") is None
+    # A flood of made-up key ids and addresses keeps at most max_subjects of each table.
+    for n in range(10_000):
+        throttle.failed([f"source:{n}", f"key:{n}"])
+        throttle.succeeded(f"k{n}", "s")
+    assert len(throttle) <= 100
+
+
+def test_sources_are_addresses_without_ports_and_ipv6_by_its_64() -> None:
+    assert source_of("ipv4:127.0.0.1:54321") == "127.0.0.1"
+    assert source_of("ipv6:[2001:db8:1:2:3:4:5:6]:443") == "2001:db8:1:2::/64"
+    assert source_of("ipv6:[::1]:5") == "::/64"
+    assert source_of("10.1.2.3") == "10.1.2.3"
+    assert source_of("unix:/tmp/sock") == "unix:/tmp/sock"
