@@ -2,7 +2,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml clients/python/pyproject.toml | sha1sum | cut -c1-12)
+PINS := $(shell cat pyproject.toml clients/python/pyproject.toml | sha1sum | cut -c1-12)
+# What is installed in .venv, per version of the pins: the dev extra and the Python client SDK
+# (tests, lint, types, the browser and API-example tools), or the runtime dependencies alone, all
+# the demo needs.
+STAMP := $(VENV)/.installed-$(PINS)
+RUN_STAMP := $(VENV)/.installed-run-$(PINS)
 
 NODE_EXAMPLES := docs/examples/node
 NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
@@ -15,15 +20,24 @@ WHEELHOUSE := $(VENV)/wheelhouse
 
 .PHONY: demo test test-cluster test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
-$(STAMP): pyproject.toml clients/python/pyproject.toml
+# The venv itself, once; pip's cache (~/.cache/pip) serves what was downloaded before.
+$(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip==25.3
+
+$(STAMP): pyproject.toml clients/python/pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
 	# The Python client SDK (clients/python), for its tests, the docs' examples and the bench.
 	$(BIN)/pip install --quiet -e clients/python
 	touch $(STAMP)
 
-demo: $(STAMP)
+# The demo's first run installs the runtime dependencies only, without compiling every module up
+# front (Python compiles what runs, once); a venv with the dev extra has them already.
+$(RUN_STAMP): pyproject.toml | $(BIN)/python
+	if [ ! -e $(STAMP) ]; then $(BIN)/pip install --quiet --no-compile -e .; fi
+	touch $(RUN_STAMP)
+
+demo: $(RUN_STAMP)
 	$(BIN)/quayutec demo
 
 test: $(STAMP) lint typecheck check-protos secrets pytest

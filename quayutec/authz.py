@@ -67,6 +67,7 @@ _ROOM: dict[str, frozenset[str]] = {
     # Conversation and tasks: people post through the Gateway, agents' runs through the Runtime.
     "PostMessage": _GR,
     "ListMessages": _G,
+    "GetMessage": _G,
     "CreateTask": _GR,
     "UpdateTask": _GR,
     "GetTask": _G,

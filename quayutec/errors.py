@@ -28,6 +28,15 @@ class ServiceError(Exception):
         super().__init__(message)
         self.message = message
 
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        """Trailing metadata that says in fields what the message says in words (none by default)."""
+        return ()
+
+
+def trailers_of(exc: BaseException) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata to answer ``exc`` with (a ServiceError's own, else none)."""
+    return exc.trailers() if isinstance(exc, ServiceError) else ()
+
 
 class InvalidArgument(ServiceError):
     code = grpc.StatusCode.INVALID_ARGUMENT
@@ -53,6 +62,10 @@ class Unauthenticated(ServiceError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+# The trailing metadata in which a RESOURCE_EXHAUSTED answer advises how long to wait, in milliseconds.
+RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+
+
 class ResourceExhausted(ServiceError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -60,13 +73,36 @@ class ResourceExhausted(ServiceError):
         super().__init__(message)
         self.retry_after_ms = retry_after_ms
 
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return () if self.retry_after_ms is None else ((RETRY_AFTER_METADATA_KEY, str(self.retry_after_ms)),)
+
 
 class Unavailable(ServiceError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+# The trailing metadata of an OUT_OF_RANGE watch cursor: the room it is of, and (for a cursor past the
+# room's end) the room's newest cursor, so a client can say which room to resume from where.
+ROOM_ID_METADATA_KEY = "quayutec-room-id"
+NEWEST_CURSOR_METADATA_KEY = "quayutec-newest-cursor"
+
+
 class OutOfRange(ServiceError):
+    """A cursor out of a room's event log: ``room_id`` and ``newest_cursor`` (when known) are sent as
+    trailers too."""
+
     code = grpc.StatusCode.OUT_OF_RANGE
+
+    def __init__(self, message: str, *, room_id: str = "", newest_cursor: int | None = None) -> None:
+        super().__init__(message)
+        self.room_id = room_id
+        self.newest_cursor = newest_cursor
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        fields: tuple[tuple[str, str], ...] = ((ROOM_ID_METADATA_KEY, self.room_id),) if self.room_id else ()
+        if self.newest_cursor is not None:
+            fields += ((NEWEST_CURSOR_METADATA_KEY, str(self.newest_cursor)),)
+        return fields
 
 
 # The trailing metadata key naming the room rule that refused a call (RuleBroken).
@@ -81,6 +117,9 @@ class RuleBroken(ServiceError):
         super().__init__(message)
         self.code = code
         self.rule = rule
+
+    def trailers(self) -> tuple[tuple[str, str], ...]:
+        return ((RULE_METADATA_KEY, self.rule),)
 
 
 def broken_rule(exc: grpc.aio.AioRpcError) -> str | None:
@@ -241,10 +280,8 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
                 raise
             except Exception as exc:
                 code, message = status_logged(exc, method)
-                if isinstance(exc, ResourceExhausted) and exc.retry_after_ms is not None:
-                    context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
-                if isinstance(exc, RuleBroken):
-                    context.set_trailing_metadata(((RULE_METADATA_KEY, exc.rule),))
+                if trailers := trailers_of(exc):
+                    context.set_trailing_metadata(trailers)
                 await context.abort(code, message)
 
         return grpc.unary_unary_rpc_method_handler(

@@ -17,6 +17,7 @@ from pathlib import Path
 import asyncpg
 
 from quayutec.config import DatabaseConfig
+from quayutec.datadir import DataDirLock, share
 from quayutec.db import check_connection_budget, open_pool
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,22 +106,36 @@ async def migrate(pool: asyncpg.Pool, components: tuple[Component, ...] = COMPON
 
 @dataclass(frozen=True)
 class ServicePool:
-    """A service's pool, and whether the service opened it (and so closes it)."""
+    """A service's pool, and whether the service opened it (and so closes it); on the embedded
+    PostgreSQL, the service's share of the data folder too (released on close)."""
 
     pool: asyncpg.Pool
     owned: bool
+    folder: DataDirLock | None = None
 
     async def close(self) -> None:
-        if self.owned:
-            await self.pool.close()
+        try:
+            if self.owned:
+                await self.pool.close()
+        finally:
+            if self.folder is not None:
+                self.folder.release()
 
 
 async def service_pool(
     database: DatabaseConfig, component: Component, *, migrate_on_start: bool, pool: asyncpg.Pool | None = None
 ) -> ServicePool:
     """The pool a service runs on (``pool``, or its own, once the connection budget of every replica is
-    checked against the server's limit), with its component migrated when asked."""
-    held = ServicePool(pool or await open_pool(database), owned=pool is None)
+    checked against the server's limit), with its component migrated when asked. A service on the
+    embedded PostgreSQL shares the data folder with other services started on their own, and refuses
+    to start in a folder a stack (`quayutec up`, the demo) owns (``DataDirTaken``)."""
+    folder = share(database.data_dir) if pool is None and database.url is None else None
+    try:
+        held = ServicePool(pool or await open_pool(database), owned=pool is None, folder=folder)
+    except BaseException:
+        if folder is not None:
+            folder.release()
+        raise
     try:
         if held.owned and database.budget is not None:
             await check_connection_budget(held.pool, database.budget, component.name)

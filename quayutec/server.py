@@ -233,6 +233,10 @@ def run_service(main: Callable[[], Coroutine[Any, Any, None]], service: ServiceS
             uvloop.run(main())
         else:
             asyncio.run(main())
+    except ConfigError as exc:
+        # A setting to fix (or a data folder another stack owns): say which, without a traceback.
+        _log.error("%s", exc)
+        raise SystemExit(2) from None
     finally:
         telemetry.shutdown()
 

@@ -460,6 +460,13 @@ _DECLARED: list[Setting] = [
         ["gateway"],
     ),
     _g(
+        "QUAYUTEC_GATEWAY_MAX_API_KEYS",
+        100,
+        "live company API keys of one company that CreateApiKey may reach (the admin's `quayutec keys create` is "
+        "not limited)",
+        ["gateway"],
+    ),
+    _g(
         "QUAYUTEC_GATEWAY_A2A_URL",
         "",
         "the gRPC address (host:port) A2A agent cards name for this Gateway; unset: the address it listens on",
@@ -582,8 +589,9 @@ _DECLARED: list[Setting] = [
     ),
     _g(
         "QUAYUTEC_CONSOLE_JAEGER_URL",
-        "http://localhost:16686",
-        "base URL of the Jaeger UI that a run page links its trace to",
+        "",
+        "base URL of the Jaeger UI (as people's browsers reach it, e.g. http://localhost:16686) that a run's "
+        "page links its trace to (its /trace/TRACE_ID page); unset: the trace id is shown, not linked",
         ["console"],
     ),
     # Room

@@ -4,47 +4,80 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import datetime
 import json
 import os
+import shutil
 import signal
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import grpc
 
 from quayutec.channels import channel_as
-from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, DatabaseConfig, service_addr
+from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, ConfigError, DatabaseConfig, service_addr
 from quayutec.db import open_pool
 from quayutec.migrate import apply_all
 from quayutec.tls import ADMIN, CA_FOLDER, IDENTITIES, MtlsConfig, ensure_dev_pki, identity_dir
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
-from services.client import API_KEY_ENV, NOT_TRACED, STATUS_NAMES, STEP_NAMES, GatewayClient, format_run
+from services.client import (
+    API_KEY_ENV,
+    NOT_TRACED,
+    STATUS_NAMES,
+    STEP_NAMES,
+    CommandError,
+    GatewayClient,
+    format_run,
+    resolve_mentions,
+)
 
 Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
 
 async def cmd_up(opts: argparse.Namespace) -> int:
-    """Embedded PostgreSQL and all four services on this machine until Ctrl-C."""
+    """Embedded PostgreSQL and all four services on this machine until Ctrl-C. The stack owns its
+    data folder while it runs: a second stack on the same folder is refused, naming this one."""
+    from quayutec.datadir import own
     from services.stack import LocalStack
 
-    extra: dict[str, str] = {}
+    data_dir = DatabaseConfig.from_env().data_dir
+    folder = own(data_dir, again=f"{program()} up --base-port 61051")
+    try:
+        stack = LocalStack.with_ports(ephemeral=False, base_port=opts.base_port, data_dir=data_dir)
+        stack.folder = folder
+        folder.record(stack.owner("quayutec up"))
+        return await _run_up(stack, opts.standin)
+    finally:
+        folder.release()
+
+
+async def _run_up(stack: Any, with_standin: bool) -> int:
+    from quayutec.db import embedded_pgdata, embedded_pid
+
     standin = None
-    stack = LocalStack.with_ports(ephemeral=False, base_port=opts.base_port)
-    if opts.standin:
+    if with_standin:
         from services.runtime.standin import StandinProvider
 
         standin = StandinProvider()
         url = standin.start()
-        extra = {"QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": url, "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": url}
-    stack.extra_env = extra
+        stack.extra_env = {"QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": url, "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": url}
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    config = stack.database_config()
+    left = embedded_pid(embedded_pgdata(config.data_dir)) if config.url is None else None
     try:
+        if left is not None:
+            print(
+                f"an embedded PostgreSQL (pid {left}) was left running in {config.data_dir} by a stack that "
+                "ended; this one takes it over and stops it with the rest",
+                flush=True,
+            )
         print("starting PostgreSQL and applying migrations ...", flush=True)
         await stack.prepare_database()
         print("starting services ...", flush=True)
@@ -52,12 +85,13 @@ async def cmd_up(opts: argparse.Namespace) -> int:
         await stack.start_console()
         for name in stack.ports:
             print(f"  {name:8s} {stack.addr(name)}", flush=True)
-        print(f"  console  {stack.console_url} (sign in with an API key: `quayutec keys create`)", flush=True)
+        print(f"  console  {stack.console_url} (sign in with a company's API key: see below)", flush=True)
         if standin is not None:
             print(f"  standin  {standin.base_url} (stand-in model provider)", flush=True)
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
         print("in another terminal, point the commands at this stack with:", flush=True)
         print(stack.exports(), flush=True)
+        print(_first_steps(same_database=config.url is not None), flush=True)
         await stop.wait()
         print("\nstopping ...", flush=True)
     finally:
@@ -65,14 +99,39 @@ async def cmd_up(opts: argparse.Namespace) -> int:
         if standin is not None:
             standin.stop()
         if stack.started_pgdata is not None:
-            print("stopping the embedded PostgreSQL this command started ...", flush=True)
+            print("stopping the embedded PostgreSQL of this stack ...", flush=True)
             await asyncio.to_thread(stack.stop_database)
     print("stopped", flush=True)
     return 0
 
 
+def _first_steps(*, same_database: bool) -> str:
+    """What `up` suggests doing next, each line a command that works as printed (with the exports)."""
+    me = program()
+    where = " (with the same DATABASE_URL as this terminal)" if same_database else ""
+    steps = [
+        (f"{me} company create Acme", "prints: company <company-id> Acme"),
+        (f"{me} keys create --company <company-id>", "prints the key, once"),
+        ("export QUAYUTEC_API_KEY=<the key>", "then the client commands, and the console's sign-in"),
+        (f"{me} company list", "every company and its id"),
+    ]
+    width = max(len(command) for command, _ in steps)
+    lines = [f"  {command.ljust(width)}  # {note}" for command, note in steps]
+    return "\n".join([f"then make a company and an API key for it{where}, and act as that company:", *lines])
+
+
+def program() -> str:
+    """This command as a person can type it: ``quayutec`` when that is the one on PATH, else its path."""
+    here = Path(sys.executable).parent / "quayutec"
+    found = shutil.which("quayutec")
+    if not here.exists() or (found is not None and Path(found).resolve() == here.resolve()):
+        return "quayutec"
+    return str(here)  # whole: another terminal may be in another folder
+
+
 async def cmd_db_status(opts: argparse.Namespace) -> int:
-    """Where the embedded PostgreSQL lives and whether it runs."""
+    """Where the embedded PostgreSQL lives, whether it runs and who uses the folder."""
+    from quayutec.datadir import holder
     from quayutec.db import embedded_pgdata, embedded_pid
 
     config = DatabaseConfig.from_env()
@@ -82,19 +141,24 @@ async def cmd_db_status(opts: argparse.Namespace) -> int:
     pid = embedded_pid(pgdata)
     state = f"running (pid {pid})" if pid is not None else "not running"
     print(f"embedded PostgreSQL in {pgdata}: {state}")
+    print(f"the data folder is in use by {holder(config.data_dir)}")
     return 0
 
 
 async def cmd_db_stop(opts: argparse.Namespace) -> int:
     """Stop an embedded PostgreSQL left running in the data folder."""
+    from quayutec.datadir import own
     from quayutec.db import embedded_ctl, embedded_pgdata, embedded_pid
 
-    pgdata = embedded_pgdata(DatabaseConfig.from_env().data_dir)
+    data_dir = DatabaseConfig.from_env().data_dir
+    pgdata = embedded_pgdata(data_dir)
     pid = embedded_pid(pgdata)
     if pid is None:
         print(f"no embedded PostgreSQL running in {pgdata}")
         return 0
-    await asyncio.to_thread(embedded_ctl, "stop", pgdata)
+    # Only a server nobody runs on: one a stack or services of their own use stops with them.
+    with own(data_dir, again=None):
+        await asyncio.to_thread(embedded_ctl, "stop", pgdata)
     print(f"stopped the embedded PostgreSQL in {pgdata} (pid {pid})")
     return 0
 
@@ -167,7 +231,7 @@ async def cmd_company_create(opts: argparse.Namespace) -> int:
     return 0
 
 
-class AdminError(Exception):
+class AdminError(CommandError):
     """An admin command cannot go on; the message says what to fix."""
 
 
@@ -243,6 +307,33 @@ async def cmd_keys_list(opts: argparse.Namespace) -> int:
     return await _with_pool(act)
 
 
+async def cmd_company_list(opts: argparse.Namespace) -> int:
+    async def act(pool: Any) -> int:
+        try:
+            found = await pool.fetch(
+                "SELECT company_id, name, created_at FROM companies ORDER BY created_at, name LIMIT $1", opts.limit
+            )
+        except asyncpg.UndefinedTableError:
+            raise AdminError(NO_SCHEMA) from None
+        rows = [
+            {"company_id": str(c["company_id"]), "name": c["name"], "created_at": _when(c["created_at"])} for c in found
+        ]
+        _print_rows(rows, opts.json, empty="no companies yet: `quayutec company create <name>` makes one")
+        return 0
+
+    return await _with_pool(act)
+
+
+def _when(at: Any) -> str:
+    """A time as the list commands print it: ISO 8601 to the second (a datetime or a protobuf Timestamp)."""
+    if hasattr(at, "ToDatetime"):
+        at = at.ToDatetime(tzinfo=datetime.UTC)
+    return str(at.isoformat(timespec="seconds"))
+
+
+NO_SCHEMA = "this database has no Quayutec schema: is it the one your services use? (`quayutec migrate` creates it)"
+
+
 async def _company_exists(pool: Any, company_id: str) -> None:
     """Admin commands act on a company that exists in this database, or say what is wrong."""
     try:
@@ -254,9 +345,7 @@ async def _company_exists(pool: Any, company_id: str) -> None:
     try:
         found = await pool.fetchval("SELECT name FROM companies WHERE company_id = $1", company)
     except asyncpg.UndefinedTableError:
-        raise AdminError(
-            "this database has no Quayutec schema: is it the one your services use? (`quayutec migrate` creates it)"
-        ) from None
+        raise AdminError(NO_SCHEMA) from None
     if found is None:
         raise AdminError(
             f"no company {company_id} in this database: check the id (`company create` prints it) and that "
@@ -289,12 +378,50 @@ def _client(channel: grpc.aio.Channel) -> GatewayClient:
 
 async def cmd_post(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        posted = await _client(channel).PostMessage(
+        client = _client(channel)
+        mentions = await resolve_mentions(client, opts.room, opts.mention or [])
+        posted = await client.PostMessage(
             gateway_pb2.PostMessageRequest(
-                room_id=opts.room, person=opts.person, body=opts.body, mention_agent_ids=opts.mention or []
+                room_id=opts.room, person=opts.person, body=opts.body, mention_agent_ids=mentions
             )
         )
     print(f"message {posted.message.message_id} #{posted.message.seq}; wakes {list(posted.wake_ids)}")
+    return 0
+
+
+async def cmd_room_list(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).ListRooms(gateway_pb2.ListRoomsRequest(page_size=opts.limit))
+    rows = [
+        {
+            "room_id": r.room_id,
+            "name": r.name,
+            "created_by": r.created_by_company_id,
+            "created_at": _when(r.created_at),
+        }
+        for r in got.rooms
+    ]
+    _print_rows(rows, opts.json, empty="no rooms: `quayutec room create <name>` makes one, or accept an invitation")
+    return 0
+
+
+async def cmd_agent_list(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        me = (await client.WhoAmI(gateway_pb2.WhoAmIRequest())).company.company_id if opts.room else ""
+        got = await client.ListAgents(gateway_pb2.ListAgentsRequest(room_id=opts.room or "", page_size=opts.limit))
+    provider_names = {v: k for k, v in PROVIDERS.items()}
+    rows = [
+        {
+            "agent_id": a.agent_id,
+            "name": a.name,
+            "company_id": a.company_id + (" (yours)" if a.company_id == me else ""),
+            "provider": provider_names.get(a.provider, ""),
+            "model": a.model,
+        }
+        for a in got.agents
+    ]
+    _print_rows(rows, opts.json, empty="no agents" + (" in this room" if opts.room else ": `agent register` adds one"))
     return 0
 
 
@@ -509,11 +636,13 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
 async def _watch_all() -> int:
     """Every room of the company in one WatchRooms stream: one line per event, prefixed by its room."""
     cursors: dict[str, int] = {}
+    resuming = False  # after the first heartbeat: rooms joined meanwhile are followed from their joining
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
         while True:
             request = gateway_pb2.WatchRoomsRequest(
-                after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in cursors.items()]
+                after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in cursors.items()],
+                unnamed_from_joining=resuming,
             )
             try:
                 async for item in client.WatchRooms(request):
@@ -522,6 +651,7 @@ async def _watch_all() -> int:
                         cursors[event.room_id] = event.cursor
                     if item.HasField("heartbeat"):
                         cursors = {r.room_id: r.cursor for r in item.heartbeat.rooms}
+                        resuming = True
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in WATCH_RESUMABLE:
                     raise
@@ -673,6 +803,10 @@ def parser() -> argparse.ArgumentParser:
     create = company.add_parser("create", help="create a company")
     create.add_argument("name", help="the company's name (unique)")
     create.set_defaults(handler=cmd_company_create)
+    cl = company.add_parser("list", help="every company and its id, oldest first")
+    _limit(cl, 100)
+    _json(cl)
+    cl.set_defaults(handler=cmd_company_list)
 
     keys = sub.add_parser("keys", help="API keys (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
@@ -693,7 +827,12 @@ def parser() -> argparse.ArgumentParser:
     post = sub.add_parser("post", help=f"post a message as a person of your company (needs {API_KEY_ENV})")
     post.add_argument("--room", required=True, help=ROOM_ID)
     post.add_argument("--person", required=True, help="who in your company writes it (e.g. ana)")
-    post.add_argument("--mention", action="append", metavar="AGENT_ID", help="an agent id to wake (repeatable)")
+    post.add_argument(
+        "--mention",
+        action="append",
+        metavar="AGENT",
+        help="an agent to wake, by id or by its name in the room (repeatable; `agent list --room` shows them)",
+    )
     post.add_argument("body", help="the message text")
     post.set_defaults(handler=cmd_post)
     runs = sub.add_parser("runs", help="your agents' runs, newest first, with trace ids")
@@ -721,6 +860,10 @@ def parser() -> argparse.ArgumentParser:
     rr.add_argument("room", help=ROOM_ID)
     rr.add_argument("company", help="the member's " + COMPANY_ID)
     rr.set_defaults(handler=cmd_room_remove_member)
+    rls = room.add_parser("list", help="the rooms your company is a member of")
+    _limit(rls, 50)
+    _json(rls)
+    rls.set_defaults(handler=cmd_room_list)
     iv = sub.add_parser("invitations", help="invitations to your company (pending ones by default)")
     iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending", help="which ones to list")
     _limit(iv, 50)
@@ -747,6 +890,11 @@ def parser() -> argparse.ArgumentParser:
     )
     ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
+    al = agent.add_parser("list", help="your company's agents, or with --room every agent in that room")
+    al.add_argument("--room", metavar="ROOM_ID", help="the agents in this room, of every member company")
+    _limit(al, 50)
+    _json(al)
+    al.set_defaults(handler=cmd_agent_list)
     ms = sub.add_parser("messages", help="a room's latest messages, oldest of them first")
     ms.add_argument("--room", required=True, help=ROOM_ID)
     _limit(ms, 20)
@@ -797,6 +945,17 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    try:
+        try:
+            code = _run(argv)
+        finally:
+            sys.stdout.flush()  # here, not at exit, where a closed pipe could only be reported
+    except BrokenPipeError:
+        code = _reader_went_away()
+    raise SystemExit(code)
+
+
+def _run(argv: list[str] | None) -> int:
     opts = parser().parse_args(argv)
     handler: Handler = opts.handler
     try:
@@ -804,12 +963,21 @@ def main(argv: list[str] | None = None) -> None:
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         code = 2
-    except AdminError as exc:
+    except (CommandError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
         code = 130
-    raise SystemExit(code)
+    return code
+
+
+def _reader_went_away() -> int:
+    """Whoever read our output stopped (``quayutec config | head``): end quietly, as other tools
+    do. Standard output now goes nowhere, so the flush at exit raises nothing either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141  # what a shell reports for a command ended by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
-from quayutec.v1 import common_pb2, gateway_pb2_grpc
+from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 API_KEY_ENV = "QUAYUTEC_API_KEY"
+
+
+class CommandError(Exception):
+    """A command cannot go on; the message says what to fix."""
 
 
 class GatewayClient:
@@ -57,3 +62,55 @@ def format_run(run: common_pb2.Run) -> str:
     if run.error:
         lines.append(f"  error: {run.error}")
     return "\n".join(lines)
+
+
+async def resolve_mentions(client: GatewayClient, room_id: str, mentions: Sequence[str]) -> list[str]:
+    """Agent ids for ``--mention`` values: an id is taken as it is; a name is looked up among the
+    agents in the room (every member company's), and must name exactly one of them."""
+    names = [m for m in mentions if not _is_uuid(m)]
+    if not names:
+        return list(mentions)
+    agents = await _room_agents(client, room_id)
+    resolved = []
+    for mention in mentions:
+        if _is_uuid(mention):
+            resolved.append(mention)
+            continue
+        matches = [a for a in agents if a.name.casefold() == mention.strip().casefold()]
+        if len(matches) == 1:
+            resolved.append(matches[0].agent_id)
+            continue
+        listed = _agent_choices(matches or agents)
+        if matches:
+            raise CommandError(
+                f"{len(matches)} agents in room {room_id} are named {mention!r}: {listed}; mention one by its id"
+            )
+        raise CommandError(
+            f"no agent named {mention!r} in room {room_id}; "
+            + (f"the agents there: {listed}" if agents else "no company in it has an agent yet")
+        )
+    return resolved
+
+
+async def _room_agents(client: GatewayClient, room_id: str) -> list[common_pb2.Agent]:
+    """Every agent in the room, all pages."""
+    agents: list[common_pb2.Agent] = []
+    token = ""
+    while True:
+        page = await client.ListAgents(gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=500, page_token=token))
+        agents.extend(page.agents)
+        token = page.next_page_token
+        if not token:
+            return agents
+
+
+def _agent_choices(agents: Sequence[common_pb2.Agent]) -> str:
+    return "; ".join(f"{a.name} (agent {a.agent_id}, company {a.company_id})" for a in agents)
+
+
+def _is_uuid(text: str) -> bool:
+    try:
+        uuid.UUID(text)
+    except ValueError:
+        return False
+    return True

@@ -4,22 +4,30 @@ the demo prints its address and both companies' API keys (and, run from a termin
 Enter so a person can look).
 
 Everything runs on this machine: an embedded PostgreSQL, the four services as processes and the
-stand-in model provider (no real provider key is needed or used).
+stand-in model provider (no real provider key is needed or used), on ports of its own. The demo owns
+its data folder while it runs (quayutec.datadir): the default one when it is free, else, when a stack
+such as `quayutec up` uses it, a temporary folder removed at the end, so the two never meet.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
+import shutil
+import signal
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
 
-from quayutec.config import RUNTIME
+from quayutec.config import RUNTIME, DatabaseConfig
+from quayutec.datadir import DataDirLock, DataDirTaken, holder, own
 from quayutec.db import create_pool
 from quayutec.tls import ADMIN, GATEWAY
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
@@ -271,31 +279,81 @@ async def demo(stack: LocalStack, standin: StandinProvider) -> None:
 
 async def run_demo() -> int:
     started = time.monotonic()
-    with StandinProvider() as standin:
-        stack = LocalStack.with_ports(
-            ephemeral=True,
-            extra_env={
-                "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin.base_url,
-                "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin.base_url,
-                "QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.1",
-            },
-        )
-        try:
-            say("starting the embedded PostgreSQL and applying migrations ...")
-            await stack.prepare_database()
-            say("starting gateway, room, claims and runtime ...")
-            await stack.start_all()
-            await stack.start_console()
-            for name in stack.ports:
-                say(f"   {name:8s} {stack.addr(name)}")
-            say(f"   console  {stack.console_url}")
-            await demo(stack, standin)
-            if sys.stdin.isatty():
-                say(f"\nthe stack stays up for the console at {stack.console_url}; press Enter to stop it")
-                await asyncio.to_thread(sys.stdin.readline)
-        finally:
-            stack.stop_all()
-            # The embedded PostgreSQL goes too, unless it was running before the demo.
-            await asyncio.to_thread(stack.stop_database)
-    say(f"\ndemo finished in {time.monotonic() - started:.1f} s (service logs in {stack.log_dir})")
+    folder, temporary = claim_folder(DatabaseConfig.from_env().data_dir)
+    try:
+        with StandinProvider() as standin:
+            stack = LocalStack.with_ports(
+                ephemeral=True,
+                extra_env={
+                    "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin.base_url,
+                    "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin.base_url,
+                    "QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.1",
+                },
+                data_dir=folder.data_dir,
+            )
+            stack.folder = folder
+            folder.record(stack.owner("quayutec demo"))
+            try:
+                say("starting the embedded PostgreSQL and applying migrations ...")
+                await stack.prepare_database()
+                say("starting gateway, room, claims and runtime ...")
+                await stack.start_all()
+                await stack.start_console()
+                for name in stack.ports:
+                    say(f"   {name:8s} {stack.addr(name)}")
+                say(f"   console  {stack.console_url}")
+                await demo(stack, standin)
+                if sys.stdin.isatty():
+                    say(f"\nthe stack stays up for the console at {stack.console_url}; press Enter to stop it")
+                    await enter_or_interrupt()
+                    say("stopping ...")
+            finally:
+                stack.stop_all()
+                # The embedded PostgreSQL of its folder goes too.
+                await asyncio.to_thread(stack.stop_database)
+    finally:
+        folder.release()
+        if temporary:
+            shutil.rmtree(folder.data_dir.parent, ignore_errors=True)
+    where = "a temporary folder, now removed" if temporary else stack.log_dir
+    say(f"\ndemo finished in {time.monotonic() - started:.1f} s (service logs in {where})")
     return 0
+
+
+def claim_folder(data_dir: Path) -> tuple[DataDirLock, bool]:
+    """The data folder the demo owns while it runs: ``data_dir`` when free, else (another stack, or
+    services started on their own, use it) a temporary folder of its own; and whether it is temporary.
+    So the demo never shares a database, logs or a delivery loop with a stack already running."""
+    try:
+        return own(data_dir, again="quayutec demo"), False
+    except DataDirTaken:
+        pass
+    who = holder(data_dir)
+    # Short (the embedded PostgreSQL's Unix socket lives in it) and reachable by PostgreSQL's own
+    # user, which pgserver runs the server as when we are root.
+    root = Path(tempfile.mkdtemp(prefix="qy-demo-", dir="/tmp" if Path("/tmp").is_dir() else None))
+    root.chmod(0o755)
+    say(f"{data_dir} is in use by {who};\nthe demo runs beside it in a temporary folder of its own, {root / 'data'}")
+    return own(root / "data", again="quayutec demo"), True
+
+
+async def enter_or_interrupt() -> None:
+    """Wait until Enter on standard input, Ctrl-C or SIGTERM, whichever comes first. Nothing is left
+    waiting on the terminal after (a thread blocked reading it would hold the exit until Enter)."""
+    done = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    fd = sys.stdin.fileno()
+
+    def readable() -> None:
+        os.read(fd, 4096)  # the line typed (a terminal hands it over at Enter), or end of input
+        done.set()
+
+    loop.add_reader(fd, readable)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, done.set)
+    try:
+        await done.wait()
+    finally:
+        loop.remove_reader(fd)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quayutec.authz import CALLER_PREFERENCE, CallersStub
 from quayutec.channels import channel_as
-from quayutec.config import CLAIMS, GATEWAY, ROOM, RUNTIME, SERVICES, DatabaseConfig, ServiceSpec
+from quayutec.config import CLAIMS, DATA_DIR_ENV, GATEWAY, ROOM, RUNTIME, SERVICES, DatabaseConfig, ServiceSpec
+from quayutec.datadir import DataDirLock, Owner
 from quayutec.db import create_pool, embedded_ctl, embedded_pgdata, embedded_pid, resolve_database_url
 from quayutec.migrate import migrate
 from quayutec.tls import ADMIN, MtlsConfig, ensure_dev_pki
@@ -118,6 +119,10 @@ class LocalStack:
     started_pgdata: Path | None = None
     # Where the console (services/console, HTTP) listens; None: the stack has no console.
     console_listen: str | None = None
+    # The data folder (QUAYUTEC_DATA_DIR) of the services and the embedded PostgreSQL; None: the
+    # environment's. With ``folder`` this stack owns it (quayutec.datadir) and stops what runs there.
+    data_dir: Path | None = None
+    folder: DataDirLock | None = None
 
     @classmethod
     def with_ports(
@@ -127,12 +132,15 @@ class LocalStack:
         extra_env: Mapping[str, str] | None = None,
         base_port: int | None = None,
         env: Mapping[str, str] | None = None,
+        data_dir: Path | None = None,
     ) -> LocalStack:
         """Ports for the four services: ephemeral ones (demo, tests); ``base_port`` and the next three
         (Gateway, Room, Claims, Runtime); or each service's ``QUAYUTEC_<SVC>_LISTEN`` / ``_ADDR`` when
         set, its default port (50051-50054) when not. The console's: ephemeral, ``base_port`` + 4, or
-        ``QUAYUTEC_CONSOLE_LISTEN`` (8080 by default)."""
+        ``QUAYUTEC_CONSOLE_LISTEN`` (8080 by default). The data folder: ``data_dir``, else
+        ``QUAYUTEC_DATA_DIR``'s."""
         env = os.environ if env is None else env
+        folder = data_dir or DatabaseConfig.from_env(env).data_dir
         ports: dict[str, int] = {}
         listens: dict[str, str] = {}
         addrs: dict[str, str] = {}
@@ -168,10 +176,11 @@ class LocalStack:
         return cls(
             ports=ports,
             extra_env=dict(extra_env or {}),
-            log_dir=DatabaseConfig.from_env(env).data_dir / "logs",
+            log_dir=folder / "logs",
             listens=listens,
             addrs=addrs,
             console_listen=console,
+            data_dir=folder,
         )
 
     def addr(self, name: str) -> str:
@@ -185,11 +194,25 @@ class LocalStack:
         """Shell lines that point the `quayutec` commands of another terminal at this stack."""
         lines = [f"export {spec.addr_env}={self.addr(spec.name)}" for spec in SERVICES]
         if self.started_pgdata is not None or not os.environ.get("DATABASE_URL", "").strip():
-            lines.append(f"export QUAYUTEC_DATA_DIR={DatabaseConfig.from_env().data_dir}")
+            lines.append(f"export {DATA_DIR_ENV}={self.database_config().data_dir}")
         return "\n".join(lines)
+
+    def database_config(self) -> DatabaseConfig:
+        """The database settings of this process, in this stack's data folder."""
+        config = DatabaseConfig.from_env()
+        return config if self.data_dir is None else replace(config, data_dir=self.data_dir)
+
+    def owner(self, command: str) -> Owner:
+        """What this stack says about itself in the data folder it owns: who, and where its parts answer."""
+        addresses = {name: self.addr(name) for name in self.ports}
+        if self.console_listen:
+            addresses["console"] = self.console_url
+        return Owner(os.getpid(), command, addresses)
 
     def env(self) -> dict[str, str]:
         env = {**os.environ, **self.extra_env, "DATABASE_URL": self.database_url}
+        if self.data_dir is not None:
+            env[DATA_DIR_ENV] = str(self.data_dir)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH", "")) if p)
         for spec in SERVICES:
             env[spec.listen_env] = self.listen(spec.name)
@@ -231,11 +254,12 @@ class LocalStack:
 
     async def prepare_database(self) -> str:
         """Resolve the database (starting the embedded one when there is no ``DATABASE_URL``) and
-        migrate it. An embedded server that was not already running is stopped by ``stop_database``."""
-        config = DatabaseConfig.from_env()
+        migrate it. ``stop_database`` stops an embedded server this stack started, or, when the stack
+        owns its folder, the one there (a server left running by a stack that ended is its own now)."""
+        config = self.database_config()
         if config.url is None:
             pgdata = embedded_pgdata(config.data_dir)
-            if embedded_pid(pgdata) is None:
+            if self.folder is not None or embedded_pid(pgdata) is None:
                 self.started_pgdata = pgdata
         self.database_url = await resolve_database_url(config)
         pool = await create_pool(self.database_url, min_size=1, max_size=2)

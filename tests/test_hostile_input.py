@@ -113,12 +113,19 @@ async def world(database_url: str) -> AsyncIterator[World]:
         )
 
 
+# Id fields a request must leave empty when the others are set (the Room's ListAgents takes a company
+# or a room, not both).
+LEFT_EMPTY = {("RoomServiceListAgentsRequest", "company_id")}
+
+
 def _request(module: Any, type_name: str, world: World) -> Message:
     """A request of ``type_name`` with every id field naming something real, so only the token is wrong."""
     request: Message = getattr(module, type_name)()
     ids = {"room_id": world.room_id, "agent_id": world.agent_id, "to_agent_id": world.agent_id}
     for field in request.DESCRIPTOR.fields:
         if field.type != field.TYPE_STRING or not field.name.endswith("_id"):
+            continue
+        if (type_name, field.name) in LEFT_EMPTY:
             continue
         setattr(request, field.name, ids.get(field.name, world.company_id))
     return request

@@ -112,6 +112,11 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.ListMessagesRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListMessagesResponse.FromString,
                 _registered_method=True)
+        self.GetMessage = channel.unary_unary(
+                '/quayutec.v1.GatewayService/GetMessage',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.GetMessageRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.GetMessageResponse.FromString,
+                _registered_method=True)
         self.SendTask = channel.unary_unary(
                 '/quayutec.v1.GatewayService/SendTask',
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.SendTaskRequest.SerializeToString,
@@ -202,6 +207,21 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.EndSessionRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.EndSessionResponse.FromString,
                 _registered_method=True)
+        self.CreateApiKey = channel.unary_unary(
+                '/quayutec.v1.GatewayService/CreateApiKey',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.CreateApiKeyRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.CreateApiKeyResponse.FromString,
+                _registered_method=True)
+        self.ListApiKeys = channel.unary_unary(
+                '/quayutec.v1.GatewayService/ListApiKeys',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.ListApiKeysRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListApiKeysResponse.FromString,
+                _registered_method=True)
+        self.RevokeApiKey = channel.unary_unary(
+                '/quayutec.v1.GatewayService/RevokeApiKey',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -248,8 +268,9 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListInvitations(self, request, context):
-        """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
-        Errors: INVALID_ARGUMENT (bad status or page token).
+        """ListInvitations to the caller's company (or, with sent, those it sent to other companies), oldest
+        first: pending ones unless status says otherwise. Each names the room, the inviting and the invited
+        company. Errors: INVALID_ARGUMENT (bad status or page token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -298,7 +319,7 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListMembers(self, request, context):
-        """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -315,7 +336,11 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAgents(self, request, context):
-        """ListAgents of the caller's company. Errors: INVALID_ARGUMENT.
+        """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+        every member company, so people can mention them by name), another company's agent with its id,
+        name, company and created_at only (the room's rule `room-agents`, docs/rules.md). Each agent
+        carries its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller is not
+        a member).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -332,6 +357,14 @@ class GatewayServiceServicer:
 
     def ListMessages(self, request, context):
         """ListMessages of a room, oldest first unless newest_first. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMessage(self, request, context):
+        """GetMessage: one message of a room (with the run that posted it, for an agent's reply).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or no such message in it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -399,15 +432,17 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListRuns(self, request, context):
-        """ListRuns of the caller's own agents, newest first. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not
-        the caller's).
+        """ListRuns of the caller's own agents, newest first, optionally of one agent, one room, one status
+        and a range of start times. Errors: INVALID_ARGUMENT (a bad status, a range that ends before it
+        starts, a page token handed out for other filters), NOT_FOUND (agent not the caller's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetRun(self, request, context):
-        """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """GetRun of one of the caller's agents, with the approval it parked on (held actions and who
+        decided them when) if it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -473,7 +508,8 @@ class GatewayServiceServicer:
         """WatchRooms streams the events of every room of the caller's company in one stream: each room's
         events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
         passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-        named start from now, and a named room the company is no longer a member of is skipped.
+        named start from now (from their joining with unnamed_from_joining), and a named room the company
+        is no longer a member of is skipped.
         A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
         the first of that room on the stream); a room it leaves or is removed from ends with the
         MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
@@ -484,6 +520,8 @@ class GatewayServiceServicer:
         the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
         follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
         the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+        An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+        room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -506,6 +544,39 @@ class GatewayServiceServicer:
         ended session is not possible (the call itself is refused as UNAUTHENTICATED).
         Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
         `quayutec keys revoke`).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateApiKey(self, request, context):
+        """CreateApiKey makes a new API key of the caller's company; its secret is in the answer once and
+        never again (only its hash is kept). Only a company key may make one: a session key cannot, so a
+        copied sign-in can never outlive its own revocation by minting a lasting key.
+        Errors: INVALID_ARGUMENT (label over 200 bytes), PERMISSION_DENIED (called with a session key),
+        RESOURCE_EXHAUSTED (the company already has the most live keys allowed; the message names the
+        setting).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListApiKeys(self, request, context):
+        """ListApiKeys of the caller's company, oldest first: ids, labels, times and state, never a secret
+        or a hash. Any key of the company may list (session keys too); session keys are listed only with
+        include_sessions. Errors: INVALID_ARGUMENT (bad page token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeApiKey(self, request, context):
+        """RevokeApiKey revokes a key of the caller's company at once (its session keys with it; their open
+        streams end within seconds on every replica). Revoking a revoked key answers it as it is. Any key
+        of the company may revoke (revoking grants nothing); revoking the key the call is made with, or
+        the company key of the calling session key, ends the caller's own access too.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
+        answers exactly as an unknown one).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -583,6 +654,11 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.ListMessages,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListMessagesRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.ListMessagesResponse.SerializeToString,
+            ),
+            'GetMessage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMessage,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.GetMessageRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.GetMessageResponse.SerializeToString,
             ),
             'SendTask': grpc.unary_unary_rpc_method_handler(
                     servicer.SendTask,
@@ -673,6 +749,21 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.EndSession,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.EndSessionRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.EndSessionResponse.SerializeToString,
+            ),
+            'CreateApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateApiKey,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.CreateApiKeyRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.CreateApiKeyResponse.SerializeToString,
+            ),
+            'ListApiKeys': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListApiKeys,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListApiKeysRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.ListApiKeysResponse.SerializeToString,
+            ),
+            'RevokeApiKey': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeApiKey,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1061,6 +1152,33 @@ class GatewayService:
             '/quayutec.v1.GatewayService/ListMessages',
             quayutec_dot_v1_dot_gateway__pb2.ListMessagesRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.ListMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/GetMessage',
+            quayutec_dot_v1_dot_gateway__pb2.GetMessageRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.GetMessageResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1547,6 +1665,87 @@ class GatewayService:
             '/quayutec.v1.GatewayService/EndSession',
             quayutec_dot_v1_dot_gateway__pb2.EndSessionRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.EndSessionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/CreateApiKey',
+            quayutec_dot_v1_dot_gateway__pb2.CreateApiKeyRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.CreateApiKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListApiKeys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/ListApiKeys',
+            quayutec_dot_v1_dot_gateway__pb2.ListApiKeysRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.ListApiKeysResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeApiKey(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/RevokeApiKey',
+            quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -55,8 +55,9 @@ class GatewayServiceStub:
     member, or already has a pending invitation to this room; inviting again is not needed).
     """
     ListInvitations: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListInvitationsRequest, _gateway_pb2.ListInvitationsResponse]
-    """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
-    Errors: INVALID_ARGUMENT (bad status or page token).
+    """ListInvitations to the caller's company (or, with sent, those it sent to other companies), oldest
+    first: pending ones unless status says otherwise. Each names the room, the inviting and the invited
+    company. Errors: INVALID_ARGUMENT (bad status or page token).
     """
     AcceptInvitation: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.AcceptInvitationRequest, _gateway_pb2.AcceptInvitationResponse]
     """AcceptInvitation makes the caller's company a member of the invitation's room. Accepting again
@@ -85,7 +86,7 @@ class GatewayServiceStub:
     (the caller did not create the room), FAILED_PRECONDITION (the creator cannot remove itself).
     """
     ListMembers: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListMembersRequest, _gateway_pb2.ListMembersResponse]
-    """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     RegisterAgent: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]
     """RegisterAgent registers an always-on agent of the caller's company.
     Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
@@ -93,7 +94,12 @@ class GatewayServiceStub:
     could not be resolved just now).
     """
     ListAgents: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]
-    """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
+    """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+    every member company, so people can mention them by name), another company's agent with its id,
+    name, company and created_at only (the room's rule `room-agents`, docs/rules.md). Each agent
+    carries its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller is not
+    a member).
+    """
     PostMessage: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.PostMessageRequest, _gateway_pb2.PostMessageResponse]
     """PostMessage as a person of the caller's company, waking each mentioned agent.
     Errors: INVALID_ARGUMENT (empty or over 64 KiB body, person name missing), NOT_FOUND (room or a
@@ -101,6 +107,10 @@ class GatewayServiceStub:
     """
     ListMessages: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListMessagesRequest, _gateway_pb2.ListMessagesResponse]
     """ListMessages of a room, oldest first unless newest_first. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    GetMessage: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetMessageRequest, _gateway_pb2.GetMessageResponse]
+    """GetMessage: one message of a room (with the run that posted it, for an agent's reply).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or no such message in it).
+    """
     SendTask: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SendTaskRequest, _gateway_pb2.SendTaskResponse]
     """SendTask from a person of the caller's company to an agent in the room, waking the agent.
     Errors: INVALID_ARGUMENT, NOT_FOUND (room or agent).
@@ -126,11 +136,14 @@ class GatewayServiceStub:
     SearchPassages: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SearchPassagesRequest, _gateway_pb2.SearchPassagesResponse]
     """SearchPassages of a room's files. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListRuns: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListRunsRequest, _gateway_pb2.ListRunsResponse]
-    """ListRuns of the caller's own agents, newest first. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not
-    the caller's).
+    """ListRuns of the caller's own agents, newest first, optionally of one agent, one room, one status
+    and a range of start times. Errors: INVALID_ARGUMENT (a bad status, a range that ends before it
+    starts, a page token handed out for other filters), NOT_FOUND (agent not the caller's).
     """
     GetRun: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetRunRequest, _gateway_pb2.GetRunResponse]
-    """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """GetRun of one of the caller's agents, with the approval it parked on (held actions and who
+    decided them when) if it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
     SetAgentRights: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SetAgentRightsRequest, _gateway_pb2.SetAgentRightsResponse]
     """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
     agents' rights. With update_mask, only the rights it names change, in one statement, so two
@@ -171,7 +184,8 @@ class GatewayServiceStub:
     """WatchRooms streams the events of every room of the caller's company in one stream: each room's
     events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
     passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-    named start from now, and a named room the company is no longer a member of is skipped.
+    named start from now (from their joining with unnamed_from_joining), and a named room the company
+    is no longer a member of is skipped.
     A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
     the first of that room on the stream); a room it leaves or is removed from ends with the
     MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
@@ -182,6 +196,8 @@ class GatewayServiceStub:
     the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
     follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
     the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+    An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+    room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
     """
     CreateSessionKey: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CreateSessionKeyRequest, _gateway_pb2.CreateSessionKeyResponse]
     """CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
@@ -196,6 +212,27 @@ class GatewayServiceStub:
     ended session is not possible (the call itself is refused as UNAUTHENTICATED).
     Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
     `quayutec keys revoke`).
+    """
+    CreateApiKey: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CreateApiKeyRequest, _gateway_pb2.CreateApiKeyResponse]
+    """CreateApiKey makes a new API key of the caller's company; its secret is in the answer once and
+    never again (only its hash is kept). Only a company key may make one: a session key cannot, so a
+    copied sign-in can never outlive its own revocation by minting a lasting key.
+    Errors: INVALID_ARGUMENT (label over 200 bytes), PERMISSION_DENIED (called with a session key),
+    RESOURCE_EXHAUSTED (the company already has the most live keys allowed; the message names the
+    setting).
+    """
+    ListApiKeys: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListApiKeysRequest, _gateway_pb2.ListApiKeysResponse]
+    """ListApiKeys of the caller's company, oldest first: ids, labels, times and state, never a secret
+    or a hash. Any key of the company may list (session keys too); session keys are listed only with
+    include_sessions. Errors: INVALID_ARGUMENT (bad page token).
+    """
+    RevokeApiKey: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RevokeApiKeyRequest, _gateway_pb2.RevokeApiKeyResponse]
+    """RevokeApiKey revokes a key of the caller's company at once (its session keys with it; their open
+    streams end within seconds on every replica). Revoking a revoked key answers it as it is. Any key
+    of the company may revoke (revoking grants nothing); revoking the key the call is made with, or
+    the company key of the calling session key, ends the caller's own access too.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
+    answers exactly as an unknown one).
     """
 
 @_typing.type_check_only
@@ -225,8 +262,9 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     member, or already has a pending invitation to this room; inviting again is not needed).
     """
     ListInvitations: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListInvitationsRequest, _gateway_pb2.ListInvitationsResponse]  # type: ignore[assignment]
-    """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
-    Errors: INVALID_ARGUMENT (bad status or page token).
+    """ListInvitations to the caller's company (or, with sent, those it sent to other companies), oldest
+    first: pending ones unless status says otherwise. Each names the room, the inviting and the invited
+    company. Errors: INVALID_ARGUMENT (bad status or page token).
     """
     AcceptInvitation: _aio.UnaryUnaryMultiCallable[_gateway_pb2.AcceptInvitationRequest, _gateway_pb2.AcceptInvitationResponse]  # type: ignore[assignment]
     """AcceptInvitation makes the caller's company a member of the invitation's room. Accepting again
@@ -255,7 +293,7 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     (the caller did not create the room), FAILED_PRECONDITION (the creator cannot remove itself).
     """
     ListMembers: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListMembersRequest, _gateway_pb2.ListMembersResponse]  # type: ignore[assignment]
-    """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     RegisterAgent: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]  # type: ignore[assignment]
     """RegisterAgent registers an always-on agent of the caller's company.
     Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
@@ -263,7 +301,12 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     could not be resolved just now).
     """
     ListAgents: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]  # type: ignore[assignment]
-    """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
+    """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+    every member company, so people can mention them by name), another company's agent with its id,
+    name, company and created_at only (the room's rule `room-agents`, docs/rules.md). Each agent
+    carries its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller is not
+    a member).
+    """
     PostMessage: _aio.UnaryUnaryMultiCallable[_gateway_pb2.PostMessageRequest, _gateway_pb2.PostMessageResponse]  # type: ignore[assignment]
     """PostMessage as a person of the caller's company, waking each mentioned agent.
     Errors: INVALID_ARGUMENT (empty or over 64 KiB body, person name missing), NOT_FOUND (room or a
@@ -271,6 +314,10 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """
     ListMessages: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListMessagesRequest, _gateway_pb2.ListMessagesResponse]  # type: ignore[assignment]
     """ListMessages of a room, oldest first unless newest_first. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    GetMessage: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetMessageRequest, _gateway_pb2.GetMessageResponse]  # type: ignore[assignment]
+    """GetMessage: one message of a room (with the run that posted it, for an agent's reply).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or no such message in it).
+    """
     SendTask: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SendTaskRequest, _gateway_pb2.SendTaskResponse]  # type: ignore[assignment]
     """SendTask from a person of the caller's company to an agent in the room, waking the agent.
     Errors: INVALID_ARGUMENT, NOT_FOUND (room or agent).
@@ -296,11 +343,14 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     SearchPassages: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SearchPassagesRequest, _gateway_pb2.SearchPassagesResponse]  # type: ignore[assignment]
     """SearchPassages of a room's files. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListRuns: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListRunsRequest, _gateway_pb2.ListRunsResponse]  # type: ignore[assignment]
-    """ListRuns of the caller's own agents, newest first. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not
-    the caller's).
+    """ListRuns of the caller's own agents, newest first, optionally of one agent, one room, one status
+    and a range of start times. Errors: INVALID_ARGUMENT (a bad status, a range that ends before it
+    starts, a page token handed out for other filters), NOT_FOUND (agent not the caller's).
     """
     GetRun: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetRunRequest, _gateway_pb2.GetRunResponse]  # type: ignore[assignment]
-    """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """GetRun of one of the caller's agents, with the approval it parked on (held actions and who
+    decided them when) if it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
+    """
     SetAgentRights: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SetAgentRightsRequest, _gateway_pb2.SetAgentRightsResponse]  # type: ignore[assignment]
     """SetAgentRights sets the caller's default rights for its agents (agent_id empty) or one of its
     agents' rights. With update_mask, only the rights it names change, in one statement, so two
@@ -341,7 +391,8 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """WatchRooms streams the events of every room of the caller's company in one stream: each room's
     events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
     passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-    named start from now, and a named room the company is no longer a member of is skipped.
+    named start from now (from their joining with unnamed_from_joining), and a named room the company
+    is no longer a member of is skipped.
     A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
     the first of that room on the stream); a room it leaves or is removed from ends with the
     MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
@@ -352,6 +403,8 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
     follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
     the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+    An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+    room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
     """
     CreateSessionKey: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CreateSessionKeyRequest, _gateway_pb2.CreateSessionKeyResponse]  # type: ignore[assignment]
     """CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
@@ -366,6 +419,27 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     ended session is not possible (the call itself is refused as UNAUTHENTICATED).
     Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
     `quayutec keys revoke`).
+    """
+    CreateApiKey: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CreateApiKeyRequest, _gateway_pb2.CreateApiKeyResponse]  # type: ignore[assignment]
+    """CreateApiKey makes a new API key of the caller's company; its secret is in the answer once and
+    never again (only its hash is kept). Only a company key may make one: a session key cannot, so a
+    copied sign-in can never outlive its own revocation by minting a lasting key.
+    Errors: INVALID_ARGUMENT (label over 200 bytes), PERMISSION_DENIED (called with a session key),
+    RESOURCE_EXHAUSTED (the company already has the most live keys allowed; the message names the
+    setting).
+    """
+    ListApiKeys: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListApiKeysRequest, _gateway_pb2.ListApiKeysResponse]  # type: ignore[assignment]
+    """ListApiKeys of the caller's company, oldest first: ids, labels, times and state, never a secret
+    or a hash. Any key of the company may list (session keys too); session keys are listed only with
+    include_sessions. Errors: INVALID_ARGUMENT (bad page token).
+    """
+    RevokeApiKey: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RevokeApiKeyRequest, _gateway_pb2.RevokeApiKeyResponse]  # type: ignore[assignment]
+    """RevokeApiKey revokes a key of the caller's company at once (its session keys with it; their open
+    streams end within seconds on every replica). Revoking a revoked key answers it as it is. Any key
+    of the company may revoke (revoking grants nothing); revoking the key the call is made with, or
+    the company key of the calling session key, ends the caller's own access too.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
+    answers exactly as an unknown one).
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -422,8 +496,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ListInvitationsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListInvitationsResponse, _abc.Awaitable[_gateway_pb2.ListInvitationsResponse]]:
-        """ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
-        Errors: INVALID_ARGUMENT (bad status or page token).
+        """ListInvitations to the caller's company (or, with sent, those it sent to other companies), oldest
+        first: pending ones unless status says otherwise. Each names the room, the inviting and the invited
+        company. Errors: INVALID_ARGUMENT (bad status or page token).
         """
 
     @_abc_1.abstractmethod
@@ -482,7 +557,7 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ListMembersRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListMembersResponse, _abc.Awaitable[_gateway_pb2.ListMembersResponse]]:
-        """ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
 
     @_abc_1.abstractmethod
     def RegisterAgent(
@@ -502,7 +577,12 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ListAgentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListAgentsResponse, _abc.Awaitable[_gateway_pb2.ListAgentsResponse]]:
-        """ListAgents of the caller's company. Errors: INVALID_ARGUMENT."""
+        """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+        every member company, so people can mention them by name), another company's agent with its id,
+        name, company and created_at only (the room's rule `room-agents`, docs/rules.md). Each agent
+        carries its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller is not
+        a member).
+        """
 
     @_abc_1.abstractmethod
     def PostMessage(
@@ -522,6 +602,16 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListMessagesResponse, _abc.Awaitable[_gateway_pb2.ListMessagesResponse]]:
         """ListMessages of a room, oldest first unless newest_first. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+
+    @_abc_1.abstractmethod
+    def GetMessage(
+        self,
+        request: _gateway_pb2.GetMessageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.GetMessageResponse, _abc.Awaitable[_gateway_pb2.GetMessageResponse]]:
+        """GetMessage: one message of a room (with the run that posted it, for an agent's reply).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or no such message in it).
+        """
 
     @_abc_1.abstractmethod
     def SendTask(
@@ -601,8 +691,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.ListRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.ListRunsResponse, _abc.Awaitable[_gateway_pb2.ListRunsResponse]]:
-        """ListRuns of the caller's own agents, newest first. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not
-        the caller's).
+        """ListRuns of the caller's own agents, newest first, optionally of one agent, one room, one status
+        and a range of start times. Errors: INVALID_ARGUMENT (a bad status, a range that ends before it
+        starts, a page token handed out for other filters), NOT_FOUND (agent not the caller's).
         """
 
     @_abc_1.abstractmethod
@@ -611,7 +702,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.GetRunRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.GetRunResponse, _abc.Awaitable[_gateway_pb2.GetRunResponse]]:
-        """GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        """GetRun of one of the caller's agents, with the approval it parked on (held actions and who
+        decided them when) if it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
 
     @_abc_1.abstractmethod
     def SetAgentRights(
@@ -688,7 +781,8 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         """WatchRooms streams the events of every room of the caller's company in one stream: each room's
         events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
         passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
-        named start from now, and a named room the company is no longer a member of is skipped.
+        named start from now (from their joining with unnamed_from_joining), and a named room the company
+        is no longer a member of is skipped.
         A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
         the first of that room on the stream); a room it leaves or is removed from ends with the
         MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
@@ -699,6 +793,8 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
         follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
         the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+        An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+        room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
         """
 
     @_abc_1.abstractmethod
@@ -725,6 +821,45 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         ended session is not possible (the call itself is refused as UNAUTHENTICATED).
         Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
         `quayutec keys revoke`).
+        """
+
+    @_abc_1.abstractmethod
+    def CreateApiKey(
+        self,
+        request: _gateway_pb2.CreateApiKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.CreateApiKeyResponse, _abc.Awaitable[_gateway_pb2.CreateApiKeyResponse]]:
+        """CreateApiKey makes a new API key of the caller's company; its secret is in the answer once and
+        never again (only its hash is kept). Only a company key may make one: a session key cannot, so a
+        copied sign-in can never outlive its own revocation by minting a lasting key.
+        Errors: INVALID_ARGUMENT (label over 200 bytes), PERMISSION_DENIED (called with a session key),
+        RESOURCE_EXHAUSTED (the company already has the most live keys allowed; the message names the
+        setting).
+        """
+
+    @_abc_1.abstractmethod
+    def ListApiKeys(
+        self,
+        request: _gateway_pb2.ListApiKeysRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ListApiKeysResponse, _abc.Awaitable[_gateway_pb2.ListApiKeysResponse]]:
+        """ListApiKeys of the caller's company, oldest first: ids, labels, times and state, never a secret
+        or a hash. Any key of the company may list (session keys too); session keys are listed only with
+        include_sessions. Errors: INVALID_ARGUMENT (bad page token).
+        """
+
+    @_abc_1.abstractmethod
+    def RevokeApiKey(
+        self,
+        request: _gateway_pb2.RevokeApiKeyRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RevokeApiKeyResponse, _abc.Awaitable[_gateway_pb2.RevokeApiKeyResponse]]:
+        """RevokeApiKey revokes a key of the caller's company at once (its session keys with it; their open
+        streams end within seconds on every replica). Revoking a revoked key answers it as it is. Any key
+        of the company may revoke (revoking grants nothing); revoking the key the call is made with, or
+        the company key of the calling session key, ends the caller's own access too.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
+        answers exactly as an unknown one).
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

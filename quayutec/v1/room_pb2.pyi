@@ -311,12 +311,15 @@ class RoomServiceListInvitationsRequest(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    SENT_FIELD_NUMBER: _builtins.int
     company_id: _builtins.str
     """The invited company."""
     status: _common_pb2.InvitationStatus.ValueType
     """Unspecified: PENDING."""
     page_size: _builtins.int
     page_token: _builtins.str
+    sent: _builtins.bool
+    """The invitations company_id sent (to other companies) instead of those it received."""
     def __init__(
         self,
         *,
@@ -324,10 +327,11 @@ class RoomServiceListInvitationsRequest(_message.Message):
         status: _common_pb2.InvitationStatus.ValueType = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        sent: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token", "sent", b"sent", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -703,19 +707,30 @@ class RoomServiceListAgentsRequest(_message.Message):
     COMPANY_ID_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    READER_COMPANY_ID_FIELD_NUMBER: _builtins.int
     company_id: _builtins.str
+    """company_id, room_id, or both."""
     page_size: _builtins.int
     page_token: _builtins.str
+    room_id: _builtins.str
+    """The agents of every company that is a member of this room."""
+    reader_company_id: _builtins.str
+    """With room_id: the company that reads (the room's rule `room-agents` applies); empty for the
+    services' own reads.
+    """
     def __init__(
         self,
         *,
         company_id: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        room_id: _builtins.str = ...,
+        reader_company_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token", "reader_company_id", b"reader_company_id", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -924,6 +939,48 @@ class RoomServiceListMessagesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoomServiceListMessagesResponse: _TypeAlias = RoomServiceListMessagesResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceGetMessageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    message_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        message_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message_id", b"message_id", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceGetMessageRequest: _TypeAlias = RoomServiceGetMessageRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceGetMessageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def message(self) -> _common_pb2.Message: ...
+    def __init__(
+        self,
+        *,
+        message: _common_pb2.Message | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceGetMessageResponse: _TypeAlias = RoomServiceGetMessageResponse  # noqa: Y015
 
 @_typing.final
 class RoomServiceCreateTaskRequest(_message.Message):
@@ -1523,16 +1580,22 @@ class RoomServiceGetRunResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_FIELD_NUMBER: _builtins.int
+    WAITPOINT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def run(self) -> _common_pb2.Run: ...
+    @_builtins.property
+    def waitpoint(self) -> _common_pb2.Waitpoint:
+        """The waitpoint the run parked on (its held actions and their decisions); unset when it never parked."""
+
     def __init__(
         self,
         *,
         run: _common_pb2.Run | None = ...,
+        waitpoint: _common_pb2.Waitpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "waitpoint", b"waitpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run", "waitpoint", b"waitpoint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1546,10 +1609,23 @@ class RoomServiceListRunsRequest(_message.Message):
     COMPANY_ID_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    STARTED_AFTER_FIELD_NUMBER: _builtins.int
+    STARTED_BEFORE_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     company_id: _builtins.str
     page_size: _builtins.int
     page_token: _builtins.str
+    room_id: _builtins.str
+    """Optional filters: runs in this room, with this status, started at or after started_after and
+    before started_before. A page token is valid only with the filters it was handed out with.
+    """
+    status: _common_pb2.RunStatus.ValueType
+    @_builtins.property
+    def started_after(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def started_before(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -1557,10 +1633,14 @@ class RoomServiceListRunsRequest(_message.Message):
         company_id: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        room_id: _builtins.str = ...,
+        status: _common_pb2.RunStatus.ValueType = ...,
+        started_after: _timestamp_pb2.Timestamp | None = ...,
+        started_before: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["started_after", b"started_after", "started_before", b"started_before"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token", "room_id", b"room_id", "started_after", b"started_after", "started_before", b"started_before", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -132,6 +132,11 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListMessagesRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListMessagesResponse.FromString,
                 _registered_method=True)
+        self.GetMessage = channel.unary_unary(
+                '/quayutec.v1.RoomService/GetMessage',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetMessageRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetMessageResponse.FromString,
+                _registered_method=True)
         self.CreateTask = channel.unary_unary(
                 '/quayutec.v1.RoomService/CreateTask',
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateTaskRequest.SerializeToString,
@@ -323,8 +328,8 @@ class RoomServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListInvitations(self, request, context):
-        """ListInvitations to one company, oldest first (pending ones unless status says otherwise).
-        Errors: INVALID_ARGUMENT.
+        """ListInvitations to one company (or, with sent, those it sent), oldest first (pending ones unless
+        status says otherwise). Errors: INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -395,7 +400,13 @@ class RoomServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ListAgents(self, request, context):
-        """ListAgents of one company. Errors: INVALID_ARGUMENT.
+        """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
+        With reader_company_id, the room's rule `room-agents` (services/room/rules.py, docs/rules.md)
+        applies: the reader must be a member, and another company's agent comes with its id, name,
+        company and created_at only. Each agent carries its company's name.
+        With company_id too, that company's agents only.
+        Errors: INVALID_ARGUMENT (neither company_id nor room_id), NOT_FOUND (with
+        reader_company_id: the reader is not a member of the room, or there is no such room).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -423,6 +434,13 @@ class RoomServiceServicer:
     def ListMessages(self, request, context):
         """ListMessages in room order (oldest first, or newest first).
         Errors: INVALID_ARGUMENT (bad page token), NOT_FOUND (room).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetMessage(self, request, context):
+        """GetMessage: one message of a room. Errors: INVALID_ARGUMENT, NOT_FOUND (no such message in that room).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -510,15 +528,16 @@ class RoomServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetRun(self, request, context):
-        """GetRun. Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """GetRun, with its waitpoint when it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def ListRuns(self, request, context):
-        """ListRuns newest first, for one agent or all agents of one company.
-        Errors: INVALID_ARGUMENT (neither agent_id nor company_id).
+        """ListRuns newest first, for one agent or all agents of one company, optionally of one room, one
+        status and a range of start times.
+        Errors: INVALID_ARGUMENT (neither agent_id nor company_id, a bad filter or page token).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -746,6 +765,11 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.ListMessages,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListMessagesRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListMessagesResponse.SerializeToString,
+            ),
+            'GetMessage': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetMessage,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetMessageRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetMessageResponse.SerializeToString,
             ),
             'CreateTask': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateTask,
@@ -1372,6 +1396,33 @@ class RoomService:
             '/quayutec.v1.RoomService/ListMessages',
             quayutec_dot_v1_dot_room__pb2.RoomServiceListMessagesRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceListMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetMessage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/GetMessage',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceGetMessageRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceGetMessageResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -61,8 +61,8 @@ class RoomServiceStub:
     ALREADY_EXISTS.
     """
     ListInvitations: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListInvitationsRequest, _room_pb2.RoomServiceListInvitationsResponse]
-    """ListInvitations to one company, oldest first (pending ones unless status says otherwise).
-    Errors: INVALID_ARGUMENT.
+    """ListInvitations to one company (or, with sent, those it sent), oldest first (pending ones unless
+    status says otherwise). Errors: INVALID_ARGUMENT.
     """
     AcceptInvitation: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAcceptInvitationRequest, _room_pb2.RoomServiceAcceptInvitationResponse]
     """AcceptInvitation: the invitation becomes ACCEPTED and the company a member, in one transaction.
@@ -99,7 +99,14 @@ class RoomServiceStub:
     GetAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListAgents: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListAgentsRequest, _room_pb2.RoomServiceListAgentsResponse]
-    """ListAgents of one company. Errors: INVALID_ARGUMENT."""
+    """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
+    With reader_company_id, the room's rule `room-agents` (services/room/rules.py, docs/rules.md)
+    applies: the reader must be a member, and another company's agent comes with its id, name,
+    company and created_at only. Each agent carries its company's name.
+    With company_id too, that company's agents only.
+    Errors: INVALID_ARGUMENT (neither company_id nor room_id), NOT_FOUND (with
+    reader_company_id: the reader is not a member of the room, or there is no such room).
+    """
     GetAgentCredentials: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentCredentialsRequest, _room_pb2.RoomServiceGetAgentCredentialsResponse]
     """GetAgentCredentials returns the decrypted provider key, for Runtime only.
     Errors: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION (key cannot be decrypted with the configured key).
@@ -115,6 +122,8 @@ class RoomServiceStub:
     """ListMessages in room order (oldest first, or newest first).
     Errors: INVALID_ARGUMENT (bad page token), NOT_FOUND (room).
     """
+    GetMessage: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetMessageRequest, _room_pb2.RoomServiceGetMessageResponse]
+    """GetMessage: one message of a room. Errors: INVALID_ARGUMENT, NOT_FOUND (no such message in that room)."""
     CreateTask: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateTaskRequest, _room_pb2.RoomServiceCreateTaskResponse]
     """CreateTask records a task for an agent and, in the same transaction, the agent's wake.
     Errors: INVALID_ARGUMENT (empty title, title over 500 bytes, body over 64 KiB), NOT_FOUND (room or
@@ -153,10 +162,11 @@ class RoomServiceStub:
     already ended and the write would change it).
     """
     GetRun: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetRunRequest, _room_pb2.RoomServiceGetRunResponse]
-    """GetRun. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """GetRun, with its waitpoint when it parked. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListRuns: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListRunsRequest, _room_pb2.RoomServiceListRunsResponse]
-    """ListRuns newest first, for one agent or all agents of one company.
-    Errors: INVALID_ARGUMENT (neither agent_id nor company_id).
+    """ListRuns newest first, for one agent or all agents of one company, optionally of one room, one
+    status and a range of start times.
+    Errors: INVALID_ARGUMENT (neither agent_id nor company_id, a bad filter or page token).
     """
     LeaseWakes: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceLeaseWakesRequest, _room_pb2.RoomServiceLeaseWakesResponse]
     """LeaseWakes leases up to max_wakes pending wakes whose next attempt is due (FOR UPDATE SKIP
@@ -264,8 +274,8 @@ class RoomServiceAsyncStub(RoomServiceStub):
     ALREADY_EXISTS.
     """
     ListInvitations: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListInvitationsRequest, _room_pb2.RoomServiceListInvitationsResponse]  # type: ignore[assignment]
-    """ListInvitations to one company, oldest first (pending ones unless status says otherwise).
-    Errors: INVALID_ARGUMENT.
+    """ListInvitations to one company (or, with sent, those it sent), oldest first (pending ones unless
+    status says otherwise). Errors: INVALID_ARGUMENT.
     """
     AcceptInvitation: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAcceptInvitationRequest, _room_pb2.RoomServiceAcceptInvitationResponse]  # type: ignore[assignment]
     """AcceptInvitation: the invitation becomes ACCEPTED and the company a member, in one transaction.
@@ -302,7 +312,14 @@ class RoomServiceAsyncStub(RoomServiceStub):
     GetAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]  # type: ignore[assignment]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListAgents: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListAgentsRequest, _room_pb2.RoomServiceListAgentsResponse]  # type: ignore[assignment]
-    """ListAgents of one company. Errors: INVALID_ARGUMENT."""
+    """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
+    With reader_company_id, the room's rule `room-agents` (services/room/rules.py, docs/rules.md)
+    applies: the reader must be a member, and another company's agent comes with its id, name,
+    company and created_at only. Each agent carries its company's name.
+    With company_id too, that company's agents only.
+    Errors: INVALID_ARGUMENT (neither company_id nor room_id), NOT_FOUND (with
+    reader_company_id: the reader is not a member of the room, or there is no such room).
+    """
     GetAgentCredentials: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentCredentialsRequest, _room_pb2.RoomServiceGetAgentCredentialsResponse]  # type: ignore[assignment]
     """GetAgentCredentials returns the decrypted provider key, for Runtime only.
     Errors: INVALID_ARGUMENT, NOT_FOUND, FAILED_PRECONDITION (key cannot be decrypted with the configured key).
@@ -318,6 +335,8 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """ListMessages in room order (oldest first, or newest first).
     Errors: INVALID_ARGUMENT (bad page token), NOT_FOUND (room).
     """
+    GetMessage: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetMessageRequest, _room_pb2.RoomServiceGetMessageResponse]  # type: ignore[assignment]
+    """GetMessage: one message of a room. Errors: INVALID_ARGUMENT, NOT_FOUND (no such message in that room)."""
     CreateTask: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateTaskRequest, _room_pb2.RoomServiceCreateTaskResponse]  # type: ignore[assignment]
     """CreateTask records a task for an agent and, in the same transaction, the agent's wake.
     Errors: INVALID_ARGUMENT (empty title, title over 500 bytes, body over 64 KiB), NOT_FOUND (room or
@@ -356,10 +375,11 @@ class RoomServiceAsyncStub(RoomServiceStub):
     already ended and the write would change it).
     """
     GetRun: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetRunRequest, _room_pb2.RoomServiceGetRunResponse]  # type: ignore[assignment]
-    """GetRun. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    """GetRun, with its waitpoint when it parked. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     ListRuns: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListRunsRequest, _room_pb2.RoomServiceListRunsResponse]  # type: ignore[assignment]
-    """ListRuns newest first, for one agent or all agents of one company.
-    Errors: INVALID_ARGUMENT (neither agent_id nor company_id).
+    """ListRuns newest first, for one agent or all agents of one company, optionally of one room, one
+    status and a range of start times.
+    Errors: INVALID_ARGUMENT (neither agent_id nor company_id, a bad filter or page token).
     """
     LeaseWakes: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceLeaseWakesRequest, _room_pb2.RoomServiceLeaseWakesResponse]  # type: ignore[assignment]
     """LeaseWakes leases up to max_wakes pending wakes whose next attempt is due (FOR UPDATE SKIP
@@ -506,8 +526,8 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceListInvitationsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceListInvitationsResponse, _abc.Awaitable[_room_pb2.RoomServiceListInvitationsResponse]]:
-        """ListInvitations to one company, oldest first (pending ones unless status says otherwise).
-        Errors: INVALID_ARGUMENT.
+        """ListInvitations to one company (or, with sent, those it sent), oldest first (pending ones unless
+        status says otherwise). Errors: INVALID_ARGUMENT.
         """
 
     @_abc_1.abstractmethod
@@ -592,7 +612,14 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceListAgentsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceListAgentsResponse, _abc.Awaitable[_room_pb2.RoomServiceListAgentsResponse]]:
-        """ListAgents of one company. Errors: INVALID_ARGUMENT."""
+        """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
+        With reader_company_id, the room's rule `room-agents` (services/room/rules.py, docs/rules.md)
+        applies: the reader must be a member, and another company's agent comes with its id, name,
+        company and created_at only. Each agent carries its company's name.
+        With company_id too, that company's agents only.
+        Errors: INVALID_ARGUMENT (neither company_id nor room_id), NOT_FOUND (with
+        reader_company_id: the reader is not a member of the room, or there is no such room).
+        """
 
     @_abc_1.abstractmethod
     def GetAgentCredentials(
@@ -626,6 +653,14 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         """ListMessages in room order (oldest first, or newest first).
         Errors: INVALID_ARGUMENT (bad page token), NOT_FOUND (room).
         """
+
+    @_abc_1.abstractmethod
+    def GetMessage(
+        self,
+        request: _room_pb2.RoomServiceGetMessageRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceGetMessageResponse, _abc.Awaitable[_room_pb2.RoomServiceGetMessageResponse]]:
+        """GetMessage: one message of a room. Errors: INVALID_ARGUMENT, NOT_FOUND (no such message in that room)."""
 
     @_abc_1.abstractmethod
     def CreateTask(
@@ -730,7 +765,7 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceGetRunRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceGetRunResponse, _abc.Awaitable[_room_pb2.RoomServiceGetRunResponse]]:
-        """GetRun. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+        """GetRun, with its waitpoint when it parked. Errors: INVALID_ARGUMENT, NOT_FOUND."""
 
     @_abc_1.abstractmethod
     def ListRuns(
@@ -738,8 +773,9 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceListRunsRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceListRunsResponse, _abc.Awaitable[_room_pb2.RoomServiceListRunsResponse]]:
-        """ListRuns newest first, for one agent or all agents of one company.
-        Errors: INVALID_ARGUMENT (neither agent_id nor company_id).
+        """ListRuns newest first, for one agent or all agents of one company, optionally of one room, one
+        status and a range of start times.
+        Errors: INVALID_ARGUMENT (neither agent_id nor company_id, a bad filter or page token).
         """
 
     @_abc_1.abstractmethod

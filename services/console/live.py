@@ -28,6 +28,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.templating import Jinja2Templates
 
 from quayutec.v1 import common_pb2, gateway_pb2
+from services.console.names import Names, room_names
 from services.console.session import CALL_SECONDS, Session
 
 RUN_EVENTS = {
@@ -162,35 +163,80 @@ async def first_cursors(s: Session) -> dict[str, int]:
     return {}
 
 
-def render_event(request: Request, event: common_pb2.RoomEvent) -> dict[str, Any] | None:
-    """What the room page does with one event: put a rendered item in a list, take one out, or
-    (for runs) note it."""
+def render_event(request: Request, event: common_pb2.RoomEvent, names: Names) -> dict[str, Any] | None:
+    """What the room page does with one event: put a rendered item in a list (its authors by name),
+    take one out, or (for runs) note it."""
     templates: Jinja2Templates = request.app.state.templates
-    parts = templates.env.get_template("parts.html").module
+    parts: Any = templates.env.get_template("parts.html").module
     kind = event.kind
     if kind == common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED:
         m = event.message
-        return {"op": "put", "list": "messages", "id": f"m-{m.message_id}", "html": str(parts.message(m))}  # type: ignore[attr-defined]
+        return {"op": "put", "list": "messages", "id": f"m-{m.message_id}", "html": str(parts.message(m, names))}
     if kind in (common_pb2.ROOM_EVENT_KIND_TASK_CREATED, common_pb2.ROOM_EVENT_KIND_TASK_UPDATED):
         t = event.task
         if t.status != common_pb2.TASK_STATUS_OPEN:
             return {"op": "drop", "id": f"t-{t.task_id}"}
-        return {"op": "put", "list": "tasks", "id": f"t-{t.task_id}", "html": str(parts.task(t))}  # type: ignore[attr-defined]
+        return {"op": "put", "list": "tasks", "id": f"t-{t.task_id}", "html": str(parts.task(t, names))}
     if kind == common_pb2.ROOM_EVENT_KIND_TASK_CLOSED:
         return {"op": "drop", "id": f"t-{event.task.task_id}"}
     if kind == common_pb2.ROOM_EVENT_KIND_MEMORY_WRITTEN:
         line = event.memory
-        return {"op": "put", "list": "memory", "id": f"k-{line.memory_id}", "html": str(parts.memory(line))}  # type: ignore[attr-defined]
+        return {"op": "put", "list": "memory", "id": f"k-{line.memory_id}", "html": str(parts.memory(line, names))}
     if kind == common_pb2.ROOM_EVENT_KIND_FILE_UPLOADED:
         f = event.file
-        return {"op": "put", "list": "files", "id": f"f-{f.file_id}", "html": str(parts.file(f))}  # type: ignore[attr-defined]
+        return {"op": "put", "list": "files", "id": f"f-{f.file_id}", "html": str(parts.file(f, names))}
+    if kind in RUN_EVENTS and event.HasField("run"):
+        r = event.run
+        html = str(parts.run_item(r, names))
+        return {"op": "put", "list": "runs", "id": f"r-{r.run_id}", "html": html, "first": True, "run_id": r.run_id}
     if kind in RUN_EVENTS:
-        run_id = event.run.run_id or event.approval.run_id
-        return {"op": "run", "run_id": run_id, "kind": common_pb2.RoomEventKind.Name(kind)}
+        return {"op": "run", "run_id": event.approval.run_id}
     return None
 
 
-async def relay(request: Request, s: Session, call: Any, chunks: Callable[[Any], Iterable[str]]) -> Response:
+def _named_agents(event: common_pb2.RoomEvent) -> list[str]:
+    """The agents an event's rendering names (its author, a task's assignee)."""
+    found = []
+    for author in (event.message.author, getattr(event.task, "from"), event.memory.author, event.file.author):
+        if author.agent_id:
+            found.append(author.agent_id)
+    if event.task.to_agent_id:
+        found.append(event.task.to_agent_id)
+    return found
+
+
+class LiveNames:
+    """The names a room page's stream renders with: read when it opens, and again when a company joins
+    or an event names an agent not known yet (at most once per REFRESH_SECONDS)."""
+
+    REFRESH_SECONDS = 2.0
+
+    def __init__(self, s: Session, room_id: str) -> None:
+        self._s = s
+        self._room_id = room_id
+        self._names: Names | None = None
+        self._read_at = 0.0
+
+    async def for_events(self, events: Iterable[common_pb2.RoomEvent]) -> Names:
+        events = list(events)
+        names = self._names
+        loop = asyncio.get_running_loop()
+        stale = names is None or any(
+            e.kind == common_pb2.ROOM_EVENT_KIND_MEMBER_JOINED or any(a not in names.agents for a in _named_agents(e))
+            for e in events
+        )
+        if stale and (names is None or loop.time() - self._read_at >= self.REFRESH_SECONDS):
+            try:
+                names = self._names = await room_names(self._s, self._room_id)
+                self._read_at = loop.time()
+            except grpc.aio.AioRpcError:
+                if names is None:
+                    raise
+        assert names is not None
+        return names
+
+
+async def relay(request: Request, s: Session, call: Any, chunks: Callable[[Any], AsyncIterator[str]]) -> Response:
     """The SSE response of a Gateway stream: refused with an HTTP status (and words) when the Gateway
     refuses before the first item; otherwise each item as ``chunks`` renders it, then "gone" with
     words when the Gateway ends the stream for good. Counts against the sign-in's stream slots."""
@@ -219,10 +265,10 @@ async def relay(request: Request, s: Session, call: Any, chunks: Callable[[Any],
         watcher = asyncio.create_task(_watch_disconnect(request, call, disconnected))
         try:
             yield "retry: 2000\n\n"
-            for chunk in chunks(first):
+            async for chunk in chunks(first):
                 yield chunk
             async for item in items:
-                for chunk in chunks(item):
+                async for chunk in chunks(item):
                     yield chunk
         except asyncio.CancelledError:
             if not disconnected.is_set():
@@ -272,11 +318,14 @@ async def room_events(request: Request) -> Response:
     if after is not None:
         watch.after = after
     confirmed = False
+    live_names = LiveNames(s, room_id)
 
-    def chunks(response: gateway_pb2.WatchRoomResponse) -> Iterable[str]:
+    async def chunks(response: gateway_pb2.WatchRoomResponse) -> AsyncIterator[str]:
         nonlocal confirmed
+        names = await live_names.for_events(response.events) if response.events else None
         for event in response.events:
-            item = render_event(request, event)
+            assert names is not None
+            item = render_event(request, event, names)
             yield sse("room", item or {"op": "none"}, event.cursor)
         if response.HasField("heartbeat"):
             yield sse("beat" if confirmed else "live", {}, response.heartbeat.cursor)
@@ -298,7 +347,7 @@ async def approval_events(request: Request) -> Response:
     cursors = dict(after)
     confirmed = False
 
-    def chunks(response: gateway_pb2.WatchRoomsResponse) -> Iterable[str]:
+    async def chunks(response: gateway_pb2.WatchRoomsResponse) -> AsyncIterator[str]:
         nonlocal confirmed
         changed = ""
         for event in response.events:

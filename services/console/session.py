@@ -136,15 +136,43 @@ def _subjects(request: Request, key: str) -> tuple[list[str], str | None]:
     return subjects, str(key_id) if key_id else None
 
 
-async def sign_in(request: Request, key: str) -> None:
-    """Make a session key from the company's ``key`` and keep it in the cookie (a fresh session);
-    SignInRefused when the key is not accepted, the sign-ins are throttled or the Gateway refuses."""
+def _throttled(request: Request, key: str) -> tuple[AuthThrottle, list[str], str | None]:
+    """The sign-in throttle and this attempt's subjects; SignInRefused (429) while they are refused."""
     throttle: AuthThrottle = request.app.state.signin_throttle
     subjects, key_id = _subjects(request, key)
     refused = throttle.refusal(subjects, key_id, key)
     if refused is not None:
         wait_ms, sentence = refused
         raise SignInRefused(429, f"Too many failed sign-ins: {sentence}.", math.ceil(wait_ms / 1000))
+    return throttle, subjects, key_id
+
+
+_NOT_ACCEPTED = "That API key was not accepted. Check it, or ask your administrator for a new one."
+
+
+async def check_confirm_key(s: Session, key: str) -> None:
+    """A key typed to confirm what only a company key may do (make an API key): it must be a live key of
+    the signed-in company. A wrong one counts against the sign-in throttle, as a sign-in would: this is
+    one more place to try keys."""
+    throttle, subjects, key_id = _throttled(s.request, key)
+    try:
+        who = await GatewayClient(s.request.app.state.channel, key).WhoAmI(
+            gateway_pb2.WhoAmIRequest(), timeout=CALL_SECONDS
+        )
+    except grpc.aio.AioRpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            throttle.failed(subjects)
+            raise SignInRefused(401, _NOT_ACCEPTED) from None
+        raise
+    if who.company.company_id != s.company_id:
+        raise SignInRefused(403, f"That key is {who.company.name}'s, not {s.company_name}'s: type one of yours.")
+    throttle.succeeded(key_id or "", key)
+
+
+async def sign_in(request: Request, key: str) -> None:
+    """Make a session key from the company's ``key`` and keep it in the cookie (a fresh session);
+    SignInRefused when the key is not accepted, the sign-ins are throttled or the Gateway refuses."""
+    throttle, subjects, key_id = _throttled(request, key)
     channel = request.app.state.channel
     config = request.app.state.config
     low, high = SESSION_TTL_SECONDS
@@ -159,9 +187,7 @@ async def sign_in(request: Request, key: str) -> None:
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
             throttle.failed(subjects)
-            raise SignInRefused(
-                401, "That API key was not accepted. Check it, or ask your administrator for a new one."
-            ) from None
+            raise SignInRefused(401, _NOT_ACCEPTED) from None
         if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
             raise SignInRefused(403, "Sign in with your company's API key (that was a session key).") from None
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:

@@ -34,6 +34,7 @@ from quayutec.errors import (
     Unauthenticated,
     WrappedHandlers,
     status_for,
+    trailers_of,
 )
 from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
 from services.gateway.store import ApiKey, ApiKeyStore
@@ -116,6 +117,27 @@ async def create_session_key(
     return made, secret
 
 
+async def create_company_key(store: ApiKeyStore, caller: Caller, label: str, *, most: int) -> tuple[ApiKey, str]:
+    """A new company key of the caller's company, made with a company key; returns it and its secret.
+
+    A session key may not make one: a session is short-lived and ends with its sign-out or its company
+    key, and a key it made would outlive both (a copied cookie turned into lasting access)."""
+    if caller.session:
+        raise PermissionDenied(
+            "a session key cannot make an API key: call with a company API key (the console asks for one to confirm)"
+        )
+    key_id, secret = _new_secret()
+    made = await store.insert_company_key(
+        key_id, uuid.UUID(caller.company_id), _hash_secret(secret), _label(label), most
+    )
+    if made is None:
+        raise ResourceExhausted(
+            f"your company already has {most} live API keys (QUAYUTEC_GATEWAY_MAX_API_KEYS); revoke one it no "
+            "longer uses first"
+        )
+    return made, secret
+
+
 async def end_session(store: ApiKeyStore, caller: Caller) -> None:
     """Revoke the caller's session key (the trigger notifies every replica, whose streams of it end)."""
     if not caller.session:
@@ -150,6 +172,8 @@ class Caller:
     # A session key (CreateSessionKey), and when it expires.
     session: bool = False
     expires_at: datetime | None = None
+    # A session key's company key (the key that made it).
+    parent_key_id: str | None = None
 
 
 class Authenticator:
@@ -203,6 +227,7 @@ class Authenticator:
             key_id=str(key_id),
             session=stored.parent_key_id is not None,
             expires_at=stored.expires_at,
+            parent_key_id=stored.parent_key_id,
         )
 
 
@@ -355,11 +380,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, what: str) -> None:
-    """Abort the call with ``exc``'s status (and the retry-after trailer of a throttle); log what is
+    """Abort the call with ``exc``'s status and trailers (a throttle's retry-after-ms); log what is
     neither the caller's fault nor a limit."""
     code, message = status_for(exc)
     if code not in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.RESOURCE_EXHAUSTED):
         _log.warning("%s failed: %s", what, message, exc_info=exc)
-    if isinstance(exc, ResourceExhausted) and exc.retry_after_ms is not None:
-        context.set_trailing_metadata((("retry-after-ms", str(exc.retry_after_ms)),))
+    if trailers := trailers_of(exc):
+        context.set_trailing_metadata(trailers)
     await context.abort(code, message)

@@ -134,6 +134,7 @@ class GatewayConfig:
     auth_throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     # Most live session keys (CreateSessionKey) of one company key.
     max_session_keys: int = 1000
+    max_api_keys: int = 100
     # The address A2A agent cards name ("" : the address the server is bound to).
     a2a_url: str = ""
     # Longest wait of a blocking A2A SendMessage.
@@ -207,6 +208,7 @@ class GatewayConfig:
             streams=streams,
             auth_throttle=auth_throttle,
             max_session_keys=env_int(env, setting(f"{p}MAX_SESSION_KEYS"), minimum=1),
+            max_api_keys=env_int(env, setting(f"{p}MAX_API_KEYS"), minimum=1),
             a2a_url=env_str(env, setting(f"{p}A2A_URL")).strip(),
             a2a_block_seconds=env_float(env, setting(f"{p}A2A_BLOCK_SECONDS"), minimum=0.0),
         )

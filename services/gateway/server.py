@@ -99,6 +99,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         watch=hub,
         keys=keys,
         max_session_keys=config.max_session_keys,
+        max_api_keys=config.max_api_keys,
     )
 
     def card_url() -> str:

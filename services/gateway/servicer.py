@@ -18,10 +18,11 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from quayutec.errors import InvalidArgument, NotFound, status_for
+from quayutec.errors import InvalidArgument, NotFound, status_for, trailers_of
 from quayutec.ratelog import RateLimitedLog
-from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, room_pb2
-from services.gateway.auth import CallerContext, create_session_key, end_session
+from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
+from services.gateway.auth import CallerContext
+from services.gateway.keys import KeyRpcs
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.store import ApiKeyStore
 from services.gateway.watch import RoomEventHub
@@ -113,7 +114,7 @@ def _check_enum(enum: Any, value: int, field: str) -> None:
         raise InvalidArgument(f"{field} has unknown value {value}")
 
 
-class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+class GatewayServicer(KeyRpcs):
     """The public API over the Room, scoped to the calling company."""
 
     def __init__(
@@ -126,6 +127,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         watch: RoomEventHub | None = None,
         keys: ApiKeyStore | None = None,
         max_session_keys: int = 1000,
+        max_api_keys: int = 100,
     ) -> None:
         self._room = room
         self._caller = caller
@@ -134,6 +136,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._watch = watch
         self._keys = keys
         self._max_session_keys = max_session_keys
+        self._max_api_keys = max_api_keys
         # One line per refused registration, no traceback; anyone with a key can cause them, so bounded.
         self._refusals = RateLimitedLog(_registration_log)
 
@@ -284,12 +287,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         _check_enum(common_pb2.InvitationStatus, request.status, "status")
         response = await self._room.ListInvitations(
             room_pb2.RoomServiceListInvitationsRequest(
-                company_id=company_id, status=request.status, page_size=page_size, page_token=request.page_token
+                company_id=company_id,
+                status=request.status,
+                page_size=page_size,
+                page_token=request.page_token,
+                sent=request.sent,
             ),
             timeout=self._timeout,
         )
-        # Only invitations to the caller's company, whatever the Room returns.
-        invitations = [i for i in response.invitations if i.company_id == company_id]
+        # Only invitations to (or, sent, from) the caller's company, whatever the Room returns.
+        invitations = [
+            i for i in response.invitations if (i.invited_by_company_id if request.sent else i.company_id) == company_id
+        ]
         return gateway_pb2.ListInvitationsResponse(
             invitations=invitations,
             next_page_token=response.next_page_token,
@@ -425,14 +434,23 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 
     async def ListAgents(self, request: gateway_pb2.ListAgentsRequest, context: Any) -> gateway_pb2.ListAgentsResponse:
         company_id = self._caller.company_id()
-        response = await self._room.ListAgents(
-            room_pb2.RoomServiceListAgentsRequest(
-                company_id=company_id, page_size=_page_size(request.page_size), page_token=request.page_token
-            ),
-            timeout=self._timeout,
-        )
+        page_size = _page_size(request.page_size)
+        if request.room_id:
+            # The Room decides what the caller sees of each agent, by the room's rule `room-agents`.
+            listing = room_pb2.RoomServiceListAgentsRequest(
+                room_id=self._checked_room_id(request.room_id), reader_company_id=company_id
+            )
+        else:
+            listing = room_pb2.RoomServiceListAgentsRequest(company_id=company_id)
+        listing.page_size, listing.page_token = page_size, request.page_token
+        try:
+            response = await self._room.ListAgents(listing, timeout=self._timeout)
+        except grpc.aio.AioRpcError as exc:
+            if request.room_id and exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise self._room_not_found(request.room_id) from None
+            raise
         return gateway_pb2.ListAgentsResponse(
-            agents=response.agents,
+            agents=[a if a.company_id == company_id else _public_agent(a) for a in response.agents],
             next_page_token=response.next_page_token,
             resume_page_token=response.resume_page_token,
         )
@@ -489,6 +507,25 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             next_page_token=response.next_page_token,
             resume_page_token=response.resume_page_token,
         )
+
+    async def GetMessage(self, request: gateway_pb2.GetMessageRequest, context: Any) -> gateway_pb2.GetMessageResponse:
+        company_id = self._caller.company_id()
+        if not request.message_id:
+            raise InvalidArgument("message_id is required")
+        await self._member_room(request.room_id, company_id)
+        not_found = NotFound(f"message {request.message_id[:64]!r} not found in this room")
+        if not _is_uuid(request.message_id):
+            raise not_found
+        try:
+            response = await self._room.GetMessage(
+                room_pb2.RoomServiceGetMessageRequest(room_id=request.room_id, message_id=request.message_id),
+                timeout=self._timeout,
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise not_found from None
+            raise
+        return gateway_pb2.GetMessageResponse(message=response.message)
 
     # --- tasks ---------------------------------------------------------------------------------
 
@@ -677,16 +714,21 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def ListRuns(self, request: gateway_pb2.ListRunsRequest, context: Any) -> gateway_pb2.ListRunsResponse:
         company_id = self._caller.company_id()
         page_size = _page_size(request.page_size)
+        _check_enum(common_pb2.RunStatus, request.status, "status")
+        if request.room_id and not _is_uuid(request.room_id):
+            raise InvalidArgument(f"room_id must be a room id (uuid), got {request.room_id[:64]!r}")
+        room_request = room_pb2.RoomServiceListRunsRequest(
+            page_size=page_size, page_token=request.page_token, room_id=request.room_id, status=request.status
+        )
+        for bound in ("started_after", "started_before"):
+            if request.HasField(bound):
+                getattr(room_request, bound).CopyFrom(getattr(request, bound))
         if request.agent_id:
             if not _is_uuid(request.agent_id) or await self._agent_company(request.agent_id) != company_id:
                 raise NotFound(f"agent {request.agent_id[:64]!r} not found among your company's agents")
-            room_request = room_pb2.RoomServiceListRunsRequest(
-                agent_id=request.agent_id, page_size=page_size, page_token=request.page_token
-            )
+            room_request.agent_id = request.agent_id
         else:
-            room_request = room_pb2.RoomServiceListRunsRequest(
-                company_id=company_id, page_size=page_size, page_token=request.page_token
-            )
+            room_request.company_id = company_id
         response = await self._room.ListRuns(room_request, timeout=self._timeout)
         runs = [run for run in response.runs if await self._run_is_callers(run, company_id)]
         return gateway_pb2.ListRunsResponse(runs=runs, next_page_token=response.next_page_token)
@@ -708,7 +750,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise
         if not await self._run_is_callers(response.run, company_id):
             raise not_found
-        return gateway_pb2.GetRunResponse(run=response.run)
+        answer = gateway_pb2.GetRunResponse(run=response.run)
+        if response.HasField("waitpoint") and response.waitpoint.company_id == company_id:
+            answer.approval.CopyFrom(response.waitpoint)
+        return answer
 
     async def _run_is_callers(self, run: common_pb2.Run, company_id: str) -> bool:
         if run.company_id:
@@ -839,7 +884,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self, request: gateway_pb2.WatchRoomsRequest, context: Any
     ) -> AsyncIterator[gateway_pb2.WatchRoomsResponse]:
         def items(hub: RoomEventHub, company_id: str) -> AsyncIterator[gateway_pb2.WatchRoomsResponse]:
-            return hub.watch_rooms(company_id, _room_cursors(request.after, hub.config.max_rooms))
+            cursors = _room_cursors(request.after, hub.config.max_rooms)
+            return hub.watch_rooms(company_id, cursors, unnamed_from_joining=request.unnamed_from_joining)
 
         async for item in self._stream(context, items):
             yield item
@@ -858,31 +904,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise
         except Exception as exc:
             code, message = status_for(exc)
+            if trailers := trailers_of(exc):
+                context.set_trailing_metadata(trailers)
             await context.abort(code, message)
-
-    # --- session keys --------------------------------------------------------------------------
-
-    async def CreateSessionKey(
-        self, request: gateway_pb2.CreateSessionKeyRequest, context: Any
-    ) -> gateway_pb2.CreateSessionKeyResponse:
-        caller = self._caller.caller()
-        if self._keys is None:
-            raise NotImplementedError("session keys are not served by this Gateway")
-        self._limiter.take(caller.company_id)
-        made, secret = await create_session_key(
-            self._keys, caller, request.ttl_seconds, request.label, most=self._max_session_keys
-        )
-        response = gateway_pb2.CreateSessionKeyResponse(key_id=made.key_id, secret=secret)
-        if made.expires_at is not None:
-            response.expires_at.FromDatetime(made.expires_at)
-        return response
-
-    async def EndSession(self, request: gateway_pb2.EndSessionRequest, context: Any) -> gateway_pb2.EndSessionResponse:
-        caller = self._caller.caller()
-        if self._keys is None:
-            raise NotImplementedError("session keys are not served by this Gateway")
-        await end_session(self._keys, caller)
-        return gateway_pb2.EndSessionResponse(key_id=caller.key_id)
 
 
 def _room_cursors(after: Any, most: int) -> dict[str, int]:
@@ -900,3 +924,10 @@ def _room_cursors(after: Any, most: int) -> dict[str, int]:
             raise InvalidArgument(f"after names room {room_id} twice")
         cursors[room_id] = int(named.cursor)
     return cursors
+
+
+def _public_agent(agent: common_pb2.Agent) -> common_pb2.Agent:
+    """Another company's agent as a room member sees it: who it is, not how it is configured."""
+    return common_pb2.Agent(
+        agent_id=agent.agent_id, company_id=agent.company_id, name=agent.name, created_at=agent.created_at
+    )

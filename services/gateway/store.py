@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,28 @@ class ApiKeyStore:
         """Removes up to ``limit`` session keys expired more than a day ago; how many went."""
         status: str = await self._pool.execute(self._q["prune_session_keys"], float(SESSION_KEY_KEEP_SECONDS), limit)
         return int(status.rpartition(" ")[2] or 0)
+
+    async def insert_company_key(
+        self, key_id: uuid.UUID, company_id: uuid.UUID, key_hash: bytes, label: str, most: int
+    ) -> ApiKey | None:
+        """A new company key, unless the company already has ``most`` live ones (None then)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._q["lock_company_keys"], str(company_id))
+            row = await conn.fetchrow(self._q["insert_company_key"], key_id, company_id, key_hash, label, most)
+        return _api_key(row) if row is not None else None
+
+    async def list_keys_page(
+        self, company_id: uuid.UUID, *, sessions: bool, after: tuple[datetime, uuid.UUID] | None, limit: int
+    ) -> list[ApiKey]:
+        """Up to ``limit`` of the company's keys after ``after`` (created_at, key_id), oldest first."""
+        start = after or (datetime.min.replace(tzinfo=UTC), uuid.UUID(int=0))
+        rows = await self._pool.fetch(self._q["list_api_keys_page"], company_id, sessions, *start, limit)
+        return [_api_key(r) for r in rows]
+
+    async def revoke_company_key(self, key_id: uuid.UUID, company_id: uuid.UUID) -> ApiKey | None:
+        """Revoke the company's key (at once; its session keys with it); None when it is not the company's."""
+        row = await self._pool.fetchrow(self._q["revoke_company_key"], key_id, company_id)
+        return _api_key(row) if row is not None else None
 
     async def list_keys(self, company_id: uuid.UUID, *, sessions: bool = False) -> list[ApiKey]:
         rows = await self._pool.fetch(self._q["list_api_keys"], company_id, sessions)

@@ -20,7 +20,9 @@ interval while the listener is down), and a "member left" event of its own compa
 A WatchRooms stream lists its company's rooms again at each heartbeat interval and whenever a
 ``quayutec_company_rooms`` notification names its company (the Gateway sends one when a company
 joins or makes a room); a room joined is followed from its MEMBER_JOINED event of the company (found
-among the room's newest events), a room left ends with that MEMBER_LEFT event and is dropped.
+among the room's newest events), a room left ends with that MEMBER_LEFT event and is dropped. A stream
+resumed with ``unnamed_from_joining`` starts the rooms its cursors do not name the same way, so a room
+joined while no stream was open is not missed.
 """
 
 from __future__ import annotations
@@ -210,6 +212,8 @@ class RoomEventHub:
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
                 raise NotFound(f"room {room_id} not found") from None
+            if exc.code() == grpc.StatusCode.OUT_OF_RANGE:  # older than the events kept: say of which room
+                raise OutOfRange(exc.details() or "cursor out of range", room_id=room_id) from None
             raise
         return response
 
@@ -273,9 +277,7 @@ class RoomEventHub:
         start = max(0, last - READ_LIMIT)
         try:
             got = await self.read(room_id, company_id, start)
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() != grpc.StatusCode.OUT_OF_RANGE:
-                raise
+        except OutOfRange:
             return last  # the window reaches before what is kept: from now
         for entry in reversed(got.entries):
             event = entry.event
@@ -325,14 +327,15 @@ class RoomEventHub:
             self.streams -= 1
 
     async def watch_rooms(
-        self, company_id: str, after: Mapping[str, int]
+        self, company_id: str, after: Mapping[str, int], *, unnamed_from_joining: bool = False
     ) -> AsyncIterator[gateway_pb2.WatchRoomsResponse]:
-        """WatchRooms' items: events of every room of the company, and heartbeats listing each room's cursor."""
+        """WatchRooms' items: events of every room of the company, and heartbeats listing each room's cursor.
+        Rooms not in ``after`` start from now, or from the company's joining with ``unnamed_from_joining``."""
         self._count_stream()
         stream = _RoomsStream(self, company_id)
         self._rooms_streams.setdefault(company_id, set()).add(stream)
         try:
-            async for response in stream.sink.responses(lambda: stream.produce(dict(after))):
+            async for response in stream.sink.responses(lambda: stream.produce(dict(after), unnamed_from_joining)):
                 yield response
         finally:
             streams = self._rooms_streams.get(company_id)
@@ -486,7 +489,9 @@ class _Follow:
         if self.cursor > got.last_cursor:
             raise OutOfRange(
                 f"after {self.cursor} is past the newest event of room {self.room_id} (cursor {got.last_cursor}): "
-                "resume after a cursor you received, or watch from now"
+                "resume after a cursor you received, or watch from now",
+                room_id=self.room_id,
+                newest_cursor=got.last_cursor,
             )
         return got
 
@@ -647,13 +652,14 @@ class _RoomsStream:
             except NotFound:
                 self._drop(follow.room_id)
 
-    async def produce(self, after: dict[str, int]) -> None:
+    async def produce(self, after: dict[str, int], unnamed_from_joining: bool) -> None:
         rooms = await self._hub.company_rooms(self._company_id)
         follows = [self._follow(room_id) for room_id in rooms]
         named = [f for f in follows if f.room_id in after]
         for follow in named:
             follow.cursor = after[follow.room_id]
-        await self._start([f for f in follows if f.room_id not in after], self._now)
+        unnamed = [f for f in follows if f.room_id not in after]
+        await self._start(unnamed, self._joined if unnamed_from_joining else self._now)
         await self._replay(follows)
         self.sink.append(self._heartbeat())
         self._go_live(follows)

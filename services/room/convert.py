@@ -81,7 +81,10 @@ def room(row: Row) -> common_pb2.Room:
 
 def member(row: Row) -> common_pb2.RoomMember:
     return common_pb2.RoomMember(
-        room_id=str(row["room_id"]), company_id=str(row["company_id"]), joined_at=timestamp(row["joined_at"])
+        room_id=str(row["room_id"]),
+        company_id=str(row["company_id"]),
+        joined_at=timestamp(row["joined_at"]),
+        company_name=_s(row.get("company_name")),
     )
 
 
@@ -91,6 +94,7 @@ def invitation(row: Row) -> common_pb2.Invitation:
         room_id=str(row["room_id"]),
         room_name=row["room_name"],
         company_id=str(row["company_id"]),
+        company_name=row["company_name"],
         invited_by_company_id=str(row["invited_by_company_id"]),
         invited_by_company_name=row["invited_by_company_name"],
         status=text_to_enum(common_pb2.InvitationStatus, row["status"], INVITATION_STATUS_PREFIX),
@@ -110,6 +114,7 @@ def agent(row: Row) -> common_pb2.Agent:
         system_prompt=row["system_prompt"],
         has_provider_key=bool(row["has_provider_key"]),
         created_at=timestamp(row["created_at"]),
+        company_name=_s(row.get("company_name")),
     )
 
 

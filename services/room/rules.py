@@ -35,6 +35,7 @@ class Act(enum.Enum):
     LEAVE = ("membership", "leave")
     REMOVE_MEMBER = ("membership", "remove a member")
     SET_RIGHTS = ("agent rights", "set or read")
+    SEE_ROOM_AGENTS = ("agent", "see in a room")
 
     @property
     def object(self) -> str:
@@ -175,6 +176,15 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.target_id != f.creator_id,
     ),
     Rule(
+        "room-agents",
+        (Act.SEE_ROOM_AGENTS,),
+        "a member company of the room sees every member company's agents by id, name and company; an "
+        "agent's provider, model, address, prompt and key only its own company",
+        grpc.StatusCode.NOT_FOUND,
+        "room {room_id} not found",
+        lambda f: f.member,
+    ),
+    Rule(
         "own-agent-rights",
         (Act.SET_RIGHTS,),
         "the agent's own company",
@@ -183,6 +193,17 @@ RULES: tuple[Rule, ...] = (
         _owner,
     ),
 )
+
+
+# What a member company sees of another member company's agent in the room (the rule `room-agents`);
+# its own agents it sees whole. The names are the fields of quayutec.v1.Agent.
+AGENT_FIELDS_SEEN_BY_OTHERS = ("agent_id", "company_id", "company_name", "name", "created_at")
+
+
+def agent_fields_seen(reader_id: str, owner_id: str) -> tuple[str, ...] | None:
+    """The fields of an agent of ``owner_id`` that company ``reader_id`` sees in a room they share:
+    None for every field (its own agent), else AGENT_FIELDS_SEEN_BY_OTHERS."""
+    return None if reader_id == owner_id else AGENT_FIELDS_SEEN_BY_OTHERS
 
 
 def rules_of(act: Act) -> list[Rule]:

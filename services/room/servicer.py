@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from collections.abc import Sequence
+from datetime import UTC
 from typing import Any, TypeAlias
 
 import grpc
@@ -16,7 +18,8 @@ from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
 from services.room import convert
 from services.room import validate as v
 from services.room.passages import split_passages
-from services.room.store import HeldSpec, RoomStore, RunRecord, WakeToSettle
+from services.room.rules import agent_fields_seen
+from services.room.store import HeldSpec, RoomStore, RunFilters, RunRecord, WakeToSettle
 
 Ctx: TypeAlias = grpc.aio.ServicerContext
 _registration_log = logging.getLogger("quayutec.room.registration")
@@ -77,6 +80,38 @@ def _resume(scope: str, rows: Sequence[Any], key: str, page_token: str) -> str:
     if rows:
         return v.encode_page_token(scope, int(rows[-1][key]))
     return page_token
+
+
+def _agent_as_seen(agent: common_pb2.Agent, reader: str) -> common_pb2.Agent:
+    """``agent`` as company ``reader`` may see it in a room they share (the rule `room-agents`)."""
+    fields = agent_fields_seen(reader, agent.company_id)
+    if fields is None:
+        return agent
+    seen = common_pb2.Agent()
+    for name in fields:
+        if name == "created_at":
+            seen.created_at.CopyFrom(agent.created_at)
+        else:
+            setattr(seen, name, getattr(agent, name))
+    return seen
+
+
+def _run_filters(request: room_pb2.RoomServiceListRunsRequest) -> tuple[RunFilters, str]:
+    """ListRuns' filters, and the page-token scope that ties a token to them."""
+    status = None
+    if request.status:
+        if request.status not in common_pb2.RunStatus.values():
+            raise InvalidArgument(f"status {request.status} is not a RunStatus")
+        status = convert.enum_to_text(common_pb2.RunStatus, request.status, convert.RUN_STATUS_PREFIX)
+    after = request.started_after.ToDatetime(UTC) if request.HasField("started_after") else None
+    before = request.started_before.ToDatetime(UTC) if request.HasField("started_before") else None
+    if after is not None and before is not None and before <= after:
+        raise InvalidArgument("started_before must be later than started_after")
+    filters = RunFilters(v.optional_id(request.room_id, "room_id"), status, after, before)
+    if filters == RunFilters():
+        return filters, "runs"
+    named = "|".join(str(x) for x in (filters.room_id, status, after, before))
+    return filters, "runs-" + hashlib.sha256(named.encode()).hexdigest()[:16]
 
 
 class RoomServicer(room_pb2_grpc.RoomServiceServicer):
@@ -154,9 +189,13 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         status = _INVITATION_STATUS.get(request.status or common_pb2.INVITATION_STATUS_PENDING)
         if status is None:
             raise InvalidArgument(f"status {request.status} is not an InvitationStatus")
-        scope = f"invitations-{status}"
+        scope = f"invitations-{'sent-' if request.sent else ''}{status}"
         page = await self._store.list_invitations(
-            company_id, status, v.decode_page_token(request.page_token, scope), v.page_size(request.page_size)
+            company_id,
+            status,
+            v.decode_page_token(request.page_token, scope),
+            v.page_size(request.page_size),
+            sent=request.sent,
         )
         return room_pb2.RoomServiceListInvitationsResponse(
             invitations=[convert.invitation(r) for r in page.rows],
@@ -265,12 +304,21 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     async def ListAgents(
         self, request: room_pb2.RoomServiceListAgentsRequest, context: Ctx
     ) -> room_pb2.RoomServiceListAgentsResponse:
-        company_id = v.required_id(request.company_id, "company_id")
-        page = await self._store.list_agents(
-            company_id, v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
-        )
+        if not request.company_id and not request.room_id:
+            raise InvalidArgument("give company_id (a company's agents), room_id (the agents in a room) or both")
+        after, limit = v.decode_page_token(request.page_token, "agents"), v.page_size(request.page_size)
+        reader = v.optional_id(request.reader_company_id, "reader_company_id")
+        if request.room_id:
+            room_id = v.required_id(request.room_id, "room_id")
+            company_id = v.required_id(request.company_id, "company_id") if request.company_id else None
+            page = await self._store.list_room_agents(room_id, company_id, after, limit, reader)
+        else:
+            page = await self._store.list_agents(v.required_id(request.company_id, "company_id"), after, limit)
+        agents = [convert.agent(r) for r in page.rows]
+        if reader is not None:
+            agents = [_agent_as_seen(a, reader) for a in agents]
         return room_pb2.RoomServiceListAgentsResponse(
-            agents=[convert.agent(r) for r in page.rows],
+            agents=agents,
             next_page_token=v.encode_page_token("agents", page.next_key),
             resume_page_token=_resume("agents", page.rows, "pos", request.page_token),
         )
@@ -308,6 +356,14 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             wakes=[convert.wake(w) for w in posted.wakes],
             deduplicated=posted.deduplicated,
         )
+
+    async def GetMessage(
+        self, request: room_pb2.RoomServiceGetMessageRequest, context: Ctx
+    ) -> room_pb2.RoomServiceGetMessageResponse:
+        row = await self._store.get_message(
+            v.required_id(request.room_id, "room_id"), v.required_id(request.message_id, "message_id")
+        )
+        return room_pb2.RoomServiceGetMessageResponse(message=convert.message(row))
 
     async def ListMessages(
         self, request: room_pb2.RoomServiceListMessagesRequest, context: Ctx
@@ -497,8 +553,11 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
     async def GetRun(
         self, request: room_pb2.RoomServiceGetRunRequest, context: Ctx
     ) -> room_pb2.RoomServiceGetRunResponse:
-        row = await self._store.get_run(v.text(request.run_id, "run_id", v.MAX_KEY_BYTES))
-        return room_pb2.RoomServiceGetRunResponse(run=convert.run(row))
+        row, parked = await self._store.get_run(v.text(request.run_id, "run_id", v.MAX_KEY_BYTES))
+        response = room_pb2.RoomServiceGetRunResponse(run=convert.run(row))
+        if parked is not None:
+            response.waitpoint.CopyFrom(convert.waitpoint(parked.waitpoint, parked.held))
+        return response
 
     async def ListRuns(
         self, request: room_pb2.RoomServiceListRunsRequest, context: Ctx
@@ -507,11 +566,16 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         company_id = v.optional_id(request.company_id, "company_id")
         if agent_id is None and company_id is None:
             raise InvalidArgument("set agent_id or company_id")
+        filters, scope = _run_filters(request)
         page = await self._store.list_runs(
-            agent_id, company_id, v.decode_page_token(request.page_token, "runs"), v.page_size(request.page_size)
+            agent_id,
+            company_id,
+            v.decode_page_token(request.page_token, scope),
+            v.page_size(request.page_size),
+            filters,
         )
         return room_pb2.RoomServiceListRunsResponse(
-            runs=[convert.run(r) for r in page.rows], next_page_token=v.encode_page_token("runs", page.next_key)
+            runs=[convert.run(r) for r in page.rows], next_page_token=v.encode_page_token(scope, page.next_key)
         )
 
     # -- the wake outbox ------------------------------------------------------------------------------------

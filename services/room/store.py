@@ -5,7 +5,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -146,6 +146,16 @@ class RunRecord:
 
 
 @dataclass(frozen=True)
+class RunFilters:
+    """What ListRuns narrows to (None: not narrowed): a room, a status (as stored), a start-time range."""
+
+    room_id: str | None = None
+    status: str | None = None
+    started_after: datetime | None = None
+    started_before: datetime | None = None
+
+
+@dataclass(frozen=True)
 class RunContext:
     """What a run reads of its room in one consistent view (see ReadRunContext)."""
 
@@ -269,8 +279,12 @@ class RoomStore:
                 )
             return await conn.fetchrow(self._q["get_invitation"], invitation_id)
 
-    async def list_invitations(self, company_id: str, status: str, after: int | None, limit: int) -> Page:
-        rows = await self._pool.fetch(self._q["list_invitations"], company_id, status, after or 0, limit + 1)
+    async def list_invitations(
+        self, company_id: str, status: str, after: int | None, limit: int, *, sent: bool = False
+    ) -> Page:
+        """The invitations to ``company_id`` in one status, or (``sent``) those it sent."""
+        query = self._q["list_sent_invitations" if sent else "list_invitations"]
+        rows = await self._pool.fetch(query, company_id, status, after or 0, limit + 1)
         return _page(rows, limit, "pos")
 
     async def accept_invitation(self, invitation_id: str, company_id: str) -> tuple[Record, Record]:
@@ -423,6 +437,19 @@ class RoomStore:
         rows = await self._pool.fetch(self._q["list_agents"], company_id, after or 0, limit + 1)
         return _page(rows, limit, "pos")
 
+    async def list_room_agents(
+        self, room_id: str, company_id: str | None, after: int | None, limit: int, reader: str | None = None
+    ) -> Page:
+        """The agents of the room's member companies (of ``company_id`` alone when given); with
+        ``reader``, once the room's rule lets that company see them (what it sees of each is the
+        servicer's, by the same rule)."""
+        async with self._pool.acquire() as conn:
+            if reader is not None:
+                member = bool(await conn.fetchval(self._q["is_member"], room_id, reader))
+                enforce(Act.SEE_ROOM_AGENTS, Facts(reader, room_id, member=member))
+            rows = await conn.fetch(self._q["list_room_agents"], room_id, after or 0, limit + 1, company_id)
+        return _page(rows, limit, "pos")
+
     # -- messages -------------------------------------------------------------------------------------------
 
     async def post_message(
@@ -521,6 +548,12 @@ class RoomStore:
             else:
                 rows = await conn.fetch(self._q["list_messages_oldest_first"], room_id, after or 0, limit + 1)
         return _page(rows, limit, "seq")
+
+    async def get_message(self, room_id: str, message_id: str) -> Record:
+        row = await self._pool.fetchrow(self._q["get_message"], room_id, message_id)
+        if row is None:
+            raise NotFound(f"message {message_id} not found in room {room_id}")
+        return row
 
     # -- tasks ----------------------------------------------------------------------------------------------
 
@@ -909,18 +942,33 @@ class RoomStore:
             action.result_id = str(write_id)
         await self._upsert_run(conn, events, run)
 
-    async def get_run(self, run_id: str) -> Record:
-        row = await self._pool.fetchrow(self._q["get_run"], run_id)
-        if row is None:
-            raise NotFound(f"run {run_id} not found")
-        return row
+    async def get_run(self, run_id: str) -> tuple[Record, WaitpointRows | None]:
+        """The run's ledger row, and its waitpoint when it parked."""
+        async with self._pool.acquire() as conn:
+            row = await conn.fetchrow(self._q["get_run"], run_id)
+            if row is None:
+                raise NotFound(f"run {run_id} not found")
+            waitpoint = await conn.fetchrow(self._q["find_waitpoint_of_run"], run_id)
+            return row, None if waitpoint is None else await self._waitpoint_rows(conn, waitpoint)
 
-    async def list_runs(self, agent_id: str | None, company_id: str | None, before: int | None, limit: int) -> Page:
+    async def list_runs(
+        self,
+        agent_id: str | None,
+        company_id: str | None,
+        before: int | None,
+        limit: int,
+        filters: RunFilters | None = None,
+    ) -> Page:
+        """Runs newest first, of one agent or of one company's agents, narrowed by ``filters``."""
         key = _MAX_KEY if before is None else before
+        f = filters or RunFilters()
+        narrowed = (f.room_id, f.status, f.started_after, f.started_before)
         if agent_id is not None:
-            rows = await self._pool.fetch(self._q["list_runs_of_agent"], agent_id, company_id, key, limit + 1)
+            rows = await self._pool.fetch(
+                self._q["list_runs_of_agent"], agent_id, company_id, key, limit + 1, *narrowed
+            )
         else:
-            rows = await self._pool.fetch(self._q["list_runs_of_company"], company_id, key, limit + 1)
+            rows = await self._pool.fetch(self._q["list_runs_of_company"], company_id, key, limit + 1, *narrowed)
         return _page(rows, limit, "pos")
 
     # -- the wake outbox ------------------------------------------------------------------------------------

@@ -147,17 +147,18 @@ class Ledger:
     async def add_attempt(self, attempt: Attempt) -> None:
         """Each attempt joins the row; it is written at once only when a wait follows it, so a run
         that dies while waiting still shows every request it made."""
-        self.run.model_attempts.append(
-            common_pb2.ModelAttempt(
-                number=attempt.number,
-                status_code=attempt.status_code or 0,
-                error_class=attempt.error_class,
-                retryable=attempt.retryable,
-                wait_seconds=attempt.wait_seconds,
-                detail=attempt.detail,
-                duration_ms=round(attempt.duration_ms),  # nearest ms (truncating biased it low)
-            )
+        recorded = common_pb2.ModelAttempt(
+            number=attempt.number,
+            status_code=attempt.status_code or 0,
+            error_class=attempt.error_class,
+            retryable=attempt.retryable,
+            wait_seconds=attempt.wait_seconds,
+            detail=attempt.detail,
+            duration_ms=round(attempt.duration_ms),  # nearest ms (truncating biased it low)
         )
+        # When it was sent: now, less how long it took (for the run's timeline on a time axis).
+        recorded.started_at.FromNanoseconds(time.time_ns() - round(attempt.duration_ms * 1_000_000))
+        self.run.model_attempts.append(recorded)
         if attempt.wait_seconds > 0:
             await self.save()
 

@@ -103,4 +103,4 @@ async def test_the_python_guides_examples_run_from_the_fresh_venv(
         assert done.returncode == 0, f"{name}: {done.stdout}\n{done.stderr}"
         return done.stdout.splitlines()
 
-    await check_guide_examples(stack, run, "quickstart.py", "follow.py", tmp_path)
+    await check_guide_examples(stack, run, "quickstart.py", "follow.py", "follow_rooms.py", tmp_path)

@@ -273,9 +273,11 @@ async def test_every_typed_error(stack: SdkStack, acme: CompanyKey, bolt: Compan
             if event.message.message_id == forgotten.message_id:
                 break
     await stack.expire_events(room.room_id, last)
-    with pytest.raises(errors.CursorExpired) as expired:
+    with pytest.raises(errors.CursorOutOfRange) as expired:
         await anext(aiter(a.watch(room.room_id, after=1)))
-    assert expired.value.code == grpc.StatusCode.OUT_OF_RANGE
+    assert expired.value.code == grpc.StatusCode.OUT_OF_RANGE and expired.value.attempts == 1
+    assert (expired.value.room_id, expired.value.newest_cursor) == (room.room_id, None)
+    assert errors.CursorExpired is errors.CursorOutOfRange  # the first releases' name
 
     # DEADLINE_EXCEEDED and UNAVAILABLE after the policy's attempts: nothing listens at the first
     # address; the Gateway at the second cannot reach its Room.

@@ -9,8 +9,7 @@ import pytest
 from cryptography.fernet import InvalidToken
 
 from quayutec.config import ConfigError
-from quayutec.v1 import common_pb2
-from services.console.app import session_box, timeline
+from services.console.app import session_box
 from services.console.config import SECRET_FILE, ConsoleConfig
 
 
@@ -58,31 +57,3 @@ def test_the_key_is_sealed_with_the_secret() -> None:
     assert session_box("a" * 40).decrypt(sealed) == b"qyk_secret"
     with pytest.raises(InvalidToken):
         session_box("b" * 40).decrypt(sealed)
-
-
-def test_a_parked_run_and_a_failed_attempt_on_the_timeline() -> None:
-    run = common_pb2.Run(
-        run_id="r",
-        wake_id="w",
-        status=common_pb2.RUN_STATUS_PARKED,
-        step=common_pb2.RUN_STEP_PARKED,
-        model_attempts=[
-            common_pb2.ModelAttempt(number=1, status_code=529, error_class="overloaded", wait_seconds=2.0),
-            common_pb2.ModelAttempt(number=2, status_code=200, error_class="ok", duration_ms=40),
-        ],
-        actions=[
-            common_pb2.DeclaredAction(
-                index=0, kind=common_pb2.ACTION_KIND_CREATE_TASK, outcome=common_pb2.ACTION_OUTCOME_HELD
-            )
-        ],
-    )
-    steps = [(s["what"], s["detail"], s.get("state", "")) for s in timeline(run)]
-    assert steps == [
-        ("claimed", "wake w", ""),
-        ("room read", "", ""),
-        ("model request 1", "529, overloaded, waited 2 s before the next", "bad"),
-        ("model request 2", "200, took 40 ms", ""),
-        ("decided", "1 action(s)", ""),
-        ("action #0 create_task", "held", "wait"),
-        ("parked", "waiting for your company's decision on held actions", "wait"),
-    ]

@@ -14,7 +14,7 @@ from playwright.async_api import Route, expect
 
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.standin import StandinProvider
-from tests.console.test_console import FAST, HOLD, WAIT_MS, chromium, running_console, sign_in
+from tests.console.browser import FAST, HOLD, WAIT_MS, chromium, running_console, sign_in
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
 from tests.harness.claims import running_claims
 from tests.harness.gateway import authed_gateway, make_company, running_gateway

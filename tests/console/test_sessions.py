@@ -24,7 +24,7 @@ import pytest
 
 from quayutec.v1 import gateway_pb2
 from services.console.app import COOKIE, session_box
-from tests.console.test_console import SESSION_SECRET, running_console
+from tests.console.browser import SESSION_SECRET, running_console
 from tests.gateway.conftest import NOWHERE
 from tests.gateway.helpers import GatewayStub, create_room
 from tests.harness.gateway import CompanyKey, authed_gateway, join_room, make_company, running_gateway

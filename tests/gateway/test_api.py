@@ -118,6 +118,49 @@ async def test_register_and_list_agents(acme_gw: GatewayStub, globex_gw: Gateway
     )
 
 
+async def test_the_agents_in_a_room_are_listed_to_its_members_only(
+    acme_gw: GatewayStub, globex_gw: GatewayStub, acme: CompanyKey, globex: CompanyKey
+) -> None:
+    """Every member company's agents, so a person can mention them by name; another company's agent
+    shows who it is, never how it is configured."""
+    room = await create_room(acme_gw)
+    planner = await register_agent(acme_gw, "planner")
+    writer = await register_agent(globex_gw, "writer")
+    agents_in = gateway_pb2.ListAgentsRequest
+    # Not a member yet: the room answers as if it did not exist.
+    await expect_error(NOT_FOUND, globex_gw.ListAgents(agents_in(room_id=room.room_id), timeout=10), "room")
+    mine = await acme_gw.ListAgents(agents_in(room_id=room.room_id), timeout=10)
+    assert [a.agent_id for a in mine.agents] == [planner.agent_id]
+    await join_room(acme_gw, globex_gw, room.room_id)
+    for gw, own_id in ((acme_gw, planner.agent_id), (globex_gw, writer.agent_id)):
+        listed = {a.agent_id: a for a in (await gw.ListAgents(agents_in(room_id=room.room_id), timeout=10)).agents}
+        assert set(listed) == {planner.agent_id, writer.agent_id}
+        own = listed.pop(own_id)
+        assert own.model == "claude-test" and own.has_provider_key
+        [other] = listed.values()
+        assert other.name in ("planner", "writer") and other.company_id in (acme.company_id, globex.company_id)
+        assert other.created_at.seconds > 0
+        assert (other.model, other.provider, other.base_url, other.system_prompt, other.has_provider_key) == (
+            "",
+            common_pb2.PROVIDER_UNSPECIFIED,
+            "",
+            "",
+            False,
+        )
+    # Paged like every listing, and without a room still the caller's own agents only.
+    first = await acme_gw.ListAgents(agents_in(room_id=room.room_id, page_size=1), timeout=10)
+    rest = await acme_gw.ListAgents(
+        agents_in(room_id=room.room_id, page_size=1, page_token=first.next_page_token), timeout=10
+    )
+    assert [a.agent_id for a in (*first.agents, *rest.agents)] == [planner.agent_id, writer.agent_id]
+    assert [a.agent_id for a in (await globex_gw.ListAgents(agents_in(), timeout=10)).agents] == [writer.agent_id]
+    await expect_error(NOT_FOUND, acme_gw.ListAgents(agents_in(room_id="nope"), timeout=10), "room")
+    # A company that leaves takes its agents out of the room.
+    await globex_gw.LeaveRoom(gateway_pb2.LeaveRoomRequest(room_id=room.room_id), timeout=10)
+    after = await acme_gw.ListAgents(agents_in(room_id=room.room_id), timeout=10)
+    assert [a.agent_id for a in after.agents] == [planner.agent_id]
+
+
 async def test_post_and_list_messages(
     acme_gw: GatewayStub, globex_gw: GatewayStub, acme: CompanyKey, globex: CompanyKey
 ) -> None:

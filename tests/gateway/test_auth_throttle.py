@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from typing import Any
 
 import grpc
 import pytest
@@ -100,3 +101,43 @@ def test_sources_are_addresses_without_ports_and_ipv6_by_its_64() -> None:
     assert source_of("ipv6:[::1]:5") == "::/64"
     assert source_of("10.1.2.3") == "10.1.2.3"
     assert source_of("unix:/tmp/sock") == "unix:/tmp/sock"
+
+
+async def test_a_throttled_stream_is_refused_with_the_retry_after_trailer_too(
+    database_url: str, room_addr: str, acme: CompanyKey
+) -> None:
+    """WatchRoom and WatchRooms refused by the throttle carry the same retry-after-ms trailer as unary
+    calls, so a client that resumes a watch waits as advised instead of hammering."""
+    async with (
+        running_gateway(
+            database_url,
+            room_addr,
+            NOWHERE,
+            QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false",
+            QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST="2",
+            QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE="0.01",
+        ) as addr,
+        grpc.aio.insecure_channel(addr) as channel,
+    ):
+        gw = gateway_pb2_grpc.GatewayServiceStub(channel)
+        wrong = (("authorization", f"Bearer qyk_{uuid.uuid4()}_{'x' * 43}"),)
+        room = str(uuid.uuid4())
+
+        def open_stream(n: int) -> Any:
+            if n % 2:
+                return gw.WatchRooms(gateway_pb2.WatchRoomsRequest(), metadata=wrong, timeout=10)
+            return gw.WatchRoom(gateway_pb2.WatchRoomRequest(room_id=room), metadata=wrong, timeout=10)
+
+        codes = []
+        for n in range(6):  # WatchRoom and WatchRooms in turn
+            call = open_stream(n)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call.read()
+            codes.append(refused.value.code())
+            if refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                trailers = [await call.trailing_metadata(), refused.value.trailing_metadata()]
+                for trailer in (dict(t or ()) for t in trailers):
+                    assert int(trailer["retry-after-ms"]) > 0, (n, trailer)
+                assert "retry after" in (refused.value.details() or "")
+        assert codes[:2] == [grpc.StatusCode.UNAUTHENTICATED] * 2
+        assert codes[2:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4, codes

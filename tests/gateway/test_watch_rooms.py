@@ -25,9 +25,12 @@ from tests.harness.gateway import CompanyKey, join_room
 K = common_pb2
 
 
-def watch_rooms(gw: GatewayStub, key: CompanyKey, after: dict[str, int] | None = None) -> Any:
+def watch_rooms(
+    gw: GatewayStub, key: CompanyKey, after: dict[str, int] | None = None, *, unnamed_from_joining: bool = False
+) -> Any:
     request = gateway_pb2.WatchRoomsRequest(
-        after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in (after or {}).items()]
+        after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in (after or {}).items()],
+        unnamed_from_joining=unnamed_from_joining,
     )
     return gw.WatchRooms(request, metadata=auth(key), timeout=120)
 
@@ -176,6 +179,42 @@ async def test_watch_rooms_follows_every_room_through_joins_departures_and_a_res
     assert got[made.room_id] == [e.cursor for e in made_log]
 
 
+async def test_a_resume_from_joining_follows_a_room_joined_while_no_stream_was_open(
+    acme: CompanyKey, globex: CompanyKey, acme_gw: GatewayStub, globex_gw: GatewayStub
+) -> None:
+    """Resumed with its cursors and unnamed_from_joining, a stream follows a room the company joined
+    while no stream was open from its MEMBER_JOINED event, and the named rooms from their cursors;
+    without the flag the unnamed room starts from now (what a first watch asks)."""
+    mine = await create_room(acme_gw, "mine")
+    w = Watcher(watch_rooms(acme_gw, acme))
+    await w.until(lambda w: bool(w.beats))
+    w.call.cancel()
+    kept = dict(w.cursors)
+    assert set(kept) == {mine.room_id}
+
+    # While no stream is open: Acme joins Globex's room, which goes on.
+    theirs = await create_room(globex_gw, "globex's")
+    await post(globex_gw, theirs.room_id, "before acme joined")
+    await join_room(globex_gw, acme_gw, theirs.room_id)
+    await post(globex_gw, theirs.room_id, "while no stream was open")
+    await post(acme_gw, mine.room_id, "in mine while away")
+
+    w = Watcher(watch_rooms(acme_gw, acme, after=kept, unnamed_from_joining=True))
+    await w.until(lambda w: bool(w.beats))
+    assert set(w.beats[0]) == {mine.room_id, theirs.room_id}
+    in_theirs = [e for e in w.events if e.room_id == theirs.room_id]
+    assert [e.kind for e in in_theirs] == [K.ROOM_EVENT_KIND_MEMBER_JOINED, K.ROOM_EVENT_KIND_MESSAGE_POSTED]
+    assert in_theirs[0].member.company_id == acme.company_id and not w.has("before acme joined")
+    assert w.has("while no stream was open") and w.has("in mine while away")
+    w.call.cancel()
+
+    # Without the flag (a first watch's meaning), the room not named starts from now.
+    w = Watcher(watch_rooms(acme_gw, acme, after=kept))
+    await w.until(lambda w: bool(w.beats))
+    assert [e.room_id for e in w.events] == [mine.room_id]
+    w.call.cancel()
+
+
 async def test_watch_rooms_bounds_its_rooms(
     database_url: str, room_addr: str, acme: CompanyKey, acme_gw: GatewayStub
 ) -> None:
@@ -201,6 +240,9 @@ async def test_bad_cursors_are_refused_in_words(
         err = await refused(watch_rooms(acme_gw, acme, after={room.room_id: after}))
         assert err.code() == grpc.StatusCode.OUT_OF_RANGE, err.details()
         assert room.room_id in (err.details() or "")
+        # The room and its newest cursor in fields too, for a client to resume from.
+        trailers = dict(err.trailing_metadata() or ())
+        assert trailers["quayutec-room-id"] == room.room_id and trailers["quayutec-newest-cursor"] == "1", trailers
     for after_rooms, says in (
         ([gateway_pb2.RoomCursor(room_id="not-a-room", cursor=1)], "after[0].room_id must be a room id"),
         ([gateway_pb2.RoomCursor(room_id=room.room_id, cursor=-1)], "after[0].cursor must be 0 or more"),

@@ -42,6 +42,14 @@ class HoldingProxy:
     def release(self) -> None:
         self._flowing.set()
 
+    async def drop_connections(self) -> None:
+        """Close every connection through the proxy (what is held is lost); new ones are still accepted."""
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(BaseException):
+                await task
+
     async def _serve(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
         try:
             server_reader, server_writer = await asyncio.open_connection(*self._target)

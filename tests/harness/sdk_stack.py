@@ -54,6 +54,15 @@ GATEWAY_ENV = {
 }
 
 
+# A Gateway whose stream limits are met at once: one open stream per company, one failed
+# authentication (then one every 100 s).
+STRICT_GATEWAY_ENV = {
+    "QUAYUTEC_GATEWAY_MAX_STREAMS_PER_COMPANY": "1",
+    "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST": "1",
+    "QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE": "0.01",
+}
+
+
 class GatewayProcess:
     """``python -m services.gateway`` on one port, started again on the same port after a kill."""
 
@@ -118,6 +127,8 @@ class SdkStack:
     proxy: HoldingProxy
     gateway: GatewayProcess
     pool: asyncpg.Pool
+    # A proxy in front of the Gateway, made on demand (the control API's /gateway-proxy).
+    gateway_proxy: HoldingProxy | None = None
     _background: set[asyncio.Task[None]] = field(default_factory=set)
 
     @property
@@ -206,6 +217,8 @@ async def running_sdk_stack(database_url: str, **gateway_env: str) -> AsyncItera
                 task.cancel()
                 with contextlib.suppress(BaseException):
                     await task
+            if sdk_stack.gateway_proxy is not None:
+                await sdk_stack.gateway_proxy.stop()
 
 
 # The control API for another process's tests: POST <path> with a JSON body, answered with JSON.
@@ -266,6 +279,28 @@ async def _release(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
     return {}
 
 
+async def _gateway_proxy(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    """A proxy in front of the Gateway (made once), whose replies can be held and connections dropped."""
+    if stack.gateway_proxy is None:
+        stack.gateway_proxy = HoldingProxy(stack.gateway_addr)
+        await stack.gateway_proxy.start()
+    return {"addr": stack.gateway_proxy.addr}
+
+
+async def _gateway_proxy_hold(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    assert stack.gateway_proxy is not None, "POST /gateway-proxy first"
+    stack.gateway_proxy.hold()
+    return {}
+
+
+async def _gateway_proxy_drop(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
+    """Drop every connection through the Gateway's proxy (what it held is lost), then let replies flow."""
+    assert stack.gateway_proxy is not None, "POST /gateway-proxy first"
+    await stack.gateway_proxy.drop_connections()
+    stack.gateway_proxy.release()
+    return {}
+
+
 async def _events(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
     from tests.gateway.test_watch import log_of
 
@@ -281,6 +316,9 @@ CONTROL: dict[str, Handler] = {
     "/gateway/restart": _restart,
     "/gateway/kill-once-posted": _kill_once_posted,
     "/gateway/kill-once-posted/done": _background_done,
+    "/gateway-proxy": _gateway_proxy,
+    "/gateway-proxy/hold": _gateway_proxy_hold,
+    "/gateway-proxy/drop": _gateway_proxy_drop,
     "/room/hold-replies": _hold,
     "/room/release-replies": _release,
     "/messages": _messages,
@@ -327,10 +365,11 @@ async def serve_control(
 
 @asynccontextmanager
 async def controlled_stack(database_url: str) -> AsyncIterator[tuple[SdkStack, str]]:
-    """The stack with its control API, and three more Gateways (in this process, on the same Room),
+    """The stack with its control API, and four more Gateways (in this process, on the same Room),
     named in the control API's /extra answer: ``other_gateway`` (stays up while the main one is
     killed; its spans are kept for /spans), ``limited_gateway`` (a posting rate of one a second, to
-    meet RateLimited) and ``tls_gateway`` (TLS with the self-signed ``tls_ca_pem``)."""
+    meet RateLimited), ``strict_gateway`` (STRICT_GATEWAY_ENV: one open stream per company, one failed
+    authentication) and ``tls_gateway`` (TLS with the self-signed ``tls_ca_pem``)."""
     exporter = InMemorySpanExporter()
     capture = configure_for_tests(exporter)
     with tempfile.TemporaryDirectory() as tls_dir:
@@ -340,11 +379,13 @@ async def controlled_stack(database_url: str) -> AsyncIterator[tuple[SdkStack, s
             stack.extra_gateway() as other,
             stack.extra_gateway(QUAYUTEC_GATEWAY_POST_RATE="1", QUAYUTEC_GATEWAY_POST_BURST="1") as limited,
             stack.extra_gateway(QUAYUTEC_GATEWAY_TLS_CERT=str(cert), QUAYUTEC_GATEWAY_TLS_KEY=str(key)) as tls,
+            stack.extra_gateway(**STRICT_GATEWAY_ENV) as strict,
         ):
             extra = {
                 "gateway": stack.gateway_addr,
                 "other_gateway": other,
                 "limited_gateway": limited,
+                "strict_gateway": strict,
                 "tls_gateway": tls,
                 "tls_ca_pem": pem.decode(),
             }

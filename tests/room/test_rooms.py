@@ -179,6 +179,21 @@ async def test_list_agents_pages(room: Stub) -> None:
     assert [a.agent_id for a in (*first.agents, *second.agents)] == ids and not second.next_page_token
     empty = await room.ListAgents(room_pb2.RoomServiceListAgentsRequest(company_id=MISSING))
     assert not empty.agents
+    listing = room_pb2.RoomServiceListAgentsRequest
+    await expect_error(INVALID, room.ListAgents(listing()), "company_id")
+    assert not (await room.ListAgents(listing(room_id=MISSING))).agents
+    assert not (await room.ListAgents(listing(company_id=acme.company_id, room_id=MISSING))).agents
+
+
+async def test_the_agents_in_a_room_are_its_member_companies_agents(room: Stub, world: World) -> None:
+    """By room_id: every member company's agents (not an outsider's); with company_id too, that company's."""
+    listing = room_pb2.RoomServiceListAgentsRequest
+    in_room = await room.ListAgents(listing(room_id=world.room_id))
+    assert [a.agent_id for a in in_room.agents] == [world.acme_agent.agent_id, world.bolt_agent.agent_id]
+    bolts = await room.ListAgents(listing(room_id=world.room_id, company_id=world.bolt.company_id))
+    assert [a.agent_id for a in bolts.agents] == [world.bolt_agent.agent_id]
+    assert not (await room.ListAgents(listing(room_id=world.room_id, company_id=world.crow.company_id))).agents
+    await expect_error(INVALID, room.ListAgents(listing(room_id="nope")), "room_id")
 
 
 async def test_credentials_under_another_key_are_failed_precondition(room: Stub, database_url: str) -> None:

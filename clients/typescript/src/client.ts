@@ -9,6 +9,7 @@ import {
   ActionRight,
   InvitationStatus,
   Provider,
+  RunStatus,
   TaskStatus,
   WaitpointStatus,
   type Agent,
@@ -25,16 +26,21 @@ import {
   type Task,
   type Waitpoint,
 } from "./gen/quayutec/v1/common_pb.js";
+import { timestampFromDate } from "@bufbuild/protobuf/wkt";
 import type {
   AcceptInvitationResponse,
+  ApiKey,
+  CreateApiKeyResponse,
+  CreateSessionKeyResponse,
   DecideApprovalResponse,
   GetAgentRightsResponse,
   PostMessageResponse,
   SendTaskResponse,
 } from "./gen/quayutec/v1/gateway_pb.js";
+import { Unauthenticated } from "./errors.js";
 import { retryPolicy, type RetryPolicy } from "./retry.js";
 import { Transport, type RequestOf, type ResponseOf, type RpcKey, type TlsOptions, type UnaryKey } from "./transport.js";
-import { RoomWatch } from "./watch.js";
+import { RoomsWatch, RoomWatch, type RoomCursors } from "./watch.js";
 
 /** An enum value, or its short name in lower case ("anthropic" for Provider.ANTHROPIC). */
 export type EnumInput<E extends Record<string, string | number>> = E[keyof E] | Lowercase<Extract<keyof E, string>>;
@@ -298,9 +304,51 @@ export class Client {
 
   // Runs, rights and approvals.
 
-  /** Your agents' runs (or one agent's), newest first. */
-  runs(options: { agentId?: string; pageSize?: number } = {}): AsyncGenerator<Run, void, undefined> {
-    return this.paged("listRuns", { ...options }, (p) => p.runs);
+  /** Your agents' runs (or one agent's), newest first; optionally in one room, with one status, or
+   * started at or after `startedAfter` and before `startedBefore`. */
+  runs(
+    options: {
+      agentId?: string;
+      roomId?: string;
+      status?: RunStatus;
+      startedAfter?: Date;
+      startedBefore?: Date;
+      pageSize?: number;
+    } = {},
+  ): AsyncGenerator<Run, void, undefined> {
+    const { startedAfter, startedBefore, ...rest } = options;
+    return this.paged(
+      "listRuns",
+      {
+        ...rest,
+        startedAfter: startedAfter === undefined ? undefined : timestampFromDate(startedAfter),
+        startedBefore: startedBefore === undefined ? undefined : timestampFromDate(startedBefore),
+      },
+      (p) => p.runs,
+    );
+  }
+
+  /** One message of a room (an agent's reply carries the `runId` of the run that posted it). */
+  async getMessage(roomId: string, messageId: string): Promise<Message> {
+    return required((await this.unary("getMessage", { roomId, messageId })).message);
+  }
+
+  // Your company's API keys.
+
+  /** A new API key of your company (call with a company key: a session key may not). Its `secret`
+   * is in this answer only; keep it. */
+  async createApiKey(options: { label?: string } = {}): Promise<CreateApiKeyResponse> {
+    return this.unary("createApiKey", { label: options.label ?? "" });
+  }
+
+  /** Your company's keys, oldest first (never a secret); its session keys too when asked. */
+  apiKeys(options: { includeSessions?: boolean; pageSize?: number } = {}): AsyncGenerator<ApiKey, void, undefined> {
+    return this.paged("listApiKeys", { ...options }, (p) => p.keys);
+  }
+
+  /** Revoke one of your company's keys at once (its session keys with it). */
+  async revokeApiKey(keyId: string): Promise<ApiKey> {
+    return required((await this.unary("revokeApiKey", { keyId })).key);
   }
 
   /** One run's ledger row: what it posted and wrote, each model request, its trace id. */
@@ -361,6 +409,44 @@ export class Client {
   watch(roomId: string, options: { after?: bigint | number | string; idleTimeoutMs?: number } = {}): RoomWatch {
     return new RoomWatch(this.transport, this.retryPolicy, roomId, options.after, options.idleTimeoutMs ?? 60_000);
   }
+
+  /**
+   * Every room of your company in one stream: the rooms `after` names (room id -> a cursor you kept)
+   * resumed after their cursors and the others from their joining; without `after`, from now.
+   * `watch.cursors` is the map to keep. See RoomsWatch.
+   */
+  watchRooms(options: { after?: RoomCursors; idleTimeoutMs?: number } = {}): RoomsWatch {
+    return new RoomsWatch(this.transport, this.retryPolicy, options.after, options.idleTimeoutMs ?? 60_000);
+  }
+
+  // Session keys.
+
+  /**
+   * A short-lived key of your company (`ttlSeconds`: 60 to 604800) that works like this one until it
+   * expires or is ended (endSession called with it); `secret` is shown once. Call it with a company
+   * key. A repeat would make a second key, so after UNAVAILABLE or a deadline it is not sent again
+   * (only when refused before acting, or never sent).
+   */
+  async createSessionKey(ttlSeconds: number, options: { label?: string } = {}): Promise<CreateSessionKeyResponse> {
+    return this.unary("createSessionKey", { ttlSeconds: BigInt(ttlSeconds), label: options.label ?? "" });
+  }
+
+  /**
+   * Revoke the session key this client calls with, at once (its open watches end with
+   * Unauthenticated); resolves to its key id. Retried like a read: when a retry is answered
+   * UNAUTHENTICATED, an earlier attempt ended the session, and the call resolves as done.
+   * FailedPrecondition when this client's key is a company key (revoke those with `quayutec keys revoke`).
+   */
+  async endSession(): Promise<string> {
+    try {
+      return (await this.unary("endSession", {})).keyId;
+    } catch (error) {
+      if (error instanceof Unauthenticated && error.attempts > 1 && this.transport.keyId) {
+        return this.transport.keyId; // the session was ended by an attempt whose answer was lost
+      }
+      throw error;
+    }
+  }
 }
 
 function required<T>(value: T | undefined): T {
@@ -396,9 +482,16 @@ export const WRAPS: { readonly [K in RpcKey]: keyof Client } = {
   searchPassages: "searchPassages",
   listRuns: "runs",
   getRun: "getRun",
+  getMessage: "getMessage",
+  createApiKey: "createApiKey",
+  listApiKeys: "apiKeys",
+  revokeApiKey: "revokeApiKey",
   setAgentRights: "setAgentRights",
   getAgentRights: "getAgentRights",
   listApprovals: "approvals",
   decideApproval: "decideApproval",
   watchRoom: "watch",
+  watchRooms: "watchRooms",
+  createSessionKey: "createSessionKey",
+  endSession: "endSession",
 };

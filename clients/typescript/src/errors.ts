@@ -4,6 +4,9 @@ import { Code, ConnectError } from "@connectrpc/connect";
 
 /** The trailing metadata in which the Gateway advises how long to wait before trying again. */
 export const RETRY_AFTER_MS = "retry-after-ms";
+/** The trailing metadata of an OUT_OF_RANGE cursor: its room, and that room's newest cursor. */
+export const ROOM_ID = "quayutec-room-id";
+export const NEWEST_CURSOR = "quayutec-newest-cursor";
 
 /** gRPC's name of a status code: NOT_FOUND, RESOURCE_EXHAUSTED, ... */
 export function codeName(code: Code): string {
@@ -68,10 +71,29 @@ export class RateLimited extends QuayutecError {
     super(code, rawMessage, method, attempts, options);
   }
 }
-/** OUT_OF_RANGE: a watch's cursor is older than the events kept; reload with the lists and watch from now. */
-export class CursorExpired extends QuayutecError {
-  override name = "CursorExpired";
+/**
+ * OUT_OF_RANGE: a watch's cursor is older than the events kept (reload with the lists and watch from
+ * now), or past the room's newest event (resume after a cursor you received). `roomId` is the room it
+ * is of and `newestCursor` that room's newest cursor (past the end), when the Gateway says (its
+ * `quayutec-room-id` and `quayutec-newest-cursor` trailers).
+ */
+export class CursorOutOfRange extends QuayutecError {
+  override name = "CursorOutOfRange";
+  constructor(
+    code: Code,
+    rawMessage: string,
+    method: string,
+    attempts: number,
+    readonly roomId: string | undefined,
+    readonly newestCursor: bigint | undefined,
+    options?: { cause?: unknown },
+  ) {
+    super(code, rawMessage, method, attempts, options);
+  }
 }
+/** The name of CursorOutOfRange in the first releases of this client. */
+export const CursorExpired = CursorOutOfRange;
+export type CursorExpired = CursorOutOfRange;
 /** A concurrent change rolled the call back; nothing was written. */
 export class Aborted extends QuayutecError {
   override name = "Aborted";
@@ -106,7 +128,6 @@ const BY_CODE = new Map<Code, ErrorClass>([
   [Code.PermissionDenied, PermissionDenied],
   [Code.FailedPrecondition, FailedPrecondition],
   [Code.Unauthenticated, Unauthenticated],
-  [Code.OutOfRange, CursorExpired],
   [Code.Aborted, Aborted],
   [Code.Unavailable, Unavailable],
   [Code.DeadlineExceeded, DeadlineExceeded],
@@ -115,10 +136,15 @@ const BY_CODE = new Map<Code, ErrorClass>([
   [Code.Unimplemented, Unimplemented],
 ]);
 
+function wholeNumber(metadata: Headers, name: string): string | undefined {
+  const value = metadata.get(name)?.trim();
+  return value && /^\d+$/.test(value) ? value : undefined;
+}
+
 /** The wait, in milliseconds, of a `retry-after-ms` trailer; undefined when there is none. */
 export function advisedWaitMs(metadata: Headers): number | undefined {
-  const value = metadata.get(RETRY_AFTER_MS)?.trim();
-  return value && /^\d+$/.test(value) ? Number(value) : undefined;
+  const value = wholeNumber(metadata, RETRY_AFTER_MS);
+  return value === undefined ? undefined : Number(value);
 }
 
 /** The typed error of a failed call (anything thrown by the transport). */
@@ -129,6 +155,11 @@ export function errorFor(reason: unknown, method: string, attempts: number): Qua
   const err = ConnectError.from(reason);
   if (err.code === Code.ResourceExhausted) {
     return new RateLimited(err.code, err.rawMessage, method, attempts, advisedWaitMs(err.metadata), { cause: err });
+  }
+  if (err.code === Code.OutOfRange) {
+    const newest = wholeNumber(err.metadata, NEWEST_CURSOR);
+    const roomId = err.metadata.get(ROOM_ID)?.trim() || undefined;
+    return new CursorOutOfRange(err.code, err.rawMessage, method, attempts, roomId, newest === undefined ? undefined : BigInt(newest), { cause: err });
   }
   const cls = BY_CODE.get(err.code) ?? QuayutecError;
   return new cls(err.code, err.rawMessage, method, attempts, { cause: err });

@@ -3,10 +3,11 @@ export { Client, connect, newIdempotencyKey, WRAPS, type ConnectOptions, type En
 export * from "./errors.js";
 export { DEFAULT_RETRY, NO_RETRY, retryPolicy, waitBeforeMs, type RetryPolicy } from "./retry.js";
 export { SAFETY, Safety, setRetryListener, type RetryNotice, type TlsOptions } from "./transport.js";
-export { RoomWatch } from "./watch.js";
+export { RoomsWatch, RoomWatch, type RoomCursors } from "./watch.js";
 export * from "./gen/quayutec/v1/common_pb.js";
 export type {
   AcceptInvitationResponse,
+  CreateSessionKeyResponse,
   DecideApprovalResponse,
   GetAgentRightsResponse,
   PostMessageResponse,

@@ -62,6 +62,17 @@ export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   listApprovals: Safety.Read,
   decideApproval: Safety.IdempotentWrite,
   watchRoom: Safety.Read,
+  watchRooms: Safety.Read,
+  // A repeat would make a second key.
+  createSessionKey: Safety.UnkeyedWrite,
+  // Ending an ended session leaves it ended (a repeat answers UNAUTHENTICATED: the client counts it done).
+  endSession: Safety.IdempotentWrite,
+  getMessage: Safety.Read,
+  // A repeat would make a second key.
+  createApiKey: Safety.UnkeyedWrite,
+  listApiKeys: Safety.Read,
+  // Revoking a revoked key leaves it revoked.
+  revokeApiKey: Safety.IdempotentWrite,
 };
 
 /** TLS to the Gateway: `ca` (PEM) to trust instead of Node's roots; `serverName` when the
@@ -113,12 +124,15 @@ export function sleep(ms: number, signal: AbortSignal): Promise<void> {
 export class Transport {
   readonly raw: Raw;
   readonly headers: () => Record<string, string>;
+  /** The key's id (qyk_<key id>_<secret>; not secret: `quayutec keys list` shows it); "" when not shaped so. */
+  readonly keyId: string;
   private readonly closing = new AbortController();
 
   constructor(readonly address: string, apiKey: string, plaintext: boolean, tls: TlsOptions, readonly random: () => number = Math.random) {
     if (!apiKey || !/^[\x21-\x7e]+$/.test(apiKey)) {
       throw new TypeError("apiKey must be a non-empty API key of printable ASCII without spaces (qyk_...)");
     }
+    this.keyId = /^qyk_([^_]+)_./.exec(apiKey)?.[1] ?? "";
     const bearer = `Bearer ${apiKey}`;
     this.headers = () => {
       const headers: Record<string, string> = { authorization: bearer };

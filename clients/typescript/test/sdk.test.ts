@@ -1,7 +1,9 @@
 // @quayutec/client against a real Gateway process, Room, Claims, Runtime and model stand-in on
 // loopback: the README flow, a write retried across a Gateway killed mid-call posts once, a watch
 // across two Gateway kills and a RESOURCE_EXHAUSTED cut yields every event once and in order, paging,
-// every typed error, TLS, the API key kept out of sight, and trace context.
+// every typed error, TLS, the API key kept out of sight, and trace context; the company-wide watch
+// (watchRooms) across kills, a cut, joins and a departure, resumed from kept cursors; session keys, and
+// a revoked key's watch ended without a retry.
 import assert from "node:assert/strict";
 import { after, before, test } from "node:test";
 import { inspect } from "node:util";
@@ -12,8 +14,9 @@ import {
   AlreadyExists,
   Client,
   connect,
-  CursorExpired,
+  CursorOutOfRange,
   DeadlineExceeded,
+  DEFAULT_RETRY,
   ActionRight,
   FailedPrecondition,
   InvalidArgument,
@@ -32,7 +35,6 @@ import {
   type RetryNotice,
   type RetryPolicy,
   type RoomEvent,
-  type RoomWatch,
 } from "../src/index.js";
 import { startStack, type Company, type Stack } from "./stack.js";
 
@@ -70,7 +72,7 @@ async function collect<T>(items: AsyncIterable<T>): Promise<T[]> {
 
 const bodyOf = (event: RoomEvent): string | undefined => (event.detail.case === "message" ? event.detail.value.body : undefined);
 
-async function readUntil(watch: RoomWatch, into: RoomEvent[], done: (event: RoomEvent) => boolean): Promise<void> {
+async function readUntil(watch: AsyncIterable<RoomEvent>, into: RoomEvent[], done: (event: RoomEvent) => boolean): Promise<void> {
   const read = async () => {
     for await (const event of watch) {
       into.push(event);
@@ -284,7 +286,8 @@ test("every typed error", async () => {
   await readUntil(replay, [], (e) => e.detail.case === "message" && e.detail.value.messageId === forgotten.messageId);
   replay.close();
   await stack.post("/events/expire", { room_id: room.roomId, through_cursor: Number(replay.cursor) });
-  await expect(a.watch(room.roomId, { after: 1 })[Symbol.asyncIterator]().next(), CursorExpired, "OUT_OF_RANGE");
+  const expired = await expect(a.watch(room.roomId, { after: 1 })[Symbol.asyncIterator]().next(), CursorOutOfRange, "OUT_OF_RANGE");
+  assert.deepEqual([expired.attempts, (expired as CursorOutOfRange).roomId, (expired as CursorOutOfRange).newestCursor], [1, room.roomId, undefined]);
 
   // RESOURCE_EXHAUSTED with the advised wait, not waited for beyond maxAdvisedWaitMs, honoured otherwise.
   const limited = client(acme, { address: stack.extra.limited_gateway, retry: NO_RETRY });
@@ -416,4 +419,242 @@ test("the rest of the surface against the real Gateway", async () => {
   assert.deepEqual((await collect(a.members(third.roomId))).map((m) => m.companyId), [acme.company_id]);
   // @ts-expect-error: not a provider (the compiler says so too)
   await assert.rejects(a.registerAgent({ name: "x", provider: "nonsense", model: "m" }), /not one of/);
+
+  // One message by id; runs filtered by room and start time.
+  const posted = await a.postMessage(room.roomId, "read me by id", { person: "ana" });
+  assert.equal((await a.getMessage(room.roomId, posted.message!.messageId)).body, "read me by id");
+  await assert.rejects(b.getMessage(room.roomId, posted.message!.messageId), NotFound);
+  const inRoom = await collect(a.runs({ roomId: room.roomId, startedAfter: new Date(0) }));
+  assert.ok(inRoom.every((r) => r.roomId === room.roomId));
+  assert.deepEqual(await collect(a.runs({ roomId: third.roomId })), []);
+  assert.deepEqual(await collect(a.runs({ roomId: room.roomId, startedBefore: new Date(0) })), []);
+
+  // The company's own keys: made once (the secret in this answer only), listed without secrets, revoked.
+  const made = await a.createApiKey({ label: "ci" });
+  assert.ok(made.secret.length > 0);
+  const listed = await collect(a.apiKeys());
+  assert.ok(listed.some((k) => k.keyId === made.key?.keyId && k.label === "ci"));
+  assert.ok(!JSON.stringify(listed, (_, v) => (typeof v === "bigint" ? v.toString() : v)).includes(made.secret));
+  assert.equal((await a.revokeApiKey(made.key!.keyId)).keyId, made.key!.keyId);
+  await assert.rejects(b.revokeApiKey(made.key!.keyId), NotFound);
+});
+
+// The company-wide watch (watchRooms) and session keys.
+
+async function join(inviter: Client, invitee: Client, roomId: string, companyId: string): Promise<void> {
+  await invitee.acceptInvitation((await inviter.inviteCompany(roomId, companyId)).invitationId);
+}
+
+async function logOf(roomId: string, companyId: string, after: bigint): Promise<[number, number][]> {
+  const log = await stack.post<{ events: { cursor: number; kind: number }[] }>("/events", { room_id: roomId, company_id: companyId });
+  return log.events.filter((e) => BigInt(e.cursor) > after).map((e) => [e.cursor, e.kind]);
+}
+
+test("watchRooms across two Gateway kills, a cut, joins and a departure yields every event of every room once, in order", async () => {
+  const [acme, bolt] = [await stack.company(), await stack.company()];
+  const [a, b, watcher] = [client(acme), client(bolt), client(acme)];
+  const [a2, b2] = [client(acme, { address: stack.extra.other_gateway }), client(bolt, { address: stack.extra.other_gateway })];
+  const first = await a.createRoom("first");
+  const second = await a.createRoom("second");
+  const watch = await watcher.watchRooms({ idleTimeoutMs: 30_000 }).ready();
+  const start = watch.cursors; // the first heartbeat: every room of Acme, from now
+  assert.deepEqual(new Set(start.keys()), new Set([first.roomId, second.roomId]));
+  const received: RoomEvent[] = [];
+  const has = (body: string) => received.some((e) => bodyOf(e) === body);
+  const until = (done: () => boolean) => (done() ? Promise.resolve() : readUntil(watch, received, done));
+  const of = (roomId: string) => received.filter((e) => e.roomId === roomId);
+  retries.length = 0;
+
+  for (let n = 0; n < 3; n++) {
+    await a.postMessage(first.roomId, `a${n} first`, { person: "ana" });
+    await a.postMessage(second.roomId, `a${n} second`, { person: "ana" });
+  }
+  await until(() => has("a2 second"));
+  // Joined while watching: followed from Acme's joining.
+  const joined = await b.createRoom("bolt's");
+  await b.postMessage(joined.roomId, "before acme joined", { person: "bo" });
+  await join(b, a, joined.roomId, acme.company_id);
+  await b.postMessage(joined.roomId, "welcome", { person: "bo" });
+  await until(() => has("welcome"));
+
+  // Kill one: what happens meanwhile (through another Gateway) is replayed, and a room Acme joins
+  // while the Gateway is down is followed from its joining.
+  await stack.post("/gateway/kill");
+  await a2.postMessage(first.roomId, "b0 first", { person: "ana" });
+  await b2.postMessage(joined.roomId, "b0 joined", { person: "bo" });
+  const whileDown = await b2.createRoom("joined while down");
+  await b2.postMessage(whileDown.roomId, "before acme joined", { person: "bo" });
+  await join(b2, a2, whileDown.roomId, acme.company_id);
+  await b2.postMessage(whileDown.roomId, "b0 while down", { person: "bo" });
+  await stack.post("/gateway/start");
+  await until(() => has("b0 first") && has("b0 joined") && has("b0 while down"));
+  // Kill two, in the middle of a batch the watcher is still reading.
+  for (let n = 0; n < 10; n++) {
+    await a.postMessage([first, second][n % 2]!.roomId, `c${n}`, { person: "ana" });
+  }
+  await until(() => has("c2"));
+  await stack.post("/gateway/kill");
+  await a2.postMessage(second.roomId, "d0 second", { person: "ana" });
+  await b2.postMessage(whileDown.roomId, "d0 while down", { person: "bo" });
+  await stack.post("/gateway/start");
+  await until(() => has("c9") && has("d0 second") && has("d0 while down"));
+  const reconnectsBeforeCut = watch.reconnects;
+
+  // Left while watching: the room ends with Acme's MEMBER_LEFT and leaves the cursors (pings keep
+  // events coming, so the heartbeat after the departure is applied).
+  await a.leaveRoom(joined.roomId);
+  await b.postMessage(joined.roomId, "after acme left", { person: "bo" });
+  await until(() => of(joined.roomId).some((e) => e.kind === RoomEventKind.MEMBER_LEFT));
+  let pinging = true;
+  const pings = (async () => {
+    for (let n = 0; pinging && n < 600; n++) {
+      await a.postMessage(first.roomId, `ping ${n}`, { person: "ana" });
+      await new Promise((resolve) => setTimeout(resolve, 200));
+    }
+  })();
+  try {
+    await until(() => !watch.cursors.has(joined.roomId));
+  } finally {
+    pinging = false;
+    await pings;
+  }
+
+  // The cut: the watcher reads nothing while large messages arrive in two rooms; the Gateway ends the
+  // stream with RESOURCE_EXHAUSTED once its buffer for it is full; the watch resumes by itself.
+  const big = (n: number) => `e${String(n).padStart(2, "0")} ${"x".repeat(60_000)}`;
+  for (let n = 0; n < 40; n++) {
+    await a.postMessage([first, whileDown][n % 2]!.roomId, big(n), { person: "ana" });
+  }
+  await until(() => has(big(39)));
+  const kept = watch.cursors;
+  watch.close();
+
+  assert.ok(retries.some((r) => r.method === "WatchRooms" && r.codeName === "RESOURCE_EXHAUSTED"), JSON.stringify(retries));
+  assert.ok(watch.reconnects >= reconnectsBeforeCut + 1 && reconnectsBeforeCut >= 2, `${reconnectsBeforeCut} ${watch.reconnects}`);
+  assert.ok(!received.some((e) => ["before acme joined", "after acme left"].includes(bodyOf(e) ?? "")));
+  // Each room's events are its log as Acme may see it: from the watch's start, or from Acme's joining.
+  for (const roomId of [first.roomId, second.roomId, whileDown.roomId]) {
+    const got = of(roomId);
+    const begin = start.get(roomId) ?? got[0]!.cursor - 1n;
+    assert.deepEqual(got.map((e) => [Number(e.cursor), e.kind]), await logOf(roomId, acme.company_id, begin), roomId);
+    assert.ok(kept.get(roomId)! >= got.at(-1)!.cursor);
+  }
+  for (const roomId of [joined.roomId, whileDown.roomId]) {
+    const [firstEvent] = of(roomId);
+    assert.deepEqual([firstEvent?.kind, firstEvent?.detail.case === "member" ? firstEvent.detail.value.companyId : ""], [RoomEventKind.MEMBER_JOINED, acme.company_id]);
+  }
+  // The room left: up to Acme's departure, as its remaining member sees the log.
+  const left = of(joined.roomId);
+  const leftLog = (await logOf(joined.roomId, bolt.company_id, left[0]!.cursor - 1n)).filter(([cursor]) => BigInt(cursor) <= left.at(-1)!.cursor);
+  assert.deepEqual(left.map((e) => [Number(e.cursor), e.kind]), leftLog);
+  assert.equal(left.at(-1)!.kind, RoomEventKind.MEMBER_LEFT);
+  assert.ok(!kept.has(joined.roomId));
+});
+
+test("watchRooms resumes from kept cursors and follows a room joined meanwhile", async () => {
+  const [acme, bolt] = [await stack.company(), await stack.company()];
+  const [a, b] = [client(acme), client(bolt)];
+  const mine = await a.createRoom("mine");
+  const watch = await a.watchRooms().ready();
+  await a.postMessage(mine.roomId, "one", { person: "ana" });
+  await readUntil(watch, [], (e) => bodyOf(e) === "one");
+  watch.close();
+  // What a caller persists: JSON of the cursors as strings.
+  const kept = JSON.parse(JSON.stringify(Object.fromEntries([...watch.cursors].map(([room, cursor]) => [room, String(cursor)])))) as Record<string, string>;
+  assert.deepEqual(Object.keys(kept), [mine.roomId]);
+
+  // While no watch is open: a message in Acme's room, and a room Acme joins.
+  await a.postMessage(mine.roomId, "two", { person: "ana" });
+  const theirs = await b.createRoom("theirs");
+  await b.postMessage(theirs.roomId, "before acme joined", { person: "bo" });
+  await join(b, a, theirs.roomId, acme.company_id);
+  await b.postMessage(theirs.roomId, "while away", { person: "bo" });
+
+  const again = a.watchRooms({ after: kept });
+  const received: RoomEvent[] = [];
+  const seen = (body: string) => received.some((e) => bodyOf(e) === body);
+  await readUntil(again, received, () => seen("two") && seen("while away"));
+  again.close();
+  assert.deepEqual(received.filter((e) => e.roomId === mine.roomId).map(bodyOf), ["two"]);
+  assert.deepEqual(received.filter((e) => e.roomId === theirs.roomId).map((e) => [e.kind, bodyOf(e)]), [
+    [RoomEventKind.MEMBER_JOINED, undefined],
+    [RoomEventKind.MESSAGE_POSTED, "while away"],
+  ]);
+
+  // A cursor past its room's end is CursorOutOfRange naming the room and its newest cursor, not retried.
+  const newest = again.cursors.get(mine.roomId)!;
+  const past = await a.watchRooms({ after: { [mine.roomId]: newest + 100n } })[Symbol.asyncIterator]().next().catch((e: unknown) => e);
+  assert.ok(past instanceof CursorOutOfRange, String(past));
+  assert.deepEqual([past.codeName, past.attempts, past.roomId, past.newestCursor], ["OUT_OF_RANGE", 1, mine.roomId, newest]);
+});
+
+test("a revoked session key's watch ends Unauthenticated without a retry; session keys", async () => {
+  const acme = await stack.company();
+  const a = client(acme);
+  const room = await a.createRoom("sessions");
+  const session = await a.createSessionKey(600, { label: "sdk test" });
+  assert.ok(session.secret.startsWith(`qyk_${session.keyId}_`) && session.expiresAt !== undefined);
+  const signedIn = client({ ...acme, api_key: session.secret });
+  assert.equal((await signedIn.whoAmI()).companyId, acme.company_id);
+
+  const watch = await signedIn.watchRooms().ready();
+  await a.postMessage(room.roomId, "seen", { person: "ana" });
+  await readUntil(watch, [], (e) => bodyOf(e) === "seen");
+  assert.equal(await signedIn.endSession(), session.keyId);
+  const ended = await readUntil(watch, [], () => false).catch((e: unknown) => e);
+  assert.ok(ended instanceof Unauthenticated, String(ended));
+  assert.ok(ended.attempts === 1 && watch.reconnects === 0, "a revoked key's watch is not retried");
+  assert.ok(ended.rawMessage.includes("revoked"), ended.rawMessage);
+  watch.close();
+  await assert.rejects(signedIn.whoAmI(), Unauthenticated);
+  await assert.rejects(signedIn.endSession(), Unauthenticated); // ending it again: the call of an ended key
+
+  const once = a.withRetry(NO_RETRY);
+  await assert.rejects(once.endSession(), (e: unknown) => e instanceof FailedPrecondition && e.rawMessage.includes("keys revoke"));
+  await assert.rejects(once.createSessionKey(5), (e: unknown) => e instanceof InvalidArgument && e.rawMessage.includes("ttl_seconds"));
+  const other = await a.createSessionKey(60);
+  await assert.rejects(client({ ...acme, api_key: other.secret }, { retry: NO_RETRY }).createSessionKey(60), PermissionDenied);
+});
+
+test("an ended session whose answer was lost counts as ended", async () => {
+  const acme = await stack.company();
+  const session = await client(acme).createSessionKey(600);
+  const { addr } = await stack.post<{ addr: string }>("/gateway-proxy");
+  const signedIn = client({ ...acme, api_key: session.secret }, { address: addr });
+  const direct = client({ ...acme, api_key: session.secret }, { retry: NO_RETRY });
+  await signedIn.whoAmI();
+  retries.length = 0;
+  // EndSession acts, its answer is held and then lost (the connection drops); the retry is answered
+  // UNAUTHENTICATED (the key is ended), which the client reports as the session ended.
+  await stack.post("/gateway-proxy/hold");
+  const ending = signedIn.endSession();
+  for (let n = 0; n < 600 && (await direct.whoAmI().then(() => true, () => false)); n++) {
+    await new Promise((resolve) => setTimeout(resolve, 50));
+  }
+  await stack.post("/gateway-proxy/drop");
+  assert.equal(await ending, session.keyId);
+  assert.ok(retries.some((r) => r.method === "EndSession" && r.attempt === 1 && r.codeName === "UNAVAILABLE"), JSON.stringify(retries));
+});
+
+test("stream refusals are typed errors naming the limit and the advised wait", async () => {
+  // The strict Gateway allows one open stream per company and one failed authentication.
+  const acme = await stack.company();
+  const quick = { maxAttempts: 3, initialBackoffMs: 10, maxBackoffMs: 20 };
+  const c = client(acme, { address: stack.extra.strict_gateway, retry: quick });
+  const open = await c.watchRooms().ready();
+  try {
+    const limited = await c.watchRooms()[Symbol.asyncIterator]().next().catch((e: unknown) => e);
+    assert.ok(limited instanceof RateLimited, String(limited));
+    assert.ok(limited.rawMessage.includes("QUAYUTEC_GATEWAY_MAX_STREAMS_PER_COMPANY = 1"), limited.rawMessage);
+    assert.deepEqual([limited.attempts, limited.retryAfterMs], [3, undefined]);
+  } finally {
+    open.close();
+  }
+  const wrong = client({ ...acme, api_key: `qyk_${crypto.randomUUID()}_${"x".repeat(43)}` }, { address: stack.extra.strict_gateway, retry: quick });
+  await assert.rejects(wrong.watchRooms()[Symbol.asyncIterator]().next(), Unauthenticated);
+  const throttled = await wrong.watchRooms()[Symbol.asyncIterator]().next().catch((e: unknown) => e);
+  assert.ok(throttled instanceof RateLimited, String(throttled));
+  assert.ok(throttled.retryAfterMs !== undefined && throttled.retryAfterMs > DEFAULT_RETRY.maxAdvisedWaitMs, String(throttled.retryAfterMs));
+  assert.equal(throttled.attempts, 1, "an advised wait over maxAdvisedWaitMs is not waited");
+  assert.ok(throttled.rawMessage.includes("failed authentications"), throttled.rawMessage);
 });

@@ -15,6 +15,7 @@ export interface Extra {
   gateway: string;
   other_gateway: string;
   limited_gateway: string;
+  strict_gateway: string;
   tls_gateway: string;
   tls_ca_pem: string;
 }

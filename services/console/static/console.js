@@ -1,7 +1,32 @@
-// Live updates from the console's Server-Sent Events (the Gateway's WatchRoom / WatchRooms streams).
-// No polling. "Live" only once the stream says so (the Gateway confirmed the subscription).
+// The console's script: ids copied on a click, confirmations, and live updates from the console's
+// Server-Sent Events (the Gateway's WatchRoom / WatchRooms streams). No polling. "Live" only once the
+// stream says so (the Gateway confirmed the subscription).
 "use strict";
 (function () {
+  document.addEventListener("click", async (e) => {
+    const button = e.target.closest("button.copy");
+    if (button) {
+      const id = button.dataset.copy;
+      try {
+        await navigator.clipboard.writeText(id);
+        button.textContent = "copied";
+        button.classList.add("done");
+        setTimeout(() => { button.textContent = button.dataset.was || "id"; button.classList.remove("done"); }, 1500);
+      } catch (_) {
+        // No clipboard here (plain http, or refused): show the id, selected, to copy by hand.
+        const code = document.createElement("code");
+        code.className = "id";
+        code.textContent = id;
+        button.replaceWith(code);
+        getSelection().selectAllChildren(code);
+      }
+      return;
+    }
+    const confirmed = e.target.closest("[data-confirm]");
+    if (confirmed && !window.confirm(confirmed.dataset.confirm)) e.preventDefault();
+  });
+  for (const b of document.querySelectorAll("button.copy")) b.dataset.was = b.textContent;
+
   const live = document.getElementById("live");
   if (!live || !window.EventSource) return;
   const state = document.getElementById("live-state");
@@ -19,31 +44,22 @@
   source.addEventListener("gone", (e) => { source.close(); say(JSON.parse(e.data).message); });
   source.addEventListener("room", (e) => {
     const item = JSON.parse(e.data);
+    if (runId) {
+      if (item.run_id === runId) { source.close(); location.reload(); }
+      return;
+    }
     if (item.op === "put") {
       template.innerHTML = item.html.trim();
       const node = template.content.firstElementChild;
       const old = document.getElementById(item.id);
       if (old) old.replaceWith(node);
-      else { const list = document.getElementById(item.list); if (list) list.appendChild(node); }
+      else {
+        const list = document.getElementById(item.list);
+        if (list) { if (item.first) list.prepend(node); else list.appendChild(node); }
+      }
     } else if (item.op === "drop") {
       const old = document.getElementById(item.id);
       if (old) old.remove();
-    } else if (item.op === "run") {
-      if (runId) { if (item.run_id === runId) { source.close(); location.reload(); } return; }
-      const runs = document.getElementById("runs");
-      if (!runs || !item.run_id) return;
-      let li = document.getElementById("r-" + item.run_id);
-      if (!li) {
-        li = document.createElement("li");
-        li.id = "r-" + item.run_id;
-        li.className = "item";
-        const a = document.createElement("a");
-        a.href = "/runs/" + encodeURIComponent(item.run_id);
-        a.textContent = item.run_id.slice(0, 8);
-        li.append(a, document.createElement("span"));
-        runs.prepend(li);
-      }
-      li.lastChild.textContent = " " + item.kind.replace("ROOM_EVENT_KIND_", "").toLowerCase().replace("_", " ");
     }
   });
   source.addEventListener("changed", async () => {

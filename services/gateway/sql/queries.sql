@@ -67,3 +67,32 @@ ORDER BY created_at, key_id;
 -- Tells every Gateway replica that the rooms of company $1 changed (it joined or made one), so its
 -- WatchRooms streams follow the new room at once.
 SELECT pg_notify('quayutec_company_rooms', $1::text);
+
+-- name: lock_company_keys
+-- Serializes CreateApiKey of one company (held to the end of the transaction), so two keys made at
+-- once cannot both pass the count of insert_company_key.
+SELECT pg_advisory_xact_lock(hashtextextended('quayutec api keys ' || $1::text, 0));
+
+-- name: insert_company_key
+-- A company key of company $2, unless it already has $5 live ones (no row then).
+INSERT INTO api_keys (key_id, company_id, key_hash, label)
+SELECT $1, $2, $3, $4
+WHERE (
+    SELECT count(*) FROM api_keys WHERE company_id = $2 AND parent_key_id IS NULL AND revoked_at IS NULL
+) < $5
+RETURNING key_id, company_id, label, created_at, revoked_at, parent_key_id, expires_at;
+
+-- name: list_api_keys_page
+-- A page of company $1's keys, oldest first, after ($3 created_at, $4 key_id); its session keys too when $2.
+SELECT key_id, company_id, label, created_at, revoked_at, parent_key_id, expires_at
+FROM api_keys
+WHERE company_id = $1 AND ($2 OR parent_key_id IS NULL) AND (created_at, key_id) > ($3, $4)
+ORDER BY created_at, key_id
+LIMIT $5;
+
+-- name: revoke_company_key
+-- Revokes key $1 if it is company $2's (a revoked one stays as it was); the key as it now stands.
+UPDATE api_keys
+SET revoked_at = coalesce(revoked_at, now())
+WHERE key_id = $1 AND company_id = $2
+RETURNING key_id, company_id, label, created_at, revoked_at, parent_key_id, expires_at;

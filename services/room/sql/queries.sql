@@ -69,11 +69,12 @@ ON CONFLICT (room_id, company_id) WHERE status = 'pending' DO NOTHING
 RETURNING invitation_id;
 
 -- name: get_invitation
-SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, i.invited_by_company_id,
-    c.name AS invited_by_company_name, i.status, i.created_at, i.responded_at, i.pos
+SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, invited.name AS company_name,
+    i.invited_by_company_id, c.name AS invited_by_company_name, i.status, i.created_at, i.responded_at, i.pos
 FROM room_invitations i
 JOIN rooms r ON r.room_id = i.room_id
 JOIN companies c ON c.company_id = i.invited_by_company_id
+JOIN companies invited ON invited.company_id = i.company_id
 WHERE i.invitation_id = $1;
 
 -- name: lock_invitation
@@ -83,12 +84,25 @@ SELECT invitation_id, room_id, company_id, status FROM room_invitations WHERE in
 UPDATE room_invitations SET status = $2, responded_at = now() WHERE invitation_id = $1 AND status = 'pending';
 
 -- name: list_invitations
-SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, i.invited_by_company_id,
-    c.name AS invited_by_company_name, i.status, i.created_at, i.responded_at, i.pos
+SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, invited.name AS company_name,
+    i.invited_by_company_id, c.name AS invited_by_company_name, i.status, i.created_at, i.responded_at, i.pos
 FROM room_invitations i
 JOIN rooms r ON r.room_id = i.room_id
 JOIN companies c ON c.company_id = i.invited_by_company_id
+JOIN companies invited ON invited.company_id = i.company_id
 WHERE i.company_id = $1 AND i.status = $2 AND i.pos > $3
+ORDER BY i.pos
+LIMIT $4;
+
+-- name: list_sent_invitations
+-- The invitations company $1 sent, by status.
+SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, invited.name AS company_name,
+    i.invited_by_company_id, c.name AS invited_by_company_name, i.status, i.created_at, i.responded_at, i.pos
+FROM room_invitations i
+JOIN rooms r ON r.room_id = i.room_id
+JOIN companies c ON c.company_id = i.invited_by_company_id
+JOIN companies invited ON invited.company_id = i.company_id
+WHERE i.invited_by_company_id = $1 AND i.status = $2 AND i.pos > $3
 ORDER BY i.pos
 LIMIT $4;
 
@@ -110,34 +124,56 @@ SELECT count(*) FROM expired;
 SELECT room_id, company_id, joined_at FROM room_members WHERE room_id = $1 AND company_id = $2;
 
 -- name: list_members
-SELECT room_id, company_id, joined_at, pos
-FROM room_members
-WHERE room_id = $1 AND pos > $2
-ORDER BY pos
+SELECT m.room_id, m.company_id, c.name AS company_name, m.joined_at, m.pos
+FROM room_members m
+JOIN companies c ON c.company_id = m.company_id
+WHERE m.room_id = $1 AND m.pos > $2
+ORDER BY m.pos
 LIMIT $3;
 
 -- name: register_agent
-INSERT INTO agents (company_id, name, provider, model, base_url, provider_key_encrypted, system_prompt)
-SELECT company_id, $2, $3, $4, $5, $6, $7 FROM companies WHERE company_id = $1
-RETURNING agent_id, company_id, name, provider, model, base_url, system_prompt,
-    provider_key_encrypted IS NOT NULL AS has_provider_key, created_at;
+WITH company AS (
+    SELECT company_id, name FROM companies WHERE company_id = $1
+), made AS (
+    INSERT INTO agents (company_id, name, provider, model, base_url, provider_key_encrypted, system_prompt)
+    SELECT company_id, $2, $3, $4, $5, $6, $7 FROM company
+    RETURNING agent_id, company_id, name, provider, model, base_url, system_prompt,
+        provider_key_encrypted IS NOT NULL AS has_provider_key, created_at
+)
+SELECT made.*, company.name AS company_name FROM made, company;
 
 -- name: get_agent
-SELECT agent_id, company_id, name, provider, model, base_url, system_prompt,
-    provider_key_encrypted IS NOT NULL AS has_provider_key, created_at
-FROM agents WHERE agent_id = $1;
+SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at
+FROM agents a JOIN companies c ON c.company_id = a.company_id
+WHERE a.agent_id = $1;
 
 -- name: get_agent_credentials
-SELECT agent_id, company_id, name, provider, model, base_url, system_prompt,
-    provider_key_encrypted IS NOT NULL AS has_provider_key, created_at, provider_key_encrypted
-FROM agents WHERE agent_id = $1;
+SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at,
+    a.provider_key_encrypted
+FROM agents a JOIN companies c ON c.company_id = a.company_id
+WHERE a.agent_id = $1;
 
 -- name: list_agents
-SELECT agent_id, company_id, name, provider, model, base_url, system_prompt,
-    provider_key_encrypted IS NOT NULL AS has_provider_key, created_at, pos
-FROM agents
-WHERE company_id = $1 AND pos > $2
-ORDER BY pos
+SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.pos
+FROM agents a
+JOIN companies c ON c.company_id = a.company_id
+WHERE a.company_id = $1 AND a.pos > $2
+ORDER BY a.pos
+LIMIT $3;
+
+-- name: list_room_agents
+-- The agents in room $1: those of its member companies (only company $4's when not NULL), in
+-- registration order.
+SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.pos
+FROM agents a
+JOIN room_members m ON m.company_id = a.company_id AND m.room_id = $1
+JOIN companies c ON c.company_id = a.company_id
+WHERE a.pos > $2 AND ($4::uuid IS NULL OR a.company_id = $4)
+ORDER BY a.pos
 LIMIT $3;
 
 -- name: agents_in_room
@@ -212,6 +248,12 @@ FROM messages
 WHERE room_id = $1 AND seq > $2
 ORDER BY seq
 LIMIT $3;
+
+-- name: get_message
+SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
+    mention_agent_ids, run_id, created_at
+FROM messages
+WHERE room_id = $1 AND message_id = $2;
 
 -- name: list_messages_newest_first
 SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
@@ -400,18 +442,25 @@ SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id
 FROM runs WHERE run_id = $1;
 
 -- name: list_runs_of_agent
+-- Filters ($5 room, $6 status, $7..$8 start time) are NULL when not asked for.
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
     posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
 FROM runs
 WHERE agent_id = $1 AND ($2::uuid IS NULL OR company_id = $2) AND pos < $3
+    AND ($5::uuid IS NULL OR room_id = $5) AND ($6::text IS NULL OR status = $6)
+    AND ($7::timestamptz IS NULL OR started_at >= $7) AND ($8::timestamptz IS NULL OR started_at < $8)
 ORDER BY pos DESC
 LIMIT $4;
 
 -- name: list_runs_of_company
+-- Filters ($4 room, $5 status, $6..$7 start time) are NULL when not asked for; each has its index
+-- (runs_company_room_pos, runs_company_status_pos, runs_company_started).
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
     posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
 FROM runs
 WHERE company_id = $1 AND pos < $2
+    AND ($4::uuid IS NULL OR room_id = $4) AND ($5::text IS NULL OR status = $5)
+    AND ($6::timestamptz IS NULL OR started_at >= $6) AND ($7::timestamptz IS NULL OR started_at < $7)
 ORDER BY pos DESC
 LIMIT $3;
 
@@ -643,6 +692,7 @@ SELECT up.*, (SELECT status FROM before) AS status_before FROM up;
 WITH agent AS (
     SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
         a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
+        (SELECT c.name FROM companies c WHERE c.company_id = a.company_id) AS company_name,
         EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $2 AND m.company_id = a.company_id) AS member,
         d.remember AS default_remember, d.create_task AS default_create_task,
         d.update_task AS default_update_task, d.close_task AS default_close_task,

@@ -47,6 +47,8 @@ CREATE TABLE room_invitations (
 -- At most one pending invitation of a company into a room.
 CREATE UNIQUE INDEX room_invitations_one_pending ON room_invitations (room_id, company_id) WHERE status = 'pending';
 CREATE INDEX room_invitations_company_status_pos ON room_invitations (company_id, status, pos);
+-- The invitations a company sent (ListInvitations with sent).
+CREATE INDEX room_invitations_inviter_status_pos ON room_invitations (invited_by_company_id, status, pos);
 
 CREATE TABLE agents (
     agent_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),
@@ -198,6 +200,10 @@ CREATE TABLE runs (
 );
 CREATE INDEX runs_agent_pos ON runs (agent_id, pos);
 CREATE INDEX runs_company_pos ON runs (company_id, pos);
+-- ListRuns' filters: a company's runs in one room, with one status, started in a time range.
+CREATE INDEX runs_company_room_pos ON runs (company_id, room_id, pos);
+CREATE INDEX runs_company_status_pos ON runs (company_id, status, pos);
+CREATE INDEX runs_company_started ON runs (company_id, started_at);
 -- Runs not ended, for the housekeeping that ends stale ones.
 CREATE INDEX runs_open ON runs (status, updated_at) WHERE ended_at IS NULL;
 

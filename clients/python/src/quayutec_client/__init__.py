@@ -5,6 +5,8 @@ async with quayutec_client.connect("gateway.example:50051", api_key) as client:
     await client.post_message(room.room_id, "hello", person="ana")
     async for event in client.watch(room.room_id, after=0):
         ...
+    async for event in client.watch_rooms():  # every room of your company
+        ...
 """
 
 from quayutec_client import errors, types
@@ -12,6 +14,7 @@ from quayutec_client.client import Client, Tls, connect, new_idempotency_key
 from quayutec_client.errors import (
     AlreadyExists,
     CursorExpired,
+    CursorOutOfRange,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -23,13 +26,14 @@ from quayutec_client.errors import (
     Unavailable,
 )
 from quayutec_client.retry import NO_RETRY, RetryPolicy
-from quayutec_client.watch import RoomWatch
+from quayutec_client.watch import RoomsWatch, RoomWatch
 
 __all__ = [
     "NO_RETRY",
     "AlreadyExists",
     "Client",
     "CursorExpired",
+    "CursorOutOfRange",
     "DeadlineExceeded",
     "FailedPrecondition",
     "InvalidArgument",
@@ -39,6 +43,7 @@ __all__ = [
     "RateLimited",
     "RetryPolicy",
     "RoomWatch",
+    "RoomsWatch",
     "Tls",
     "Unauthenticated",
     "Unavailable",

@@ -64,6 +64,7 @@ SAFETY: Mapping[str, Safety] = {
     "ListAgents": Safety.READ,
     "PostMessage": Safety.KEYED_WRITE,
     "ListMessages": Safety.READ,
+    "GetMessage": Safety.READ,
     "SendTask": Safety.KEYED_WRITE,
     "UpdateTask": Safety.KEYED_WRITE,
     "ListTasks": Safety.READ,
@@ -79,6 +80,15 @@ SAFETY: Mapping[str, Safety] = {
     "ListApprovals": Safety.READ,
     "DecideApproval": Safety.IDEMPOTENT_WRITE,
     "WatchRoom": Safety.READ,
+    "WatchRooms": Safety.READ,
+    # A repeat would make a second key.
+    "CreateSessionKey": Safety.UNKEYED_WRITE,
+    # Ending an ended session leaves it ended (a repeat answers UNAUTHENTICATED: the client counts it done).
+    "EndSession": Safety.IDEMPOTENT_WRITE,
+    # A repeat would make a second key.
+    "CreateApiKey": Safety.UNKEYED_WRITE,
+    "ListApiKeys": Safety.READ,
+    "RevokeApiKey": Safety.IDEMPOTENT_WRITE,
 }
 
 
@@ -124,6 +134,13 @@ class ApiKey:
     def bearer(self) -> tuple[str, str]:
         return ("authorization", f"Bearer {self._secret}")
 
+    @property
+    def key_id(self) -> str:
+        """The key's id (``qyk_<key id>_<secret>``; not secret: ``quayutec keys list`` shows it); "" when
+        the key is not shaped so."""
+        key_id, sep, secret = self._secret.removeprefix("qyk_").partition("_")
+        return key_id if self._secret.startswith("qyk_") and sep and secret else ""
+
     def __repr__(self) -> str:
         return "ApiKey(<redacted>)"
 
@@ -150,6 +167,7 @@ class Transport:
         self.clock = clock
         self.rng = rng or random.Random()
         self._key = key  # the metadata is made per call, so no attribute of this object holds the key
+        self.key_id = key.key_id
         self._unary: dict[str, Any] = {}
         self._streams: dict[str, Any] = {}
         for rpc in RPCS.values():

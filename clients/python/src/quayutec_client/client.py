@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
@@ -18,6 +19,7 @@ from google.protobuf.message import Message as _ProtoMessage
 
 from quayutec_client._proto import common_pb2, gateway_pb2
 from quayutec_client._transport import ApiKey, Transport, channel_for
+from quayutec_client.errors import Unauthenticated
 from quayutec_client.retry import RetryPolicy
 from quayutec_client.types import (
     AcceptedInvitation,
@@ -27,6 +29,8 @@ from quayutec_client.types import (
     Company,
     File,
     Invitation,
+    KeyInfo,
+    MadeKey,
     MemoryLine,
     Message,
     Passage,
@@ -36,10 +40,11 @@ from quayutec_client.types import (
     RoomMember,
     Run,
     SentTask,
+    SessionKey,
     Task,
     Waitpoint,
 )
-from quayutec_client.watch import RoomWatch
+from quayutec_client.watch import RoomsWatch, RoomWatch
 
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -206,10 +211,13 @@ class Client:
         return response.invitation
 
     @rpc("ListInvitations")
-    def invitations(self, *, status: int | str = 0, page_size: int = 0) -> AsyncIterator[Invitation]:
-        """Invitations to your company, oldest first: pending ones unless ``status`` says otherwise."""
+    def invitations(
+        self, *, status: int | str = 0, sent: bool = False, page_size: int = 0
+    ) -> AsyncIterator[Invitation]:
+        """Invitations to your company (or, ``sent``, those it sent), oldest first: pending ones unless
+        ``status`` says otherwise."""
         request = gateway_pb2.ListInvitationsRequest(
-            status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status), page_size=page_size
+            status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status), sent=sent, page_size=page_size
         )
         return self._paged("ListInvitations", request, lambda p: p.invitations)
 
@@ -264,9 +272,11 @@ class Client:
         return response.agent
 
     @rpc("ListAgents")
-    def agents(self, *, page_size: int = 0) -> AsyncIterator[Agent]:
-        """Your company's agents."""
-        return self._paged("ListAgents", gateway_pb2.ListAgentsRequest(page_size=page_size), lambda p: p.agents)
+    def agents(self, *, room_id: str = "", page_size: int = 0) -> AsyncIterator[Agent]:
+        """Your company's agents; with ``room_id``, the agents in that room (every member company's, another
+        company's by id, name and company only)."""
+        request = gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=page_size)
+        return self._paged("ListAgents", request, lambda p: p.agents)
 
     # Messages and tasks.
 
@@ -403,9 +413,28 @@ class Client:
     # Runs, rights and approvals.
 
     @rpc("ListRuns")
-    def runs(self, *, agent_id: str = "", page_size: int = 0) -> AsyncIterator[Run]:
-        """Your agents' runs (or one agent's), newest first."""
-        request = gateway_pb2.ListRunsRequest(agent_id=agent_id, page_size=page_size)
+    def runs(
+        self,
+        *,
+        agent_id: str = "",
+        room_id: str = "",
+        status: int | str = 0,
+        started_after: datetime | None = None,
+        started_before: datetime | None = None,
+        page_size: int = 0,
+    ) -> AsyncIterator[Run]:
+        """Your agents' runs (or one agent's), newest first; optionally in one room, with one status
+        ("failed"...), started at or after ``started_after`` and before ``started_before``."""
+        request = gateway_pb2.ListRunsRequest(
+            agent_id=agent_id,
+            room_id=room_id,
+            status=_enum(common_pb2.RunStatus, "RUN_STATUS_", status),
+            page_size=page_size,
+        )
+        if started_after is not None:
+            request.started_after.FromDatetime(started_after)
+        if started_before is not None:
+            request.started_before.FromDatetime(started_before)
         return self._paged("ListRuns", request, lambda p: p.runs)
 
     @rpc("GetRun")
@@ -413,6 +442,35 @@ class Client:
         """One run's ledger row: what it posted and wrote, each model request, its trace id."""
         response: gateway_pb2.GetRunResponse = await self._unary("GetRun", gateway_pb2.GetRunRequest(run_id=run_id))
         return response.run
+
+    @rpc("GetMessage")
+    async def get_message(self, room_id: str, message_id: str) -> Message:
+        """One message of a room (an agent's reply carries the ``run_id`` that posted it)."""
+        request = gateway_pb2.GetMessageRequest(room_id=room_id, message_id=message_id)
+        response: gateway_pb2.GetMessageResponse = await self._unary("GetMessage", request)
+        return response.message
+
+    # Your company's API keys.
+
+    @rpc("CreateApiKey")
+    async def create_api_key(self, label: str = "") -> MadeKey:
+        """A new API key of your company (call with a company key: a session key may not). Its
+        ``secret`` is in this answer only; keep it."""
+        response: MadeKey = await self._unary("CreateApiKey", gateway_pb2.CreateApiKeyRequest(label=label))
+        return response
+
+    @rpc("ListApiKeys")
+    def api_keys(self, *, include_sessions: bool = False, page_size: int = 0) -> AsyncIterator[KeyInfo]:
+        """Your company's keys, oldest first (never a secret); its session keys too when asked."""
+        request = gateway_pb2.ListApiKeysRequest(include_sessions=include_sessions, page_size=page_size)
+        return self._paged("ListApiKeys", request, lambda p: p.keys)
+
+    @rpc("RevokeApiKey")
+    async def revoke_api_key(self, key_id: str) -> KeyInfo:
+        """Revoke one of your company's keys at once (its session keys with it)."""
+        request = gateway_pb2.RevokeApiKeyRequest(key_id=key_id)
+        response: gateway_pb2.RevokeApiKeyResponse = await self._unary("RevokeApiKey", request)
+        return response.key
 
     @rpc("SetAgentRights")
     async def set_agent_rights(
@@ -477,3 +535,37 @@ class Client:
         """A room's events, replayed after ``after`` (a cursor you kept; 0: from the oldest kept) and
         then live, as they happen; without ``after``, from now. See ``RoomWatch``."""
         return RoomWatch(self._transport, self.retry_policy, room_id, after=after, idle_timeout=idle_timeout)
+
+    @rpc("WatchRooms")
+    def watch_rooms(self, *, after: Mapping[str, int] | None = None, idle_timeout: float = 60.0) -> RoomsWatch:
+        """Every room of your company in one stream: the rooms ``after`` names (room id -> a cursor you
+        kept) resumed after their cursors and the others from their joining; without ``after``, from now.
+        ``watch.cursors`` is the map to keep. See ``RoomsWatch``."""
+        return RoomsWatch(self._transport, self.retry_policy, after=after, idle_timeout=idle_timeout)
+
+    # Session keys.
+
+    @rpc("CreateSessionKey")
+    async def create_session_key(self, ttl_seconds: int, *, label: str = "") -> SessionKey:
+        """A short-lived key of your company (``ttl_seconds``: 60 to 604800) that works like this one
+        until it expires or is ended (``end_session`` called with it); ``.secret`` is shown once. Call
+        it with a company key. A repeat would make a second key, so after UNAVAILABLE or a deadline it
+        is not sent again (only when refused before acting)."""
+        request = gateway_pb2.CreateSessionKeyRequest(ttl_seconds=ttl_seconds, label=label)
+        response: SessionKey = await self._unary("CreateSessionKey", request)
+        return response
+
+    @rpc("EndSession")
+    async def end_session(self) -> str:
+        """Revoke the session key this client calls with, at once (its open watches end with
+        Unauthenticated); returns its key id. Retried like a read: when a retry is answered
+        UNAUTHENTICATED, an earlier attempt ended the session, and the call returns as done.
+        FailedPrecondition when this client's key is a company key (revoke those with ``quayutec keys
+        revoke``)."""
+        try:
+            response: gateway_pb2.EndSessionResponse = await self._unary("EndSession", gateway_pb2.EndSessionRequest())
+        except Unauthenticated as exc:
+            if exc.attempts > 1 and self._transport.key_id:
+                return self._transport.key_id  # the session was ended by an attempt whose answer was lost
+            raise
+        return response.key_id

@@ -10,6 +10,9 @@ import grpc
 
 # The trailing metadata in which the Gateway advises how long to wait before trying again.
 RETRY_AFTER_MS = "retry-after-ms"
+# The trailing metadata of an OUT_OF_RANGE cursor: its room, and that room's newest cursor.
+ROOM_ID = "quayutec-room-id"
+NEWEST_CURSOR = "quayutec-newest-cursor"
 
 
 class QuayutecError(Exception):
@@ -65,9 +68,29 @@ class RateLimited(QuayutecError):
         self.retry_after = retry_after
 
 
-class CursorExpired(QuayutecError):
-    """OUT_OF_RANGE: a watch's cursor is older than the events the Gateway keeps. Reload with the list
-    methods and watch from now."""
+class CursorOutOfRange(QuayutecError):
+    """OUT_OF_RANGE: a watch's cursor is older than the events the Gateway keeps (reload with the list
+    methods and watch from now), or past the room's newest event (resume after a cursor you received).
+    ``room_id`` is the room it is of and ``newest_cursor`` that room's newest cursor (past the end),
+    when the Gateway says (its ``quayutec-room-id`` and ``quayutec-newest-cursor`` trailers); else None."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        *,
+        method: str = "",
+        attempts: int = 1,
+        room_id: str | None = None,
+        newest_cursor: int | None = None,
+    ) -> None:
+        super().__init__(code, message, method=method, attempts=attempts)
+        self.room_id = room_id
+        self.newest_cursor = newest_cursor
+
+
+# The name of CursorOutOfRange in the first releases of this client.
+CursorExpired = CursorOutOfRange
 
 
 class Aborted(QuayutecError):
@@ -102,7 +125,7 @@ _BY_CODE: dict[grpc.StatusCode, type[QuayutecError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
     grpc.StatusCode.UNAUTHENTICATED: Unauthenticated,
     grpc.StatusCode.RESOURCE_EXHAUSTED: RateLimited,
-    grpc.StatusCode.OUT_OF_RANGE: CursorExpired,
+    grpc.StatusCode.OUT_OF_RANGE: CursorOutOfRange,
     grpc.StatusCode.ABORTED: Aborted,
     grpc.StatusCode.UNAVAILABLE: Unavailable,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceeded,
@@ -112,24 +135,39 @@ _BY_CODE: dict[grpc.StatusCode, type[QuayutecError]] = {
 }
 
 
+def _trailer(trailing_metadata: Iterable[tuple[str, Any]] | None, name: str) -> str | None:
+    for key, value in trailing_metadata or ():
+        if key == name:
+            return (value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)).strip()
+    return None
+
+
+def _whole_number(text: str | None) -> int | None:
+    return int(text) if text is not None and text.isdigit() else None
+
+
 def advised_wait(trailing_metadata: Iterable[tuple[str, Any]] | None) -> float | None:
     """The wait, in seconds, of a ``retry-after-ms`` trailer; None when there is none or it is not a
     whole number of milliseconds."""
-    for key, value in trailing_metadata or ():
-        if key == RETRY_AFTER_MS:
-            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
-            if text.strip().isdigit():
-                return int(text) / 1000.0
-    return None
+    ms = _whole_number(_trailer(trailing_metadata, RETRY_AFTER_MS))
+    return None if ms is None else ms / 1000.0
 
 
 def error_for(exc: grpc.aio.AioRpcError, *, method: str, attempts: int) -> QuayutecError:
     """The typed error of a failed call."""
     code = exc.code()
     message = exc.details() or code.name
+    trailers = exc.trailing_metadata()
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-        return RateLimited(
-            code, message, method=method, attempts=attempts, retry_after=advised_wait(exc.trailing_metadata())
+        return RateLimited(code, message, method=method, attempts=attempts, retry_after=advised_wait(trailers))
+    if code == grpc.StatusCode.OUT_OF_RANGE:
+        return CursorOutOfRange(
+            code,
+            message,
+            method=method,
+            attempts=attempts,
+            room_id=_trailer(trailers, ROOM_ID) or None,
+            newest_cursor=_whole_number(_trailer(trailers, NEWEST_CURSOR)),
         )
     cls = _BY_CODE.get(code, QuayutecError)
     return cls(code, message, method=method, attempts=attempts)

@@ -33,6 +33,10 @@ SentTask = gateway_pb2.SendTaskResponse  # .task and .wake_ids
 AcceptedInvitation = gateway_pb2.AcceptInvitationResponse  # .invitation and .member
 RightsOfAgent = gateway_pb2.GetAgentRightsResponse  # .company_default, .agent and .effective
 ApprovalDecision = gateway_pb2.DecideApprovalResponse  # .waitpoint, .completed and .already_decided
+SessionKey = gateway_pb2.CreateSessionKeyResponse  # .key_id, .secret and .expires_at
+RunWithApproval = gateway_pb2.GetRunResponse  # .run and, when it parked, .approval
+KeyInfo = gateway_pb2.ApiKey  # one of your company's API keys as listed: never its secret
+MadeKey = gateway_pb2.CreateApiKeyResponse  # .key and .secret (shown this once)
 
 # Enums: values such as Provider.PROVIDER_ANTHROPIC; the methods also take the short name ("anthropic").
 Provider = common_pb2.Provider

@@ -494,8 +494,11 @@ class RoomMember(_message.Message):
     ROOM_ID_FIELD_NUMBER: _builtins.int
     COMPANY_ID_FIELD_NUMBER: _builtins.int
     JOINED_AT_FIELD_NUMBER: _builtins.int
+    COMPANY_NAME_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     company_id: _builtins.str
+    company_name: _builtins.str
+    """The member company's name."""
     @_builtins.property
     def joined_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -504,10 +507,11 @@ class RoomMember(_message.Message):
         room_id: _builtins.str = ...,
         company_id: _builtins.str = ...,
         joined_at: _timestamp_pb2.Timestamp | None = ...,
+        company_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["joined_at", b"joined_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "joined_at", b"joined_at", "room_id", b"room_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "company_name", b"company_name", "joined_at", b"joined_at", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -528,6 +532,7 @@ class Agent(_message.Message):
     SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
     HAS_PROVIDER_KEY_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    COMPANY_NAME_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     company_id: _builtins.str
     name: _builtins.str
@@ -538,6 +543,8 @@ class Agent(_message.Message):
     system_prompt: _builtins.str
     has_provider_key: _builtins.bool
     """True when a provider key is stored (encrypted) for this agent."""
+    company_name: _builtins.str
+    """The owning company's name (not in ReadRunContext's room_agents)."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -552,10 +559,11 @@ class Agent(_message.Message):
         system_prompt: _builtins.str = ...,
         has_provider_key: _builtins.bool = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        company_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "base_url", b"base_url", "company_id", b"company_id", "created_at", b"created_at", "has_provider_key", b"has_provider_key", "model", b"model", "name", b"name", "provider", b"provider", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "base_url", b"base_url", "company_id", b"company_id", "company_name", b"company_name", "created_at", b"created_at", "has_provider_key", b"has_provider_key", "model", b"model", "name", b"name", "provider", b"provider", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -907,6 +915,7 @@ class ModelAttempt(_message.Message):
     WAIT_SECONDS_FIELD_NUMBER: _builtins.int
     DETAIL_FIELD_NUMBER: _builtins.int
     DURATION_MS_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
     number: _builtins.int
     status_code: _builtins.int
     """HTTP status, 0 when no response arrived."""
@@ -917,6 +926,10 @@ class ModelAttempt(_message.Message):
     """Seconds waited after this attempt before the next one."""
     detail: _builtins.str
     duration_ms: _builtins.int
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp:
+        """When the request was sent (unset in rows recorded before this field existed)."""
+
     def __init__(
         self,
         *,
@@ -927,10 +940,11 @@ class ModelAttempt(_message.Message):
         wait_seconds: _builtins.float = ...,
         detail: _builtins.str = ...,
         duration_ms: _builtins.int = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "duration_ms", b"duration_ms", "error_class", b"error_class", "number", b"number", "retryable", b"retryable", "status_code", b"status_code", "wait_seconds", b"wait_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["detail", b"detail", "duration_ms", b"duration_ms", "error_class", b"error_class", "number", b"number", "retryable", b"retryable", "started_at", b"started_at", "status_code", b"status_code", "wait_seconds", b"wait_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1163,6 +1177,7 @@ class Invitation(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     RESPONDED_AT_FIELD_NUMBER: _builtins.int
+    COMPANY_NAME_FIELD_NUMBER: _builtins.int
     invitation_id: _builtins.str
     room_id: _builtins.str
     room_name: _builtins.str
@@ -1172,6 +1187,8 @@ class Invitation(_message.Message):
     invited_by_company_id: _builtins.str
     invited_by_company_name: _builtins.str
     status: Global___InvitationStatus.ValueType
+    company_name: _builtins.str
+    """The invited company's name."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -1190,10 +1207,11 @@ class Invitation(_message.Message):
         status: Global___InvitationStatus.ValueType = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         responded_at: _timestamp_pb2.Timestamp | None = ...,
+        company_name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "responded_at", b"responded_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "created_at", b"created_at", "invitation_id", b"invitation_id", "invited_by_company_id", b"invited_by_company_id", "invited_by_company_name", b"invited_by_company_name", "responded_at", b"responded_at", "room_id", b"room_id", "room_name", b"room_name", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "company_name", b"company_name", "created_at", b"created_at", "invitation_id", b"invitation_id", "invited_by_company_id", b"invited_by_company_id", "invited_by_company_name", b"invited_by_company_name", "responded_at", b"responded_at", "room_id", b"room_id", "room_name", b"room_name", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

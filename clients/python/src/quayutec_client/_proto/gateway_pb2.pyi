@@ -197,20 +197,24 @@ class ListInvitationsRequest(_message.Message):
     STATUS_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    SENT_FIELD_NUMBER: _builtins.int
     status: _common_pb2.InvitationStatus.ValueType
     """Unspecified: PENDING."""
     page_size: _builtins.int
     page_token: _builtins.str
+    sent: _builtins.bool
+    """The invitations the caller's company sent instead of those it received."""
     def __init__(
         self,
         *,
         status: _common_pb2.InvitationStatus.ValueType = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        sent: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "status", b"status"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "sent", b"sent", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -517,17 +521,21 @@ class ListAgentsRequest(_message.Message):
 
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
     page_size: _builtins.int
     page_token: _builtins.str
+    room_id: _builtins.str
+    """Optional: list the agents in this room (the caller's company must be a member)."""
     def __init__(
         self,
         *,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        room_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -678,6 +686,48 @@ class ListMessagesResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ListMessagesResponse: _TypeAlias = ListMessagesResponse  # noqa: Y015
+
+@_typing.final
+class GetMessageRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    message_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        message_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message_id", b"message_id", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMessageRequest: _TypeAlias = GetMessageRequest  # noqa: Y015
+
+@_typing.final
+class GetMessageResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def message(self) -> _common_pb2.Message: ...
+    def __init__(
+        self,
+        *,
+        message: _common_pb2.Message | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetMessageResponse: _TypeAlias = GetMessageResponse  # noqa: Y015
 
 @_typing.final
 class SendTaskRequest(_message.Message):
@@ -1103,20 +1153,40 @@ class ListRunsRequest(_message.Message):
     AGENT_ID_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    STARTED_AFTER_FIELD_NUMBER: _builtins.int
+    STARTED_BEFORE_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     """Optional: one of the caller's agents; empty lists all the caller's agents' runs."""
     page_size: _builtins.int
     page_token: _builtins.str
+    room_id: _builtins.str
+    """Optional: only runs in this room (a room the caller's company left still lists its past runs)."""
+    status: _common_pb2.RunStatus.ValueType
+    """Optional: only runs with this status."""
+    @_builtins.property
+    def started_after(self) -> _timestamp_pb2.Timestamp:
+        """Optional: only runs started at or after this time."""
+
+    @_builtins.property
+    def started_before(self) -> _timestamp_pb2.Timestamp:
+        """Optional: only runs started before this time."""
+
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        room_id: _builtins.str = ...,
+        status: _common_pb2.RunStatus.ValueType = ...,
+        started_after: _timestamp_pb2.Timestamp | None = ...,
+        started_before: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["started_after", b"started_after", "started_before", b"started_before"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "page_size", b"page_size", "page_token", b"page_token", "room_id", b"room_id", "started_after", b"started_after", "started_before", b"started_before", "status", b"status"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1169,16 +1239,22 @@ class GetRunResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     RUN_FIELD_NUMBER: _builtins.int
+    APPROVAL_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def run(self) -> _common_pb2.Run: ...
+    @_builtins.property
+    def approval(self) -> _common_pb2.Waitpoint:
+        """The approval the run parked on, when it parked: its held actions, their decisions and times."""
+
     def __init__(
         self,
         *,
         run: _common_pb2.Run | None = ...,
+        approval: _common_pb2.Waitpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["run", b"run"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approval", b"approval", "run", b"run"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1491,6 +1567,13 @@ class WatchRoomsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AFTER_FIELD_NUMBER: _builtins.int
+    UNNAMED_FROM_JOINING_FIELD_NUMBER: _builtins.int
+    unnamed_from_joining: _builtins.bool
+    """Rooms not named in `after` start from the company's joining instead of from now, as a room joined
+    while watching does: just before its newest MEMBER_JOINED event of the company among the room's
+    newest 500 events (else from the oldest of those). Set it when resuming with every cursor you
+    hold, so that a room joined while no stream was open is not missed.
+    """
     @_builtins.property
     def after(self) -> _containers.RepeatedCompositeFieldContainer[Global___RoomCursor]:
         """Resume these rooms after these cursors (each room at most once); rooms not named start from now."""
@@ -1499,10 +1582,11 @@ class WatchRoomsRequest(_message.Message):
         self,
         *,
         after: _abc.Iterable[Global___RoomCursor] | None = ...,
+        unnamed_from_joining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after", b"after", "unnamed_from_joining", b"unnamed_from_joining"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1672,3 +1756,184 @@ class EndSessionResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___EndSessionResponse: _TypeAlias = EndSessionResponse  # noqa: Y015
+
+@_typing.final
+class ApiKey(_message.Message):
+    """ApiKey is one API key of a company as listed: never its secret or its hash."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    LABEL_FIELD_NUMBER: _builtins.int
+    CREATED_AT_FIELD_NUMBER: _builtins.int
+    REVOKED_AT_FIELD_NUMBER: _builtins.int
+    SESSION_FIELD_NUMBER: _builtins.int
+    PARENT_KEY_ID_FIELD_NUMBER: _builtins.int
+    EXPIRES_AT_FIELD_NUMBER: _builtins.int
+    CURRENT_FIELD_NUMBER: _builtins.int
+    key_id: _builtins.str
+    label: _builtins.str
+    session: _builtins.bool
+    """A session key (a console sign-in, CreateSessionKey), with the company key that made it and its expiry."""
+    parent_key_id: _builtins.str
+    current: _builtins.bool
+    """The key this call was made with, or the company key of the session key it was made with."""
+    @_builtins.property
+    def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def revoked_at(self) -> _timestamp_pb2.Timestamp:
+        """Set once revoked."""
+
+    @_builtins.property
+    def expires_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        key_id: _builtins.str = ...,
+        label: _builtins.str = ...,
+        created_at: _timestamp_pb2.Timestamp | None = ...,
+        revoked_at: _timestamp_pb2.Timestamp | None = ...,
+        session: _builtins.bool = ...,
+        parent_key_id: _builtins.str = ...,
+        expires_at: _timestamp_pb2.Timestamp | None = ...,
+        current: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at", "revoked_at", b"revoked_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "current", b"current", "expires_at", b"expires_at", "key_id", b"key_id", "label", b"label", "parent_key_id", b"parent_key_id", "revoked_at", b"revoked_at", "session", b"session"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ApiKey: _TypeAlias = ApiKey  # noqa: Y015
+
+@_typing.final
+class CreateApiKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LABEL_FIELD_NUMBER: _builtins.int
+    label: _builtins.str
+    """A note to tell keys apart (e.g. "ci"); at most 200 bytes."""
+    def __init__(
+        self,
+        *,
+        label: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateApiKeyRequest: _TypeAlias = CreateApiKeyRequest  # noqa: Y015
+
+@_typing.final
+class CreateApiKeyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    SECRET_FIELD_NUMBER: _builtins.int
+    secret: _builtins.str
+    """The key itself (qyk_<key id>_<secret>), returned once and never stored."""
+    @_builtins.property
+    def key(self) -> Global___ApiKey: ...
+    def __init__(
+        self,
+        *,
+        key: Global___ApiKey | None = ...,
+        secret: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "secret", b"secret"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CreateApiKeyResponse: _TypeAlias = CreateApiKeyResponse  # noqa: Y015
+
+@_typing.final
+class ListApiKeysRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INCLUDE_SESSIONS_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    include_sessions: _builtins.bool
+    """List session keys too (each with the company key that made it)."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        include_sessions: _builtins.bool = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_sessions", b"include_sessions", "page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListApiKeysRequest: _TypeAlias = ListApiKeysRequest  # noqa: Y015
+
+@_typing.final
+class ListApiKeysResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEYS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def keys(self) -> _containers.RepeatedCompositeFieldContainer[Global___ApiKey]: ...
+    def __init__(
+        self,
+        *,
+        keys: _abc.Iterable[Global___ApiKey] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keys", b"keys", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListApiKeysResponse: _TypeAlias = ListApiKeysResponse  # noqa: Y015
+
+@_typing.final
+class RevokeApiKeyRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_ID_FIELD_NUMBER: _builtins.int
+    key_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        key_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key_id", b"key_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeApiKeyRequest: _TypeAlias = RevokeApiKeyRequest  # noqa: Y015
+
+@_typing.final
+class RevokeApiKeyResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def key(self) -> Global___ApiKey: ...
+    def __init__(
+        self,
+        *,
+        key: Global___ApiKey | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RevokeApiKeyResponse: _TypeAlias = RevokeApiKeyResponse  # noqa: Y015

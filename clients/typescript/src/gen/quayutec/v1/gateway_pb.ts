@@ -6,7 +6,7 @@ import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegen
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { FieldMask, Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_field_mask, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
-import type { ActionRight, Agent, AgentRights, Company, File, Invitation, InvitationStatus, MemoryLine, Message as Message$1, Passage, Provider, Room, RoomEvent, RoomMember, Run, Task, TaskStatus, Waitpoint, WaitpointStatus } from "./common_pb.js";
+import type { ActionRight, Agent, AgentRights, Company, File, Invitation, InvitationStatus, MemoryLine, Message as Message$1, Passage, Provider, Room, RoomEvent, RoomMember, Run, RunStatus, Task, TaskStatus, Waitpoint, WaitpointStatus } from "./common_pb.js";
 import { file_quayutec_v1_common } from "./common_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file quayutec/v1/gateway.proto.
  */
 export const file_quayutec_v1_gateway: GenFile = /*@__PURE__*/
-  fileDesc("ChlxdWF5dXRlYy92MS9nYXRld2F5LnByb3RvEgtxdWF5dXRlYy52MSIPCg1XaG9BbUlSZXF1ZXN0IjcKDldob0FtSVJlc3BvbnNlEiUKB2NvbXBhbnkYASABKAsyFC5xdWF5dXRlYy52MS5Db21wYW55IiEKEUNyZWF0ZVJvb21SZXF1ZXN0EgwKBG5hbWUYASABKAkiNQoSQ3JlYXRlUm9vbVJlc3BvbnNlEh8KBHJvb20YASABKAsyES5xdWF5dXRlYy52MS5Sb29tIjkKEExpc3RSb29tc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkiaQoRTGlzdFJvb21zUmVzcG9uc2USIAoFcm9vbXMYASADKAsyES5xdWF5dXRlYy52MS5Sb29tEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSI7ChRJbnZpdGVDb21wYW55UmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEhIKCmNvbXBhbnlfaWQYAiABKAkiUgoVSW52aXRlQ29tcGFueVJlc3BvbnNlEisKCmludml0YXRpb24YAiABKAsyFy5xdWF5dXRlYy52MS5JbnZpdGF0aW9uSgQIARACUgZtZW1iZXIibgoWTGlzdEludml0YXRpb25zUmVxdWVzdBItCgZzdGF0dXMYASABKA4yHS5xdWF5dXRlYy52MS5JbnZpdGF0aW9uU3RhdHVzEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJInsKF0xpc3RJbnZpdGF0aW9uc1Jlc3BvbnNlEiwKC2ludml0YXRpb25zGAEgAygLMhcucXVheXV0ZWMudjEuSW52aXRhdGlvbhIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSGQoRcmVzdW1lX3BhZ2VfdG9rZW4YAyABKAkiMAoXQWNjZXB0SW52aXRhdGlvblJlcXVlc3QSFQoNaW52aXRhdGlvbl9pZBgBIAEoCSJwChhBY2NlcHRJbnZpdGF0aW9uUmVzcG9uc2USKwoKaW52aXRhdGlvbhgBIAEoCzIXLnF1YXl1dGVjLnYxLkludml0YXRpb24SJwoGbWVtYmVyGAIgASgLMhcucXVheXV0ZWMudjEuUm9vbU1lbWJlciIxChhEZWNsaW5lSW52aXRhdGlvblJlcXVlc3QSFQoNaW52aXRhdGlvbl9pZBgBIAEoCSJIChlEZWNsaW5lSW52aXRhdGlvblJlc3BvbnNlEisKCmludml0YXRpb24YASABKAsyFy5xdWF5dXRlYy52MS5JbnZpdGF0aW9uIiMKEExlYXZlUm9vbVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCSITChFMZWF2ZVJvb21SZXNwb25zZSI6ChNSZW1vdmVNZW1iZXJSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEgoKY29tcGFueV9pZBgCIAEoCSIWChRSZW1vdmVNZW1iZXJSZXNwb25zZSJMChJMaXN0TWVtYmVyc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCSJzChNMaXN0TWVtYmVyc1Jlc3BvbnNlEigKB21lbWJlcnMYASADKAsyFy5xdWF5dXRlYy52MS5Sb29tTWVtYmVyEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSKbAQoUUmVnaXN0ZXJBZ2VudFJlcXVlc3QSDAoEbmFtZRgBIAEoCRInCghwcm92aWRlchgCIAEoDjIVLnF1YXl1dGVjLnYxLlByb3ZpZGVyEg0KBW1vZGVsGAMgASgJEhAKCGJhc2VfdXJsGAQgASgJEhQKDHByb3ZpZGVyX2tleRgFIAEoCRIVCg1zeXN0ZW1fcHJvbXB0GAYgASgJIjoKFVJlZ2lzdGVyQWdlbnRSZXNwb25zZRIhCgVhZ2VudBgBIAEoCzISLnF1YXl1dGVjLnYxLkFnZW50IjoKEUxpc3RBZ2VudHNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJImwKEkxpc3RBZ2VudHNSZXNwb25zZRIiCgZhZ2VudHMYASADKAsyEi5xdWF5dXRlYy52MS5BZ2VudBIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSGQoRcmVzdW1lX3BhZ2VfdG9rZW4YAyABKAkidwoSUG9zdE1lc3NhZ2VSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSDgoGcGVyc29uGAIgASgJEgwKBGJvZHkYAyABKAkSGQoRbWVudGlvbl9hZ2VudF9pZHMYBCADKAkSFwoPaWRlbXBvdGVuY3lfa2V5GAUgASgJIk4KE1Bvc3RNZXNzYWdlUmVzcG9uc2USJQoHbWVzc2FnZRgBIAEoCzIULnF1YXl1dGVjLnYxLk1lc3NhZ2USEAoId2FrZV9pZHMYAiADKAkiYwoTTGlzdE1lc3NhZ2VzUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJEhQKDG5ld2VzdF9maXJzdBgEIAEoCCJyChRMaXN0TWVzc2FnZXNSZXNwb25zZRImCghtZXNzYWdlcxgBIAMoCzIULnF1YXl1dGVjLnYxLk1lc3NhZ2USFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIn0KD1NlbmRUYXNrUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg4KBnBlcnNvbhgCIAEoCRITCgt0b19hZ2VudF9pZBgDIAEoCRINCgV0aXRsZRgEIAEoCRIMCgRib2R5GAUgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgGIAEoCSJFChBTZW5kVGFza1Jlc3BvbnNlEh8KBHRhc2sYASABKAsyES5xdWF5dXRlYy52MS5UYXNrEhAKCHdha2VfaWRzGAIgAygJIpUBChFVcGRhdGVUYXNrUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg8KB3Rhc2tfaWQYAiABKAkSDgoGcGVyc29uGAMgASgJEgwKBG5vdGUYBCABKAkSJwoGc3RhdHVzGAUgASgOMhcucXVheXV0ZWMudjEuVGFza1N0YXR1cxIXCg9pZGVtcG90ZW5jeV9rZXkYBiABKAkiNQoSVXBkYXRlVGFza1Jlc3BvbnNlEh8KBHRhc2sYASABKAsyES5xdWF5dXRlYy52MS5UYXNrIogBChBMaXN0VGFza3NSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEwoLdG9fYWdlbnRfaWQYAiABKAkSJwoGc3RhdHVzGAMgASgOMhcucXVheXV0ZWMudjEuVGFza1N0YXR1cxIRCglwYWdlX3NpemUYBCABKAUSEgoKcGFnZV90b2tlbhgFIAEoCSJpChFMaXN0VGFza3NSZXNwb25zZRIgCgV0YXNrcxgBIAMoCzIRLnF1YXl1dGVjLnYxLlRhc2sSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIjIKDkdldFRhc2tSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSDwoHdGFza19pZBgCIAEoCSIyCg9HZXRUYXNrUmVzcG9uc2USHwoEdGFzaxgBIAEoCzIRLnF1YXl1dGVjLnYxLlRhc2siWgoRTGlzdE1lbW9yeVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRINCgVxdWVyeRgCIAEoCRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJVChJMaXN0TWVtb3J5UmVzcG9uc2USJgoFbGluZXMYASADKAsyFy5xdWF5dXRlYy52MS5NZW1vcnlMaW5lEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJpChFVcGxvYWRGaWxlUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg4KBnBlcnNvbhgCIAEoCRIMCgRuYW1lGAMgASgJEhQKDGNvbnRlbnRfdHlwZRgEIAEoCRIPCgdjb250ZW50GAUgASgMIjUKElVwbG9hZEZpbGVSZXNwb25zZRIfCgRmaWxlGAEgASgLMhEucXVheXV0ZWMudjEuRmlsZSJKChBMaXN0RmlsZXNSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkiaQoRTGlzdEZpbGVzUmVzcG9uc2USIAoFZmlsZXMYASADKAsyES5xdWF5dXRlYy52MS5GaWxlEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSJGChVTZWFyY2hQYXNzYWdlc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRINCgVxdWVyeRgCIAEoCRINCgVsaW1pdBgDIAEoBSJAChZTZWFyY2hQYXNzYWdlc1Jlc3BvbnNlEiYKCHBhc3NhZ2VzGAEgAygLMhQucXVheXV0ZWMudjEuUGFzc2FnZSJKCg9MaXN0UnVuc1JlcXVlc3QSEAoIYWdlbnRfaWQYASABKAkSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkiSwoQTGlzdFJ1bnNSZXNwb25zZRIeCgRydW5zGAEgAygLMhAucXVheXV0ZWMudjEuUnVuEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSIfCg1HZXRSdW5SZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCSIvCg5HZXRSdW5SZXNwb25zZRIdCgNydW4YASABKAsyEC5xdWF5dXRlYy52MS5SdW4iyAIKFVNldEFnZW50UmlnaHRzUmVxdWVzdBIQCghhZ2VudF9pZBgBIAEoCRIqCghyZW1lbWJlchgCIAEoDjIYLnF1YXl1dGVjLnYxLkFjdGlvblJpZ2h0Ei0KC2NyZWF0ZV90YXNrGAMgASgOMhgucXVheXV0ZWMudjEuQWN0aW9uUmlnaHQSLQoLdXBkYXRlX3Rhc2sYBCABKA4yGC5xdWF5dXRlYy52MS5BY3Rpb25SaWdodBIsCgpjbG9zZV90YXNrGAUgASgOMhgucXVheXV0ZWMudjEuQWN0aW9uUmlnaHQSNAoSY3Jvc3NfY29tcGFueV90YXNrGAYgASgOMhgucXVheXV0ZWMudjEuQWN0aW9uUmlnaHQSLwoLdXBkYXRlX21hc2sYByABKAsyGi5nb29nbGUucHJvdG9idWYuRmllbGRNYXNrIkIKFlNldEFnZW50UmlnaHRzUmVzcG9uc2USKAoGcmlnaHRzGAEgASgLMhgucXVheXV0ZWMudjEuQWdlbnRSaWdodHMiKQoVR2V0QWdlbnRSaWdodHNSZXF1ZXN0EhAKCGFnZW50X2lkGAEgASgJIqEBChZHZXRBZ2VudFJpZ2h0c1Jlc3BvbnNlEjEKD2NvbXBhbnlfZGVmYXVsdBgBIAEoCzIYLnF1YXl1dGVjLnYxLkFnZW50UmlnaHRzEicKBWFnZW50GAIgASgLMhgucXVheXV0ZWMudjEuQWdlbnRSaWdodHMSKwoJZWZmZWN0aXZlGAMgASgLMhgucXVheXV0ZWMudjEuQWdlbnRSaWdodHMiawoUTGlzdEFwcHJvdmFsc1JlcXVlc3QSLAoGc3RhdHVzGAEgASgOMhwucXVheXV0ZWMudjEuV2FpdHBvaW50U3RhdHVzEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIncKFUxpc3RBcHByb3ZhbHNSZXNwb25zZRIqCgp3YWl0cG9pbnRzGAEgAygLMhYucXVheXV0ZWMudjEuV2FpdHBvaW50EhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSJWChVEZWNpZGVBcHByb3ZhbFJlcXVlc3QSDQoFdG9rZW4YASABKAkSDQoFaW5kZXgYAiABKAUSDgoGcGVyc29uGAMgASgJEg8KB2FwcHJvdmUYBCABKAgibwoWRGVjaWRlQXBwcm92YWxSZXNwb25zZRIpCgl3YWl0cG9pbnQYASABKAsyFi5xdWF5dXRlYy52MS5XYWl0cG9pbnQSEQoJY29tcGxldGVkGAIgASgIEhcKD2FscmVhZHlfZGVjaWRlZBgDIAEoCCJBChBXYXRjaFJvb21SZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEgoFYWZ0ZXIYAiABKANIAIgBAUIICgZfYWZ0ZXIiTQoOV2F0Y2hIZWFydGJlYXQSDgoGY3Vyc29yGAEgASgDEisKB3NlbnRfYXQYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wImsKEVdhdGNoUm9vbVJlc3BvbnNlEiYKBmV2ZW50cxgBIAMoCzIWLnF1YXl1dGVjLnYxLlJvb21FdmVudBIuCgloZWFydGJlYXQYAiABKAsyGy5xdWF5dXRlYy52MS5XYXRjaEhlYXJ0YmVhdDLcEgoOR2F0ZXdheVNlcnZpY2USQQoGV2hvQW1JEhoucXVheXV0ZWMudjEuV2hvQW1JUmVxdWVzdBobLnF1YXl1dGVjLnYxLldob0FtSVJlc3BvbnNlEk0KCkNyZWF0ZVJvb20SHi5xdWF5dXRlYy52MS5DcmVhdGVSb29tUmVxdWVzdBofLnF1YXl1dGVjLnYxLkNyZWF0ZVJvb21SZXNwb25zZRJKCglMaXN0Um9vbXMSHS5xdWF5dXRlYy52MS5MaXN0Um9vbXNSZXF1ZXN0Gh4ucXVheXV0ZWMudjEuTGlzdFJvb21zUmVzcG9uc2USVgoNSW52aXRlQ29tcGFueRIhLnF1YXl1dGVjLnYxLkludml0ZUNvbXBhbnlSZXF1ZXN0GiIucXVheXV0ZWMudjEuSW52aXRlQ29tcGFueVJlc3BvbnNlElwKD0xpc3RJbnZpdGF0aW9ucxIjLnF1YXl1dGVjLnYxLkxpc3RJbnZpdGF0aW9uc1JlcXVlc3QaJC5xdWF5dXRlYy52MS5MaXN0SW52aXRhdGlvbnNSZXNwb25zZRJfChBBY2NlcHRJbnZpdGF0aW9uEiQucXVheXV0ZWMudjEuQWNjZXB0SW52aXRhdGlvblJlcXVlc3QaJS5xdWF5dXRlYy52MS5BY2NlcHRJbnZpdGF0aW9uUmVzcG9uc2USYgoRRGVjbGluZUludml0YXRpb24SJS5xdWF5dXRlYy52MS5EZWNsaW5lSW52aXRhdGlvblJlcXVlc3QaJi5xdWF5dXRlYy52MS5EZWNsaW5lSW52aXRhdGlvblJlc3BvbnNlEkoKCUxlYXZlUm9vbRIdLnF1YXl1dGVjLnYxLkxlYXZlUm9vbVJlcXVlc3QaHi5xdWF5dXRlYy52MS5MZWF2ZVJvb21SZXNwb25zZRJTCgxSZW1vdmVNZW1iZXISIC5xdWF5dXRlYy52MS5SZW1vdmVNZW1iZXJSZXF1ZXN0GiEucXVheXV0ZWMudjEuUmVtb3ZlTWVtYmVyUmVzcG9uc2USUAoLTGlzdE1lbWJlcnMSHy5xdWF5dXRlYy52MS5MaXN0TWVtYmVyc1JlcXVlc3QaIC5xdWF5dXRlYy52MS5MaXN0TWVtYmVyc1Jlc3BvbnNlElYKDVJlZ2lzdGVyQWdlbnQSIS5xdWF5dXRlYy52MS5SZWdpc3RlckFnZW50UmVxdWVzdBoiLnF1YXl1dGVjLnYxLlJlZ2lzdGVyQWdlbnRSZXNwb25zZRJNCgpMaXN0QWdlbnRzEh4ucXVheXV0ZWMudjEuTGlzdEFnZW50c1JlcXVlc3QaHy5xdWF5dXRlYy52MS5MaXN0QWdlbnRzUmVzcG9uc2USUAoLUG9zdE1lc3NhZ2USHy5xdWF5dXRlYy52MS5Qb3N0TWVzc2FnZVJlcXVlc3QaIC5xdWF5dXRlYy52MS5Qb3N0TWVzc2FnZVJlc3BvbnNlElMKDExpc3RNZXNzYWdlcxIgLnF1YXl1dGVjLnYxLkxpc3RNZXNzYWdlc1JlcXVlc3QaIS5xdWF5dXRlYy52MS5MaXN0TWVzc2FnZXNSZXNwb25zZRJHCghTZW5kVGFzaxIcLnF1YXl1dGVjLnYxLlNlbmRUYXNrUmVxdWVzdBodLnF1YXl1dGVjLnYxLlNlbmRUYXNrUmVzcG9uc2USTQoKVXBkYXRlVGFzaxIeLnF1YXl1dGVjLnYxLlVwZGF0ZVRhc2tSZXF1ZXN0Gh8ucXVheXV0ZWMudjEuVXBkYXRlVGFza1Jlc3BvbnNlEkoKCUxpc3RUYXNrcxIdLnF1YXl1dGVjLnYxLkxpc3RUYXNrc1JlcXVlc3QaHi5xdWF5dXRlYy52MS5MaXN0VGFza3NSZXNwb25zZRJECgdHZXRUYXNrEhsucXVheXV0ZWMudjEuR2V0VGFza1JlcXVlc3QaHC5xdWF5dXRlYy52MS5HZXRUYXNrUmVzcG9uc2USTQoKTGlzdE1lbW9yeRIeLnF1YXl1dGVjLnYxLkxpc3RNZW1vcnlSZXF1ZXN0Gh8ucXVheXV0ZWMudjEuTGlzdE1lbW9yeVJlc3BvbnNlEk0KClVwbG9hZEZpbGUSHi5xdWF5dXRlYy52MS5VcGxvYWRGaWxlUmVxdWVzdBofLnF1YXl1dGVjLnYxLlVwbG9hZEZpbGVSZXNwb25zZRJKCglMaXN0RmlsZXMSHS5xdWF5dXRlYy52MS5MaXN0RmlsZXNSZXF1ZXN0Gh4ucXVheXV0ZWMudjEuTGlzdEZpbGVzUmVzcG9uc2USWQoOU2VhcmNoUGFzc2FnZXMSIi5xdWF5dXRlYy52MS5TZWFyY2hQYXNzYWdlc1JlcXVlc3QaIy5xdWF5dXRlYy52MS5TZWFyY2hQYXNzYWdlc1Jlc3BvbnNlEkcKCExpc3RSdW5zEhwucXVheXV0ZWMudjEuTGlzdFJ1bnNSZXF1ZXN0Gh0ucXVheXV0ZWMudjEuTGlzdFJ1bnNSZXNwb25zZRJBCgZHZXRSdW4SGi5xdWF5dXRlYy52MS5HZXRSdW5SZXF1ZXN0GhsucXVheXV0ZWMudjEuR2V0UnVuUmVzcG9uc2USWQoOU2V0QWdlbnRSaWdodHMSIi5xdWF5dXRlYy52MS5TZXRBZ2VudFJpZ2h0c1JlcXVlc3QaIy5xdWF5dXRlYy52MS5TZXRBZ2VudFJpZ2h0c1Jlc3BvbnNlElkKDkdldEFnZW50UmlnaHRzEiIucXVheXV0ZWMudjEuR2V0QWdlbnRSaWdodHNSZXF1ZXN0GiMucXVheXV0ZWMudjEuR2V0QWdlbnRSaWdodHNSZXNwb25zZRJWCg1MaXN0QXBwcm92YWxzEiEucXVheXV0ZWMudjEuTGlzdEFwcHJvdmFsc1JlcXVlc3QaIi5xdWF5dXRlYy52MS5MaXN0QXBwcm92YWxzUmVzcG9uc2USWQoORGVjaWRlQXBwcm92YWwSIi5xdWF5dXRlYy52MS5EZWNpZGVBcHByb3ZhbFJlcXVlc3QaIy5xdWF5dXRlYy52MS5EZWNpZGVBcHByb3ZhbFJlc3BvbnNlEkwKCVdhdGNoUm9vbRIdLnF1YXl1dGVjLnYxLldhdGNoUm9vbVJlcXVlc3QaHi5xdWF5dXRlYy52MS5XYXRjaFJvb21SZXNwb25zZTABYgZwcm90bzM", [file_google_protobuf_field_mask, file_google_protobuf_timestamp, file_quayutec_v1_common]);
+  fileDesc("ChlxdWF5dXRlYy92MS9nYXRld2F5LnByb3RvEgtxdWF5dXRlYy52MSIPCg1XaG9BbUlSZXF1ZXN0IjcKDldob0FtSVJlc3BvbnNlEiUKB2NvbXBhbnkYASABKAsyFC5xdWF5dXRlYy52MS5Db21wYW55IiEKEUNyZWF0ZVJvb21SZXF1ZXN0EgwKBG5hbWUYASABKAkiNQoSQ3JlYXRlUm9vbVJlc3BvbnNlEh8KBHJvb20YASABKAsyES5xdWF5dXRlYy52MS5Sb29tIjkKEExpc3RSb29tc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkiaQoRTGlzdFJvb21zUmVzcG9uc2USIAoFcm9vbXMYASADKAsyES5xdWF5dXRlYy52MS5Sb29tEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSI7ChRJbnZpdGVDb21wYW55UmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEhIKCmNvbXBhbnlfaWQYAiABKAkiUgoVSW52aXRlQ29tcGFueVJlc3BvbnNlEisKCmludml0YXRpb24YAiABKAsyFy5xdWF5dXRlYy52MS5JbnZpdGF0aW9uSgQIARACUgZtZW1iZXIifAoWTGlzdEludml0YXRpb25zUmVxdWVzdBItCgZzdGF0dXMYASABKA4yHS5xdWF5dXRlYy52MS5JbnZpdGF0aW9uU3RhdHVzEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJEgwKBHNlbnQYBCABKAgiewoXTGlzdEludml0YXRpb25zUmVzcG9uc2USLAoLaW52aXRhdGlvbnMYASADKAsyFy5xdWF5dXRlYy52MS5JbnZpdGF0aW9uEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSIwChdBY2NlcHRJbnZpdGF0aW9uUmVxdWVzdBIVCg1pbnZpdGF0aW9uX2lkGAEgASgJInAKGEFjY2VwdEludml0YXRpb25SZXNwb25zZRIrCgppbnZpdGF0aW9uGAEgASgLMhcucXVheXV0ZWMudjEuSW52aXRhdGlvbhInCgZtZW1iZXIYAiABKAsyFy5xdWF5dXRlYy52MS5Sb29tTWVtYmVyIjEKGERlY2xpbmVJbnZpdGF0aW9uUmVxdWVzdBIVCg1pbnZpdGF0aW9uX2lkGAEgASgJIkgKGURlY2xpbmVJbnZpdGF0aW9uUmVzcG9uc2USKwoKaW52aXRhdGlvbhgBIAEoCzIXLnF1YXl1dGVjLnYxLkludml0YXRpb24iIwoQTGVhdmVSb29tUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJIhMKEUxlYXZlUm9vbVJlc3BvbnNlIjoKE1JlbW92ZU1lbWJlclJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRISCgpjb21wYW55X2lkGAIgASgJIhYKFFJlbW92ZU1lbWJlclJlc3BvbnNlIkwKEkxpc3RNZW1iZXJzUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJInMKE0xpc3RNZW1iZXJzUmVzcG9uc2USKAoHbWVtYmVycxgBIAMoCzIXLnF1YXl1dGVjLnYxLlJvb21NZW1iZXISFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIpsBChRSZWdpc3RlckFnZW50UmVxdWVzdBIMCgRuYW1lGAEgASgJEicKCHByb3ZpZGVyGAIgASgOMhUucXVheXV0ZWMudjEuUHJvdmlkZXISDQoFbW9kZWwYAyABKAkSEAoIYmFzZV91cmwYBCABKAkSFAoMcHJvdmlkZXJfa2V5GAUgASgJEhUKDXN5c3RlbV9wcm9tcHQYBiABKAkiOgoVUmVnaXN0ZXJBZ2VudFJlc3BvbnNlEiEKBWFnZW50GAEgASgLMhIucXVheXV0ZWMudjEuQWdlbnQiSwoRTGlzdEFnZW50c1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkSDwoHcm9vbV9pZBgDIAEoCSJsChJMaXN0QWdlbnRzUmVzcG9uc2USIgoGYWdlbnRzGAEgAygLMhIucXVheXV0ZWMudjEuQWdlbnQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIncKElBvc3RNZXNzYWdlUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg4KBnBlcnNvbhgCIAEoCRIMCgRib2R5GAMgASgJEhkKEW1lbnRpb25fYWdlbnRfaWRzGAQgAygJEhcKD2lkZW1wb3RlbmN5X2tleRgFIAEoCSJOChNQb3N0TWVzc2FnZVJlc3BvbnNlEiUKB21lc3NhZ2UYASABKAsyFC5xdWF5dXRlYy52MS5NZXNzYWdlEhAKCHdha2VfaWRzGAIgAygJImMKE0xpc3RNZXNzYWdlc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCRIUCgxuZXdlc3RfZmlyc3QYBCABKAgicgoUTGlzdE1lc3NhZ2VzUmVzcG9uc2USJgoIbWVzc2FnZXMYASADKAsyFC5xdWF5dXRlYy52MS5NZXNzYWdlEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSI4ChFHZXRNZXNzYWdlUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEhIKCm1lc3NhZ2VfaWQYAiABKAkiOwoSR2V0TWVzc2FnZVJlc3BvbnNlEiUKB21lc3NhZ2UYASABKAsyFC5xdWF5dXRlYy52MS5NZXNzYWdlIn0KD1NlbmRUYXNrUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg4KBnBlcnNvbhgCIAEoCRITCgt0b19hZ2VudF9pZBgDIAEoCRINCgV0aXRsZRgEIAEoCRIMCgRib2R5GAUgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgGIAEoCSJFChBTZW5kVGFza1Jlc3BvbnNlEh8KBHRhc2sYASABKAsyES5xdWF5dXRlYy52MS5UYXNrEhAKCHdha2VfaWRzGAIgAygJIpUBChFVcGRhdGVUYXNrUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg8KB3Rhc2tfaWQYAiABKAkSDgoGcGVyc29uGAMgASgJEgwKBG5vdGUYBCABKAkSJwoGc3RhdHVzGAUgASgOMhcucXVheXV0ZWMudjEuVGFza1N0YXR1cxIXCg9pZGVtcG90ZW5jeV9rZXkYBiABKAkiNQoSVXBkYXRlVGFza1Jlc3BvbnNlEh8KBHRhc2sYASABKAsyES5xdWF5dXRlYy52MS5UYXNrIogBChBMaXN0VGFza3NSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEwoLdG9fYWdlbnRfaWQYAiABKAkSJwoGc3RhdHVzGAMgASgOMhcucXVheXV0ZWMudjEuVGFza1N0YXR1cxIRCglwYWdlX3NpemUYBCABKAUSEgoKcGFnZV90b2tlbhgFIAEoCSJpChFMaXN0VGFza3NSZXNwb25zZRIgCgV0YXNrcxgBIAMoCzIRLnF1YXl1dGVjLnYxLlRhc2sSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIjIKDkdldFRhc2tSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSDwoHdGFza19pZBgCIAEoCSIyCg9HZXRUYXNrUmVzcG9uc2USHwoEdGFzaxgBIAEoCzIRLnF1YXl1dGVjLnYxLlRhc2siWgoRTGlzdE1lbW9yeVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRINCgVxdWVyeRgCIAEoCRIRCglwYWdlX3NpemUYAyABKAUSEgoKcGFnZV90b2tlbhgEIAEoCSJVChJMaXN0TWVtb3J5UmVzcG9uc2USJgoFbGluZXMYASADKAsyFy5xdWF5dXRlYy52MS5NZW1vcnlMaW5lEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSJpChFVcGxvYWRGaWxlUmVxdWVzdBIPCgdyb29tX2lkGAEgASgJEg4KBnBlcnNvbhgCIAEoCRIMCgRuYW1lGAMgASgJEhQKDGNvbnRlbnRfdHlwZRgEIAEoCRIPCgdjb250ZW50GAUgASgMIjUKElVwbG9hZEZpbGVSZXNwb25zZRIfCgRmaWxlGAEgASgLMhEucXVheXV0ZWMudjEuRmlsZSJKChBMaXN0RmlsZXNSZXF1ZXN0Eg8KB3Jvb21faWQYASABKAkSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkiaQoRTGlzdEZpbGVzUmVzcG9uc2USIAoFZmlsZXMYASADKAsyES5xdWF5dXRlYy52MS5GaWxlEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRIZChFyZXN1bWVfcGFnZV90b2tlbhgDIAEoCSJGChVTZWFyY2hQYXNzYWdlc1JlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRINCgVxdWVyeRgCIAEoCRINCgVsaW1pdBgDIAEoBSJAChZTZWFyY2hQYXNzYWdlc1Jlc3BvbnNlEiYKCHBhc3NhZ2VzGAEgAygLMhQucXVheXV0ZWMudjEuUGFzc2FnZSLqAQoPTGlzdFJ1bnNSZXF1ZXN0EhAKCGFnZW50X2lkGAEgASgJEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJEg8KB3Jvb21faWQYBCABKAkSJgoGc3RhdHVzGAUgASgOMhYucXVheXV0ZWMudjEuUnVuU3RhdHVzEjEKDXN0YXJ0ZWRfYWZ0ZXIYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjIKDnN0YXJ0ZWRfYmVmb3JlGAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCJLChBMaXN0UnVuc1Jlc3BvbnNlEh4KBHJ1bnMYASADKAsyEC5xdWF5dXRlYy52MS5SdW4SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIh8KDUdldFJ1blJlcXVlc3QSDgoGcnVuX2lkGAEgASgJIlkKDkdldFJ1blJlc3BvbnNlEh0KA3J1bhgBIAEoCzIQLnF1YXl1dGVjLnYxLlJ1bhIoCghhcHByb3ZhbBgCIAEoCzIWLnF1YXl1dGVjLnYxLldhaXRwb2ludCLIAgoVU2V0QWdlbnRSaWdodHNSZXF1ZXN0EhAKCGFnZW50X2lkGAEgASgJEioKCHJlbWVtYmVyGAIgASgOMhgucXVheXV0ZWMudjEuQWN0aW9uUmlnaHQSLQoLY3JlYXRlX3Rhc2sYAyABKA4yGC5xdWF5dXRlYy52MS5BY3Rpb25SaWdodBItCgt1cGRhdGVfdGFzaxgEIAEoDjIYLnF1YXl1dGVjLnYxLkFjdGlvblJpZ2h0EiwKCmNsb3NlX3Rhc2sYBSABKA4yGC5xdWF5dXRlYy52MS5BY3Rpb25SaWdodBI0ChJjcm9zc19jb21wYW55X3Rhc2sYBiABKA4yGC5xdWF5dXRlYy52MS5BY3Rpb25SaWdodBIvCgt1cGRhdGVfbWFzaxgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5GaWVsZE1hc2siQgoWU2V0QWdlbnRSaWdodHNSZXNwb25zZRIoCgZyaWdodHMYASABKAsyGC5xdWF5dXRlYy52MS5BZ2VudFJpZ2h0cyIpChVHZXRBZ2VudFJpZ2h0c1JlcXVlc3QSEAoIYWdlbnRfaWQYASABKAkioQEKFkdldEFnZW50UmlnaHRzUmVzcG9uc2USMQoPY29tcGFueV9kZWZhdWx0GAEgASgLMhgucXVheXV0ZWMudjEuQWdlbnRSaWdodHMSJwoFYWdlbnQYAiABKAsyGC5xdWF5dXRlYy52MS5BZ2VudFJpZ2h0cxIrCgllZmZlY3RpdmUYAyABKAsyGC5xdWF5dXRlYy52MS5BZ2VudFJpZ2h0cyJrChRMaXN0QXBwcm92YWxzUmVxdWVzdBIsCgZzdGF0dXMYASABKA4yHC5xdWF5dXRlYy52MS5XYWl0cG9pbnRTdGF0dXMSEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkidwoVTGlzdEFwcHJvdmFsc1Jlc3BvbnNlEioKCndhaXRwb2ludHMYASADKAsyFi5xdWF5dXRlYy52MS5XYWl0cG9pbnQSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJEhkKEXJlc3VtZV9wYWdlX3Rva2VuGAMgASgJIlYKFURlY2lkZUFwcHJvdmFsUmVxdWVzdBINCgV0b2tlbhgBIAEoCRINCgVpbmRleBgCIAEoBRIOCgZwZXJzb24YAyABKAkSDwoHYXBwcm92ZRgEIAEoCCJvChZEZWNpZGVBcHByb3ZhbFJlc3BvbnNlEikKCXdhaXRwb2ludBgBIAEoCzIWLnF1YXl1dGVjLnYxLldhaXRwb2ludBIRCgljb21wbGV0ZWQYAiABKAgSFwoPYWxyZWFkeV9kZWNpZGVkGAMgASgIIkEKEFdhdGNoUm9vbVJlcXVlc3QSDwoHcm9vbV9pZBgBIAEoCRISCgVhZnRlchgCIAEoA0gAiAEBQggKBl9hZnRlciJNCg5XYXRjaEhlYXJ0YmVhdBIOCgZjdXJzb3IYASABKAMSKwoHc2VudF9hdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiawoRV2F0Y2hSb29tUmVzcG9uc2USJgoGZXZlbnRzGAEgAygLMhYucXVheXV0ZWMudjEuUm9vbUV2ZW50Ei4KCWhlYXJ0YmVhdBgCIAEoCzIbLnF1YXl1dGVjLnYxLldhdGNoSGVhcnRiZWF0IlkKEVdhdGNoUm9vbXNSZXF1ZXN0EiYKBWFmdGVyGAEgAygLMhcucXVheXV0ZWMudjEuUm9vbUN1cnNvchIcChR1bm5hbWVkX2Zyb21fam9pbmluZxgCIAEoCCItCgpSb29tQ3Vyc29yEg8KB3Jvb21faWQYASABKAkSDgoGY3Vyc29yGAIgASgDImoKE1dhdGNoUm9vbXNIZWFydGJlYXQSJgoFcm9vbXMYASADKAsyFy5xdWF5dXRlYy52MS5Sb29tQ3Vyc29yEisKB3NlbnRfYXQYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wInEKEldhdGNoUm9vbXNSZXNwb25zZRImCgZldmVudHMYASADKAsyFi5xdWF5dXRlYy52MS5Sb29tRXZlbnQSMwoJaGVhcnRiZWF0GAIgASgLMiAucXVheXV0ZWMudjEuV2F0Y2hSb29tc0hlYXJ0YmVhdCI9ChdDcmVhdGVTZXNzaW9uS2V5UmVxdWVzdBITCgt0dGxfc2Vjb25kcxgBIAEoAxINCgVsYWJlbBgCIAEoCSJqChhDcmVhdGVTZXNzaW9uS2V5UmVzcG9uc2USDgoGa2V5X2lkGAEgASgJEg4KBnNlY3JldBgCIAEoCRIuCgpleHBpcmVzX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCITChFFbmRTZXNzaW9uUmVxdWVzdCIkChJFbmRTZXNzaW9uUmVzcG9uc2USDgoGa2V5X2lkGAEgASgJIvABCgZBcGlLZXkSDgoGa2V5X2lkGAEgASgJEg0KBWxhYmVsGAIgASgJEi4KCmNyZWF0ZWRfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCnJldm9rZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB3Nlc3Npb24YBSABKAgSFQoNcGFyZW50X2tleV9pZBgGIAEoCRIuCgpleHBpcmVzX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdjdXJyZW50GAggASgIIiQKE0NyZWF0ZUFwaUtleVJlcXVlc3QSDQoFbGFiZWwYASABKAkiSAoUQ3JlYXRlQXBpS2V5UmVzcG9uc2USIAoDa2V5GAEgASgLMhMucXVheXV0ZWMudjEuQXBpS2V5Eg4KBnNlY3JldBgCIAEoCSJVChJMaXN0QXBpS2V5c1JlcXVlc3QSGAoQaW5jbHVkZV9zZXNzaW9ucxgBIAEoCBIRCglwYWdlX3NpemUYAiABKAUSEgoKcGFnZV90b2tlbhgDIAEoCSJRChNMaXN0QXBpS2V5c1Jlc3BvbnNlEiEKBGtleXMYASADKAsyEy5xdWF5dXRlYy52MS5BcGlLZXkSFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIiUKE1Jldm9rZUFwaUtleVJlcXVlc3QSDgoGa2V5X2lkGAEgASgJIjgKFFJldm9rZUFwaUtleVJlc3BvbnNlEiAKA2tleRgBIAEoCzITLnF1YXl1dGVjLnYxLkFwaUtleTKoFwoOR2F0ZXdheVNlcnZpY2USQQoGV2hvQW1JEhoucXVheXV0ZWMudjEuV2hvQW1JUmVxdWVzdBobLnF1YXl1dGVjLnYxLldob0FtSVJlc3BvbnNlEk0KCkNyZWF0ZVJvb20SHi5xdWF5dXRlYy52MS5DcmVhdGVSb29tUmVxdWVzdBofLnF1YXl1dGVjLnYxLkNyZWF0ZVJvb21SZXNwb25zZRJKCglMaXN0Um9vbXMSHS5xdWF5dXRlYy52MS5MaXN0Um9vbXNSZXF1ZXN0Gh4ucXVheXV0ZWMudjEuTGlzdFJvb21zUmVzcG9uc2USVgoNSW52aXRlQ29tcGFueRIhLnF1YXl1dGVjLnYxLkludml0ZUNvbXBhbnlSZXF1ZXN0GiIucXVheXV0ZWMudjEuSW52aXRlQ29tcGFueVJlc3BvbnNlElwKD0xpc3RJbnZpdGF0aW9ucxIjLnF1YXl1dGVjLnYxLkxpc3RJbnZpdGF0aW9uc1JlcXVlc3QaJC5xdWF5dXRlYy52MS5MaXN0SW52aXRhdGlvbnNSZXNwb25zZRJfChBBY2NlcHRJbnZpdGF0aW9uEiQucXVheXV0ZWMudjEuQWNjZXB0SW52aXRhdGlvblJlcXVlc3QaJS5xdWF5dXRlYy52MS5BY2NlcHRJbnZpdGF0aW9uUmVzcG9uc2USYgoRRGVjbGluZUludml0YXRpb24SJS5xdWF5dXRlYy52MS5EZWNsaW5lSW52aXRhdGlvblJlcXVlc3QaJi5xdWF5dXRlYy52MS5EZWNsaW5lSW52aXRhdGlvblJlc3BvbnNlEkoKCUxlYXZlUm9vbRIdLnF1YXl1dGVjLnYxLkxlYXZlUm9vbVJlcXVlc3QaHi5xdWF5dXRlYy52MS5MZWF2ZVJvb21SZXNwb25zZRJTCgxSZW1vdmVNZW1iZXISIC5xdWF5dXRlYy52MS5SZW1vdmVNZW1iZXJSZXF1ZXN0GiEucXVheXV0ZWMudjEuUmVtb3ZlTWVtYmVyUmVzcG9uc2USUAoLTGlzdE1lbWJlcnMSHy5xdWF5dXRlYy52MS5MaXN0TWVtYmVyc1JlcXVlc3QaIC5xdWF5dXRlYy52MS5MaXN0TWVtYmVyc1Jlc3BvbnNlElYKDVJlZ2lzdGVyQWdlbnQSIS5xdWF5dXRlYy52MS5SZWdpc3RlckFnZW50UmVxdWVzdBoiLnF1YXl1dGVjLnYxLlJlZ2lzdGVyQWdlbnRSZXNwb25zZRJNCgpMaXN0QWdlbnRzEh4ucXVheXV0ZWMudjEuTGlzdEFnZW50c1JlcXVlc3QaHy5xdWF5dXRlYy52MS5MaXN0QWdlbnRzUmVzcG9uc2USUAoLUG9zdE1lc3NhZ2USHy5xdWF5dXRlYy52MS5Qb3N0TWVzc2FnZVJlcXVlc3QaIC5xdWF5dXRlYy52MS5Qb3N0TWVzc2FnZVJlc3BvbnNlElMKDExpc3RNZXNzYWdlcxIgLnF1YXl1dGVjLnYxLkxpc3RNZXNzYWdlc1JlcXVlc3QaIS5xdWF5dXRlYy52MS5MaXN0TWVzc2FnZXNSZXNwb25zZRJNCgpHZXRNZXNzYWdlEh4ucXVheXV0ZWMudjEuR2V0TWVzc2FnZVJlcXVlc3QaHy5xdWF5dXRlYy52MS5HZXRNZXNzYWdlUmVzcG9uc2USRwoIU2VuZFRhc2sSHC5xdWF5dXRlYy52MS5TZW5kVGFza1JlcXVlc3QaHS5xdWF5dXRlYy52MS5TZW5kVGFza1Jlc3BvbnNlEk0KClVwZGF0ZVRhc2sSHi5xdWF5dXRlYy52MS5VcGRhdGVUYXNrUmVxdWVzdBofLnF1YXl1dGVjLnYxLlVwZGF0ZVRhc2tSZXNwb25zZRJKCglMaXN0VGFza3MSHS5xdWF5dXRlYy52MS5MaXN0VGFza3NSZXF1ZXN0Gh4ucXVheXV0ZWMudjEuTGlzdFRhc2tzUmVzcG9uc2USRAoHR2V0VGFzaxIbLnF1YXl1dGVjLnYxLkdldFRhc2tSZXF1ZXN0GhwucXVheXV0ZWMudjEuR2V0VGFza1Jlc3BvbnNlEk0KCkxpc3RNZW1vcnkSHi5xdWF5dXRlYy52MS5MaXN0TWVtb3J5UmVxdWVzdBofLnF1YXl1dGVjLnYxLkxpc3RNZW1vcnlSZXNwb25zZRJNCgpVcGxvYWRGaWxlEh4ucXVheXV0ZWMudjEuVXBsb2FkRmlsZVJlcXVlc3QaHy5xdWF5dXRlYy52MS5VcGxvYWRGaWxlUmVzcG9uc2USSgoJTGlzdEZpbGVzEh0ucXVheXV0ZWMudjEuTGlzdEZpbGVzUmVxdWVzdBoeLnF1YXl1dGVjLnYxLkxpc3RGaWxlc1Jlc3BvbnNlElkKDlNlYXJjaFBhc3NhZ2VzEiIucXVheXV0ZWMudjEuU2VhcmNoUGFzc2FnZXNSZXF1ZXN0GiMucXVheXV0ZWMudjEuU2VhcmNoUGFzc2FnZXNSZXNwb25zZRJHCghMaXN0UnVucxIcLnF1YXl1dGVjLnYxLkxpc3RSdW5zUmVxdWVzdBodLnF1YXl1dGVjLnYxLkxpc3RSdW5zUmVzcG9uc2USQQoGR2V0UnVuEhoucXVheXV0ZWMudjEuR2V0UnVuUmVxdWVzdBobLnF1YXl1dGVjLnYxLkdldFJ1blJlc3BvbnNlElkKDlNldEFnZW50UmlnaHRzEiIucXVheXV0ZWMudjEuU2V0QWdlbnRSaWdodHNSZXF1ZXN0GiMucXVheXV0ZWMudjEuU2V0QWdlbnRSaWdodHNSZXNwb25zZRJZCg5HZXRBZ2VudFJpZ2h0cxIiLnF1YXl1dGVjLnYxLkdldEFnZW50UmlnaHRzUmVxdWVzdBojLnF1YXl1dGVjLnYxLkdldEFnZW50UmlnaHRzUmVzcG9uc2USVgoNTGlzdEFwcHJvdmFscxIhLnF1YXl1dGVjLnYxLkxpc3RBcHByb3ZhbHNSZXF1ZXN0GiIucXVheXV0ZWMudjEuTGlzdEFwcHJvdmFsc1Jlc3BvbnNlElkKDkRlY2lkZUFwcHJvdmFsEiIucXVheXV0ZWMudjEuRGVjaWRlQXBwcm92YWxSZXF1ZXN0GiMucXVheXV0ZWMudjEuRGVjaWRlQXBwcm92YWxSZXNwb25zZRJMCglXYXRjaFJvb20SHS5xdWF5dXRlYy52MS5XYXRjaFJvb21SZXF1ZXN0Gh4ucXVheXV0ZWMudjEuV2F0Y2hSb29tUmVzcG9uc2UwARJPCgpXYXRjaFJvb21zEh4ucXVheXV0ZWMudjEuV2F0Y2hSb29tc1JlcXVlc3QaHy5xdWF5dXRlYy52MS5XYXRjaFJvb21zUmVzcG9uc2UwARJfChBDcmVhdGVTZXNzaW9uS2V5EiQucXVheXV0ZWMudjEuQ3JlYXRlU2Vzc2lvbktleVJlcXVlc3QaJS5xdWF5dXRlYy52MS5DcmVhdGVTZXNzaW9uS2V5UmVzcG9uc2USTQoKRW5kU2Vzc2lvbhIeLnF1YXl1dGVjLnYxLkVuZFNlc3Npb25SZXF1ZXN0Gh8ucXVheXV0ZWMudjEuRW5kU2Vzc2lvblJlc3BvbnNlElMKDENyZWF0ZUFwaUtleRIgLnF1YXl1dGVjLnYxLkNyZWF0ZUFwaUtleVJlcXVlc3QaIS5xdWF5dXRlYy52MS5DcmVhdGVBcGlLZXlSZXNwb25zZRJQCgtMaXN0QXBpS2V5cxIfLnF1YXl1dGVjLnYxLkxpc3RBcGlLZXlzUmVxdWVzdBogLnF1YXl1dGVjLnYxLkxpc3RBcGlLZXlzUmVzcG9uc2USUwoMUmV2b2tlQXBpS2V5EiAucXVheXV0ZWMudjEuUmV2b2tlQXBpS2V5UmVxdWVzdBohLnF1YXl1dGVjLnYxLlJldm9rZUFwaUtleVJlc3BvbnNlYgZwcm90bzM", [file_google_protobuf_field_mask, file_google_protobuf_timestamp, file_quayutec_v1_common]);
 
 /**
  * @generated from message quayutec.v1.WhoAmIRequest
@@ -193,6 +193,13 @@ export type ListInvitationsRequest = Message<"quayutec.v1.ListInvitationsRequest
    * @generated from field: string page_token = 3;
    */
   pageToken: string;
+
+  /**
+   * The invitations the caller's company sent instead of those it received.
+   *
+   * @generated from field: bool sent = 4;
+   */
+  sent: boolean;
 };
 
 /**
@@ -506,6 +513,13 @@ export type ListAgentsRequest = Message<"quayutec.v1.ListAgentsRequest"> & {
    * @generated from field: string page_token = 2;
    */
   pageToken: string;
+
+  /**
+   * Optional: list the agents in this room (the caller's company must be a member).
+   *
+   * @generated from field: string room_id = 3;
+   */
+  roomId: string;
 };
 
 /**
@@ -673,6 +687,45 @@ export const ListMessagesResponseSchema: GenMessage<ListMessagesResponse> = /*@_
   messageDesc(file_quayutec_v1_gateway, 27);
 
 /**
+ * @generated from message quayutec.v1.GetMessageRequest
+ */
+export type GetMessageRequest = Message<"quayutec.v1.GetMessageRequest"> & {
+  /**
+   * @generated from field: string room_id = 1;
+   */
+  roomId: string;
+
+  /**
+   * @generated from field: string message_id = 2;
+   */
+  messageId: string;
+};
+
+/**
+ * Describes the message quayutec.v1.GetMessageRequest.
+ * Use `create(GetMessageRequestSchema)` to create a new message.
+ */
+export const GetMessageRequestSchema: GenMessage<GetMessageRequest> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 28);
+
+/**
+ * @generated from message quayutec.v1.GetMessageResponse
+ */
+export type GetMessageResponse = Message<"quayutec.v1.GetMessageResponse"> & {
+  /**
+   * @generated from field: quayutec.v1.Message message = 1;
+   */
+  message?: Message$1 | undefined;
+};
+
+/**
+ * Describes the message quayutec.v1.GetMessageResponse.
+ * Use `create(GetMessageResponseSchema)` to create a new message.
+ */
+export const GetMessageResponseSchema: GenMessage<GetMessageResponse> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 29);
+
+/**
  * @generated from message quayutec.v1.SendTaskRequest
  */
 export type SendTaskRequest = Message<"quayutec.v1.SendTaskRequest"> & {
@@ -712,7 +765,7 @@ export type SendTaskRequest = Message<"quayutec.v1.SendTaskRequest"> & {
  * Use `create(SendTaskRequestSchema)` to create a new message.
  */
 export const SendTaskRequestSchema: GenMessage<SendTaskRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 28);
+  messageDesc(file_quayutec_v1_gateway, 30);
 
 /**
  * @generated from message quayutec.v1.SendTaskResponse
@@ -734,7 +787,7 @@ export type SendTaskResponse = Message<"quayutec.v1.SendTaskResponse"> & {
  * Use `create(SendTaskResponseSchema)` to create a new message.
  */
 export const SendTaskResponseSchema: GenMessage<SendTaskResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 29);
+  messageDesc(file_quayutec_v1_gateway, 31);
 
 /**
  * @generated from message quayutec.v1.UpdateTaskRequest
@@ -778,7 +831,7 @@ export type UpdateTaskRequest = Message<"quayutec.v1.UpdateTaskRequest"> & {
  * Use `create(UpdateTaskRequestSchema)` to create a new message.
  */
 export const UpdateTaskRequestSchema: GenMessage<UpdateTaskRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 30);
+  messageDesc(file_quayutec_v1_gateway, 32);
 
 /**
  * @generated from message quayutec.v1.UpdateTaskResponse
@@ -795,7 +848,7 @@ export type UpdateTaskResponse = Message<"quayutec.v1.UpdateTaskResponse"> & {
  * Use `create(UpdateTaskResponseSchema)` to create a new message.
  */
 export const UpdateTaskResponseSchema: GenMessage<UpdateTaskResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 31);
+  messageDesc(file_quayutec_v1_gateway, 33);
 
 /**
  * @generated from message quayutec.v1.ListTasksRequest
@@ -832,7 +885,7 @@ export type ListTasksRequest = Message<"quayutec.v1.ListTasksRequest"> & {
  * Use `create(ListTasksRequestSchema)` to create a new message.
  */
 export const ListTasksRequestSchema: GenMessage<ListTasksRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 32);
+  messageDesc(file_quayutec_v1_gateway, 34);
 
 /**
  * @generated from message quayutec.v1.ListTasksResponse
@@ -862,7 +915,7 @@ export type ListTasksResponse = Message<"quayutec.v1.ListTasksResponse"> & {
  * Use `create(ListTasksResponseSchema)` to create a new message.
  */
 export const ListTasksResponseSchema: GenMessage<ListTasksResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 33);
+  messageDesc(file_quayutec_v1_gateway, 35);
 
 /**
  * @generated from message quayutec.v1.GetTaskRequest
@@ -884,7 +937,7 @@ export type GetTaskRequest = Message<"quayutec.v1.GetTaskRequest"> & {
  * Use `create(GetTaskRequestSchema)` to create a new message.
  */
 export const GetTaskRequestSchema: GenMessage<GetTaskRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 34);
+  messageDesc(file_quayutec_v1_gateway, 36);
 
 /**
  * @generated from message quayutec.v1.GetTaskResponse
@@ -901,7 +954,7 @@ export type GetTaskResponse = Message<"quayutec.v1.GetTaskResponse"> & {
  * Use `create(GetTaskResponseSchema)` to create a new message.
  */
 export const GetTaskResponseSchema: GenMessage<GetTaskResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 35);
+  messageDesc(file_quayutec_v1_gateway, 37);
 
 /**
  * @generated from message quayutec.v1.ListMemoryRequest
@@ -933,7 +986,7 @@ export type ListMemoryRequest = Message<"quayutec.v1.ListMemoryRequest"> & {
  * Use `create(ListMemoryRequestSchema)` to create a new message.
  */
 export const ListMemoryRequestSchema: GenMessage<ListMemoryRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 36);
+  messageDesc(file_quayutec_v1_gateway, 38);
 
 /**
  * @generated from message quayutec.v1.ListMemoryResponse
@@ -955,7 +1008,7 @@ export type ListMemoryResponse = Message<"quayutec.v1.ListMemoryResponse"> & {
  * Use `create(ListMemoryResponseSchema)` to create a new message.
  */
 export const ListMemoryResponseSchema: GenMessage<ListMemoryResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 37);
+  messageDesc(file_quayutec_v1_gateway, 39);
 
 /**
  * @generated from message quayutec.v1.UploadFileRequest
@@ -994,7 +1047,7 @@ export type UploadFileRequest = Message<"quayutec.v1.UploadFileRequest"> & {
  * Use `create(UploadFileRequestSchema)` to create a new message.
  */
 export const UploadFileRequestSchema: GenMessage<UploadFileRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 38);
+  messageDesc(file_quayutec_v1_gateway, 40);
 
 /**
  * @generated from message quayutec.v1.UploadFileResponse
@@ -1011,7 +1064,7 @@ export type UploadFileResponse = Message<"quayutec.v1.UploadFileResponse"> & {
  * Use `create(UploadFileResponseSchema)` to create a new message.
  */
 export const UploadFileResponseSchema: GenMessage<UploadFileResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 39);
+  messageDesc(file_quayutec_v1_gateway, 41);
 
 /**
  * @generated from message quayutec.v1.ListFilesRequest
@@ -1038,7 +1091,7 @@ export type ListFilesRequest = Message<"quayutec.v1.ListFilesRequest"> & {
  * Use `create(ListFilesRequestSchema)` to create a new message.
  */
 export const ListFilesRequestSchema: GenMessage<ListFilesRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 40);
+  messageDesc(file_quayutec_v1_gateway, 42);
 
 /**
  * @generated from message quayutec.v1.ListFilesResponse
@@ -1068,7 +1121,7 @@ export type ListFilesResponse = Message<"quayutec.v1.ListFilesResponse"> & {
  * Use `create(ListFilesResponseSchema)` to create a new message.
  */
 export const ListFilesResponseSchema: GenMessage<ListFilesResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 41);
+  messageDesc(file_quayutec_v1_gateway, 43);
 
 /**
  * @generated from message quayutec.v1.SearchPassagesRequest
@@ -1095,7 +1148,7 @@ export type SearchPassagesRequest = Message<"quayutec.v1.SearchPassagesRequest">
  * Use `create(SearchPassagesRequestSchema)` to create a new message.
  */
 export const SearchPassagesRequestSchema: GenMessage<SearchPassagesRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 42);
+  messageDesc(file_quayutec_v1_gateway, 44);
 
 /**
  * @generated from message quayutec.v1.SearchPassagesResponse
@@ -1112,7 +1165,7 @@ export type SearchPassagesResponse = Message<"quayutec.v1.SearchPassagesResponse
  * Use `create(SearchPassagesResponseSchema)` to create a new message.
  */
 export const SearchPassagesResponseSchema: GenMessage<SearchPassagesResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 43);
+  messageDesc(file_quayutec_v1_gateway, 45);
 
 /**
  * @generated from message quayutec.v1.ListRunsRequest
@@ -1134,6 +1187,34 @@ export type ListRunsRequest = Message<"quayutec.v1.ListRunsRequest"> & {
    * @generated from field: string page_token = 3;
    */
   pageToken: string;
+
+  /**
+   * Optional: only runs in this room (a room the caller's company left still lists its past runs).
+   *
+   * @generated from field: string room_id = 4;
+   */
+  roomId: string;
+
+  /**
+   * Optional: only runs with this status.
+   *
+   * @generated from field: quayutec.v1.RunStatus status = 5;
+   */
+  status: RunStatus;
+
+  /**
+   * Optional: only runs started at or after this time.
+   *
+   * @generated from field: google.protobuf.Timestamp started_after = 6;
+   */
+  startedAfter?: Timestamp | undefined;
+
+  /**
+   * Optional: only runs started before this time.
+   *
+   * @generated from field: google.protobuf.Timestamp started_before = 7;
+   */
+  startedBefore?: Timestamp | undefined;
 };
 
 /**
@@ -1141,7 +1222,7 @@ export type ListRunsRequest = Message<"quayutec.v1.ListRunsRequest"> & {
  * Use `create(ListRunsRequestSchema)` to create a new message.
  */
 export const ListRunsRequestSchema: GenMessage<ListRunsRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 44);
+  messageDesc(file_quayutec_v1_gateway, 46);
 
 /**
  * @generated from message quayutec.v1.ListRunsResponse
@@ -1163,7 +1244,7 @@ export type ListRunsResponse = Message<"quayutec.v1.ListRunsResponse"> & {
  * Use `create(ListRunsResponseSchema)` to create a new message.
  */
 export const ListRunsResponseSchema: GenMessage<ListRunsResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 45);
+  messageDesc(file_quayutec_v1_gateway, 47);
 
 /**
  * @generated from message quayutec.v1.GetRunRequest
@@ -1180,7 +1261,7 @@ export type GetRunRequest = Message<"quayutec.v1.GetRunRequest"> & {
  * Use `create(GetRunRequestSchema)` to create a new message.
  */
 export const GetRunRequestSchema: GenMessage<GetRunRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 46);
+  messageDesc(file_quayutec_v1_gateway, 48);
 
 /**
  * @generated from message quayutec.v1.GetRunResponse
@@ -1190,6 +1271,13 @@ export type GetRunResponse = Message<"quayutec.v1.GetRunResponse"> & {
    * @generated from field: quayutec.v1.Run run = 1;
    */
   run?: Run | undefined;
+
+  /**
+   * The approval the run parked on, when it parked: its held actions, their decisions and times.
+   *
+   * @generated from field: quayutec.v1.Waitpoint approval = 2;
+   */
+  approval?: Waitpoint | undefined;
 };
 
 /**
@@ -1197,7 +1285,7 @@ export type GetRunResponse = Message<"quayutec.v1.GetRunResponse"> & {
  * Use `create(GetRunResponseSchema)` to create a new message.
  */
 export const GetRunResponseSchema: GenMessage<GetRunResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 47);
+  messageDesc(file_quayutec_v1_gateway, 49);
 
 /**
  * @generated from message quayutec.v1.SetAgentRightsRequest
@@ -1251,7 +1339,7 @@ export type SetAgentRightsRequest = Message<"quayutec.v1.SetAgentRightsRequest">
  * Use `create(SetAgentRightsRequestSchema)` to create a new message.
  */
 export const SetAgentRightsRequestSchema: GenMessage<SetAgentRightsRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 48);
+  messageDesc(file_quayutec_v1_gateway, 50);
 
 /**
  * @generated from message quayutec.v1.SetAgentRightsResponse
@@ -1268,7 +1356,7 @@ export type SetAgentRightsResponse = Message<"quayutec.v1.SetAgentRightsResponse
  * Use `create(SetAgentRightsResponseSchema)` to create a new message.
  */
 export const SetAgentRightsResponseSchema: GenMessage<SetAgentRightsResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 49);
+  messageDesc(file_quayutec_v1_gateway, 51);
 
 /**
  * @generated from message quayutec.v1.GetAgentRightsRequest
@@ -1285,7 +1373,7 @@ export type GetAgentRightsRequest = Message<"quayutec.v1.GetAgentRightsRequest">
  * Use `create(GetAgentRightsRequestSchema)` to create a new message.
  */
 export const GetAgentRightsRequestSchema: GenMessage<GetAgentRightsRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 50);
+  messageDesc(file_quayutec_v1_gateway, 52);
 
 /**
  * @generated from message quayutec.v1.GetAgentRightsResponse
@@ -1312,7 +1400,7 @@ export type GetAgentRightsResponse = Message<"quayutec.v1.GetAgentRightsResponse
  * Use `create(GetAgentRightsResponseSchema)` to create a new message.
  */
 export const GetAgentRightsResponseSchema: GenMessage<GetAgentRightsResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 51);
+  messageDesc(file_quayutec_v1_gateway, 53);
 
 /**
  * @generated from message quayutec.v1.ListApprovalsRequest
@@ -1341,7 +1429,7 @@ export type ListApprovalsRequest = Message<"quayutec.v1.ListApprovalsRequest"> &
  * Use `create(ListApprovalsRequestSchema)` to create a new message.
  */
 export const ListApprovalsRequestSchema: GenMessage<ListApprovalsRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 52);
+  messageDesc(file_quayutec_v1_gateway, 54);
 
 /**
  * @generated from message quayutec.v1.ListApprovalsResponse
@@ -1371,7 +1459,7 @@ export type ListApprovalsResponse = Message<"quayutec.v1.ListApprovalsResponse">
  * Use `create(ListApprovalsResponseSchema)` to create a new message.
  */
 export const ListApprovalsResponseSchema: GenMessage<ListApprovalsResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 53);
+  messageDesc(file_quayutec_v1_gateway, 55);
 
 /**
  * @generated from message quayutec.v1.DecideApprovalRequest
@@ -1405,7 +1493,7 @@ export type DecideApprovalRequest = Message<"quayutec.v1.DecideApprovalRequest">
  * Use `create(DecideApprovalRequestSchema)` to create a new message.
  */
 export const DecideApprovalRequestSchema: GenMessage<DecideApprovalRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 54);
+  messageDesc(file_quayutec_v1_gateway, 56);
 
 /**
  * @generated from message quayutec.v1.DecideApprovalResponse
@@ -1432,7 +1520,7 @@ export type DecideApprovalResponse = Message<"quayutec.v1.DecideApprovalResponse
  * Use `create(DecideApprovalResponseSchema)` to create a new message.
  */
 export const DecideApprovalResponseSchema: GenMessage<DecideApprovalResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 55);
+  messageDesc(file_quayutec_v1_gateway, 57);
 
 /**
  * @generated from message quayutec.v1.WatchRoomRequest
@@ -1456,7 +1544,7 @@ export type WatchRoomRequest = Message<"quayutec.v1.WatchRoomRequest"> & {
  * Use `create(WatchRoomRequestSchema)` to create a new message.
  */
 export const WatchRoomRequestSchema: GenMessage<WatchRoomRequest> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 56);
+  messageDesc(file_quayutec_v1_gateway, 58);
 
 /**
  * Heartbeat says the stream is alive and has delivered everything up to `cursor` that the caller
@@ -1481,7 +1569,7 @@ export type WatchHeartbeat = Message<"quayutec.v1.WatchHeartbeat"> & {
  * Use `create(WatchHeartbeatSchema)` to create a new message.
  */
 export const WatchHeartbeatSchema: GenMessage<WatchHeartbeat> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 57);
+  messageDesc(file_quayutec_v1_gateway, 59);
 
 /**
  * WatchRoomResponse carries either events (one or more, in room order: a caller that reads slower
@@ -1506,7 +1594,383 @@ export type WatchRoomResponse = Message<"quayutec.v1.WatchRoomResponse"> & {
  * Use `create(WatchRoomResponseSchema)` to create a new message.
  */
 export const WatchRoomResponseSchema: GenMessage<WatchRoomResponse> = /*@__PURE__*/
-  messageDesc(file_quayutec_v1_gateway, 58);
+  messageDesc(file_quayutec_v1_gateway, 60);
+
+/**
+ * @generated from message quayutec.v1.WatchRoomsRequest
+ */
+export type WatchRoomsRequest = Message<"quayutec.v1.WatchRoomsRequest"> & {
+  /**
+   * Resume these rooms after these cursors (each room at most once); rooms not named start from now.
+   *
+   * @generated from field: repeated quayutec.v1.RoomCursor after = 1;
+   */
+  after: RoomCursor[];
+
+  /**
+   * Rooms not named in `after` start from the company's joining instead of from now, as a room joined
+   * while watching does: just before its newest MEMBER_JOINED event of the company among the room's
+   * newest 500 events (else from the oldest of those). Set it when resuming with every cursor you
+   * hold, so that a room joined while no stream was open is not missed.
+   *
+   * @generated from field: bool unnamed_from_joining = 2;
+   */
+  unnamedFromJoining: boolean;
+};
+
+/**
+ * Describes the message quayutec.v1.WatchRoomsRequest.
+ * Use `create(WatchRoomsRequestSchema)` to create a new message.
+ */
+export const WatchRoomsRequestSchema: GenMessage<WatchRoomsRequest> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 61);
+
+/**
+ * A room and a cursor of its event log.
+ *
+ * @generated from message quayutec.v1.RoomCursor
+ */
+export type RoomCursor = Message<"quayutec.v1.RoomCursor"> & {
+  /**
+   * @generated from field: string room_id = 1;
+   */
+  roomId: string;
+
+  /**
+   * @generated from field: int64 cursor = 2;
+   */
+  cursor: bigint;
+};
+
+/**
+ * Describes the message quayutec.v1.RoomCursor.
+ * Use `create(RoomCursorSchema)` to create a new message.
+ */
+export const RoomCursorSchema: GenMessage<RoomCursor> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 62);
+
+/**
+ * WatchRoomsHeartbeat says the stream is alive and has delivered, for every room it follows, everything
+ * up to that room's cursor that the caller may see; resuming after these cursors is exact.
+ *
+ * @generated from message quayutec.v1.WatchRoomsHeartbeat
+ */
+export type WatchRoomsHeartbeat = Message<"quayutec.v1.WatchRoomsHeartbeat"> & {
+  /**
+   * @generated from field: repeated quayutec.v1.RoomCursor rooms = 1;
+   */
+  rooms: RoomCursor[];
+
+  /**
+   * @generated from field: google.protobuf.Timestamp sent_at = 2;
+   */
+  sentAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message quayutec.v1.WatchRoomsHeartbeat.
+ * Use `create(WatchRoomsHeartbeatSchema)` to create a new message.
+ */
+export const WatchRoomsHeartbeatSchema: GenMessage<WatchRoomsHeartbeat> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 63);
+
+/**
+ * WatchRoomsResponse carries either events (one or more, of one or more rooms, each room's in its
+ * order) or a heartbeat.
+ *
+ * @generated from message quayutec.v1.WatchRoomsResponse
+ */
+export type WatchRoomsResponse = Message<"quayutec.v1.WatchRoomsResponse"> & {
+  /**
+   * @generated from field: repeated quayutec.v1.RoomEvent events = 1;
+   */
+  events: RoomEvent[];
+
+  /**
+   * @generated from field: quayutec.v1.WatchRoomsHeartbeat heartbeat = 2;
+   */
+  heartbeat?: WatchRoomsHeartbeat | undefined;
+};
+
+/**
+ * Describes the message quayutec.v1.WatchRoomsResponse.
+ * Use `create(WatchRoomsResponseSchema)` to create a new message.
+ */
+export const WatchRoomsResponseSchema: GenMessage<WatchRoomsResponse> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 64);
+
+/**
+ * @generated from message quayutec.v1.CreateSessionKeyRequest
+ */
+export type CreateSessionKeyRequest = Message<"quayutec.v1.CreateSessionKeyRequest"> & {
+  /**
+   * How long the key lives: 60 to 604800 seconds (7 days).
+   *
+   * @generated from field: int64 ttl_seconds = 1;
+   */
+  ttlSeconds: bigint;
+
+  /**
+   * A note shown by `quayutec keys list --sessions`; at most 200 bytes.
+   *
+   * @generated from field: string label = 2;
+   */
+  label: string;
+};
+
+/**
+ * Describes the message quayutec.v1.CreateSessionKeyRequest.
+ * Use `create(CreateSessionKeyRequestSchema)` to create a new message.
+ */
+export const CreateSessionKeyRequestSchema: GenMessage<CreateSessionKeyRequest> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 65);
+
+/**
+ * @generated from message quayutec.v1.CreateSessionKeyResponse
+ */
+export type CreateSessionKeyResponse = Message<"quayutec.v1.CreateSessionKeyResponse"> & {
+  /**
+   * @generated from field: string key_id = 1;
+   */
+  keyId: string;
+
+  /**
+   * The key itself (qyk_<key id>_<secret>), returned once and never stored.
+   *
+   * @generated from field: string secret = 2;
+   */
+  secret: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp expires_at = 3;
+   */
+  expiresAt?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message quayutec.v1.CreateSessionKeyResponse.
+ * Use `create(CreateSessionKeyResponseSchema)` to create a new message.
+ */
+export const CreateSessionKeyResponseSchema: GenMessage<CreateSessionKeyResponse> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 66);
+
+/**
+ * @generated from message quayutec.v1.EndSessionRequest
+ */
+export type EndSessionRequest = Message<"quayutec.v1.EndSessionRequest"> & {
+};
+
+/**
+ * Describes the message quayutec.v1.EndSessionRequest.
+ * Use `create(EndSessionRequestSchema)` to create a new message.
+ */
+export const EndSessionRequestSchema: GenMessage<EndSessionRequest> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 67);
+
+/**
+ * @generated from message quayutec.v1.EndSessionResponse
+ */
+export type EndSessionResponse = Message<"quayutec.v1.EndSessionResponse"> & {
+  /**
+   * @generated from field: string key_id = 1;
+   */
+  keyId: string;
+};
+
+/**
+ * Describes the message quayutec.v1.EndSessionResponse.
+ * Use `create(EndSessionResponseSchema)` to create a new message.
+ */
+export const EndSessionResponseSchema: GenMessage<EndSessionResponse> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 68);
+
+/**
+ * ApiKey is one API key of a company as listed: never its secret or its hash.
+ *
+ * @generated from message quayutec.v1.ApiKey
+ */
+export type ApiKey = Message<"quayutec.v1.ApiKey"> & {
+  /**
+   * @generated from field: string key_id = 1;
+   */
+  keyId: string;
+
+  /**
+   * @generated from field: string label = 2;
+   */
+  label: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp created_at = 3;
+   */
+  createdAt?: Timestamp | undefined;
+
+  /**
+   * Set once revoked.
+   *
+   * @generated from field: google.protobuf.Timestamp revoked_at = 4;
+   */
+  revokedAt?: Timestamp | undefined;
+
+  /**
+   * A session key (a console sign-in, CreateSessionKey), with the company key that made it and its expiry.
+   *
+   * @generated from field: bool session = 5;
+   */
+  session: boolean;
+
+  /**
+   * @generated from field: string parent_key_id = 6;
+   */
+  parentKeyId: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp expires_at = 7;
+   */
+  expiresAt?: Timestamp | undefined;
+
+  /**
+   * The key this call was made with, or the company key of the session key it was made with.
+   *
+   * @generated from field: bool current = 8;
+   */
+  current: boolean;
+};
+
+/**
+ * Describes the message quayutec.v1.ApiKey.
+ * Use `create(ApiKeySchema)` to create a new message.
+ */
+export const ApiKeySchema: GenMessage<ApiKey> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 69);
+
+/**
+ * @generated from message quayutec.v1.CreateApiKeyRequest
+ */
+export type CreateApiKeyRequest = Message<"quayutec.v1.CreateApiKeyRequest"> & {
+  /**
+   * A note to tell keys apart (e.g. "ci"); at most 200 bytes.
+   *
+   * @generated from field: string label = 1;
+   */
+  label: string;
+};
+
+/**
+ * Describes the message quayutec.v1.CreateApiKeyRequest.
+ * Use `create(CreateApiKeyRequestSchema)` to create a new message.
+ */
+export const CreateApiKeyRequestSchema: GenMessage<CreateApiKeyRequest> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 70);
+
+/**
+ * @generated from message quayutec.v1.CreateApiKeyResponse
+ */
+export type CreateApiKeyResponse = Message<"quayutec.v1.CreateApiKeyResponse"> & {
+  /**
+   * @generated from field: quayutec.v1.ApiKey key = 1;
+   */
+  key?: ApiKey | undefined;
+
+  /**
+   * The key itself (qyk_<key id>_<secret>), returned once and never stored.
+   *
+   * @generated from field: string secret = 2;
+   */
+  secret: string;
+};
+
+/**
+ * Describes the message quayutec.v1.CreateApiKeyResponse.
+ * Use `create(CreateApiKeyResponseSchema)` to create a new message.
+ */
+export const CreateApiKeyResponseSchema: GenMessage<CreateApiKeyResponse> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 71);
+
+/**
+ * @generated from message quayutec.v1.ListApiKeysRequest
+ */
+export type ListApiKeysRequest = Message<"quayutec.v1.ListApiKeysRequest"> & {
+  /**
+   * List session keys too (each with the company key that made it).
+   *
+   * @generated from field: bool include_sessions = 1;
+   */
+  includeSessions: boolean;
+
+  /**
+   * @generated from field: int32 page_size = 2;
+   */
+  pageSize: number;
+
+  /**
+   * @generated from field: string page_token = 3;
+   */
+  pageToken: string;
+};
+
+/**
+ * Describes the message quayutec.v1.ListApiKeysRequest.
+ * Use `create(ListApiKeysRequestSchema)` to create a new message.
+ */
+export const ListApiKeysRequestSchema: GenMessage<ListApiKeysRequest> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 72);
+
+/**
+ * @generated from message quayutec.v1.ListApiKeysResponse
+ */
+export type ListApiKeysResponse = Message<"quayutec.v1.ListApiKeysResponse"> & {
+  /**
+   * @generated from field: repeated quayutec.v1.ApiKey keys = 1;
+   */
+  keys: ApiKey[];
+
+  /**
+   * @generated from field: string next_page_token = 2;
+   */
+  nextPageToken: string;
+};
+
+/**
+ * Describes the message quayutec.v1.ListApiKeysResponse.
+ * Use `create(ListApiKeysResponseSchema)` to create a new message.
+ */
+export const ListApiKeysResponseSchema: GenMessage<ListApiKeysResponse> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 73);
+
+/**
+ * @generated from message quayutec.v1.RevokeApiKeyRequest
+ */
+export type RevokeApiKeyRequest = Message<"quayutec.v1.RevokeApiKeyRequest"> & {
+  /**
+   * @generated from field: string key_id = 1;
+   */
+  keyId: string;
+};
+
+/**
+ * Describes the message quayutec.v1.RevokeApiKeyRequest.
+ * Use `create(RevokeApiKeyRequestSchema)` to create a new message.
+ */
+export const RevokeApiKeyRequestSchema: GenMessage<RevokeApiKeyRequest> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 74);
+
+/**
+ * @generated from message quayutec.v1.RevokeApiKeyResponse
+ */
+export type RevokeApiKeyResponse = Message<"quayutec.v1.RevokeApiKeyResponse"> & {
+  /**
+   * @generated from field: quayutec.v1.ApiKey key = 1;
+   */
+  key?: ApiKey | undefined;
+};
+
+/**
+ * Describes the message quayutec.v1.RevokeApiKeyResponse.
+ * Use `create(RevokeApiKeyResponseSchema)` to create a new message.
+ */
+export const RevokeApiKeyResponseSchema: GenMessage<RevokeApiKeyResponse> = /*@__PURE__*/
+  messageDesc(file_quayutec_v1_gateway, 75);
 
 /**
  * GatewayService is the only public door. Every call carries `authorization: Bearer <api key>`
@@ -1566,8 +2030,9 @@ export const GatewayService: GenService<{
     output: typeof InviteCompanyResponseSchema;
   },
   /**
-   * ListInvitations to the caller's company, oldest first: pending ones unless status says otherwise.
-   * Errors: INVALID_ARGUMENT (bad status or page token).
+   * ListInvitations to the caller's company (or, with sent, those it sent to other companies), oldest
+   * first: pending ones unless status says otherwise. Each names the room, the inviting and the invited
+   * company. Errors: INVALID_ARGUMENT (bad status or page token).
    *
    * @generated from rpc quayutec.v1.GatewayService.ListInvitations
    */
@@ -1631,7 +2096,7 @@ export const GatewayService: GenService<{
     output: typeof RemoveMemberResponseSchema;
   },
   /**
-   * ListMembers of a room. Errors: INVALID_ARGUMENT, NOT_FOUND.
+   * ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND.
    *
    * @generated from rpc quayutec.v1.GatewayService.ListMembers
    */
@@ -1654,7 +2119,11 @@ export const GatewayService: GenService<{
     output: typeof RegisterAgentResponseSchema;
   },
   /**
-   * ListAgents of the caller's company. Errors: INVALID_ARGUMENT.
+   * ListAgents of the caller's company; with room_id, the agents in that room instead (those of
+   * every member company, so people can mention them by name), another company's agent with its id,
+   * name, company and created_at only (the room's rule `room-agents`, docs/rules.md). Each agent
+   * carries its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND (the room, or the caller is not
+   * a member).
    *
    * @generated from rpc quayutec.v1.GatewayService.ListAgents
    */
@@ -1684,6 +2153,17 @@ export const GatewayService: GenService<{
     methodKind: "unary";
     input: typeof ListMessagesRequestSchema;
     output: typeof ListMessagesResponseSchema;
+  },
+  /**
+   * GetMessage: one message of a room (with the run that posted it, for an agent's reply).
+   * Errors: INVALID_ARGUMENT, NOT_FOUND (room, or no such message in it).
+   *
+   * @generated from rpc quayutec.v1.GatewayService.GetMessage
+   */
+  getMessage: {
+    methodKind: "unary";
+    input: typeof GetMessageRequestSchema;
+    output: typeof GetMessageResponseSchema;
   },
   /**
    * SendTask from a person of the caller's company to an agent in the room, waking the agent.
@@ -1771,8 +2251,9 @@ export const GatewayService: GenService<{
     output: typeof SearchPassagesResponseSchema;
   },
   /**
-   * ListRuns of the caller's own agents, newest first. Errors: INVALID_ARGUMENT, NOT_FOUND (agent not
-   * the caller's).
+   * ListRuns of the caller's own agents, newest first, optionally of one agent, one room, one status
+   * and a range of start times. Errors: INVALID_ARGUMENT (a bad status, a range that ends before it
+   * starts, a page token handed out for other filters), NOT_FOUND (agent not the caller's).
    *
    * @generated from rpc quayutec.v1.GatewayService.ListRuns
    */
@@ -1782,7 +2263,8 @@ export const GatewayService: GenService<{
     output: typeof ListRunsResponseSchema;
   },
   /**
-   * GetRun of one of the caller's agents. Errors: INVALID_ARGUMENT, NOT_FOUND.
+   * GetRun of one of the caller's agents, with the approval it parked on (held actions and who
+   * decided them when) if it parked. Errors: INVALID_ARGUMENT, NOT_FOUND.
    *
    * @generated from rpc quayutec.v1.GatewayService.GetRun
    */
@@ -1849,8 +2331,11 @@ export const GatewayService: GenService<{
    * The stream ends with NOT_FOUND when the caller's company is not (or no longer) a member,
    * OUT_OF_RANGE when `after` is older than the events kept (the message says what is kept;
    * reload with the List RPCs and watch from now), and RESOURCE_EXHAUSTED when the caller reads
-   * too slowly to keep up (resume from the last cursor received). Each open stream counts
-   * against the Gateway's limit of concurrent RPCs.
+   * too slowly to keep up (resume from the last cursor received). An `after` past the room's newest
+   * event is OUT_OF_RANGE (the message names the newest). Each open stream counts against the
+   * Gateway's limit of concurrent RPCs, its per-company limit of open streams and its replica-wide
+   * limit of watches (RESOURCE_EXHAUSTED, the message naming which limit and its value). A stream
+   * ends with UNAUTHENTICATED within seconds when its key is revoked or expires.
    *
    * @generated from rpc quayutec.v1.GatewayService.WatchRoom
    */
@@ -1858,6 +2343,102 @@ export const GatewayService: GenService<{
     methodKind: "server_streaming";
     input: typeof WatchRoomRequestSchema;
     output: typeof WatchRoomResponseSchema;
+  },
+  /**
+   * WatchRooms streams the events of every room of the caller's company in one stream: each room's
+   * events exactly once and in that room's order (rooms interleave). Cursors are per room: resume by
+   * passing, for each room, the cursor of its last event or of the last heartbeat received; rooms not
+   * named start from now (from their joining with unnamed_from_joining), and a named room the company
+   * is no longer a member of is skipped.
+   * A room the company joins while watching is followed from its joining (its MEMBER_JOINED event is
+   * the first of that room on the stream); a room it leaves or is removed from ends with the
+   * MEMBER_LEFT event of the caller's company, and later heartbeats no longer list it.
+   * A heartbeat lists every room followed with its cursor: it comes when every room has caught up,
+   * whenever the rooms followed change, and whenever the stream is otherwise idle.
+   * Errors: INVALID_ARGUMENT (a malformed room id, a negative cursor, a room named twice, more rooms
+   * named than the stream follows), OUT_OF_RANGE (a cursor past its room's newest event, or older than
+   * the events kept), RESOURCE_EXHAUSTED (the company is a member of more rooms than one stream
+   * follows, the per-company or replica-wide stream limit, or the caller reads too slowly: resume from
+   * the last cursors received), UNAUTHENTICATED (the key was revoked or expired while watching).
+   * An OUT_OF_RANGE answer names its room in the `quayutec-room-id` trailer and, for a cursor past the
+   * room's end, the room's newest cursor in `quayutec-newest-cursor` (WatchRoom's too).
+   *
+   * @generated from rpc quayutec.v1.GatewayService.WatchRooms
+   */
+  watchRooms: {
+    methodKind: "server_streaming";
+    input: typeof WatchRoomsRequestSchema;
+    output: typeof WatchRoomsResponseSchema;
+  },
+  /**
+   * CreateSessionKey makes a short-lived key of the caller's company (what a console sign-in uses):
+   * it works like the key that made it until it expires or is ended, and is revoked with that key.
+   * Errors: INVALID_ARGUMENT (ttl_seconds out of range, label too long), PERMISSION_DENIED (called
+   * with a session key: a session key cannot make another), RESOURCE_EXHAUSTED (the calling key
+   * already has the most live session keys allowed; the message names the limit).
+   *
+   * @generated from rpc quayutec.v1.GatewayService.CreateSessionKey
+   */
+  createSessionKey: {
+    methodKind: "unary";
+    input: typeof CreateSessionKeyRequestSchema;
+    output: typeof CreateSessionKeyResponseSchema;
+  },
+  /**
+   * EndSession revokes the session key the call is made with: every later call with it answers
+   * UNAUTHENTICATED, and its open streams end on every Gateway replica within seconds. Ending an
+   * ended session is not possible (the call itself is refused as UNAUTHENTICATED).
+   * Errors: FAILED_PRECONDITION (the calling key is not a session key: revoke a company key with
+   * `quayutec keys revoke`).
+   *
+   * @generated from rpc quayutec.v1.GatewayService.EndSession
+   */
+  endSession: {
+    methodKind: "unary";
+    input: typeof EndSessionRequestSchema;
+    output: typeof EndSessionResponseSchema;
+  },
+  /**
+   * CreateApiKey makes a new API key of the caller's company; its secret is in the answer once and
+   * never again (only its hash is kept). Only a company key may make one: a session key cannot, so a
+   * copied sign-in can never outlive its own revocation by minting a lasting key.
+   * Errors: INVALID_ARGUMENT (label over 200 bytes), PERMISSION_DENIED (called with a session key),
+   * RESOURCE_EXHAUSTED (the company already has the most live keys allowed; the message names the
+   * setting).
+   *
+   * @generated from rpc quayutec.v1.GatewayService.CreateApiKey
+   */
+  createApiKey: {
+    methodKind: "unary";
+    input: typeof CreateApiKeyRequestSchema;
+    output: typeof CreateApiKeyResponseSchema;
+  },
+  /**
+   * ListApiKeys of the caller's company, oldest first: ids, labels, times and state, never a secret
+   * or a hash. Any key of the company may list (session keys too); session keys are listed only with
+   * include_sessions. Errors: INVALID_ARGUMENT (bad page token).
+   *
+   * @generated from rpc quayutec.v1.GatewayService.ListApiKeys
+   */
+  listApiKeys: {
+    methodKind: "unary";
+    input: typeof ListApiKeysRequestSchema;
+    output: typeof ListApiKeysResponseSchema;
+  },
+  /**
+   * RevokeApiKey revokes a key of the caller's company at once (its session keys with it; their open
+   * streams end within seconds on every replica). Revoking a revoked key answers it as it is. Any key
+   * of the company may revoke (revoking grants nothing); revoking the key the call is made with, or
+   * the company key of the calling session key, ends the caller's own access too.
+   * Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
+   * answers exactly as an unknown one).
+   *
+   * @generated from rpc quayutec.v1.GatewayService.RevokeApiKey
+   */
+  revokeApiKey: {
+    methodKind: "unary";
+    input: typeof RevokeApiKeyRequestSchema;
+    output: typeof RevokeApiKeyResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_quayutec_v1_gateway, 0);
