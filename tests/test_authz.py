@@ -1,9 +1,10 @@
 """Least privilege, pinned by a specification written here by hand: for every RPC of every service
 our protos declare, who may call it. It is on purpose not read from ``quayutec.authz.RPC_CALLERS``:
 the code's table is compared with it, and so are the running servers (each internal RPC called as
-every identity, each Gateway RPC with and without a company's key). An RPC with no row here fails by
-name until someone writes down who may call it; a row in the code or a server that admits more than
-this specification fails too. Provider keys reach the Runtime's identity only."""
+every identity; each Gateway RPC with no key, an unknown key, a company's key and a session key).
+An RPC with no row here fails by name until someone writes down who may call it; a row in the code
+or a server that admits more than this specification fails too. Provider keys reach the Runtime's
+identity only."""
 
 from __future__ import annotations
 
@@ -66,6 +67,7 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
         "GetAgentCredentials": _R,  # carries a provider key
         "PostMessage": _GR,  # people through the Gateway, agents' replies through the Runtime
         "ListMessages": _G,
+        "GetMessage": _G,  # one message, read through the public API (the console's message page)
         "CreateTask": _GR,
         "UpdateTask": _GR,
         "GetTask": _G,
@@ -116,6 +118,7 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
         "ListAgents": _KEY,
         "PostMessage": _KEY,
         "ListMessages": _KEY,
+        "GetMessage": _KEY,
         "SendTask": _KEY,
         "UpdateTask": _KEY,
         "ListTasks": _KEY,
@@ -134,6 +137,10 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
         "WatchRooms": _KEY,
         "CreateSessionKey": frozenset({COMPANY_KEY}),  # a session key cannot make another
         "EndSession": frozenset({SESSION_KEY}),  # a company key is revoked with `quayutec keys revoke`
+        # A session key cannot make a company key: a key it made would outlive the session (docs/api.md).
+        "CreateApiKey": frozenset({COMPANY_KEY}),
+        "ListApiKeys": _KEY,
+        "RevokeApiKey": _KEY,  # revoking grants nothing, so a session may stop a leaked key
     },
 }
 INTERNAL_SERVICES = (ROOM_SERVICE, CLAIMS_SERVICE, RUNTIME_SERVICE)
@@ -304,7 +311,11 @@ async def test_every_internal_rpc_admits_exactly_its_callers(servers: Servers) -
 
 # A request each caller is judged on where the refusal comes after the request is checked (an empty
 # one would be refused for itself first).
-JUDGED_ON = {"CreateSessionKey": gateway_pb2.CreateSessionKeyRequest(ttl_seconds=600)}
+JUDGED_ON = {
+    "CreateSessionKey": gateway_pb2.CreateSessionKeyRequest(ttl_seconds=600),
+    # A well-formed key id no company has: the handler looks it up (NOT_FOUND) and revokes nothing.
+    "RevokeApiKey": gateway_pb2.RevokeApiKeyRequest(key_id=str(uuid.uuid4())),
+}
 # RPCs that end the key they are called with: each call of one gets a fresh session key.
 ENDS_ITS_KEY = {"EndSession"}
 # How the Gateway refuses a key an RPC's row does not name.
