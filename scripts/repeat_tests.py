@@ -1,6 +1,6 @@
 """The flake check behind `make test-repeat`: the console, delivery and held-action tests, N rounds in
 a row, while one busy-loop process per core keeps the CPU saturated. Prints each round's outcome and
-the pass count; exits non-zero unless every round passed.
+the pass count (each test's, and the rounds'); exits non-zero unless every round passed.
 
 Each hog is bounded: it spins only while this script lives (it checks its parent) and never longer
 than ``--hog-max-seconds``, so none outlives an interrupted run. A failed round's pytest output is
@@ -51,15 +51,20 @@ def cpu_hogs(count: int, max_seconds: float) -> Iterator[list[subprocess.Popen[b
             hog.wait(timeout=30)
 
 
-def counts_from(junit: Path) -> tuple[int, int]:
-    """(passed, run) from a pytest JUnit report; (0, 0) when pytest wrote none."""
+def outcomes_from(junit: Path) -> dict[str, bool]:
+    """Each test's outcome (passed or not) from a pytest JUnit report; empty when pytest wrote none.
+    A skipped test is no outcome (the repeated tests have no skips; one would show as missing)."""
     if not junit.exists():
-        return 0, 0
-    run = failed = 0
-    for suite in ET.parse(junit).getroot().iter("testsuite"):
-        run += int(suite.get("tests", 0)) - int(suite.get("skipped", 0))
-        failed += int(suite.get("failures", 0)) + int(suite.get("errors", 0))
-    return run - failed, run
+        return {}
+    outcomes: dict[str, bool] = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        if case.find("skipped") is not None:
+            continue
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        failed = case.find("failure") is not None or case.find("error") is not None
+        # A test that passed but failed at teardown appears twice: it counts as failed.
+        outcomes[name] = outcomes.get(name, True) and not failed
+    return outcomes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -77,6 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     pytest = [sys.executable, "-m", "pytest", "-q", *TESTS, *opts.pytest_args]
     print(f"test-repeat: {opts.rounds} rounds of {', '.join(TESTS)} under {opts.hogs} CPU hogs; logs in {logs}")
     rounds_passed = tests_passed = tests_run = 0
+    per_test: dict[str, list[int]] = {}  # test → [rounds passed, rounds run]
     started = time.monotonic()
     n = 0
     with cpu_hogs(opts.hogs, opts.hog_max_seconds), contextlib.suppress(KeyboardInterrupt):
@@ -85,7 +91,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             began = time.monotonic()
             with log.open("wb") as out:
                 code = subprocess.call([*pytest, f"--junitxml={junit}"], cwd=REPO, stdout=out, stderr=out)
-            passed, run = counts_from(junit)
+            outcomes = outcomes_from(junit)
+            for name, ok in outcomes.items():
+                tally = per_test.setdefault(name, [0, 0])
+                tally[0] += ok
+                tally[1] += 1
+            passed, run = sum(outcomes.values()), len(outcomes)
             tests_passed, tests_run = tests_passed + passed, tests_run + run
             if code == 0:
                 rounds_passed += 1
@@ -96,6 +107,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         n += 1  # every round ran
     minutes = (time.monotonic() - started) / 60
     stopped = "" if n > opts.rounds else f" (interrupted in round {n})"
+    for name, (passes, runs) in sorted(per_test.items()):
+        print(f"  {passes}/{runs} {name}")
     print(
         f"test-repeat: {rounds_passed}/{opts.rounds} rounds passed{stopped}, {tests_passed}/{tests_run} tests "
         f"passed, under {opts.hogs} CPU hogs, in {minutes:.1f} min"
