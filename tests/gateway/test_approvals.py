@@ -25,11 +25,6 @@ HOLD, DENY, AUTO = common_pb2.ACTION_RIGHT_HOLD, common_pb2.ACTION_RIGHT_DENY, c
 @pytest.fixture
 async def room_stub(room_addr: str) -> AsyncIterator[room_pb2_grpc.RoomServiceStub]:
     async with callers_stub(room_addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as stub:
-        try:
-            await stub.ListWaitpoints(room_pb2.RoomServiceListWaitpointsRequest(company_id=str(uuid.uuid4())))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                pytest.skip("the Room does not implement rights and waitpoints yet")
         yield stub
 
 
