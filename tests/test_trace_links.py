@@ -18,9 +18,9 @@ from typing import Any
 
 from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from quayutec.ledger import run_id_for
 from quayutec.telemetry import SpanCapture, service_version
 from quayutec.v1 import common_pb2, gateway_pb2
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.gateway import ended_run, run_reaching
 from tests.harness.otlp import Collector, Got, flushed_until

@@ -9,9 +9,9 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
+from quayutec.ledger import run_id_for
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.model import RetryPolicy
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.gateway import CompanyKey, authed_gateway, ended_run, make_company, running_gateway

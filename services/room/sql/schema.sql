@@ -197,6 +197,9 @@ CREATE TABLE runs (
     started_at timestamptz NOT NULL DEFAULT now(),
     updated_at timestamptz NOT NULL DEFAULT now(),
     ended_at timestamptz,
+    -- The delivery whose run holds the row (its claimant token; '' on a not_started row): the fence
+    -- that lets at most one run of a wake read the room (upsert_run_with_before).
+    attempt text NOT NULL DEFAULT '',
     -- Every trace id of the run, oldest first (trace_id is the first).
     trace_ids text[] NOT NULL DEFAULT '{}'
 );
@@ -224,6 +227,9 @@ CREATE TABLE wake_outbox (
     delivery_attempts integer NOT NULL DEFAULT 0,
     delivered_at timestamptz,
     last_error text,
+    -- Housekeeping looked for the ledger row of this undelivered wake's run (and wrote a not_started
+    -- one when there was none); a wake is looked at once.
+    run_checked boolean NOT NULL DEFAULT false,
     -- The W3C trace context of the span whose transaction created the wake ('' when not traced).
     traceparent text NOT NULL DEFAULT '',
     CONSTRAINT wake_outbox_source_key UNIQUE (agent_id, kind, source_id)
