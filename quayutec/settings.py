@@ -434,6 +434,22 @@ _DECLARED: list[Setting] = [
         shown="5",
     ),
     _g(
+        "QUAYUTEC_GATEWAY_KEY_CACHE_SIZE",
+        0,
+        "API keys whose lookup authentication keeps in memory (0, the default: every call's key is looked up,"
+        " so a revoked key is refused from its revocation's commit); kept keys are used only while the replica"
+        " listens for revocations (QUAYUTEC_GATEWAY_KEY_NOTIFY), and one revoked elsewhere than through this"
+        " replica is refused once its notification arrives (milliseconds later)",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_KEY_CACHE_SECONDS",
+        30.0,
+        "longest a kept key lookup is used before the key is read again",
+        ["gateway"],
+        shown="30",
+    ),
+    _g(
         "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST",
         20,
         "failed authentications allowed at once per source address and per key id; beyond, refused"

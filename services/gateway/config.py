@@ -112,6 +112,14 @@ class StreamsConfig:
 
 
 @dataclass(frozen=True)
+class KeyCacheConfig:
+    """How many API keys, and how long each, authentication keeps in memory (0 keys, the default: no cache)."""
+
+    size: int = 0
+    seconds: float = 30.0
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Where the Gateway listens, whom it calls, its key database, TLS, rate limits and delivery."""
 
@@ -130,6 +138,8 @@ class GatewayConfig:
     delivery: DeliveryConfig = DeliveryConfig()
     watch: WatchConfig = WatchConfig()
     streams: StreamsConfig = StreamsConfig()
+    # Key lookups kept in memory while revocations are listened for (services/gateway/keycache.py).
+    key_cache: KeyCacheConfig = KeyCacheConfig()
     # Failed authentications per source address and per key id.
     auth_throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     # Most live session keys (CreateSessionKey) of one company key.
@@ -187,6 +197,10 @@ class GatewayConfig:
             revocation_notify=env_bool(env, setting(f"{p}KEY_NOTIFY")),
             recheck_seconds=env_float(env, setting(f"{p}KEY_RECHECK_SECONDS"), minimum=0.05),
         )
+        key_cache = KeyCacheConfig(
+            size=env_int(env, setting(f"{p}KEY_CACHE_SIZE")),
+            seconds=env_float(env, setting(f"{p}KEY_CACHE_SECONDS"), minimum=0.001),
+        )
         auth_throttle = ThrottleConfig(
             rate_per_second=env_float(env, setting(f"{p}AUTH_FAILURE_RATE")),
             burst=env_int(env, setting(f"{p}AUTH_FAILURE_BURST"), minimum=1),
@@ -206,6 +220,7 @@ class GatewayConfig:
             delivery=delivery,
             watch=watch,
             streams=streams,
+            key_cache=key_cache,
             auth_throttle=auth_throttle,
             max_session_keys=env_int(env, setting(f"{p}MAX_SESSION_KEYS"), minimum=1),
             max_api_keys=env_int(env, setting(f"{p}MAX_API_KEYS"), minimum=1),
