@@ -400,6 +400,15 @@ _DECLARED: list[Setting] = [
         ["gateway"],
     ),
     _g(
+        "QUAYUTEC_GATEWAY_WATCH_COALESCE_MS",
+        100.0,
+        "a busy room's new events (one read for its watchers less than a second before) are read this long"
+        " after their notification, so what is posted meanwhile reaches every watcher in one response (fewer"
+        " sends per event, that much later); a quiet room's event is read at once (0: always at once)",
+        ["gateway"],
+        shown="100",
+    ),
+    _g(
         "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS",
         900,
         "WatchRoom and WatchRooms streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also"

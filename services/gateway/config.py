@@ -87,6 +87,9 @@ class WatchConfig:
     heartbeat_seconds: float = 15.0
     # While the LISTEN connection is down, streams re-read their room this often instead.
     check_seconds: float = 0.5
+    # A busy room's new events are read this long after their notification (what is posted meanwhile
+    # goes out in the same response); a quiet room's at once.
+    coalesce_ms: float = 100.0
     # Most WatchRoom and WatchRooms streams this replica serves at once (each also counts against the
     # server's concurrent RPC limit); beyond it they answer RESOURCE_EXHAUSTED.
     max_streams: int = 900
@@ -190,6 +193,7 @@ class GatewayConfig:
             heartbeat_seconds=env_float(env, setting(f"{p}WATCH_HEARTBEAT_SECONDS"), minimum=0.01),
             check_seconds=env_float(env, setting(f"{p}WATCH_CHECK_SECONDS"), minimum=0.01),
             max_streams=env_int(env, setting(f"{p}WATCH_MAX_STREAMS"), minimum=1),
+            coalesce_ms=env_float(env, setting(f"{p}WATCH_COALESCE_MS")),
             max_rooms=env_int(env, setting(f"{p}WATCH_MAX_ROOMS"), minimum=1),
         )
         streams = StreamsConfig(
