@@ -363,4 +363,7 @@ async def approval_events(request: Request) -> Response:
             confirmed = True
 
     request_after = [gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in after.items()]
-    return await relay(request, s, s.client.WatchRooms(gateway_pb2.WatchRoomsRequest(after=request_after)), chunks)
+    # Resuming: a room the company joined while no stream was open is not among the cursors; follow it
+    # from its joining so a run parked there meanwhile is not missed.
+    watch = gateway_pb2.WatchRoomsRequest(after=request_after, unnamed_from_joining=bool(request_after))
+    return await relay(request, s, s.client.WatchRooms(watch), chunks)

@@ -280,3 +280,28 @@ async def test_bad_cursors_of_any_size_are_400_with_words(database_url: str, cap
             answer = await client.get("/approvals/events", params={"after": token})
             assert answer.status_code == 400 and "cursors this console handed out" in answer.text, token[:20]
     assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
+async def test_approvals_resume_follows_a_room_joined_while_the_page_was_away(database_url: str) -> None:
+    # The approvals page resumes with the cursors it was handed; a room its company joined while no
+    # stream was open is not among them, and must be followed from its joining, not from now.
+    async with world(database_url) as w:
+        await create_room(w.acme_gw, "known")
+        async with running_console(w.gateway_addr) as base, browser(base) as tab:
+            await signed_in(tab, w.acme.secret)
+            token = ""
+            async with tab.stream("GET", "/approvals/events") as response:
+                assert response.status_code == 200
+                last_id = ""
+                async for line in response.aiter_lines():
+                    if line.startswith("id: "):
+                        last_id = line[4:]
+                    elif line == "event: live":
+                        token = last_id
+                        break
+            assert token, "the first live event carries the cursors to resume from"
+            joined = await create_room(w.globex_gw, "joined while away")
+            await join_room(w.globex_gw, w.acme_gw, joined.room_id)
+            async with events(tab, "/approvals/events", **{"last-event-id": token}) as (resumed, items):
+                assert resumed.status_code == 200
+                assert (await until(items, "changed"))["room_id"] == joined.room_id
