@@ -18,7 +18,7 @@ TS_STAMP := $(TS_CLIENT)/node_modules/.installed
 # fresh venv without reaching any index.
 WHEELHOUSE := $(VENV)/wheelhouse
 
-.PHONY: demo test test-cluster lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
+.PHONY: demo test test-cluster test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
 # The venv itself, once; pip's cache (~/.cache/pip) serves what was downloaded before.
 $(BIN)/python:
@@ -77,6 +77,12 @@ $(WHEELHOUSE)/.complete: $(STAMP) clients/python/pyproject.toml
 
 pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(WHEELHOUSE)/.complete
 	$(BIN)/pytest
+
+# The flake check: the console, delivery and held-action tests N times (default 20) under one
+# busy-loop process per core; prints the pass count. `make test-repeat N=5`.
+N ?= 20
+test-repeat: $(STAMP)
+	$(BIN)/python scripts/repeat_tests.py --rounds $(N)
 
 # The multi-host bed's tests (tests/cluster): faults across a network of namespaces, as root, in
 # namespaces of their own (`unshare`); about 8 minutes. `.ci/run` runs them after `make test`.

@@ -22,10 +22,10 @@ import asyncpg
 import httpx
 
 from quayutec.crypto import MultiFernet
+from quayutec.ledger import run_id_for
 from quayutec.sql import Queries
 from services.runtime.model import DECLARED_ACTIONS, ChatMessage, ModelRequest, ModelTarget
 from services.runtime.model import anthropic as anthropic_wire
-from services.runtime.run import run_id_for
 
 MAX_KEY = 2**63 - 1
 CLAIM_SQL = (

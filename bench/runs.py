@@ -79,10 +79,10 @@ from bench.common import (
 from bench.run_steps import RunSteps, StepRunner, agent_run, direct
 from quayutec.crypto import Fernet, MultiFernet
 from quayutec.db import create_pool
+from quayutec.ledger import run_id_for
 from quayutec.sql import Queries
 from quayutec.tls import GATEWAY
 from quayutec.v1 import common_pb2, runtime_pb2, runtime_pb2_grpc
-from services.runtime.run import run_id_for
 
 ROOM_WAIT_SECONDS = 600.0
 OURS = "quayutec"

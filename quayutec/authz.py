@@ -89,6 +89,7 @@ _ROOM: dict[str, frozenset[str]] = {
     "CountPendingWakes": _G,
     "ExpireWaitpoints": _G,
     "AbandonStaleRuns": _G,
+    "RecordNotStartedRuns": _G,
     # Rights and held actions: set and decided by companies through the Gateway; a run holds an
     # action (CreateWaitpoint) and reads its decision (GetWaitpoint).
     "SetAgentRights": _G,

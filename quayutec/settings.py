@@ -275,7 +275,7 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_RUNTIME_FAILPOINTS",
         "",
-        "comma-separated step boundaries where a run pauses forever (crash tests only)",
+        "comma-separated step boundaries where a run pauses until the process gets SIGUSR1 (crash tests only)",
         ["runtime"],
     ),
     # Gateway
@@ -342,7 +342,7 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS",
         5.0,
-        "how often expired waitpoints and abandoned runs are ended",
+        "how often the housekeeping runs: expired waitpoints and abandoned runs are ended, runs not started recorded",
         ["gateway"],
         shown="5",
     ),
@@ -351,6 +351,13 @@ _DECLARED: list[Setting] = [
         600,
         "a run with no progress recorded this long (RUNNING and untouched, or PARKED with its waitpoint decided or "
         "expired) is ended FAILED as abandoned; keep it above the Runtime's RUN_SECONDS",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_NOT_STARTED_AFTER_SECONDS",
+        60,
+        "a wake this old, delivered and still pending with no ledger row (its runs stopped before the room "
+        "read) gets a NOT_STARTED row saying so, within an EXPIRE_INTERVAL more; it is delivered again",
         ["gateway"],
     ),
     _g(

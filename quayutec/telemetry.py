@@ -421,6 +421,16 @@ class Metrics:
         self._claims_refused = meter.create_counter(
             "quayutec.claims.refused", unit="{claim}", description="StartRun calls whose claim was refused"
         )
+        self._runs_taken_over = meter.create_counter(
+            "quayutec.runs.taken_over",
+            unit="{run}",
+            description="Runs that took a wake over whose claim's own run never read the room",
+        )
+        self._unrecorded_claims = meter.create_counter(
+            "quayutec.wakes.unrecorded_claims",
+            unit="{wake}",
+            description="ALREADY_CLAIMED answers for a wake whose run has no ledger row (delivered again)",
+        )
         self._model_requests = meter.create_counter(
             "quayutec.model.requests", unit="{request}", description="Model requests, by provider and error class"
         )
@@ -450,6 +460,12 @@ class Metrics:
 
     def claim_refused(self) -> None:
         self._claims_refused.add(1)
+
+    def run_taken_over(self) -> None:
+        self._runs_taken_over.add(1)
+
+    def unrecorded_claim(self) -> None:
+        self._unrecorded_claims.add(1)
 
     def model_request(self, provider: str, error_class: str) -> None:
         self._model_requests.add(1, {"provider": provider, "error_class": error_class})

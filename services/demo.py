@@ -29,11 +29,11 @@ import grpc
 from quayutec.config import RUNTIME, DatabaseConfig
 from quayutec.datadir import DataDirLock, DataDirTaken, holder, own
 from quayutec.db import create_pool
+from quayutec.ledger import run_id_for
 from quayutec.tls import ADMIN, GATEWAY
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
 from services.client import STATUS_NAMES, GatewayClient, format_run
 from services.gateway.auth import create_api_key
-from services.runtime.run import run_id_for
 from services.runtime.standin import ScriptedReply, StandinProvider
 from services.stack import LocalStack
 

@@ -438,11 +438,13 @@ def test_jaeger(rendered: Rendered) -> None:
     assert {4317, 16686} <= {p["port"] for p in rendered.get("Service", "jaeger")["spec"]["ports"]}
 
 
-def test_gateway_tls_paths_are_mounted(rendered: Rendered) -> None:
+def test_gateway_tls_paths_are_mounted(rendered: Rendered, overlay: str) -> None:
+    """prod serves TLS on the Gateway (the gateway-tls component), dev plaintext."""
     container = app_container(rendered, "gateway")
     env = effective_env(rendered, container)
     paths = [env[v] for v in (f"{GATEWAY.prefix}TLS_CERT", f"{GATEWAY.prefix}TLS_KEY") if v in env]
-    if not paths:
+    if overlay == "dev":
+        assert paths == [], "the dev overlay's Gateway serves plaintext"
         return
     assert len(paths) == 2, "set both QUAYUTEC_GATEWAY_TLS_CERT and QUAYUTEC_GATEWAY_TLS_KEY"
     pod = rendered.pod_spec(rendered.get("Deployment", "gateway"))

@@ -41,6 +41,9 @@ def test_counters_carry_their_labels() -> None:
     metrics.run_ended(run_outcome(common_pb2.RUN_STATUS_SUCCEEDED))
     metrics.run_ended(run_outcome(common_pb2.RUN_STATUS_TIMED_OUT))
     metrics.claim_refused()
+    metrics.run_taken_over()
+    metrics.unrecorded_claim()
+    metrics.unrecorded_claim()
     metrics.model_request("anthropic", "rate_limited")
     metrics.model_request("anthropic", "ok")
     metrics.model_request("anthropic", "ok")
@@ -51,6 +54,8 @@ def test_counters_carry_their_labels() -> None:
         ({"outcome": "timed_out"}, 1),
     ]
     assert points["quayutec.claims.refused"] == [({}, 1)]
+    assert points["quayutec.runs.taken_over"] == [({}, 1)]
+    assert points["quayutec.wakes.unrecorded_claims"] == [({}, 2)]
     assert sorted(points["quayutec.model.requests"], key=str) == [
         ({"provider": "anthropic", "error_class": "ok"}, 2),
         ({"provider": "anthropic", "error_class": "rate_limited"}, 1),

@@ -1,6 +1,6 @@
 """Every component's migrations build exactly its schema.sql, once, and are recorded.
 
-Generic over ``quayutec.migrate.COMPONENTS``: a component without SQL files yet is skipped.
+Generic over ``quayutec.migrate.COMPONENTS``: every component has its schema.sql and migrations/.
 """
 
 from __future__ import annotations
@@ -63,13 +63,6 @@ CATALOG_QUERIES: dict[str, str] = {
 }
 
 
-def with_files(components: tuple[Component, ...]) -> list[Component]:
-    return [c for c in components if c.schema_path.exists() and (c.sql_dir / "migrations").is_dir()]
-
-
-COMPONENTS_WITH_FILES = with_files(COMPONENTS)
-
-
 async def catalog(pool: asyncpg.Pool) -> dict[str, list[tuple[Any, ...]]]:
     async with pool.acquire() as conn:
         return {kind: [tuple(r) for r in await conn.fetch(sql)] for kind, sql in CATALOG_QUERIES.items()}
@@ -82,16 +75,20 @@ async def second_empty_database_url(template_ready: str) -> AsyncIterator[str]:
     await drop_test_database(template_ready, url)
 
 
-def test_some_component_has_migrations() -> None:
-    assert COMPONENTS_WITH_FILES, "no component has sql/schema.sql and sql/migrations/"
+def test_every_component_has_a_schema_and_migrations() -> None:
+    """None is left out of the tests below for lacking its files: a component without them fails here."""
+    assert COMPONENTS
+    for c in COMPONENTS:
+        assert c.schema_path.is_file(), f"{c.name}: {c.schema_path} is missing"
+        assert list((c.sql_dir / "migrations").glob("*.sql")), f"{c.name}: no migrations in {c.sql_dir / 'migrations'}"
 
 
-@pytest.mark.parametrize("component", COMPONENTS_WITH_FILES, ids=lambda c: c.name)
+@pytest.mark.parametrize("component", COMPONENTS, ids=lambda c: c.name)
 async def test_migrations_build_the_same_catalog_as_schema_sql(
     component: Component, empty_database_url: str, second_empty_database_url: str
 ) -> None:
     # Components before this one (COMPONENTS is in dependency order) are migrated in both databases.
-    earlier = tuple(COMPONENTS_WITH_FILES[: COMPONENTS_WITH_FILES.index(component)])
+    earlier = COMPONENTS[: COMPONENTS.index(component)]
     from_schema = await create_pool(empty_database_url, min_size=1, max_size=1)
     from_migrations = await create_pool(second_empty_database_url, min_size=1, max_size=1)
     try:
@@ -107,7 +104,7 @@ async def test_migrations_build_the_same_catalog_as_schema_sql(
 
 
 async def test_migrate_twice_is_a_no_op_and_records_each_migration(empty_database_url: str) -> None:
-    components = tuple(COMPONENTS_WITH_FILES)
+    components = COMPONENTS
     pool = await create_pool(empty_database_url, min_size=1, max_size=2)
     try:
         applied = await migrate(pool, components)

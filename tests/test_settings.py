@@ -90,8 +90,17 @@ def test_readers_use_the_declared_defaults() -> None:
     claims = ClaimsConfig.from_env({})
     assert claims.batch_max == setting("QUAYUTEC_CLAIMS_BATCH_MAX").default
     assert claims.database.pool_max == setting("QUAYUTEC_CLAIMS_DB_POOL_MAX").default
+    assert gateway.delivery.not_started_after_seconds == setting("QUAYUTEC_GATEWAY_NOT_STARTED_AFTER_SECONDS").default
     # And the environment still wins.
     assert RuntimeConfig.from_env({"QUAYUTEC_RUNTIME_MAX_RUNS": "3"}).max_runs == 3
+
+
+def test_failpoints_name_step_boundaries_and_how_many_runs_pass_first() -> None:
+    env = {"QUAYUTEC_RUNTIME_FAILPOINTS": "before_room_read:70, model_called"}
+    assert RuntimeConfig.from_env(env).failpoints == {"before_room_read": 70, "model_called": 0}
+    for wrong, says in (("nowhere", "unknown point 'nowhere'"), ("claimed:x", "NAME or NAME:N")):
+        with pytest.raises(ConfigError, match=says):
+            RuntimeConfig.from_env({"QUAYUTEC_RUNTIME_FAILPOINTS": wrong})
 
 
 def test_quayutec_config_prints_the_values_in_effect() -> None:

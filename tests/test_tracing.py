@@ -23,6 +23,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from quayutec.config import ConfigError
+from quayutec.ledger import run_id_for
 from quayutec.telemetry import (
     SpanCapture,
     TelemetrySettings,
@@ -31,7 +32,6 @@ from quayutec.telemetry import (
 )
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.model import RETRY_WAIT_EVENT, RetryPolicy
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.gateway import authed_gateway, ended_run, make_company, running_gateway

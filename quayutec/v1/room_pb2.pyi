@@ -2428,6 +2428,53 @@ class RoomServiceAbandonStaleRunsResponse(_message.Message):
 Global___RoomServiceAbandonStaleRunsResponse: _TypeAlias = RoomServiceAbandonStaleRunsResponse  # noqa: Y015
 
 @_typing.final
+class RoomServiceRecordNotStartedRunsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OLDER_THAN_SECONDS_FIELD_NUMBER: _builtins.int
+    LIMIT_FIELD_NUMBER: _builtins.int
+    older_than_seconds: _builtins.int
+    limit: _builtins.int
+    """1..1000, default 100."""
+    def __init__(
+        self,
+        *,
+        older_than_seconds: _builtins.int = ...,
+        limit: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["limit", b"limit", "older_than_seconds", b"older_than_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRecordNotStartedRunsRequest: _TypeAlias = RoomServiceRecordNotStartedRunsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceRecordNotStartedRunsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RECORDED_FIELD_NUMBER: _builtins.int
+    CHECKED_FIELD_NUMBER: _builtins.int
+    recorded: _builtins.int
+    """NOT_STARTED rows written by this call."""
+    checked: _builtins.int
+    """Wakes looked at (each only once), with or without a new row."""
+    def __init__(
+        self,
+        *,
+        recorded: _builtins.int = ...,
+        checked: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checked", b"checked", "recorded", b"recorded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRecordNotStartedRunsResponse: _TypeAlias = RoomServiceRecordNotStartedRunsResponse  # noqa: Y015
+
+@_typing.final
 class RoomServiceReadRoomEventsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

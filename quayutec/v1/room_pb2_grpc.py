@@ -262,6 +262,11 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.FromString,
                 _registered_method=True)
+        self.RecordNotStartedRuns = channel.unary_unary(
+                '/quayutec.v1.RoomService/RecordNotStartedRuns',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRecordNotStartedRunsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRecordNotStartedRunsResponse.FromString,
+                _registered_method=True)
         self.ReadRoomEvents = channel.unary_unary(
                 '/quayutec.v1.RoomService/ReadRoomEvents',
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceReadRoomEventsRequest.SerializeToString,
@@ -519,8 +524,13 @@ class RoomServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RecordRun(self, request, context):
-        """RecordRun writes the ledger row of a run as it now stands (insert or replace).
-        Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), FAILED_PRECONDITION (the row is
+        """RecordRun writes the ledger row of a run as it now stands (insert or replace). Every ledger
+        write (here, with ReadRunContext, with a post or an action's write, with CreateWaitpoint) is
+        fenced by run.attempt: it applies to a new row, a row of the same attempt, a NOT_STARTED row, or
+        a PARKED row whose waitpoint was decided when the write is its continuation (see Run.attempt;
+        the write takes the row over); a row of another attempt refuses it.
+        Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), ALREADY_EXISTS (the row is held
+        by another attempt's run: nothing was written; that run stops), FAILED_PRECONDITION (the row is
         already ended and the write would change it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -643,7 +653,10 @@ class RoomServiceServicer:
         """ReadRunContext reads, in one call, what a run needs to see of the room: the agent and its
         decrypted provider key, its effective rights, the room's agents, recent messages, open tasks
         sent to the agent, memory its company may read, and the file passages matching the wake.
+        With run set, the row is recorded first in the same transaction, fenced as RecordRun's: a run
+        whose row is refused reads nothing.
         Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
+        ALREADY_EXISTS (run's row is held by another attempt's run: nothing was read or written),
         FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -657,6 +670,17 @@ class RoomServiceServicer:
         with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
         The run is not redone, and a late write from it is refused.
         Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RecordNotStartedRuns(self, request, context):
+        """RecordNotStartedRuns records a NOT_STARTED ledger row, saying why, for each wake (of a message or
+        a task) created older_than_seconds ago, delivered at least once, still pending and with no row
+        of its run: a Runtime stopped or refused before its run read the room, so nothing was done and
+        the wake is delivered again. Each row is a RUN_NOT_STARTED room event. A wake is looked at once.
+        Errors: INVALID_ARGUMENT (older_than_seconds under 1, limit out of 1..1000).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -895,6 +919,11 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.AbandonStaleRuns,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.SerializeToString,
+            ),
+            'RecordNotStartedRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.RecordNotStartedRuns,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRecordNotStartedRunsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRecordNotStartedRunsResponse.SerializeToString,
             ),
             'ReadRoomEvents': grpc.unary_unary_rpc_method_handler(
                     servicer.ReadRoomEvents,
@@ -2098,6 +2127,33 @@ class RoomService:
             '/quayutec.v1.RoomService/AbandonStaleRuns',
             quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceAbandonStaleRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RecordNotStartedRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/RecordNotStartedRuns',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRecordNotStartedRunsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRecordNotStartedRunsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -157,8 +157,13 @@ class RoomServiceStub:
     SearchPassages: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSearchPassagesRequest, _room_pb2.RoomServiceSearchPassagesResponse]
     """SearchPassages by PostgreSQL full-text search, best first. Errors: INVALID_ARGUMENT, NOT_FOUND (room)."""
     RecordRun: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRecordRunRequest, _room_pb2.RoomServiceRecordRunResponse]
-    """RecordRun writes the ledger row of a run as it now stands (insert or replace).
-    Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), FAILED_PRECONDITION (the row is
+    """RecordRun writes the ledger row of a run as it now stands (insert or replace). Every ledger
+    write (here, with ReadRunContext, with a post or an action's write, with CreateWaitpoint) is
+    fenced by run.attempt: it applies to a new row, a row of the same attempt, a NOT_STARTED row, or
+    a PARKED row whose waitpoint was decided when the write is its continuation (see Run.attempt;
+    the write takes the row over); a row of another attempt refuses it.
+    Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), ALREADY_EXISTS (the row is held
+    by another attempt's run: nothing was written; that run stops), FAILED_PRECONDITION (the row is
     already ended and the write would change it).
     """
     GetRun: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetRunRequest, _room_pb2.RoomServiceGetRunResponse]
@@ -222,7 +227,10 @@ class RoomServiceStub:
     """ReadRunContext reads, in one call, what a run needs to see of the room: the agent and its
     decrypted provider key, its effective rights, the room's agents, recent messages, open tasks
     sent to the agent, memory its company may read, and the file passages matching the wake.
+    With run set, the row is recorded first in the same transaction, fenced as RecordRun's: a run
+    whose row is refused reads nothing.
     Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
+    ALREADY_EXISTS (run's row is held by another attempt's run: nothing was read or written),
     FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
     """
     AbandonStaleRuns: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAbandonStaleRunsRequest, _room_pb2.RoomServiceAbandonStaleRunsResponse]
@@ -232,6 +240,13 @@ class RoomServiceStub:
     with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
     The run is not redone, and a late write from it is refused.
     Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
+    """
+    RecordNotStartedRuns: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRecordNotStartedRunsRequest, _room_pb2.RoomServiceRecordNotStartedRunsResponse]
+    """RecordNotStartedRuns records a NOT_STARTED ledger row, saying why, for each wake (of a message or
+    a task) created older_than_seconds ago, delivered at least once, still pending and with no row
+    of its run: a Runtime stopped or refused before its run read the room, so nothing was done and
+    the wake is delivered again. Each row is a RUN_NOT_STARTED room event. A wake is looked at once.
+    Errors: INVALID_ARGUMENT (older_than_seconds under 1, limit out of 1..1000).
     """
     ReadRoomEvents: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceReadRoomEventsRequest, _room_pb2.RoomServiceReadRoomEventsResponse]
     """ReadRoomEvents reads a room's event log after a cursor, oldest first (called only by the
@@ -370,8 +385,13 @@ class RoomServiceAsyncStub(RoomServiceStub):
     SearchPassages: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceSearchPassagesRequest, _room_pb2.RoomServiceSearchPassagesResponse]  # type: ignore[assignment]
     """SearchPassages by PostgreSQL full-text search, best first. Errors: INVALID_ARGUMENT, NOT_FOUND (room)."""
     RecordRun: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRecordRunRequest, _room_pb2.RoomServiceRecordRunResponse]  # type: ignore[assignment]
-    """RecordRun writes the ledger row of a run as it now stands (insert or replace).
-    Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), FAILED_PRECONDITION (the row is
+    """RecordRun writes the ledger row of a run as it now stands (insert or replace). Every ledger
+    write (here, with ReadRunContext, with a post or an action's write, with CreateWaitpoint) is
+    fenced by run.attempt: it applies to a new row, a row of the same attempt, a NOT_STARTED row, or
+    a PARKED row whose waitpoint was decided when the write is its continuation (see Run.attempt;
+    the write takes the row over); a row of another attempt refuses it.
+    Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), ALREADY_EXISTS (the row is held
+    by another attempt's run: nothing was written; that run stops), FAILED_PRECONDITION (the row is
     already ended and the write would change it).
     """
     GetRun: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetRunRequest, _room_pb2.RoomServiceGetRunResponse]  # type: ignore[assignment]
@@ -435,7 +455,10 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """ReadRunContext reads, in one call, what a run needs to see of the room: the agent and its
     decrypted provider key, its effective rights, the room's agents, recent messages, open tasks
     sent to the agent, memory its company may read, and the file passages matching the wake.
+    With run set, the row is recorded first in the same transaction, fenced as RecordRun's: a run
+    whose row is refused reads nothing.
     Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
+    ALREADY_EXISTS (run's row is held by another attempt's run: nothing was read or written),
     FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
     """
     AbandonStaleRuns: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceAbandonStaleRunsRequest, _room_pb2.RoomServiceAbandonStaleRunsResponse]  # type: ignore[assignment]
@@ -445,6 +468,13 @@ class RoomServiceAsyncStub(RoomServiceStub):
     with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
     The run is not redone, and a late write from it is refused.
     Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
+    """
+    RecordNotStartedRuns: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRecordNotStartedRunsRequest, _room_pb2.RoomServiceRecordNotStartedRunsResponse]  # type: ignore[assignment]
+    """RecordNotStartedRuns records a NOT_STARTED ledger row, saying why, for each wake (of a message or
+    a task) created older_than_seconds ago, delivered at least once, still pending and with no row
+    of its run: a Runtime stopped or refused before its run read the room, so nothing was done and
+    the wake is delivered again. Each row is a RUN_NOT_STARTED room event. A wake is looked at once.
+    Errors: INVALID_ARGUMENT (older_than_seconds under 1, limit out of 1..1000).
     """
     ReadRoomEvents: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceReadRoomEventsRequest, _room_pb2.RoomServiceReadRoomEventsResponse]  # type: ignore[assignment]
     """ReadRoomEvents reads a room's event log after a cursor, oldest first (called only by the
@@ -754,8 +784,13 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _room_pb2.RoomServiceRecordRunRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceRecordRunResponse, _abc.Awaitable[_room_pb2.RoomServiceRecordRunResponse]]:
-        """RecordRun writes the ledger row of a run as it now stands (insert or replace).
-        Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), FAILED_PRECONDITION (the row is
+        """RecordRun writes the ledger row of a run as it now stands (insert or replace). Every ledger
+        write (here, with ReadRunContext, with a post or an action's write, with CreateWaitpoint) is
+        fenced by run.attempt: it applies to a new row, a row of the same attempt, a NOT_STARTED row, or
+        a PARKED row whose waitpoint was decided when the write is its continuation (see Run.attempt;
+        the write takes the row over); a row of another attempt refuses it.
+        Errors: INVALID_ARGUMENT (missing run_id, agent_id or room_id), ALREADY_EXISTS (the row is held
+        by another attempt's run: nothing was written; that run stops), FAILED_PRECONDITION (the row is
         already ended and the write would change it).
         """
 
@@ -903,7 +938,10 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         """ReadRunContext reads, in one call, what a run needs to see of the room: the agent and its
         decrypted provider key, its effective rights, the room's agents, recent messages, open tasks
         sent to the agent, memory its company may read, and the file passages matching the wake.
+        With run set, the row is recorded first in the same transaction, fenced as RecordRun's: a run
+        whose row is refused reads nothing.
         Errors: INVALID_ARGUMENT, NOT_FOUND (agent or room, or the agent's company is not a member),
+        ALREADY_EXISTS (run's row is held by another attempt's run: nothing was read or written),
         FAILED_PRECONDITION (the provider key cannot be decrypted with the configured key).
         """
 
@@ -919,6 +957,19 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         with the error "abandoned: no progress recorded for N s; not redone", unfinished actions NOT_DONE.
         The run is not redone, and a late write from it is refused.
         Errors: INVALID_ARGUMENT (older_than_seconds under 60, limit out of 1..1000).
+        """
+
+    @_abc_1.abstractmethod
+    def RecordNotStartedRuns(
+        self,
+        request: _room_pb2.RoomServiceRecordNotStartedRunsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceRecordNotStartedRunsResponse, _abc.Awaitable[_room_pb2.RoomServiceRecordNotStartedRunsResponse]]:
+        """RecordNotStartedRuns records a NOT_STARTED ledger row, saying why, for each wake (of a message or
+        a task) created older_than_seconds ago, delivered at least once, still pending and with no row
+        of its run: a Runtime stopped or refused before its run read the room, so nothing was done and
+        the wake is delivered again. Each row is a RUN_NOT_STARTED room event. A wake is looked at once.
+        Errors: INVALID_ARGUMENT (older_than_seconds under 1, limit out of 1..1000).
         """
 
     @_abc_1.abstractmethod

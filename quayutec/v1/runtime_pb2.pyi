@@ -28,17 +28,21 @@ class _StartRunResultEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StartR
     DESCRIPTOR: _descriptor.EnumDescriptor
     START_RUN_RESULT_UNSPECIFIED: _StartRunResult.ValueType  # 0
     START_RUN_RESULT_ACCEPTED: _StartRunResult.ValueType  # 1
-    """This call claimed the wake; the run goes on in the background."""
+    """This call's run holds the wake's ledger row (it claimed the wake, or took over a claim whose run
+    never read the room); the run goes on in the background.
+    """
     START_RUN_RESULT_ALREADY_CLAIMED: _StartRunResult.ValueType  # 2
-    """The wake was claimed before; nothing was done."""
+    """The wake was claimed before and another delivery's run holds its ledger row; nothing was done."""
 
 class StartRunResult(_StartRunResult, metaclass=_StartRunResultEnumTypeWrapper): ...
 
 START_RUN_RESULT_UNSPECIFIED: StartRunResult.ValueType  # 0
 START_RUN_RESULT_ACCEPTED: StartRunResult.ValueType  # 1
-"""This call claimed the wake; the run goes on in the background."""
+"""This call's run holds the wake's ledger row (it claimed the wake, or took over a claim whose run
+never read the room); the run goes on in the background.
+"""
 START_RUN_RESULT_ALREADY_CLAIMED: StartRunResult.ValueType  # 2
-"""The wake was claimed before; nothing was done."""
+"""The wake was claimed before and another delivery's run holds its ledger row; nothing was done."""
 Global___StartRunResult: _TypeAlias = StartRunResult  # noqa: Y015
 
 @_typing.final

@@ -52,10 +52,15 @@ class RuntimeServiceServicer:
     """
 
     def StartRun(self, request, context):
-        """StartRun claims (agent_id, wake_id) through Claims and, when claimed, runs in the background.
-        Answers ACCEPTED or ALREADY_CLAIMED; both mean the wake is delivered.
+        """StartRun claims (agent_id, wake_id) through Claims, starts the run and answers once the run's
+        first ledger row is recorded (with its room read): ACCEPTED when this call's run holds the row
+        and goes on in the background; ALREADY_CLAIMED when another delivery's run holds it (nothing was
+        done). A wake claimed by an earlier delivery whose run never read the room (no row, or a
+        NOT_STARTED row) is taken over: this call's run records the row, fenced by Run.attempt, and the
+        answer is ACCEPTED. Both answers mean the wake is delivered and its run is in the ledger.
         Errors: INVALID_ARGUMENT (missing ids), RESOURCE_EXHAUSTED (too many runs executing; nothing was
-        claimed, deliver again later), UNAVAILABLE (Claims unreachable; nothing was claimed).
+        claimed, deliver again later), UNAVAILABLE (Claims or Room unreachable, or the Runtime stopping:
+        nothing was done; a claim made meanwhile is taken over by a later delivery).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -68,8 +73,8 @@ class RuntimeServiceServicer:
         context. Answered per item, in request order: StartRun's answer, or that item's error (the
         code and message StartRun would have failed with: INVALID_ARGUMENT for an invalid item,
         RESOURCE_EXHAUSTED for the items over the limit of runs executing, UNAVAILABLE when Claims
-        was unreachable; nothing of such an item was claimed or started). One item's error never
-        fails the others. A cancelled call starts no item it had not claimed yet.
+        was unreachable; nothing of such an item was done). One item's error never fails the others. A
+        cancelled call starts no item it had not claimed yet; a claimed item's run goes on.
         Errors (the call's, nothing started): INVALID_ARGUMENT (no items or more than 500).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -34,10 +34,15 @@ class RuntimeServiceStub:
     @_typing.overload
     def __new__(cls, channel: _aio.Channel) -> RuntimeServiceAsyncStub: ...
     StartRun: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.StartRunRequest, _runtime_pb2.StartRunResponse]
-    """StartRun claims (agent_id, wake_id) through Claims and, when claimed, runs in the background.
-    Answers ACCEPTED or ALREADY_CLAIMED; both mean the wake is delivered.
+    """StartRun claims (agent_id, wake_id) through Claims, starts the run and answers once the run's
+    first ledger row is recorded (with its room read): ACCEPTED when this call's run holds the row
+    and goes on in the background; ALREADY_CLAIMED when another delivery's run holds it (nothing was
+    done). A wake claimed by an earlier delivery whose run never read the room (no row, or a
+    NOT_STARTED row) is taken over: this call's run records the row, fenced by Run.attempt, and the
+    answer is ACCEPTED. Both answers mean the wake is delivered and its run is in the ledger.
     Errors: INVALID_ARGUMENT (missing ids), RESOURCE_EXHAUSTED (too many runs executing; nothing was
-    claimed, deliver again later), UNAVAILABLE (Claims unreachable; nothing was claimed).
+    claimed, deliver again later), UNAVAILABLE (Claims or Room unreachable, or the Runtime stopping:
+    nothing was done; a claim made meanwhile is taken over by a later delivery).
     """
     StartRuns: _grpc.UnaryUnaryMultiCallable[_runtime_pb2.StartRunsRequest, _runtime_pb2.StartRunsResponse]
     """StartRuns starts up to 500 wakes in one call (the Gateway's leased batch), each item exactly as
@@ -46,8 +51,8 @@ class RuntimeServiceStub:
     context. Answered per item, in request order: StartRun's answer, or that item's error (the
     code and message StartRun would have failed with: INVALID_ARGUMENT for an invalid item,
     RESOURCE_EXHAUSTED for the items over the limit of runs executing, UNAVAILABLE when Claims
-    was unreachable; nothing of such an item was claimed or started). One item's error never
-    fails the others. A cancelled call starts no item it had not claimed yet.
+    was unreachable; nothing of such an item was done). One item's error never fails the others. A
+    cancelled call starts no item it had not claimed yet; a claimed item's run goes on.
     Errors (the call's, nothing started): INVALID_ARGUMENT (no items or more than 500).
     """
 
@@ -57,10 +62,15 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     StartRun: _aio.UnaryUnaryMultiCallable[_runtime_pb2.StartRunRequest, _runtime_pb2.StartRunResponse]  # type: ignore[assignment]
-    """StartRun claims (agent_id, wake_id) through Claims and, when claimed, runs in the background.
-    Answers ACCEPTED or ALREADY_CLAIMED; both mean the wake is delivered.
+    """StartRun claims (agent_id, wake_id) through Claims, starts the run and answers once the run's
+    first ledger row is recorded (with its room read): ACCEPTED when this call's run holds the row
+    and goes on in the background; ALREADY_CLAIMED when another delivery's run holds it (nothing was
+    done). A wake claimed by an earlier delivery whose run never read the room (no row, or a
+    NOT_STARTED row) is taken over: this call's run records the row, fenced by Run.attempt, and the
+    answer is ACCEPTED. Both answers mean the wake is delivered and its run is in the ledger.
     Errors: INVALID_ARGUMENT (missing ids), RESOURCE_EXHAUSTED (too many runs executing; nothing was
-    claimed, deliver again later), UNAVAILABLE (Claims unreachable; nothing was claimed).
+    claimed, deliver again later), UNAVAILABLE (Claims or Room unreachable, or the Runtime stopping:
+    nothing was done; a claim made meanwhile is taken over by a later delivery).
     """
     StartRuns: _aio.UnaryUnaryMultiCallable[_runtime_pb2.StartRunsRequest, _runtime_pb2.StartRunsResponse]  # type: ignore[assignment]
     """StartRuns starts up to 500 wakes in one call (the Gateway's leased batch), each item exactly as
@@ -69,8 +79,8 @@ class RuntimeServiceAsyncStub(RuntimeServiceStub):
     context. Answered per item, in request order: StartRun's answer, or that item's error (the
     code and message StartRun would have failed with: INVALID_ARGUMENT for an invalid item,
     RESOURCE_EXHAUSTED for the items over the limit of runs executing, UNAVAILABLE when Claims
-    was unreachable; nothing of such an item was claimed or started). One item's error never
-    fails the others. A cancelled call starts no item it had not claimed yet.
+    was unreachable; nothing of such an item was done). One item's error never fails the others. A
+    cancelled call starts no item it had not claimed yet; a claimed item's run goes on.
     Errors (the call's, nothing started): INVALID_ARGUMENT (no items or more than 500).
     """
 
@@ -83,10 +93,15 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _runtime_pb2.StartRunRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_runtime_pb2.StartRunResponse, _abc.Awaitable[_runtime_pb2.StartRunResponse]]:
-        """StartRun claims (agent_id, wake_id) through Claims and, when claimed, runs in the background.
-        Answers ACCEPTED or ALREADY_CLAIMED; both mean the wake is delivered.
+        """StartRun claims (agent_id, wake_id) through Claims, starts the run and answers once the run's
+        first ledger row is recorded (with its room read): ACCEPTED when this call's run holds the row
+        and goes on in the background; ALREADY_CLAIMED when another delivery's run holds it (nothing was
+        done). A wake claimed by an earlier delivery whose run never read the room (no row, or a
+        NOT_STARTED row) is taken over: this call's run records the row, fenced by Run.attempt, and the
+        answer is ACCEPTED. Both answers mean the wake is delivered and its run is in the ledger.
         Errors: INVALID_ARGUMENT (missing ids), RESOURCE_EXHAUSTED (too many runs executing; nothing was
-        claimed, deliver again later), UNAVAILABLE (Claims unreachable; nothing was claimed).
+        claimed, deliver again later), UNAVAILABLE (Claims or Room unreachable, or the Runtime stopping:
+        nothing was done; a claim made meanwhile is taken over by a later delivery).
         """
 
     @_abc_1.abstractmethod
@@ -101,8 +116,8 @@ class RuntimeServiceServicer(metaclass=_abc_1.ABCMeta):
         context. Answered per item, in request order: StartRun's answer, or that item's error (the
         code and message StartRun would have failed with: INVALID_ARGUMENT for an invalid item,
         RESOURCE_EXHAUSTED for the items over the limit of runs executing, UNAVAILABLE when Claims
-        was unreachable; nothing of such an item was claimed or started). One item's error never
-        fails the others. A cancelled call starts no item it had not claimed yet.
+        was unreachable; nothing of such an item was done). One item's error never fails the others. A
+        cancelled call starts no item it had not claimed yet; a claimed item's run goes on.
         Errors (the call's, nothing started): INVALID_ARGUMENT (no items or more than 500).
         """
 

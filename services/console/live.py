@@ -32,6 +32,7 @@ from services.console.names import Names, room_names
 from services.console.session import CALL_SECONDS, Session
 
 RUN_EVENTS = {
+    common_pb2.ROOM_EVENT_KIND_RUN_NOT_STARTED,
     common_pb2.ROOM_EVENT_KIND_RUN_STARTED,
     common_pb2.ROOM_EVENT_KIND_RUN_PARKED,
     common_pb2.ROOM_EVENT_KIND_RUN_ENDED,

@@ -74,6 +74,10 @@ OUTCOME_STATE = {
 }
 
 
+# A NOT_STARTED run (its wake delivered, no run has read the room) in a few words.
+NOT_STARTED_WORDS = "no run has read the room yet, nothing was done; the wake is delivered again"
+
+
 def _dt(ts: Timestamp) -> datetime | None:
     return ts.ToDatetime(UTC) if ts.seconds or ts.nanos else None
 
@@ -127,6 +131,11 @@ def timeline(run: common_pb2.Run, approval: common_pb2.Waitpoint | None, now: da
 
     line = Timeline()
     bars = line.bars
+    if run.status == common_pb2.RUN_STATUS_NOT_STARTED:
+        # Delivered, but no run has read the room: one waiting bar from when that was recorded.
+        line.total_ms = ms(now)
+        bars.append(Bar("not started", NOT_STARTED_WORDS, 0.0, line.total_ms, "wait"))
+        return line
     cursor = 0.0  # where the measured steps so far end
     attempts = list(run.model_attempts)
     line.estimated = bool(attempts) and not all(a.HasField("started_at") for a in attempts)
@@ -206,7 +215,7 @@ def error_class(run: common_pb2.Run) -> str:
 
 def error_words(run: common_pb2.Run) -> str:
     """Why the run did not succeed, as a sentence a person acts on ("" when it did)."""
-    if not run.error or run.status == common_pb2.RUN_STATUS_SUCCEEDED:
+    if not run.error or run.status in (common_pb2.RUN_STATUS_SUCCEEDED, common_pb2.RUN_STATUS_NOT_STARTED):
         return ""
     said = ""
     for start, name, sentence in RUN_ERRORS:
@@ -289,6 +298,8 @@ def started(run: common_pb2.Run) -> str:
 
 def steps(run: common_pb2.Run) -> list[dict[str, str]]:
     """The run's ledger as the steps a person follows, in order, each with its outcome."""
+    if run.status == common_pb2.RUN_STATUS_NOT_STARTED:
+        return [{"what": "not started", "detail": f"wake {run.wake_id}: {NOT_STARTED_WORDS}", "state": "wait"}]
     items: list[dict[str, str]] = [{"what": "claimed", "detail": f"wake {run.wake_id}"}]
     if run.step >= common_pb2.RUN_STEP_ROOM_READ:
         items.append({"what": "room read", "detail": ""})

@@ -483,9 +483,9 @@ def _state(task: common_pb2.Task, runs: list[common_pb2.Run]) -> a2a_pb2.TaskSta
         return a2a_pb2.TASK_STATE_COMPLETED
     if task.status == common_pb2.TASK_STATUS_CANCELLED:
         return a2a_pb2.TASK_STATE_CANCELED
-    if not runs:
+    last = runs[-1].status if runs else common_pb2.RUN_STATUS_NOT_STARTED
+    if last == common_pb2.RUN_STATUS_NOT_STARTED:  # no run has read the room yet
         return a2a_pb2.TASK_STATE_SUBMITTED
-    last = runs[-1].status
     if last == common_pb2.RUN_STATUS_PARKED:
         return a2a_pb2.TASK_STATE_INPUT_REQUIRED
     if last in (common_pb2.RUN_STATUS_FAILED, common_pb2.RUN_STATUS_TIMED_OUT):

@@ -51,6 +51,9 @@ class DeliveryConfig:
     # decided or expired but which never continued) are ended as abandoned; it must exceed the
     # Runtime's QUAYUTEC_RUNTIME_RUN_SECONDS (300 by default) with room to spare.
     abandon_after_seconds: int = 600
+    # A wake this old, delivered at least once and still pending with no ledger row for its run, gets
+    # a NOT_STARTED row (housekeeping, every expire interval): no claim stays out of the ledger.
+    not_started_after_seconds: int = 60
 
     def __post_init__(self) -> None:
         if self.start_run_timeout_seconds >= self.lease_seconds:
@@ -178,6 +181,7 @@ class GatewayConfig:
             stop_grace_seconds=env_float(env, setting(f"{p}DELIVERY_STOP_GRACE_SECONDS")),
             expire_interval_seconds=env_float(env, setting(f"{p}EXPIRE_INTERVAL_SECONDS"), minimum=0.001),
             abandon_after_seconds=env_int(env, setting(f"{p}ABANDON_AFTER_SECONDS"), minimum=60),
+            not_started_after_seconds=env_int(env, setting(f"{p}NOT_STARTED_AFTER_SECONDS"), minimum=1),
         )
         if delivery.batch_size > 500:
             raise ConfigError(f"{p}DELIVERY_BATCH_SIZE must be at most 500, got {delivery.batch_size}")

@@ -2,16 +2,21 @@
 one StartRuns call per leased batch (each wake its own item, in its own trace).
 
 At least once in, at most once acted on: a wake is marked delivered only when Runtime answers that
-it claimed or had already claimed it (its item's answer); anything else (its item's error, or the
-whole call failing) settles it for a later retry with backoff. A replica that dies holding leases
-loses nothing: the leases expire and another replica delivers.
-Beside it, every ``expire_interval_seconds`` the loop has the Room expire overdue waitpoints, whose
-DECISION wakes it then delivers like any other.
+its run holds the wake's ledger row (ACCEPTED) or another delivery's run does (ALREADY_CLAIMED, and
+the Room shows the row); anything else (its item's error, the whole call failing, or an
+ALREADY_CLAIMED whose run has no row: logged and counted) settles it for a later retry with
+backoff, and the next delivery's run takes over a claim whose run never read the room. A replica
+that dies holding leases loses nothing: the leases expire and another replica delivers.
+Beside it, every ``expire_interval_seconds`` the loop does the housekeeping: the Room expires overdue
+waitpoints (whose DECISION wakes it then delivers like any other), ends abandoned runs, and records
+NOT_STARTED rows for wakes that wait to be delivered again with no ledger row.
 
 Settling is batched (``quayutec.coalesce.Coalescer``): each delivery queues its settlement and waits
 for it; one SettleWakes call is in flight at a time, and the next carries whatever queued meanwhile
-(the first goes at once, so an idle loop adds no delay). A call that fails is logged; those wakes'
-leases expire and they are delivered again, which the claim makes harmless.
+(the first goes at once, so an idle loop adds no delay). A call the Room refuses as UNAVAILABLE is
+tried again until shortly before the first of its wakes' leases ends, so a Room that comes back
+settles them at once; past that the call is logged, those wakes' leases expire and they are
+delivered again, which the claim makes harmless.
 """
 
 from __future__ import annotations
@@ -50,10 +55,19 @@ _propagator = TraceContextTextMapPropagator()
 _CODE_NAMES: dict[int, str] = {code.value[0]: code.name for code in grpc.StatusCode}
 # Most settlements one SettleWakes call carries (the Room's limit).
 _SETTLE_BATCH = 500
-# How long a SettleWakes call that found the Room UNAVAILABLE is tried again (at most a quarter of
-# the lease), and the first pause between tries (doubling up to a second).
-_SETTLE_RETRY_SECONDS = 5.0
+# A SettleWakes call that found the Room UNAVAILABLE is tried again until this long (or a tenth of
+# the lease, if less) before the first of its wakes' leases ends; the first pause between tries
+# doubles up to a second.
+_SETTLE_LEASE_MARGIN_SECONDS = 1.0
 _SETTLE_RETRY_FIRST_PAUSE = 0.1
+
+
+@dataclass(frozen=True)
+class _Settlement:
+    """One wake's settlement and when (event loop time) its lease ends."""
+
+    item: room_pb2.WakeToSettle
+    lease_ends: float
 
 
 @dataclass(frozen=True)
@@ -155,7 +169,7 @@ class WakeDelivery:
         self._in_flight: set[asyncio.Task[None]] = set()
         # Settlements, answered True when the Room settled the wake. A settlement queued by a delivery
         # cancelled meanwhile is still sent; a batch's call is traced in the trace of its first wake.
-        self._settler: Coalescer[room_pb2.WakeToSettle, bool] = Coalescer(
+        self._settler: Coalescer[_Settlement, bool] = Coalescer(
             self._send_settlements, max_batch=_SETTLE_BATCH, name=f"wake-settling-{self.lease_owner}"
         )
         # Until when (event loop time) each wake goes in its own StartRun: the Runtime had no StartRuns.
@@ -165,6 +179,8 @@ class WakeDelivery:
         self.retried = 0
         self.expired = 0
         self.abandoned = 0
+        self.not_started = 0
+        self.unrecorded_claims = 0
 
     def start(self) -> None:
         if self._task is None:
@@ -210,8 +226,9 @@ class WakeDelivery:
             await self._metrics.refresh_wake_backlog(self._room, rpc_timeout_seconds=_ROOM_TIMEOUT_SECONDS)
             # One StartRuns call for the batch; each wake still has its own task (the cap counts wakes).
             batch = self._new_batch(len(wakes)) if wakes else None
+            lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
             for wake in wakes:
-                task = asyncio.create_task(self._deliver(wake, batch))
+                task = asyncio.create_task(self._deliver(wake, lease_ends, batch))
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
             if len(wakes) < want:
@@ -230,7 +247,7 @@ class WakeDelivery:
     @property
     def _settle_queue(self) -> tuple[room_pb2.WakeToSettle, ...]:
         """The settlements waiting for the next SettleWakes call."""
-        return self._settler.queued
+        return tuple(s.item for s in self._settler.queued)
 
     def nudge(self) -> None:
         """New wakes were committed: poll now rather than at the end of the interval."""
@@ -252,8 +269,8 @@ class WakeDelivery:
             await asyncio.wait_for(self._stopping.wait(), timeout=seconds)
 
     async def _expire_until_stopped(self) -> None:
-        """Every interval: expire overdue waitpoints and end abandoned runs (at once again after a full
-        batch); failures wait a turn."""
+        """Every interval: expire overdue waitpoints, end abandoned runs and record the runs of wakes
+        that never started (at once again after a full batch); failures wait a turn."""
         while not self._stopping.is_set():
             try:
                 response = await self._room.ExpireWaitpoints(
@@ -265,14 +282,29 @@ class WakeDelivery:
                     ),
                     timeout=_ROOM_TIMEOUT_SECONDS,
                 )
+                not_started = await self._room.RecordNotStartedRuns(
+                    room_pb2.RoomServiceRecordNotStartedRunsRequest(
+                        older_than_seconds=self._config.not_started_after_seconds, limit=_EXPIRE_BATCH
+                    ),
+                    timeout=_ROOM_TIMEOUT_SECONDS,
+                )
             except Exception as exc:
                 _log.warning(
-                    "housekeeping (expiry, abandoned runs) failed (%s); trying again next interval", _describe(exc)
+                    "housekeeping (expiry, abandoned runs, runs not started) failed (%s); trying again next interval",
+                    _describe(exc),
                 )
             else:
                 self.expired += response.expired
                 self.abandoned += abandoned.abandoned
-                if response.expired >= _EXPIRE_BATCH or abandoned.abandoned >= _EXPIRE_BATCH:
+                self.not_started += not_started.recorded
+                if not_started.recorded:
+                    _log.warning(
+                        "recorded %d runs as not started: their wakes were delivered, no run read the room, "
+                        "and they are delivered again",
+                        not_started.recorded,
+                    )
+                full = (response.expired, abandoned.abandoned, not_started.checked)
+                if max(full) >= _EXPIRE_BATCH:
                     continue
             await self._sleep(self._config.expire_interval_seconds)
 
@@ -285,14 +317,17 @@ class WakeDelivery:
         )
         return list(response.wakes)
 
-    async def _deliver(self, wake: common_pb2.Wake, batch: _BatchStart | None = None) -> None:
+    async def _deliver(self, wake: common_pb2.Wake, lease_ends: float, batch: _BatchStart | None = None) -> None:
         """One wake, one trace: its delivery span is the root of StartRun, the run and the settling."""
         with wake_delivery_span(wake):
-            await self._start_and_settle(wake, batch)
+            await self._start_and_settle(wake, lease_ends, batch)
 
-    async def _start_and_settle(self, wake: common_pb2.Wake, batch: _BatchStart | None = None) -> None:
+    async def _start_and_settle(
+        self, wake: common_pb2.Wake, lease_ends: float, batch: _BatchStart | None = None
+    ) -> None:
         """Start the wake's run (its item of ``batch``'s StartRuns call, else its own StartRun);
-        settle DELIVERED on a claim (new or earlier), RETRY otherwise."""
+        settle DELIVERED when a run holds the wake's ledger row (this one, or an earlier delivery's),
+        RETRY otherwise."""
         request = runtime_pb2.StartRunRequest(
             agent_id=wake.agent_id,
             wake_id=wake.wake_id,
@@ -304,18 +339,49 @@ class WakeDelivery:
         if started is None:  # delivered alone: no batch, or a Runtime without StartRuns
             started = await self._start_one(request)
         error = started.error
-        if started.response is not None:
-            if started.response.result in _DELIVERED_RESULTS:
+        response = started.response
+        if response is not None:
+            if response.result == runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED:
+                error = await self._unrecorded_claim(wake, response.run_id)
+            elif response.result not in _DELIVERED_RESULTS:
+                error = f"unexpected StartRun result {response.result}"
+            if not error:
                 _log.info(
                     "wake %s delivered (attempt %d): StartRun answered %s",
                     wake.wake_id,
                     wake.delivery_attempts,
-                    runtime_pb2.StartRunResult.Name(started.response.result).removeprefix("START_RUN_RESULT_"),
+                    runtime_pb2.StartRunResult.Name(response.result).removeprefix("START_RUN_RESULT_"),
                 )
-                await self._settle(wake, room_pb2.WAKE_SETTLEMENT_DELIVERED)
+                await self._settle(wake, lease_ends, room_pb2.WAKE_SETTLEMENT_DELIVERED)
                 return
-            error = f"unexpected StartRun result {started.response.result}"
-        await self._settle(wake, room_pb2.WAKE_SETTLEMENT_RETRY, error=error)
+        await self._settle(wake, lease_ends, room_pb2.WAKE_SETTLEMENT_RETRY, error=error)
+
+    async def _unrecorded_claim(self, wake: common_pb2.Wake, run_id: str) -> str:
+        """After ALREADY_CLAIMED: "" when the wake's run has its ledger row; otherwise why the wake is
+        delivered again (logged and counted: a claim whose run stopped before it read the room)."""
+        try:
+            got = await self._room.GetRun(
+                room_pb2.RoomServiceGetRunRequest(run_id=run_id), timeout=_ROOM_TIMEOUT_SECONDS
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                return f"StartRun answered ALREADY_CLAIMED and run {run_id} could not be read ({_describe(exc)})"
+            status = "no ledger row"
+        else:
+            if got.run.status != common_pb2.RUN_STATUS_NOT_STARTED:
+                return ""
+            status = "only a NOT_STARTED ledger row"
+        self.unrecorded_claims += 1
+        self._metrics.unrecorded_claim()
+        _log.warning(
+            "wake %s (attempt %d): StartRun answered ALREADY_CLAIMED but its run %s has %s: the claim's run "
+            "stopped before it read the room and nothing was done; delivering it again",
+            wake.wake_id,
+            wake.delivery_attempts,
+            run_id,
+            status,
+        )
+        return f"ALREADY_CLAIMED, but run {run_id} has {status}: no run has read the room"
 
     async def _start_one(self, request: runtime_pb2.StartRunRequest) -> _Started:
         """One wake's own StartRun call."""
@@ -364,7 +430,12 @@ class WakeDelivery:
         ]
 
     async def _settle(
-        self, wake: common_pb2.Wake, settlement: room_pb2.WakeSettlement.ValueType, *, error: str = ""
+        self,
+        wake: common_pb2.Wake,
+        lease_ends: float,
+        settlement: room_pb2.WakeSettlement.ValueType,
+        *,
+        error: str = "",
     ) -> None:
         """Queue the wake's settlement for the next SettleWakes call and wait until it is answered."""
         retry_after_ms = 0
@@ -379,7 +450,7 @@ class WakeDelivery:
             last_error=error[:_MAX_ERROR_CHARS],
         )
         try:
-            settled = await self._settler.submit(item)
+            settled = await self._settler.submit(_Settlement(item, lease_ends))
         except Exception:
             settled = False  # logged for its whole batch by _send_settlements
         if not settled:
@@ -390,10 +461,10 @@ class WakeDelivery:
             self.retried += 1
             _log.info("wake %s not delivered (%s); retry in %d ms", wake.wake_id, error, retry_after_ms)
 
-    async def _send_settlements(self, batch: list[room_pb2.WakeToSettle]) -> list[bool]:
+    async def _send_settlements(self, batch: list[_Settlement]) -> list[bool]:
         """One batch of settlements: settled or not, one per item. A call that fails is logged and raised."""
         try:
-            response = await self._settle_batch(batch)
+            response = await self._settle_batch([s.item for s in batch], min(s.lease_ends for s in batch))
         except Exception as exc:
             # The leases will expire and the wakes be delivered again; the claim makes that harmless.
             _log.warning(
@@ -408,12 +479,16 @@ class WakeDelivery:
         settled = [r.settled for r in response.results][: len(batch)]
         return settled + [False] * (len(batch) - len(settled))
 
-    async def _settle_batch(self, batch: list[room_pb2.WakeToSettle]) -> room_pb2.RoomServiceSettleWakesResponse:
-        """One SettleWakes call, tried again on UNAVAILABLE for a bounded time well inside the lease
-        (settling twice is harmless: a repeated DELIVERED answers settled, a repeated RETRY refused)."""
+    async def _settle_batch(
+        self, batch: list[room_pb2.WakeToSettle], lease_ends: float
+    ) -> room_pb2.RoomServiceSettleWakesResponse:
+        """One SettleWakes call, tried again on UNAVAILABLE until shortly before ``lease_ends`` (the
+        first of the batch's leases to end), so a Room back from an outage settles the wakes at once
+        rather than after their leases (settling twice is harmless: a repeated DELIVERED answers
+        settled, a repeated RETRY refused)."""
         request = room_pb2.RoomServiceSettleWakesRequest(wakes=batch)
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + min(_SETTLE_RETRY_SECONDS, self._config.lease_seconds / 4)
+        give_up = lease_ends - min(_SETTLE_LEASE_MARGIN_SECONDS, self._config.lease_seconds / 10)
         pause = _SETTLE_RETRY_FIRST_PAUSE
         while True:
             try:

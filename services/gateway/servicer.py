@@ -450,7 +450,7 @@ class GatewayServicer(KeyRpcs):
                 raise self._room_not_found(request.room_id) from None
             raise
         return gateway_pb2.ListAgentsResponse(
-            agents=[a if a.company_id == company_id else _public_agent(a) for a in response.agents],
+            agents=response.agents,
             next_page_token=response.next_page_token,
             resume_page_token=response.resume_page_token,
         )
@@ -924,10 +924,3 @@ def _room_cursors(after: Any, most: int) -> dict[str, int]:
             raise InvalidArgument(f"after names room {room_id} twice")
         cursors[room_id] = int(named.cursor)
     return cursors
-
-
-def _public_agent(agent: common_pb2.Agent) -> common_pb2.Agent:
-    """Another company's agent as a room member sees it: who it is, not how it is configured."""
-    return common_pb2.Agent(
-        agent_id=agent.agent_id, company_id=agent.company_id, name=agent.name, created_at=agent.created_at
-    )

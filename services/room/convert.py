@@ -228,6 +228,7 @@ def run(row: Row) -> common_pb2.Run:
         started_at=timestamp(row["started_at"]),
         updated_at=timestamp(row["updated_at"]),
         ended_at=timestamp(row["ended_at"]),
+        attempt=row["attempt"],
     )
 
 

@@ -726,6 +726,14 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             abandoned=await self._store.abandon_stale_runs(older, limit)
         )
 
+    async def RecordNotStartedRuns(
+        self, request: room_pb2.RoomServiceRecordNotStartedRunsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceRecordNotStartedRunsResponse:
+        older = v.in_range(request.older_than_seconds, "older_than_seconds", 1, 30 * 86_400)
+        limit = v.in_range(request.limit or 100, "limit", 1, 1000)
+        recorded, checked = await self._store.record_not_started_runs(older, limit)
+        return room_pb2.RoomServiceRecordNotStartedRunsResponse(recorded=recorded, checked=checked)
+
     # -- the room event log ---------------------------------------------------------------------------------
 
     async def ReadRoomEvents(
@@ -826,8 +834,10 @@ def _checked_run(request_run: common_pb2.Run) -> common_pb2.Run:
     run.agent_id = v.required_id(run.agent_id, "run.agent_id")
     run.room_id = v.required_id(run.room_id, "run.room_id")
     run.company_id = v.optional_id(run.company_id, "run.company_id") or ""
-    for field in ("wake_id", "wake_source_id", "posted_message_id", "trace_id"):
+    for field in ("wake_id", "wake_source_id", "posted_message_id", "trace_id", "attempt"):
         v.text(getattr(run, field), f"run.{field}", v.MAX_KEY_BYTES, required=False)
+    if run.status == common_pb2.RUN_STATUS_NOT_STARTED:
+        raise InvalidArgument("run.status NOT_STARTED is recorded by housekeeping only; a run records RUNNING")
     v.text(run.error, "run.error", v.MAX_BODY_BYTES, required=False)
     if run.ByteSize() > v.MAX_RUN_BYTES:
         raise InvalidArgument(f"the run is {run.ByteSize()} bytes; at most {v.MAX_RUN_BYTES} are allowed")

@@ -13,7 +13,7 @@ import asyncpg
 
 from quayutec.crypto import InvalidToken, MultiFernet
 from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
-from quayutec.ledger import mark_undone
+from quayutec.ledger import mark_undone, run_id_for
 from quayutec.sql import Queries
 from quayutec.v1 import common_pb2
 from services.room import convert
@@ -60,6 +60,7 @@ _EVENT_FIELDS: dict[type, str] = {
 _RUN_ENDED = ("succeeded", "failed", "timed_out")
 # A run's ledger write that moves into one of these statuses is a room event (for its company only).
 _RUN_EVENTS = {
+    "not_started": common_pb2.ROOM_EVENT_KIND_RUN_NOT_STARTED,
     "running": common_pb2.ROOM_EVENT_KIND_RUN_STARTED,
     "parked": common_pb2.ROOM_EVENT_KIND_RUN_PARKED,
     **{status: common_pb2.ROOM_EVENT_KIND_RUN_ENDED for status in _RUN_ENDED},
@@ -914,17 +915,25 @@ class RoomStore:
             return row
 
     async def _upsert_run(self, conn: asyncpg.Connection, events: _Events, run: common_pb2.Run) -> Record:
-        """Upserts the row; its room event, when its status changes, goes to ``events``."""
+        """Upserts the row, fenced by ``run.attempt`` (ALREADY_EXISTS when another attempt's run holds
+        it); its room event, when its status changes, goes to ``events``."""
         row = await conn.fetchrow(self._q["upsert_run_with_before"], *_run_args(run))
         if row is not None:
-            kind = _RUN_EVENTS.get(row["status"])
-            if kind is not None and row["status_before"] != row["status"] and row["company_id"]:
-                events.add(str(row["room_id"]), kind, convert.run(row), str(row["company_id"]))
+            self._run_event(events, row, row["status_before"])
             return row
         stored = await conn.fetchrow(self._q["get_run"], run.run_id)
+        if stored is not None and stored["attempt"] != run.attempt:
+            raise _held_by_another(run.run_id)
         if stored is None or not _same_run(convert.run(stored), run):
             raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
         return stored
+
+    @staticmethod
+    def _run_event(events: _Events, row: Record, status_before: str | None) -> None:
+        """The room event of a ledger row whose status became ``row["status"]`` (its company's only)."""
+        kind = _RUN_EVENTS.get(row["status"])
+        if kind is not None and status_before != row["status"] and row["company_id"]:
+            events.add(str(row["room_id"]), kind, convert.run(row), str(row["company_id"]))
 
     async def _record_write(
         self, conn: asyncpg.Connection, events: _Events, record: RunRecord | None, write_id: Any
@@ -1082,8 +1091,11 @@ class RoomStore:
             else:
                 parked = await conn.fetchrow(self._q["park_run"], run_id)
             if parked is None:
-                if await conn.fetchval(self._q["get_run"], run_id) is None:
+                stored = await conn.fetchrow(self._q["get_run"], run_id)
+                if stored is None:
                     raise NotFound(f"run {run_id} not found")
+                if run is not None and stored["attempt"] != run.attempt:
+                    raise _held_by_another(run_id)
                 raise FailedPrecondition(f"run {run_id} has ended; it cannot park")
             agent_id, room_id = str(parked["agent_id"]), str(parked["room_id"])
             company_id = await conn.fetchval(self._q["agent_company"], agent_id)
@@ -1200,6 +1212,28 @@ class RoomStore:
                     ended += 1
         return ended
 
+    async def record_not_started_runs(self, older_than_seconds: int, limit: int) -> tuple[int, int]:
+        """Writes a NOT_STARTED row for the run of each wake created ``older_than_seconds`` ago, delivered
+        at least once and still pending, that has no row (its deliveries stopped before the room read:
+        nothing was done; it is delivered again). Each wake is looked at once. Returns (written, looked at)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            wakes = await conn.fetch(self._q["unchecked_undelivered_wakes"], older_than_seconds, limit)
+            if not wakes:
+                return 0, 0
+            wake_ids = [str(w["wake_id"]) for w in wakes]
+            rows = await conn.fetch(
+                self._q["insert_not_started_runs"],
+                [run_id_for(str(w["agent_id"]), str(w["wake_id"])) for w in wakes],
+                wake_ids,
+                [_not_started_error(w["delivery_attempts"], w["last_error"]) for w in wakes],
+            )
+            await conn.execute(self._q["mark_wakes_run_checked"], wake_ids)
+            events = _Events()
+            for row in rows:
+                self._run_event(events, row, None)
+            await self._append_events(conn, events)
+        return len(rows), len(wakes)
+
     async def expire_waitpoints(self, limit: int) -> int:
         """Marks up to ``limit`` pending tokens past their expiry EXPIRED, each with its DECISION wake."""
         return int(await self._pool.fetchval(self._q["expire_due_waitpoints"], limit))
@@ -1254,6 +1288,23 @@ def _identified(author: AuthorRef, agent_company: Any) -> AuthorRef:
     return replace(author, company_id=str(agent_company))
 
 
+def _held_by_another(run_id: str) -> AlreadyExists:
+    """A ledger write refused by the fence: another delivery's run holds the row."""
+    return AlreadyExists(
+        f"run {run_id} is held by another delivery's run (the one that read the room); this run stops without acting"
+    )
+
+
+def _not_started_error(attempts: int, last_error: str | None) -> str:
+    """What a NOT_STARTED row says: why the wake's run has not started, and what happens next."""
+    times = "once" if attempts == 1 else f"{attempts} times"
+    last = f"; the last delivery got {last_error}" if last_error else ""
+    return (
+        f"not started: the wake was delivered {times} and no run has read the room{last}; nothing was done; "
+        "the wake is delivered again and the run that then reads the room takes this row over"
+    )
+
+
 def _passage_query(wake_text: str) -> str:
     """The wake's text cut to SearchPassages' query limit (whole characters only)."""
     return wake_text.encode("utf-8")[:PASSAGE_QUERY_BYTES].decode("utf-8", errors="ignore")
@@ -1288,6 +1339,7 @@ def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:
         run.active_ms,
         started,
         ended,
+        run.attempt,
     )
 
 

@@ -43,16 +43,14 @@ class RuntimeConfig:
     waitpoint_ttl_seconds: int = 86_400
     # Where an owner-supplied base URL may lead besides public https addresses (EGRESS_ALLOW).
     egress: EgressPolicy = field(default_factory=EgressPolicy)
-    # Comma-separated step boundaries at which a run pauses forever (crash tests only).
-    failpoints: frozenset[str] = frozenset()
+    # Step boundaries at which a run pauses until SIGUSR1 (crash tests only), each with how many runs
+    # pass it first ("name" or "name:N", comma-separated).
+    failpoints: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> RuntimeConfig:
         env = os.environ if env is None else env
-        failpoints = frozenset(p.strip() for p in env.get(f"{P}FAILPOINTS", "").split(",") if p.strip())
-        unknown = failpoints - FAILPOINTS
-        if unknown:
-            raise ConfigError(f"{P}FAILPOINTS names unknown points {sorted(unknown)}; known: {sorted(FAILPOINTS)}")
+        failpoints = _failpoints(env.get(f"{P}FAILPOINTS", ""))
         return cls(
             server=ServerConfig.from_env(RUNTIME, env),
             claims_addr=service_addr(CLAIMS, env),
@@ -74,5 +72,28 @@ class RuntimeConfig:
 
 # The step boundaries a crash test can stop a run at.
 FAILPOINTS = frozenset(
-    {"claimed", "model_called", "reply_posted", "action_written", "continuation_claimed", "continued"}
+    {
+        "before_room_read",
+        "claimed",
+        "model_called",
+        "reply_posted",
+        "action_written",
+        "continuation_claimed",
+        "continued",
+    }
 )
+
+
+def _failpoints(text: str) -> dict[str, int]:
+    """``name`` or ``name:N`` (N runs pass it before it pauses them), comma-separated."""
+    points: dict[str, int] = {}
+    for item in (p.strip() for p in text.split(",")):
+        if not item:
+            continue
+        name, _, skip = item.partition(":")
+        if name not in FAILPOINTS:
+            raise ConfigError(f"{P}FAILPOINTS names unknown point {name!r}; known: {sorted(FAILPOINTS)}")
+        if skip and not skip.isdigit():
+            raise ConfigError(f"{P}FAILPOINTS: {item!r} must be NAME or NAME:N, N the runs let through first")
+        points[name] = int(skip or 0)
+    return points

@@ -1,8 +1,12 @@
 """A run, step by step, in a fixed order (docs/architecture.md): claim, read, call, decide, post, write, end.
 
-The claim comes first and is never undone: whatever happens after it (an error, the time limit,
-a crash), the wake is not acted on again. The ledger row is written whole, in the same transaction
-as each Room write it records, so after a crash it shows what was posted, written and not written.
+The claim comes first and is never undone. The run's first ledger write, made with its room read,
+is the fence: it carries this delivery's token (Run.attempt), and the Room refuses it when another
+delivery's run already holds the row. So at most one run of a wake reads the room, and once one
+has, whatever happens after it (an error, the time limit, a crash), the wake is not acted on again;
+a claim whose run never got that far is taken over by the next delivery's run. The ledger row is
+written whole, in the same transaction as each Room write it records, so after a crash it shows
+what was posted, written and not written.
 """
 
 from __future__ import annotations
@@ -13,19 +17,20 @@ import logging
 import sys
 import time
 import uuid
-from collections.abc import Coroutine
+from collections import Counter
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import httpx
 from opentelemetry import trace
 
-from quayutec.errors import InvalidArgument, ResourceExhausted, broken_rule
-from quayutec.ledger import mark_undone
+from quayutec.errors import InvalidArgument, ResourceExhausted, Unavailable, broken_rule
+from quayutec.ledger import continuation_attempt, mark_undone, run_id_for
 from quayutec.telemetry import Metrics, annotate, run_outcome, run_span
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
-from services.runtime.backend import MIN_TRY_SECONDS, with_retries
+from services.runtime.backend import MIN_TRY_SECONDS, retryable, with_retries
 from services.runtime.config import RuntimeConfig
 from services.runtime.model import (
     DECLARED_ACTIONS,
@@ -42,8 +47,6 @@ from services.runtime.model import (
 
 _log = logging.getLogger("quayutec.runtime")
 
-# Run ids are derived from (agent, wake): a redelivered wake names the same ledger row.
-RUN_NAMESPACE = uuid.UUID("6f1c8a52-3d0e-4c1b-9a57-0d3c2f1e9b41")
 MAX_ID_BYTES = 200
 MAX_MEMORY_BYTES = 16 * 1024
 MAX_TITLE_BYTES = 500
@@ -70,10 +73,6 @@ PROVIDERS: dict[common_pb2.Provider.ValueType, str] = {
     common_pb2.PROVIDER_OPENAI: "openai",
     common_pb2.PROVIDER_OPENAI_COMPATIBLE: "openai_compatible",
 }
-
-
-def run_id_for(agent_id: str, wake_id: str) -> str:
-    return str(uuid.uuid5(RUN_NAMESPACE, f"{agent_id}\x00{wake_id}"))
 
 
 def continuation_claim(token: str) -> str:
@@ -106,6 +105,41 @@ class DecisionError(Exception):
     """A declared action that cannot be decided: the run ends with nothing posted or written."""
 
 
+class HeldByAnother(Exception):
+    """Another delivery's run holds the wake's ledger row: this run stops before any effect."""
+
+
+def fenced_out(exc: BaseException) -> bool:
+    """Whether ``exc`` says the ledger refused this run's write because another run holds the row."""
+    if isinstance(exc, HeldByAnother):
+        return True
+    return isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.ALREADY_EXISTS
+
+
+# StartRun's answer for one delivery: the result, or the error it fails with.
+StartAnswer: TypeAlias = runtime_pb2.StartRunResult.ValueType | BaseException
+
+
+@dataclass
+class DeliveryRun:
+    """One delivery's run of a wake: its token (the claimant token; the ledger's fence) and StartRun's
+    answer, given once: ACCEPTED when the run's first ledger write committed, ALREADY_CLAIMED when
+    the fence refused it, or the error that stopped the run before it wrote anything."""
+
+    token: str
+    # The claim was refused to this delivery: its run takes the wake over if the claim's run never
+    # read the room, and is fenced out otherwise.
+    taking_over: bool
+    answer: asyncio.Future[StartAnswer]
+
+    def give(self, answer: StartAnswer) -> bool:
+        """Answer StartRun (the first answer only); whether this was it."""
+        if self.answer.done():
+            return False
+        self.answer.set_result(answer)
+        return True
+
+
 @dataclass
 class RoomView:
     """What the agent sees of the room when its run starts."""
@@ -131,14 +165,25 @@ class Ledger:
     # Monotonic start of the run's active time (time parked on a waitpoint is not counted).
     started: float = field(default_factory=time.monotonic)
     metrics: Metrics | None = None
+    # Called once, when this run's first ledger write has committed: the run holds the row.
+    on_recorded: Callable[[], None] | None = None
+    recorded: bool = False
 
     def snapshot(self) -> common_pb2.Run:
         self.run.active_ms = int((time.monotonic() - self.started) * 1000)
         self.run.updated_at.GetCurrentTime()
         return self.run
 
+    def mark_recorded(self) -> None:
+        """A write carrying the row committed (the first one passed the fence)."""
+        if not self.recorded:
+            self.recorded = True
+            if self.on_recorded is not None:
+                self.on_recorded()
+
     async def save(self) -> None:
         await self.room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=self.snapshot()), timeout=self.timeout)
+        self.mark_recorded()
 
     async def step(self, step: common_pb2.RunStep.ValueType) -> None:
         self.run.step = step
@@ -176,6 +221,7 @@ class Ledger:
         """The write that carried ``row`` committed: the row is now what the ledger holds."""
         newly_ended = row.step == common_pb2.RUN_STEP_ENDED and not self.ended
         self.run.CopyFrom(row)
+        self.mark_recorded()
         if newly_ended and self.metrics is not None:
             self.metrics.run_ended(run_outcome(row.status))
 
@@ -219,14 +265,21 @@ class RunExecutor:
         self._metrics = metrics or Metrics()
         self._active = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        # Set by release_failpoints (SIGUSR1 in tests): runs paused at a failpoint go on.
+        self._failpoints_released = asyncio.Event()
+        self._failpoints_passed: Counter[str] = Counter()
 
     async def start(
         self, wake: Wake, *, time_left: float | None = None
     ) -> tuple[runtime_pb2.StartRunResult.ValueType, str]:
-        """Claim the wake and run it in the background; refuse before claiming when full.
+        """Claim the wake, start its run and answer once the run holds the wake's ledger row; refuse
+        before claiming when full.
 
-        ``time_left`` is what remains of the StartRun deadline: the claim is asked again (with this
-        delivery's one claimant token) on UNAVAILABLE or DEADLINE_EXCEEDED until shortly before it."""
+        A claim refused to this delivery is run too: its run's first ledger write takes the wake over
+        when the claim's own run never read the room (no row, or a NOT_STARTED one), and is refused
+        otherwise (ALREADY_CLAIMED). The run goes on if this call is cancelled. ``time_left`` is what
+        remains of the StartRun deadline: the claim is asked again (with this delivery's one claimant
+        token) on UNAVAILABLE or DEADLINE_EXCEEDED until shortly before it."""
         continuation = wake.kind == common_pb2.WAKE_KIND_DECISION
         if continuation and not wake.source_id:
             raise InvalidArgument("a DECISION wake needs wake_source_id (the waitpoint token)")
@@ -251,26 +304,29 @@ class RunExecutor:
             # A decision continues its run once, however many wakes or replicas deliver it.
             claim_key = continuation_claim(wake.source_id) if continuation else wake.wake_id
             bound = self._config.room_retry_seconds if claim_until is None else claim_until - loop.time()
-            claim = await self._claim(wake.agent_id, claim_key, bound)
+            token = uuid.uuid4().hex
+            claim = await self._claim(wake.agent_id, claim_key, token, bound)
             if not claim.claimed:
                 self._metrics.claim_refused()
-                return runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED, run_id
-            work = self.run(wake, run_id) if waitpoint is None else self.continue_run(waitpoint)
-            task = asyncio.create_task(self._run_and_release(work, run_id), name=f"run {run_id}")
+            attempt = DeliveryRun(token, taking_over=not claim.claimed, answer=loop.create_future())
+            work = self.run(wake, run_id, attempt) if waitpoint is None else self.continue_run(waitpoint, attempt)
+            task = asyncio.create_task(self._run_and_release(work, run_id, attempt), name=f"run {run_id}")
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             handed_off = True
-            self._metrics.run_started()
-            return runtime_pb2.START_RUN_RESULT_ACCEPTED, run_id
         finally:
             if not handed_off:
                 self._active -= 1
+        answer = await asyncio.shield(attempt.answer)
+        if isinstance(answer, BaseException):
+            raise answer
+        return answer, run_id
 
-    async def _claim(self, agent_id: str, claim_key: str, bound: float) -> claims_pb2.ClaimOnceResponse:
-        """ClaimOnce with a token of this delivery, asked again for up to ``bound`` seconds while it
+    async def _claim(self, agent_id: str, claim_key: str, token: str, bound: float) -> claims_pb2.ClaimOnceResponse:
+        """ClaimOnce with this delivery's token, asked again for up to ``bound`` seconds while it
         may have committed unseen: a late commit is then answered claimed=true to us (and to no
         other delivery)."""
-        request = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=claim_key, claimant=uuid.uuid4().hex)
+        request = claims_pb2.ClaimOnceRequest(agent_id=agent_id, wake_id=claim_key, claimant=token)
         response: claims_pb2.ClaimOnceResponse = await with_retries(
             lambda t: self._claims.ClaimOnce(request, timeout=t),
             call_timeout=min(self._config.backend_timeout_seconds, max(MIN_TRY_SECONDS, bound)),
@@ -279,25 +335,61 @@ class RunExecutor:
         )
         return response
 
-    async def _run_and_release(self, work: Coroutine[Any, Any, None], run_id: str) -> None:
+    async def _run_and_release(self, work: Coroutine[Any, Any, None], run_id: str, attempt: DeliveryRun) -> None:
+        """Run ``work``; answer StartRun from what it did if its first ledger write did not already."""
         try:
             with run_span(run_id=run_id):
                 await work
-        except Exception:
-            self._metrics.run_ended("error")
-            _log.exception("run %s failed outside its ledger", run_id)
+        except asyncio.CancelledError:
+            attempt.give(Unavailable("the Runtime stopped before the run read the room; deliver the wake again"))
+            raise
+        except Exception as exc:
+            if fenced_out(exc):
+                if attempt.give(runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED) and not attempt.taking_over:
+                    _log.info("run %s was taken over by another delivery before it read the room", run_id)
+            elif attempt.give(exc):  # StartRun's error: nothing was recorded or done; delivered again
+                _log.info("run %s stopped before its first ledger write (nothing was done): %s", run_id, exc)
+            else:
+                self._metrics.run_ended("error")
+                _log.exception("run %s failed outside its ledger", run_id)
         finally:
             self._active -= 1
+            attempt.give(runtime_pb2.START_RUN_RESULT_ACCEPTED)  # ended without a ledger write of its own
 
-    async def run(self, wake: Wake, run_id: str) -> None:
+    def _recorded(self, attempt: DeliveryRun, run_id: str) -> Callable[[], None]:
+        """What happens when the run's first ledger write commits: StartRun answers ACCEPTED."""
+
+        def recorded() -> None:
+            attempt.give(runtime_pb2.START_RUN_RESULT_ACCEPTED)
+            self._metrics.run_started()
+            if attempt.taking_over:
+                self._metrics.run_taken_over()
+                _log.info("run %s taken over: its wake's claim was made by a run that never read the room", run_id)
+
+        return recorded
+
+    def release_failpoints(self) -> None:
+        """Runs paused at a failpoint go on (crash tests only)."""
+        self._failpoints_released.set()
+
+    async def run(self, wake: Wake, run_id: str, attempt: DeliveryRun) -> None:
         """One claimed run, step by step in the fixed order. Nothing here is ever redone."""
         annotate(agent_id=wake.agent_id, room_id=wake.room_id, wake_id=wake.wake_id)
         row = self._new_run_row(wake, run_id)
-        ledger = Ledger(self._room, row, self._config.backend_timeout_seconds, metrics=self._metrics)
+        row.attempt = attempt.token
+        ledger = Ledger(
+            self._room,
+            row,
+            self._config.backend_timeout_seconds,
+            metrics=self._metrics,
+            on_recorded=self._recorded(attempt, run_id),
+        )
         active_time = asyncio.timeout(self._config.run_seconds)
         try:
             async with active_time:
-                # 1. claimed (by start) before anything else; 2. read the room, recording the claimed row
+                # 1. claimed (by start) before anything else; 2. read the room, recording the claimed
+                # row: the fence, refused when another delivery's run holds the row
+                await self._failpoint("before_room_read", run_id)
                 view = await self.read_room(wake, ledger)
                 await self._failpoint("claimed", run_id)
                 ledger.run.company_id = view.agent.company_id
@@ -335,13 +427,23 @@ class RunExecutor:
             await ledger.end(common_pb2.RUN_STATUS_TIMED_OUT, f"stopped after {seconds:g} s of active time")
             return
         except asyncio.CancelledError:
-            await asyncio.shield(ledger.end(common_pb2.RUN_STATUS_FAILED, "the runtime shut down during the run"))
+            if ledger.recorded:  # before its first write the run did nothing: the next delivery takes it over
+                await asyncio.shield(ledger.end(common_pb2.RUN_STATUS_FAILED, "the runtime shut down during the run"))
             raise
         except grpc.aio.AioRpcError as exc:
-            await ledger.end(common_pb2.RUN_STATUS_FAILED, f"room call failed: {exc.code().name}: {exc.details()}")
+            await self._end_after_room_error(ledger, exc)
             return
         if not ledger.ended:
             await ledger.end(common_pb2.RUN_STATUS_SUCCEEDED)  # 7. end (unless the last write recorded it)
+
+    @staticmethod
+    async def _end_after_room_error(ledger: Ledger, exc: grpc.aio.AioRpcError) -> None:
+        """End the run FAILED after a Room call failed, unless it must stop without a write: fenced
+        out (another run holds the row), or not recorded yet and the failure may pass (the Room
+        unreachable past the retries): then nothing was done and the error is StartRun's answer."""
+        if fenced_out(exc) or (not ledger.recorded and retryable(exc)):
+            raise exc
+        await ledger.end(common_pb2.RUN_STATUS_FAILED, f"room call failed: {exc.code().name}: {exc.details()}")
 
     async def park(self, ledger: Ledger) -> None:
         """Store the held actions on a waitpoint token (and the PARKED row, in one transaction)."""
@@ -364,17 +466,28 @@ class RunExecutor:
             timeout=self._config.backend_timeout_seconds,
         )
 
-    async def continue_run(self, waitpoint: common_pb2.Waitpoint) -> None:
+    async def continue_run(self, waitpoint: common_pb2.Waitpoint, attempt: DeliveryRun) -> None:
         """The decided continuation of a parked run: approved held actions are done, denied ones
-        recorded, undecided ones (expired token) end undone. Claimed once, like a wake."""
+        recorded, undecided ones (expired token) end undone. Claimed once, like a wake; its first
+        write (the RUNNING row) is the fence, so a continuation that died before it is taken over."""
         t = self._config.backend_timeout_seconds
         await self._failpoint("continuation_claimed", waitpoint.run_id)
         run = (await self._room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=waitpoint.run_id), timeout=t)).run
         if run.status != common_pb2.RUN_STATUS_PARKED:
+            if attempt.taking_over:  # the claim's own continuation got past its first write
+                raise HeldByAnother(run.run_id)
             _log.warning("run %s is %s, not parked; its decision is not acted on", run.run_id, run.status)
             return
         annotate(agent_id=run.agent_id, room_id=run.room_id, wake_id=run.wake_id, company_id=run.company_id)
-        ledger = Ledger(self._room, run, t, started=time.monotonic() - run.active_ms / 1000, metrics=self._metrics)
+        run.attempt = continuation_attempt(waitpoint.token, attempt.token)
+        ledger = Ledger(
+            self._room,
+            run,
+            t,
+            started=time.monotonic() - run.active_ms / 1000,
+            metrics=self._metrics,
+            on_recorded=self._recorded(attempt, run.run_id),
+        )
         run.status = common_pb2.RUN_STATUS_RUNNING
         decisions = {h.index: h for h in waitpoint.held}
         for action in run.actions:
@@ -409,7 +522,7 @@ class RunExecutor:
             await ledger.end(common_pb2.RUN_STATUS_TIMED_OUT, f"stopped after {seconds:g} s of active time")
             return
         except grpc.aio.AioRpcError as exc:
-            await ledger.end(common_pb2.RUN_STATUS_FAILED, f"room call failed: {exc.code().name}: {exc.details()}")
+            await self._end_after_room_error(ledger, exc)
             return
         await ledger.end(common_pb2.RUN_STATUS_SUCCEEDED)
 
@@ -452,10 +565,16 @@ class RunExecutor:
         return run
 
     async def _failpoint(self, name: str, run_id: str) -> None:
-        """Crash tests name step boundaries at which a run stops forever, to be killed there."""
-        if name in self._config.failpoints:
-            print(f"failpoint {name} reached by run {run_id}", file=sys.stderr, flush=True)
-            await asyncio.Event().wait()
+        """Crash tests name step boundaries at which a run pauses, to be killed there (or let go on
+        by ``release_failpoints``)."""
+        let_through = self._config.failpoints.get(name)
+        if let_through is None or self._failpoints_released.is_set():
+            return
+        if self._failpoints_passed[name] < let_through:
+            self._failpoints_passed[name] += 1
+            return
+        print(f"failpoint {name} reached by run {run_id}", file=sys.stderr, flush=True)
+        await self._failpoints_released.wait()
 
     async def read_room(self, wake: Wake, ledger: Ledger) -> RoomView:
         """Everything the run sees of the room, read in one call that also records the claimed row."""
@@ -472,6 +591,7 @@ class RunExecutor:
             ),
             timeout=self._config.backend_timeout_seconds,
         )
+        ledger.mark_recorded()
         return RoomView(
             agent=got.agent,
             provider_key=got.provider_key,

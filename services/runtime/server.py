@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
+
 import grpc
 import httpcore
 import httpx
@@ -64,7 +67,12 @@ async def create_server(
     def register(server: grpc.aio.Server) -> None:
         runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(RuntimeServicer(executor), server)
 
+    if config.failpoints:  # crash tests let runs paused at a failpoint go on with SIGUSR1
+        asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, executor.release_failpoints)
+
     async def on_stop() -> None:
+        if config.failpoints:
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGUSR1)
         await executor.shutdown(config.server.grace_seconds)
         await claims.close()
         await claims_channel.close()

@@ -35,11 +35,13 @@ def report(name: str, outcome: Outcome, bed: Bed, **figures: float) -> None:
 
 
 def assert_at_most_once(outcome: Outcome) -> None:
-    """The promise: nothing twice; and every wake accounted for (acted once, recorded not done, or
-    counted lost: the last is reported, not yet asserted, until housekeeping writes those rows)."""
+    """The promise: nothing twice; and every wake accounted for, acted once or recorded not done:
+    no claim without its ledger row (the fence: a claim whose run never read the room is taken over
+    or recorded NOT_STARTED), none never claimed."""
     assert outcome.twice == 0, outcome
     assert outcome.open_runs == 0, outcome
     assert outcome.once + outcome.not_done_total + outcome.lost == outcome.wakes, outcome
+    assert outcome.claims_without_row == 0, outcome
     assert outcome.never_claimed == 0, outcome
 
 

@@ -13,10 +13,14 @@ from __future__ import annotations
 import base64
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from playwright.async_api import Browser, expect
 
+from quayutec.telemetry import SpanCapture
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.standin import StandinProvider
 from tests.console.browser import FAST, HOLD, PHONE, WAIT_MS, Shots, chromium, page_weight, running_console, sign_in
@@ -30,7 +34,21 @@ PAGE_WEIGHT_LIMIT = 32_000
 JAEGER = "http://127.0.0.1:16686"
 
 
-async def test_two_companies_in_the_console(database_url: str, tmp_path: Path) -> None:
+@pytest.fixture
+def generous_expect() -> Iterator[None]:
+    """Every expect() of this module waits up to WAIT_MS, not Playwright's 5 s: six servers and a
+    browser share the machine, and a wait is only a failsafe here, never what a test asserts."""
+    expect.set_options(timeout=WAIT_MS)
+    try:
+        yield
+    finally:
+        expect.set_options(timeout=None)
+
+
+async def test_two_companies_in_the_console(
+    database_url: str, tmp_path: Path, captured: tuple[InMemorySpanExporter, SpanCapture], generous_expect: None
+) -> None:
+    """Telemetry is on (``captured``), so every run has a trace id and its page links to Jaeger."""
     shots = Shots(tmp_path / "screenshots")
     async with running_room(database_url) as room_addr, running_claims(database_url) as claims_addr:
         acme_key = await make_company(database_url, room_addr, "Acme")
@@ -172,9 +190,10 @@ async def _scenario(
         await expect(timeline).to_contain_text(step)
     await expect(timeline.locator("li", has_text="action #0 remember")).to_contain_text("done")
     await expect(timeline.locator("li", has_text="action #1 create_task")).to_contain_text("denied")
-    if done_trace := runs[0].trace_id:
-        link = run_page.get_by_role("link", name="in Jaeger")
-        await expect(link).to_have_attribute("href", f"{JAEGER}/trace/{done_trace}")
+    done_trace = runs[0].trace_id
+    assert len(done_trace) == 32, "the run recorded no trace id although telemetry is on"
+    link = run_page.get_by_role("link", name="in Jaeger")
+    await expect(link).to_have_attribute("href", f"{JAEGER}/trace/{done_trace}")
     await shots.take(run_page, "run")
     await run_page.set_viewport_size(PHONE)
     await shots.take(run_page, "run-phone")

@@ -162,3 +162,21 @@ def test_what_a_run_posted_and_wrote() -> None:
         ("action #1 create_task", "bad"),
         ("ended", ""),
     ]
+
+
+def test_a_run_not_started_is_one_waiting_step_with_its_reason_and_no_error() -> None:
+    reason = "not started: the wake was delivered once and no run has read the room; nothing was done; ..."
+    run = common_pb2.Run(run_id="r", wake_id="w", status=common_pb2.RUN_STATUS_NOT_STARTED, error=reason)
+    run.started_at.CopyFrom(at(0))
+    line = timeline(run, None, now=T0 + timedelta(seconds=90))
+    assert [(b.what, b.start_ms, b.duration_ms, b.state) for b in line.bars] == [("not started", 0, 90_000, "wait")]
+    assert line.total_ms == 90_000
+    assert steps(run) == [
+        {
+            "what": "not started",
+            "detail": "wake w: no run has read the room yet, nothing was done; the wake is delivered again",
+            "state": "wait",
+        }
+    ]
+    # Not a failure: no error in words, nothing said to be not posted, no error class in the history.
+    assert (error_words(run), error_class(run), effects(run), summary(run)) == ("", "", [], "")

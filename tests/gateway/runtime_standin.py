@@ -1,13 +1,17 @@
 """A real grpc.aio RuntimeService standing in for the Runtime (a downstream) in delivery tests.
 
-It claims each wake through a real Claims server (ACCEPTED when this call claimed it,
-ALREADY_CLAIMED otherwise) and runs nothing. A script per wake can first answer errors, or hang,
-so tests can drive the delivery loop's retries, leases and shutdown. Every call is recorded.
+It claims each wake through a real Claims server and, when this call claimed it, records the
+run's first ledger row in a real Room as the Runtime's run would (RUNNING, this call's claimant
+token as its attempt; a DECISION wake's parked row is left as it is), then answers ACCEPTED; a wake
+claimed before is answered ALREADY_CLAIMED. It runs nothing and takes nothing over. A script per
+wake can first answer errors, or hang, so tests can drive the delivery loop's retries, leases and
+shutdown. Every call is recorded.
 """
 
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -17,11 +21,39 @@ from typing import Any
 import grpc
 
 from quayutec.authz import AuthzInterceptor
-from quayutec.v1 import claims_pb2, claims_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from quayutec.ledger import run_id_for
+from quayutec.v1 import (
+    claims_pb2,
+    claims_pb2_grpc,
+    common_pb2,
+    room_pb2,
+    room_pb2_grpc,
+    runtime_pb2,
+    runtime_pb2_grpc,
+)
 from tests.harness.channels import pki_identity, service_channel
 
 ACCEPTED = runtime_pb2.START_RUN_RESULT_ACCEPTED
 ALREADY_CLAIMED = runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED
+
+
+async def record_first_row(
+    room: room_pb2_grpc.RoomServiceStub, request: runtime_pb2.StartRunRequest, token: str
+) -> None:
+    """The first ledger row of the run of ``request``'s wake, as the Runtime's run records it with its
+    room read (RUNNING, the claimed step, ``token`` as its attempt); ``room`` called as "runtime"."""
+    row = common_pb2.Run(
+        run_id=run_id_for(request.agent_id, request.wake_id),
+        agent_id=request.agent_id,
+        room_id=request.room_id,
+        wake_id=request.wake_id,
+        wake_kind=request.wake_kind,
+        wake_source_id=request.wake_source_id,
+        status=common_pb2.RUN_STATUS_RUNNING,
+        step=common_pb2.RUN_STEP_CLAIMED,
+        attempt=token,
+    )
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=row), timeout=10)
 
 
 @dataclass(frozen=True)
@@ -37,8 +69,9 @@ class StandinRuntime:
     """Answers StartRun by claiming through Claims, after any scripted failures for the wake (and
     has no StartRuns, like a Runtime of before it)."""
 
-    def __init__(self, claims: claims_pb2_grpc.ClaimsServiceStub) -> None:
+    def __init__(self, claims: claims_pb2_grpc.ClaimsServiceStub, room: room_pb2_grpc.RoomServiceStub) -> None:
         self._claims = claims
+        self._room = room
         self.calls: list[Call] = []
         # Steps per wake, one used per call, before the normal claim-and-answer:
         # "UNAVAILABLE" or "RESOURCE_EXHAUSTED" (answered without claiming), "HANG" (never answers,
@@ -66,15 +99,19 @@ class StandinRuntime:
         if step in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
             self._record(request, step, context)
             await context.abort(getattr(grpc.StatusCode, step), f"stand-in runtime scripted {step}")
+        token = uuid.uuid4().hex
         claim = await self._claims.ClaimOnce(
-            claims_pb2.ClaimOnceRequest(agent_id=request.agent_id, wake_id=request.wake_id), timeout=10
+            claims_pb2.ClaimOnceRequest(agent_id=request.agent_id, wake_id=request.wake_id, claimant=token), timeout=10
         )
+        run_id = run_id_for(request.agent_id, request.wake_id)
+        if claim.claimed and request.wake_kind != common_pb2.WAKE_KIND_DECISION:
+            await record_first_row(self._room, request, token)
         if step == "CLAIM_THEN_HANG":
             self._record(request, "CLAIMED_THEN_HANG" if claim.claimed else "ALREADY_CLAIMED_THEN_HANG", context)
             await asyncio.Event().wait()
         result = ACCEPTED if claim.claimed else ALREADY_CLAIMED
         self._record(request, runtime_pb2.StartRunResult.Name(result).removeprefix("START_RUN_RESULT_"), context)
-        return runtime_pb2.StartRunResponse(result=result, run_id=f"run-{request.wake_id}")
+        return runtime_pb2.StartRunResponse(result=result, run_id=run_id)
 
     async def wait_until(self, predicate: Callable[[], bool], within: float = 60.0) -> None:
         """Wait for ``predicate()`` to hold, re-checking after every call; fails after ``within`` seconds."""
@@ -89,8 +126,8 @@ class BatchingStandinRuntime(StandinRuntime, runtime_pb2_grpc.RuntimeServiceServ
     item's error; a scripted hang holds the whole call), the items claimed concurrently. Every
     call's wake ids are recorded in ``batches``; its items in ``calls`` like StartRun's."""
 
-    def __init__(self, claims: claims_pb2_grpc.ClaimsServiceStub) -> None:
-        super().__init__(claims)
+    def __init__(self, claims: claims_pb2_grpc.ClaimsServiceStub, room: room_pb2_grpc.RoomServiceStub) -> None:
+        super().__init__(claims, room)
         self.batches: list[list[str]] = []
         self.traceparents: dict[str, str] = {}
 
@@ -118,20 +155,24 @@ class BatchingStandinRuntime(StandinRuntime, runtime_pb2_grpc.RuntimeServiceServ
 
 @asynccontextmanager
 async def running_standin_runtime(
-    claims_addr: str, *, port: int = 0, batching: bool = False
+    claims_addr: str, room_addr: str, *, port: int = 0, batching: bool = False
 ) -> AsyncIterator[tuple[str, StandinRuntime]]:
     """Yields ("127.0.0.1:PORT", servicer) of a started stand-in Runtime: like the real one, it serves
-    mutual TLS as "runtime" (admitting callers per quayutec.authz) and claims as "runtime".
+    mutual TLS as "runtime" (admitting callers per quayutec.authz), claims and records as "runtime".
     Without ``batching`` it has no StartRuns (UNIMPLEMENTED, as an older Runtime answers)."""
-    async with service_channel(claims_addr, "runtime") as channel:
+    async with (
+        service_channel(claims_addr, "runtime") as channel,
+        service_channel(room_addr, "runtime") as room_channel,
+    ):
         stub = claims_pb2_grpc.ClaimsServiceStub(channel)
+        room = room_pb2_grpc.RoomServiceStub(room_channel)
         server = grpc.aio.server(interceptors=(AuthzInterceptor(),))
         servicer: StandinRuntime
         if batching:
-            servicer = batching_servicer = BatchingStandinRuntime(stub)
+            servicer = batching_servicer = BatchingStandinRuntime(stub, room)
             runtime_pb2_grpc.add_RuntimeServiceServicer_to_server(batching_servicer, server)
         else:  # only StartRun is registered: StartRuns answers UNIMPLEMENTED ("Method not found!")
-            servicer = StandinRuntime(stub)
+            servicer = StandinRuntime(stub, room)
             start_run = grpc.unary_unary_rpc_method_handler(
                 servicer.StartRun,
                 request_deserializer=runtime_pb2.StartRunRequest.FromString,

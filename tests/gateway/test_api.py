@@ -345,6 +345,11 @@ async def test_private_memory_reaches_only_its_company(
     acme: CompanyKey,
     globex: CompanyKey,
 ) -> None:
+    """Guards the public path end to end. The Gateway drops another company's private lines itself
+    (defence in depth), so a leak in the Room alone does not fail this test: the Room's own filter is
+    guarded by tests/room/test_memory_files.py::test_private_memory_is_invisible_to_other_companies,
+    which reads through the Room directly. (The Gateway's extra filter is not forced by any test: that
+    would take a Room that leaks.)"""
     room = await create_room(acme_gw)
     await join_room(acme_gw, globex_gw, room.room_id)
     async with service_channel(room_addr, "runtime") as channel:

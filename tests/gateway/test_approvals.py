@@ -25,11 +25,6 @@ HOLD, DENY, AUTO = common_pb2.ACTION_RIGHT_HOLD, common_pb2.ACTION_RIGHT_DENY, c
 @pytest.fixture
 async def room_stub(room_addr: str) -> AsyncIterator[room_pb2_grpc.RoomServiceStub]:
     async with callers_stub(room_addr, ROOM.grpc_service, room_pb2_grpc.RoomServiceStub) as stub:
-        try:
-            await stub.ListWaitpoints(room_pb2.RoomServiceListWaitpointsRequest(company_id=str(uuid.uuid4())))
-        except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
-                pytest.skip("the Room does not implement rights and waitpoints yet")
         yield stub
 
 
@@ -205,7 +200,7 @@ async def test_an_overdue_approval_expires_and_wakes_its_run_once(
     await pool.execute("UPDATE waitpoints SET expires_at = now() - interval '1 minute' WHERE token = $1", overdue)
     fast = {"QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.02", "QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS": "0.05"}
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **fast),
     ):
         await runtime.wait_until(lambda: any(c.request.wake_source_id == overdue for c in runtime.calls))

@@ -17,12 +17,13 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import pytest
 
-from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
+from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtime_pb2
 from services.stack import free_port
 from tests.gateway.helpers import GatewayStub, create_room, eventually, register_agent
-from tests.gateway.runtime_standin import running_standin_runtime
+from tests.gateway.runtime_standin import record_first_row, running_standin_runtime
 from tests.harness.channels import mtls_env, service_channel
 from tests.harness.gateway import authed_gateway, make_company, running_gateway
 from tests.harness.room import running_room
@@ -36,6 +37,13 @@ FAST = {
     "QUAYUTEC_GATEWAY_BACKOFF_CEILING_SECONDS": "0.4",
     "QUAYUTEC_GATEWAY_POST_RATE": "0",
 }
+
+
+# StartRun's deadline where a test hangs a call on purpose: a hang meets it, an answered call never does.
+HUNG_CALL_SECONDS = "5"
+# Leases of tests that stop a replica mid-call: they outlast the whole first half of the test, and
+# the test then ends them itself (expire_leases) as time would, instead of waiting for them.
+LONG_LEASE = {"QUAYUTEC_GATEWAY_LEASE_SECONDS": "120", "QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS": "110"}
 
 
 @pytest.fixture
@@ -83,7 +91,7 @@ async def test_wakes_are_delivered_once_with_their_source(
     )
     assert await pending(room_stub) == 3
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **FAST),
     ):
         await eventually(lambda: _none_pending(room_stub))
@@ -116,10 +124,17 @@ async def test_already_claimed_is_delivered(
             room_pb2.RoomServiceLeaseWakesRequest(lease_owner="test", max_wakes=1, lease_seconds=1), timeout=10
         )
         first = leased.wakes[0]
-        # Claimed before (as if a Runtime took it and the settle was lost); the lease lapses.
+        # Claimed before, and its run recorded (as if a Runtime took it and the settle was lost); the
+        # lease lapses.
         await claims.ClaimOnce(claims_pb2.ClaimOnceRequest(agent_id=first.agent_id, wake_id=first.wake_id))
+    # As a Runtime's run records it with its room read.
+    async with service_channel(room_addr, "runtime") as channel:
+        request = runtime_pb2.StartRunRequest(
+            agent_id=first.agent_id, wake_id=first.wake_id, room_id=first.room_id, wake_kind=first.kind
+        )
+        await record_first_row(room_pb2_grpc.RoomServiceStub(channel), request, "the claimant")
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **FAST),
     ):
         await eventually(lambda: _none_pending(room_stub))
@@ -134,16 +149,13 @@ async def test_refusals_and_timeouts_are_retried_until_claimed(
     database_url: str, room_addr: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
 ) -> None:
     _, wake_ids = await post_wakes(acme_gw, agents=3, messages=1)
-    async with running_standin_runtime(claims_addr) as (runtime_addr, runtime):
+    async with running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime):
         runtime.script(wake_ids[0], "UNAVAILABLE", "RESOURCE_EXHAUSTED", "HANG")
         runtime.script(wake_ids[1], "RESOURCE_EXHAUSTED")
+        # The hung call ends at StartRun's deadline. It is far longer than any answered call takes
+        # even on a loaded machine, so only the scripted hang ever meets it: the sequence is exact.
         async with running_gateway(
-            database_url,
-            room_addr,
-            runtime_addr,
-            **FAST,
-            QUAYUTEC_GATEWAY_LEASE_SECONDS="5",
-            QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS="0.3",
+            database_url, room_addr, runtime_addr, **FAST, QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS=HUNG_CALL_SECONDS
         ):
             await eventually(lambda: _none_pending(room_stub))
     by_wake: dict[str, list[str]] = {w: [] for w in wake_ids}
@@ -183,7 +195,7 @@ async def test_runtime_down_for_a_while_then_up_delivers_every_wake_once(
         await eventually(each_failed_twice)
         assert failed_wakes() == set(wake_ids)
         assert await pending(room_stub) == len(wake_ids)  # still pending while Runtime is down
-        async with running_standin_runtime(claims_addr, port=port) as (_, runtime):
+        async with running_standin_runtime(claims_addr, room_addr, port=port) as (_, runtime):
             await eventually(lambda: _none_pending(room_stub))
     assert Counter(c.request.wake_id for c in runtime.calls) == Counter(wake_ids)
     assert {c.answer for c in runtime.calls} == {"ACCEPTED"}
@@ -203,7 +215,7 @@ async def test_room_down_then_up_the_loop_keeps_polling(
             _, wake_ids = await post_wakes(acme_gw, agents=3, messages=2)
     # The Room is down now.
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **FAST),
     ):
 
@@ -225,7 +237,7 @@ async def test_two_replicas_deliver_a_thousand_wakes_once_each(
 ) -> None:
     replica = {**FAST, "QUAYUTEC_GATEWAY_DELIVERY_BATCH_SIZE": "25", "QUAYUTEC_GATEWAY_DELIVERY_CONCURRENCY": "25"}
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **replica),
         running_gateway(database_url, room_addr, runtime_addr, **replica),
     ):
@@ -243,6 +255,17 @@ async def test_two_replicas_deliver_a_thousand_wakes_once_each(
     assert len({c.peer for c in runtime.calls}) >= 2
 
 
+async def expire_leases(pool: asyncpg.Pool, wake_ids: list[str]) -> None:
+    """End the leases of ``wake_ids`` now, as their expiry would (a replica that stopped holding them
+    never settles them)."""
+    expired = await pool.execute(
+        "UPDATE wake_outbox SET lease_expires_at = now() - interval '1 second'"
+        " WHERE wake_id = ANY($1::uuid[]) AND delivered_at IS NULL AND lease_expires_at > now()",
+        wake_ids,
+    )
+    assert expired == f"UPDATE {len(wake_ids)}", f"not every wake was still leased: {expired}"
+
+
 def assert_each_claimed_once_after_the_first_replica(runtime: Any, wake_ids: list[str]) -> None:
     """Even wakes were claimed by the first replica's calls (then hung), odd ones never reached a
     claim; the second replica found the even ones ALREADY_CLAIMED and claimed the odd ones."""
@@ -255,17 +278,21 @@ def assert_each_claimed_once_after_the_first_replica(runtime: Any, wake_ids: lis
 
 
 async def test_replica_stopped_mid_delivery_loses_nothing(
-    database_url: str, room_addr: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
+    database_url: str,
+    room_addr: str,
+    claims_addr: str,
+    acme_gw: GatewayStub,
+    room_stub: room_pb2_grpc.RoomServiceStub,
+    pool: asyncpg.Pool,
 ) -> None:
     _, wake_ids = await post_wakes(acme_gw, agents=10, messages=2)
     leases = {
         **FAST,
-        "QUAYUTEC_GATEWAY_LEASE_SECONDS": "3",
-        "QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS": "2.9",
+        **LONG_LEASE,
         "QUAYUTEC_GATEWAY_DELIVERY_STOP_GRACE_SECONDS": "0",
         "QUAYUTEC_GATEWAY_GRACE_SECONDS": "0",
     }
-    async with running_standin_runtime(claims_addr) as (runtime_addr, runtime):
+    async with running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime):
         # Half the wakes hang before Runtime claims them, half after: the replica is stopped mid-call.
         for n, wake_id in enumerate(wake_ids):
             runtime.script(wake_id, "HANG" if n % 2 else "CLAIM_THEN_HANG")
@@ -273,21 +300,23 @@ async def test_replica_stopped_mid_delivery_loses_nothing(
             await runtime.wait_until(lambda: len(runtime.calls) == len(wake_ids))
         # Stopped while holding every lease; nothing was settled.
         assert await pending(room_stub) == len(wake_ids)
+        await expire_leases(pool, wake_ids)
         async with running_gateway(database_url, room_addr, runtime_addr, **leases):
             await eventually(lambda: _none_pending(room_stub))
     assert_each_claimed_once_after_the_first_replica(runtime, wake_ids)
 
 
 async def test_gateway_process_killed_mid_delivery_loses_and_doubles_nothing(
-    database_url: str, room_addr: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
+    database_url: str,
+    room_addr: str,
+    claims_addr: str,
+    acme_gw: GatewayStub,
+    room_stub: room_pb2_grpc.RoomServiceStub,
+    pool: asyncpg.Pool,
 ) -> None:
     _, wake_ids = await post_wakes(acme_gw, agents=10, messages=2)
-    leases = {
-        **FAST,
-        "QUAYUTEC_GATEWAY_LEASE_SECONDS": "3",
-        "QUAYUTEC_GATEWAY_START_RUN_TIMEOUT_SECONDS": "2.9",
-    }
-    async with running_standin_runtime(claims_addr) as (runtime_addr, runtime):
+    leases = {**FAST, **LONG_LEASE}
+    async with running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime):
         for n, wake_id in enumerate(wake_ids):
             runtime.script(wake_id, "HANG" if n % 2 else "CLAIM_THEN_HANG")
         env = {
@@ -315,6 +344,7 @@ async def test_gateway_process_killed_mid_delivery_loses_and_doubles_nothing(
             gateway.send_signal(signal.SIGKILL)  # a crash: no drain, no settle, leases left behind
             await gateway.wait()
         assert await pending(room_stub) == len(wake_ids)
+        await expire_leases(pool, wake_ids)
         async with running_gateway(database_url, room_addr, runtime_addr, **leases):
             await eventually(lambda: _none_pending(room_stub))
     assert_each_claimed_once_after_the_first_replica(runtime, wake_ids)

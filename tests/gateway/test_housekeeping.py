@@ -43,7 +43,7 @@ async def test_a_dead_runtimes_run_is_ended_as_abandoned(
             "QUAYUTEC_GATEWAY_ABANDON_AFTER_SECONDS": "60",
         }
         async with (
-            running_standin_runtime(claims_addr) as (runtime_addr, _),
+            running_standin_runtime(claims_addr, room_addr) as (runtime_addr, _),
             running_gateway(database_url, room_addr, runtime_addr, **housekeeping),
         ):
             await eventually(ended, within=30)

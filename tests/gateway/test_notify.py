@@ -29,7 +29,7 @@ async def test_a_committed_wake_is_delivered_without_waiting_for_the_poll(
 
     async with (
         service_channel(room_addr, "gateway") as channel,
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **SLOW_POLL),
     ):
         room_stub = room_pb2_grpc.RoomServiceStub(channel)

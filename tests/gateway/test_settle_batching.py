@@ -57,6 +57,11 @@ async def room_stub(room_addr: str) -> AsyncIterator[room_pb2_grpc.RoomServiceSt
         yield room_pb2_grpc.RoomServiceStub(channel)
 
 
+def lease_ends(seconds: float) -> float:
+    """When a lease taken now for ``seconds`` ends, on the event loop's clock (as the delivery loop notes it)."""
+    return asyncio.get_running_loop().time() + seconds
+
+
 async def test_settlements_queued_together_go_in_one_call(
     acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
 ) -> None:
@@ -72,7 +77,7 @@ async def test_settlements_queued_together_go_in_one_call(
     assert len(wakes) == 19
     # Every delivery queues before the first call goes out: one call carries them all, and the wake
     # whose lease another replica holds is refused (logged) while the others are settled.
-    await asyncio.gather(*(delivery._settle(w, DELIVERED) for w in [*wakes, other]))
+    await asyncio.gather(*(delivery._settle(w, lease_ends(60), DELIVERED) for w in [*wakes, other]))
     assert room.settle_calls == [[w.wake_id for w in [*wakes, other]]]
     assert (delivery.delivered, delivery.retried, room.single_settles) == (19, 0, 0)
     assert await pending(room_stub) == 1  # the other replica's
@@ -86,9 +91,11 @@ async def test_the_next_call_carries_what_queued_while_one_was_in_flight(
     delivery = WakeDelivery(room, None, DeliveryConfig())
     first, *rest = await delivery._lease(100)
     room.gate = asyncio.Event()
-    settling_first = asyncio.create_task(delivery._settle(first, DELIVERED))
+    settling_first = asyncio.create_task(delivery._settle(first, lease_ends(60), DELIVERED))
     await room.called.wait()  # the first call is out (and held), with the first wake alone
-    settling_rest = [asyncio.create_task(delivery._settle(w, RETRY, error="runtime busy")) for w in rest]
+    settling_rest = [
+        asyncio.create_task(delivery._settle(w, lease_ends(60), RETRY, error="runtime busy")) for w in rest
+    ]
     await asyncio.sleep(0)  # each of those tasks runs up to its wait: its settlement is queued
     assert len(delivery._settle_queue) == len(rest)
     assert len(room.settle_calls) == 1  # one call in flight at a time
@@ -114,20 +121,24 @@ async def test_a_room_that_cannot_be_reached_leaves_the_leases_to_expire(
         leaser = WakeDelivery(room_stub, None, DeliveryConfig(), lease_owner=delivery.lease_owner)
         wakes = await leaser._lease(100)
         assert len(wakes) == 2
-        # Tried again for a bounded time (a quarter of the lease), then given up without raising.
-        await asyncio.gather(*(delivery._settle(w, DELIVERED) for w in wakes))
+        # Tried again until shortly before the lease ends, then given up without raising.
+        await asyncio.gather(*(delivery._settle(w, lease_ends(2), DELIVERED) for w in wakes))
     assert (delivery.delivered, delivery.retried) == (0, 0)
     assert await pending(room_stub) == 2  # still leased by the replica that could not settle them
     assert (await leaser._lease(100)) == []
 
 
 async def test_the_delivery_loop_settles_every_wake_once_through_settle_wakes(
-    database_url: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
+    database_url: str,
+    room_addr: str,
+    claims_addr: str,
+    acme_gw: GatewayStub,
+    room_stub: room_pb2_grpc.RoomServiceStub,
 ) -> None:
     _, wake_ids = await post_wakes(acme_gw, agents=5, messages=8)
     room = NotingRoom(room_stub)
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         service_channel(runtime_addr, "gateway") as channel,
     ):
         delivery = WakeDelivery(

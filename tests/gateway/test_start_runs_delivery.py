@@ -13,9 +13,9 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind
 
+from quayutec.ledger import run_id_for
 from quayutec.telemetry import SpanCapture
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2_grpc
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.gateway.conftest import NOWHERE
 from tests.gateway.helpers import GatewayStub, eventually
@@ -37,7 +37,7 @@ async def test_a_leased_batch_goes_in_one_start_runs_call_and_each_wake_is_deliv
     database_url: str, room_addr: str, claims_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
 ) -> None:
     _, wake_ids = await post_wakes(acme_gw, agents=5, messages=8)
-    async with running_standin_runtime(claims_addr, batching=True) as (runtime_addr, runtime):
+    async with running_standin_runtime(claims_addr, room_addr, batching=True) as (runtime_addr, runtime):
         assert isinstance(runtime, BatchingStandinRuntime)
         runtime.script(wake_ids[3], "RESOURCE_EXHAUSTED")  # that item alone is refused, then retried
         async with running_gateway(database_url, room_addr, runtime_addr, **FAST):
@@ -63,7 +63,7 @@ async def test_a_runtime_without_start_runs_gets_one_start_run_per_wake(
     room, first = await post_wakes(acme_gw, agents=3, messages=2)
     # The stand-in without batching registers only StartRun: StartRuns answers UNIMPLEMENTED.
     async with (
-        running_standin_runtime(claims_addr) as (runtime_addr, runtime),
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
         running_gateway(database_url, room_addr, runtime_addr, **FAST),
     ):
         await eventually(lambda: _none_pending(room_stub))

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import replace
@@ -70,7 +71,8 @@ async def running_runtime(
 
 class ServiceProcess:
     """``python -m services.<name>`` as a child process presenting its own test certificate, to be killed
-    with SIGKILL. ``env`` adds to this process's environment."""
+    with SIGKILL. ``env`` adds to this process's environment. Its log (stderr) is read all along by a
+    thread of ours, so the child never blocks on a full pipe, and kept in ``stderr_lines``."""
 
     def __init__(self, name: str, env: Mapping[str, str]) -> None:
         self.name = name
@@ -83,21 +85,44 @@ class ServiceProcess:
             text=True,
         )
         self.stderr_lines: list[str] = []
+        self._log_changed = threading.Condition()
+        self._log_ended = False
+        threading.Thread(target=self._read_log, name=f"{name} log", daemon=True).start()
+
+    def _read_log(self) -> None:
+        assert self.proc.stderr is not None
+        try:
+            for line in self.proc.stderr:
+                with self._log_changed:
+                    self.stderr_lines.append(line)
+                    self._log_changed.notify_all()
+        except (OSError, ValueError):
+            pass
+        with self._log_changed:
+            self._log_ended = True
+            self._log_changed.notify_all()
+
+    def lines_with(self, needle: str) -> list[str]:
+        with self._log_changed:
+            return [line for line in self.stderr_lines if needle in line]
 
     async def wait_ready(self, limit: float = 30.0) -> None:
         await self.wait_for_line("listening on port", limit)
 
-    async def wait_for_line(self, needle: str, limit: float = 30.0) -> str:
-        """Read the child's stderr until a line containing ``needle`` (or fail after ``limit`` s)."""
-        assert self.proc.stderr is not None
-        stream = self.proc.stderr
+    async def wait_for_line(self, needle: str, limit: float = 30.0, *, count: int = 1) -> str:
+        """Wait until the child has logged ``count`` lines containing ``needle`` (or fail after ``limit``
+        s, or when it exits first); the last of them."""
 
         def scan() -> str:
-            for line in stream:
-                self.stderr_lines.append(line)
-                if needle in line:
-                    return line
-            raise AssertionError(f"{self.name} exited before {needle!r}:\n{''.join(self.stderr_lines[-30:])}")
+            with self._log_changed:
+                while True:
+                    found = [line for line in self.stderr_lines if needle in line]
+                    if len(found) >= count:
+                        return found[count - 1]
+                    if self._log_ended:
+                        tail = "".join(self.stderr_lines[-30:])
+                        raise AssertionError(f"{self.name} exited before {needle!r}:\n{tail}")
+                    self._log_changed.wait(0.5)
 
         return await asyncio.wait_for(asyncio.to_thread(scan), limit)
 
@@ -105,12 +130,11 @@ class ServiceProcess:
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
-        if self.proc.stderr is not None:
-            self.proc.stderr.close()
 
 
 class RuntimeProcess(ServiceProcess):
-    """``python -m services.runtime`` against the given Claims, Room and model stand-in."""
+    """``python -m services.runtime`` against the given Claims, Room and model stand-in, on ``port``
+    (a free one by default; give the port of a killed one to restart it at the same address)."""
 
     def __init__(
         self,
@@ -119,8 +143,10 @@ class RuntimeProcess(ServiceProcess):
         standin_url: str,
         failpoints: str = "",
         env: Mapping[str, str] | None = None,
+        *,
+        port: int | None = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()
         self.addr = f"127.0.0.1:{self.port}"
         super().__init__(
             "runtime",
@@ -134,3 +160,7 @@ class RuntimeProcess(ServiceProcess):
                 **(env or {}),
             },
         )
+
+    def release_failpoints(self) -> None:
+        """Runs paused at a failpoint go on (the Runtime's SIGUSR1)."""
+        self.proc.send_signal(signal.SIGUSR1)

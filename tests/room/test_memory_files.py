@@ -33,6 +33,10 @@ async def read(room: Stub, world: World, company_id: str, query: str = "", **fie
 
 
 async def test_private_memory_is_invisible_to_other_companies(room: Stub, world: World) -> None:
+    """Guards the Room's own filter, the one place the rule lives: it reads through the Room
+    directly, so a leak in the Room fails here. The Gateway's test of the same promise
+    (tests/gateway/test_api.py::test_private_memory_reaches_only_its_company) cannot see such a leak,
+    because the Gateway drops another company's private lines again (defence in depth)."""
     await remember(room, world, "launch date is May 4")
     await remember(room, world, "our floor price is 90", PRIVATE)
     await remember(room, world, "bolt budget is 120", PRIVATE, author=agent_author(world.bolt_agent), run_id="r1")

@@ -17,6 +17,7 @@ import pytest
 import pytest_asyncio
 
 from quayutec.egress import EgressPolicy
+from quayutec.ledger import run_id_for
 from quayutec.v1 import common_pb2, runtime_pb2
 from services.runtime.model import (
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -28,7 +29,6 @@ from services.runtime.model import (
     make_http_client,
     make_owner_http_client,
 )
-from services.runtime.run import run_id_for
 from services.runtime.standin import HUGE_CHUNK, Fault, StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.room import running_room

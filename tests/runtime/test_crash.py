@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+from quayutec.ledger import run_id_for
 from quayutec.v1 import common_pb2, runtime_pb2
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.room import running_room

@@ -8,10 +8,9 @@ Each test prints its figures (wakes acted, lost, doubled; seconds to finish): ru
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import asyncpg
@@ -19,8 +18,8 @@ import grpc
 import pytest
 
 from quayutec.db import with_database
+from quayutec.ledger import run_id_for
 from quayutec.v1 import claims_pb2, common_pb2, runtime_pb2
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from services.stack import free_port
 from tests.harness.channels import service_channel
@@ -30,6 +29,7 @@ from tests.harness.postgres import OwnPostgres
 from tests.harness.room import TEST_ENCRYPTION_KEY, running_room
 from tests.harness.runtime import RuntimeProcess, ServiceProcess, running_runtime
 from tests.runtime import test_held as held
+from tests.runtime.test_takeover import script_replies
 from tests.runtime.world import World, make_world, runtime_stub, start_request
 
 WAKES = 50
@@ -75,20 +75,6 @@ class RoomProcess(ServiceProcess):
                 "QUAYUTEC_ENCRYPTION_KEY": TEST_ENCRYPTION_KEY,
             },
         )
-
-    async def wait_ready(self, limit: float = 30.0) -> None:
-        await super().wait_ready(limit)
-        # Keep draining its log so the child never blocks on a full pipe.
-        assert self.proc.stderr is not None
-        threading.Thread(target=_drain, args=(self.proc.stderr,), daemon=True).start()
-
-
-def _drain(stream: Iterator[str]) -> None:
-    try:
-        for _ in stream:
-            pass
-    except (OSError, ValueError):
-        return
 
 
 @dataclass(frozen=True)
@@ -174,13 +160,7 @@ async def fifty_wakes_through(
     flight (runs in their model call, others waiting to be delivered)."""
     channels: list[grpc.aio.Channel] = []
     w = await make_world(room_addr, claims_addr, channels)
-    standin.enqueue_reply(
-        "Noted.",
-        [{"name": "remember", "arguments": {"text": "noted once", "private": False}}],
-        model=w.model_a,
-        delay_seconds=MODEL_DELAY_SECONDS,
-        times=WAKES,
-    )
+    script_replies(standin, w, WAKES, MODEL_DELAY_SECONDS)
     try:
         async with (
             running_runtime(
@@ -298,60 +278,93 @@ async def test_a_claim_committed_after_the_first_deadline_is_acted_on_once(
         await channel.close()
 
 
-@pytest.mark.parametrize(
-    ("kill_at", "left", "approved"),
-    [
-        ("continuation_claimed", common_pb2.RUN_STATUS_PARKED, common_pb2.ACTION_OUTCOME_HELD),
-        ("continued", common_pb2.RUN_STATUS_RUNNING, common_pb2.ACTION_OUTCOME_PENDING),
-    ],
-    ids=["before-recording-running", "after-recording-running"],
-)
-async def test_a_continuation_killed_before_its_first_write_is_ended_by_housekeeping(
-    kill_at: str, left: int, approved: int, database_url: str, standin: StandinProvider
+async def kill_a_continuation_at(
+    kill_at: str, w: World, claims_addr: str, room_addr: str, standin: StandinProvider, channels: list[grpc.aio.Channel]
+) -> tuple[common_pb2.Run, common_pb2.Wake]:
+    """Park a run whose create_task is held, approve it, and start the continuation on a Runtime
+    process killed at ``kill_at``; the parked run and the decision wake."""
+    await held.set_rights(w, create_task=held.HOLD)
+    held.script(standin, w)
+    async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as addr:
+        run = await held.start_and_wait(w, runtime_stub(addr, channels), held.PARKED)
+    assert [a.outcome for a in run.actions] == [held.DONE, held.HELD]
+    wp = await held.waitpoint_of(w, run.run_id)
+    assert (await held.decide(w, wp.token, 1, True)).completed
+    (wake,) = await held.decision_wakes(w)
+
+    proc = RuntimeProcess(claims_addr, room_addr, standin.base_url, failpoints=kill_at)
+    try:
+        await proc.wait_ready()
+        # StartRun answers once the continuation's first ledger write (RUNNING) is recorded.
+        started = asyncio.ensure_future(runtime_stub(proc.addr, channels).StartRun(start_request(wake), timeout=30))
+        await proc.wait_for_line(f"failpoint {kill_at} reached")
+    finally:
+        proc.kill()
+    try:
+        answer = await started
+    except grpc.aio.AioRpcError:
+        assert kill_at == "continuation_claimed", "killed before its first write: StartRun never answered"
+    else:
+        assert answer.result == runtime_pb2.START_RUN_RESULT_ACCEPTED
+    return run, wake
+
+
+async def test_a_continuation_killed_before_its_first_write_is_taken_over_and_finished(
+    database_url: str, standin: StandinProvider
 ) -> None:
     """An approved held action's continuation is claimed, then its Runtime is killed before it
-    writes anything: redeliveries are refused, and the Gateway's housekeeping ends the run FAILED
-    with the approved action NOT_DONE; no run is left RUNNING or PARKED with a completed token."""
+    records anything: of many concurrent redeliveries exactly one takes it over (its first write
+    is the fence: PARKED to RUNNING) and does the approved action, once."""
     async with running_claims(database_url) as claims_addr, running_room(database_url) as room_addr:
         channels: list[grpc.aio.Channel] = []
         w = await make_world(room_addr, claims_addr, channels)
-        await held.set_rights(w, create_task=held.HOLD)
-        held.script(standin, w)
-        async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as addr:
-            run = await held.start_and_wait(w, runtime_stub(addr, channels), held.PARKED)
-        assert [a.outcome for a in run.actions] == [held.DONE, held.HELD]
-        wp = await held.waitpoint_of(w, run.run_id)
-        assert (await held.decide(w, wp.token, 1, True)).completed
-        (wake,) = await held.decision_wakes(w)
+        run, wake = await kill_a_continuation_at("continuation_claimed", w, claims_addr, room_addr, standin, channels)
+        assert (await w.run(run.run_id)).status == common_pb2.RUN_STATUS_PARKED
 
-        proc = RuntimeProcess(claims_addr, room_addr, standin.base_url, failpoints=kill_at)
-        try:
-            await proc.wait_ready()
-            started = await runtime_stub(proc.addr, channels).StartRun(start_request(wake), timeout=10)
-            assert started.result == runtime_pb2.START_RUN_RESULT_ACCEPTED
-            await proc.wait_for_line(f"failpoint {kill_at} reached")
-        finally:
-            proc.kill()
+        async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as fresh:
+            again = await asyncio.gather(
+                *(runtime_stub(fresh, channels).StartRun(start_request(wake)) for _ in range(8))
+            )
+            ended = await w.wait_for_run(run.run_id, held.ENDED, limit=30)
+        tasks = await w.tasks_for(w.agent_b.agent_id)
+        for channel in channels:
+            await channel.close()
+
+    assert (
+        sorted(a.result for a in again)
+        == [runtime_pb2.START_RUN_RESULT_ACCEPTED] + [runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED] * 7
+    )
+    assert ended.status == common_pb2.RUN_STATUS_SUCCEEDED, ended.error
+    assert [a.outcome for a in ended.actions] == [held.DONE, held.DONE]
+    assert [t.title for t in tasks] == ["Copy"]  # the approved action, done once
+
+
+async def test_a_continuation_killed_after_recording_running_is_ended_by_housekeeping(
+    database_url: str, standin: StandinProvider
+) -> None:
+    """A continuation killed after it recorded RUNNING (past the fence): redeliveries are refused,
+    and the Gateway's housekeeping ends the run FAILED with the approved action NOT_DONE; no run is
+    left RUNNING or PARKED with a completed token."""
+    async with running_claims(database_url) as claims_addr, running_room(database_url) as room_addr:
+        channels: list[grpc.aio.Channel] = []
+        w = await make_world(room_addr, claims_addr, channels)
+        run, wake = await kill_a_continuation_at("continued", w, claims_addr, room_addr, standin, channels)
         dead = await w.run(run.run_id)
-        assert dead.status == left
-        assert [a.outcome for a in dead.actions] == [held.DONE, approved]
+        assert dead.status == common_pb2.RUN_STATUS_RUNNING
+        assert [a.outcome for a in dead.actions] == [held.DONE, common_pb2.ACTION_OUTCOME_PENDING]
 
         async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as fresh:
             again = await asyncio.gather(
                 *(runtime_stub(fresh, channels).StartRun(start_request(wake)) for _ in range(8))
             )
             assert {a.result for a in again} == {runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED}
-            assert (await w.run(run.run_id)).status == left
+            assert (await w.run(run.run_id)).status == common_pb2.RUN_STATUS_RUNNING
 
             # Time passes with no progress (past any live run's active time)...
             conn = await asyncpg.connect(database_url)
             try:
                 await conn.execute(
                     "UPDATE runs SET updated_at = now() - interval '700 seconds' WHERE run_id = $1", run.run_id
-                )
-                await conn.execute(
-                    "UPDATE held_actions SET decided_at = now() - interval '700 seconds' WHERE token = $1::uuid",
-                    wp.token,
                 )
             finally:
                 await conn.close()

@@ -26,7 +26,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from quayutec.egress import EgressPolicy, EgressRefused, EgressTransport, address_class
-from quayutec.v1 import common_pb2, room_pb2
+from quayutec.v1 import common_pb2
 from services.runtime.model import ChatMessage, ModelRequest, ModelTarget, Provider, RealClock, RetryPolicy, call_model
 from services.runtime.model.client import make_http_client, make_owner_http_client
 from services.runtime.standin import StandinProvider
@@ -316,18 +316,7 @@ async def test_a_rebound_name_is_refused_by_the_runtime(database_url: str, stand
         running_runtime(claims_addr, room_addr, standin_url=standin.base_url, resolver=at_connect, dialer=dialer) as rt,
     ):
         world = await make_world(room_addr, claims_addr, channels)
-        own = (
-            await world.room.RegisterAgent(
-                room_pb2.RoomServiceRegisterAgentRequest(
-                    company_id=world.company_a,
-                    name="own",
-                    provider=common_pb2.PROVIDER_OPENAI_COMPATIBLE,
-                    model="own-1",
-                    base_url=f"https://{HOST}/",
-                    provider_key="sk-own",
-                )
-            )
-        ).agent
+        own = await world.register_own_model(f"https://{HOST}/", model="own-1")
         posted = await world.post("@own hello", [own.agent_id])
         started = await runtime_stub(rt, channels).StartRun(start_request(posted.wakes[0]))
         run = await world.wait_for_run(started.run_id)

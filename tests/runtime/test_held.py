@@ -6,11 +6,12 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 
+from quayutec.ledger import run_id_for
 from quayutec.v1 import common_pb2, room_pb2, runtime_pb2
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.room import running_room
@@ -133,6 +134,20 @@ async def test_a_decision_continues_the_run_once(
         r1, r2 = runtime_stub(one, CHANNELS), runtime_stub(two, CHANNELS)
         run = await start_and_wait(w, r1, PARKED)
         assert [a.outcome for a in run.actions] == [DONE, HELD]
+        # The run's own wake delivered again while it is parked: the fence refuses every such run.
+        own = start_request(
+            common_pb2.Wake(
+                agent_id=run.agent_id,
+                wake_id=run.wake_id,
+                room_id=run.room_id,
+                kind=run.wake_kind,
+                source_id=run.wake_source_id,
+            )
+        )
+        again = await asyncio.gather(*(rt.StartRun(own) for rt in [r1, r2] * 4))
+        assert {a.result for a in again} == {runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED}
+        assert (await w.run(run.run_id)).status == common_pb2.RUN_STATUS_PARKED
+        assert len(standin.requests(w.model_a)) == 1
         wp = await waitpoint_of(w, run.run_id)
         decided = await asyncio.gather(*(decide(w, wp.token, 1, approve) for _ in range(12)))
         assert sum(d.completed for d in decided) == 1
@@ -145,7 +160,11 @@ async def test_a_decision_continues_the_run_once(
         assert [a.result for a in answers].count(runtime_pb2.START_RUN_RESULT_ACCEPTED) == 1
         assert {a.run_id for a in answers} == {run.run_id}
         done = await w.wait_for_run(run.run_id, ENDED)
+        # And after the decision, once the continuation ran.
+        again = await asyncio.gather(*(rt.StartRun(own) for rt in [r1, r2] * 4))
+        assert {a.result for a in again} == {runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED}
     assert done.status == common_pb2.RUN_STATUS_SUCCEEDED, done.error
+    assert len(standin.requests(w.model_a)) == 1
     assert done.actions[1].outcome == (DONE if approve else DENIED)
     assert "ana" in done.actions[1].detail
     assert len(await w.tasks_for(w.agent_b.agent_id)) == (1 if approve else 0)
@@ -223,19 +242,86 @@ async def test_an_expired_token_ends_the_held_actions_undone(
     assert await w.tasks_for(w.agent_b.agent_id) == []
 
 
-async def test_time_parked_does_not_count(backends: tuple[str, str], world: World, standin: StandinProvider) -> None:
-    w = world
+# A run's active time in the parking tests: far more than a run's active part takes even on a loaded
+# machine, so only what a test does to the ledger can use it up.
+ACTIVE_SECONDS = 60.0
+
+
+async def park_then_decide(
+    w: World, backends: tuple[str, str], standin: StandinProvider
+) -> tuple[common_pb2.Run, common_pb2.Wake]:
+    """A run parked on a Runtime that is then stopped, and its held action approved: (parked run,
+    decision wake). Nothing of the run is left in any process."""
     await set_rights(w, create_task=HOLD)
     script(standin, w)
-    async with running_runtime(*backends, standin_url=standin.base_url, run_seconds=3.0) as addr:
-        rt = runtime_stub(addr, CHANNELS)
-        run = await start_and_wait(w, rt, PARKED)
-        await asyncio.sleep(3.5)  # parked longer than the whole active-time budget
-        wp = await waitpoint_of(w, run.run_id)
-        await decide(w, wp.token, 1, True)
-        (wake,) = await decision_wakes(w)
-        await rt.StartRun(start_request(wake))
-        done = await w.wait_for_run(run.run_id, ENDED)
+    async with running_runtime(*backends, standin_url=standin.base_url, run_seconds=ACTIVE_SECONDS) as addr:
+        run = await start_and_wait(w, runtime_stub(addr, CHANNELS), PARKED)
+    wp = await waitpoint_of(w, run.run_id)
+    assert (await decide(w, wp.token, 1, True)).completed
+    (wake,) = await decision_wakes(w)
+    return run, wake
+
+
+async def age_by(database_url: str, run_id: str, interval: str) -> None:
+    """Move everything the database knows of the run's times back by ``interval``, as if it had
+    waited parked that long."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        async with conn.transaction():
+            await conn.execute(
+                f"UPDATE runs SET started_at = started_at - interval '{interval}',"
+                f" updated_at = updated_at - interval '{interval}' WHERE run_id = $1",
+                run_id,
+            )
+            await conn.execute(
+                f"UPDATE waitpoints SET created_at = created_at - interval '{interval}' WHERE run_id = $1",
+                run_id,
+            )
+            await conn.execute(
+                f"UPDATE held_actions SET decided_at = decided_at - interval '{interval}'"
+                " WHERE token = (SELECT token FROM waitpoints WHERE run_id = $1) AND decided_at IS NOT NULL",
+                run_id,
+            )
+    finally:
+        await conn.close()
+
+
+async def test_time_parked_does_not_count(
+    database_url: str, backends: tuple[str, str], world: World, standin: StandinProvider
+) -> None:
+    """Parked for an hour (far past its 60 s of active time), the run continues on a fresh Runtime
+    and succeeds; its active time is what it had when it parked plus the continuation, not the hour."""
+    w = world
+    parked, wake = await park_then_decide(w, backends, standin)
+    await age_by(database_url, parked.run_id, "1 hour")
+    async with running_runtime(*backends, standin_url=standin.base_url, run_seconds=ACTIVE_SECONDS) as addr:
+        assert (await runtime_stub(addr, CHANNELS).StartRun(start_request(wake))).result == (
+            runtime_pb2.START_RUN_RESULT_ACCEPTED
+        )
+        done = await w.wait_for_run(parked.run_id, ENDED)
     assert done.status == common_pb2.RUN_STATUS_SUCCEEDED, done.error
-    assert done.active_ms < 3500  # the parked 3.5 s are not in it
-    assert run_id_for(w.agent_a.agent_id, done.wake_id) == run.run_id
+    assert [a.outcome for a in done.actions] == [DONE, DONE]
+    assert parked.active_ms <= done.active_ms < ACTIVE_SECONDS * 1000  # the hour parked is not in it
+    assert run_id_for(w.agent_a.agent_id, done.wake_id) == parked.run_id
+
+
+async def test_a_continuation_has_only_the_active_time_left(
+    database_url: str, backends: tuple[str, str], world: World, standin: StandinProvider
+) -> None:
+    """Active time carries over a park: a run that had used its whole active time when it parked
+    ends TIMED_OUT when it continues, and its approved action is not done."""
+    w = world
+    parked, wake = await park_then_decide(w, backends, standin)
+    conn = await asyncpg.connect(database_url)
+    try:  # it had spent its whole active time before parking
+        await conn.execute(
+            "UPDATE runs SET active_ms = $2 WHERE run_id = $1", parked.run_id, int(ACTIVE_SECONDS * 1000)
+        )
+    finally:
+        await conn.close()
+    async with running_runtime(*backends, standin_url=standin.base_url, run_seconds=ACTIVE_SECONDS) as addr:
+        await runtime_stub(addr, CHANNELS).StartRun(start_request(wake))
+        done = await w.wait_for_run(parked.run_id, ENDED)
+    assert done.status == common_pb2.RUN_STATUS_TIMED_OUT
+    assert done.error == f"stopped after {ACTIVE_SECONDS:g} s of active time"
+    assert await w.tasks_for(w.agent_b.agent_id) == []  # the approved task was not written

@@ -4,35 +4,22 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 import pytest
 
 from quayutec.egress import EgressPolicy
+from quayutec.ledger import run_id_for
 from quayutec.v1 import claims_pb2, common_pb2, room_pb2, runtime_pb2
-from services.runtime.run import run_id_for
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
 from tests.harness.room import running_room
 from tests.harness.runtime import running_runtime
-from tests.runtime.world import World, make_world, runtime_stub, start_request
+from tests.runtime.world import FakeClock, World, held_replies, make_world, runtime_stub, start_request
 
 LOOPBACK = "127.0.0.1/32"
-
-
-@dataclass
-class FakeClock:
-    """Records waits instead of sleeping."""
-
-    sleeps: list[float] = field(default_factory=list)
-
-    async def sleep(self, seconds: float) -> None:
-        self.sleeps.append(seconds)
-
-    def monotonic(self) -> float:
-        return 0.0
 
 
 @dataclass
@@ -176,18 +163,7 @@ async def test_every_attempt_and_wait_is_in_the_ledger(stack: Stack) -> None:
 
 async def test_an_owner_supplied_address_gets_one_request(stack: Stack) -> None:
     w = stack.world
-    own = (
-        await w.room.RegisterAgent(
-            room_pb2.RoomServiceRegisterAgentRequest(
-                company_id=w.company_a,
-                name="own-model",
-                provider=common_pb2.PROVIDER_OPENAI_COMPATIBLE,
-                model="own-model-1",
-                base_url=stack.standin.base_url,
-                provider_key="own-secret",
-            )
-        )
-    ).agent
+    own = await w.register_own_model(stack.standin.base_url)
     stack.standin.enqueue_fault("overloaded", model="own-model-1")
     posted = await w.post("@own-model hello", [own.agent_id])
     run = await w.wait_for_run((await stack.runtime.StartRun(start_request(posted.wakes[0]))).run_id)
@@ -232,17 +208,21 @@ async def test_the_active_time_limit_stops_a_run(backends: tuple[str, str], stan
 
 async def test_full_runtime_refuses_before_claiming(backends: tuple[str, str], standin: StandinProvider) -> None:
     async for s in _stack(backends, standin, max_runs=1):
-        s.standin.enqueue_reply("slow", model=s.world.model_a, delay_seconds=2.0)
         first = await wake_a(s, "@planner one")
         second = await wake_a(s, "@planner two")
-        assert (await s.runtime.StartRun(start_request(first))).result == runtime_pb2.START_RUN_RESULT_ACCEPTED
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await s.runtime.StartRun(start_request(second))
-        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        with pytest.raises(grpc.aio.AioRpcError) as missing:
-            await s.world.claims.GetClaim(claims_pb2.GetClaimRequest(agent_id=second.agent_id, wake_id=second.wake_id))
-        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
-        await s.world.wait_for_run(run_id_for(first.agent_id, first.wake_id))
+        # The first run stays in its model call until the refusal has been seen.
+        with held_replies(s.standin, s.world.model_a) as release:
+            assert (await s.runtime.StartRun(start_request(first))).result == runtime_pb2.START_RUN_RESULT_ACCEPTED
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await s.runtime.StartRun(start_request(second))
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.aio.AioRpcError) as missing:
+                await s.world.claims.GetClaim(
+                    claims_pb2.GetClaimRequest(agent_id=second.agent_id, wake_id=second.wake_id)
+                )
+            assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+            release.set()
+            await s.world.wait_for_run(run_id_for(first.agent_id, first.wake_id))
         assert (await s.runtime.StartRun(start_request(second))).result == runtime_pb2.START_RUN_RESULT_ACCEPTED
 
 

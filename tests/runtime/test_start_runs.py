@@ -14,12 +14,13 @@ import pytest
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from quayutec.ledger import run_id_for
 from quayutec.telemetry import SpanCapture
 from quayutec.v1 import claims_pb2, claims_pb2_grpc, common_pb2, room_pb2_grpc, runtime_pb2
 from services.runtime.backend import RetryingRoom
 from services.runtime.claims_client import ClaimsClient
 from services.runtime.model import RealClock, RetryPolicy
-from services.runtime.run import RunExecutor, run_id_for
+from services.runtime.run import RunExecutor
 from services.runtime.servicer import MAX_START_RUNS_ITEMS, RuntimeServicer
 from services.runtime.standin import StandinProvider
 from tests.harness.channels import service_channel
@@ -27,7 +28,7 @@ from tests.harness.claims import running_claims
 from tests.harness.room import running_room
 from tests.harness.runtime import runtime_config
 from tests.runtime.test_runs import Stack, _stack, wake_a
-from tests.runtime.world import start_request
+from tests.runtime.world import held_replies, start_request
 
 ACCEPTED = runtime_pb2.START_RUN_RESULT_ACCEPTED
 ALREADY_CLAIMED = runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED
@@ -136,17 +137,18 @@ async def test_a_full_runtime_refuses_only_the_items_over_its_limit(
     backends: tuple[str, str], standin: StandinProvider
 ) -> None:
     async for s in _stack(backends, standin, max_runs=2):
-        for _ in range(2):
-            s.standin.enqueue_reply("slow", model=s.world.model_a, delay_seconds=1.0)
         batch = [await wake_a(s, f"@planner job {n}") for n in range(4)]
-        response = await s.runtime.StartRuns(items(*(start_request(w) for w in batch)))
-        codes = [a.error_code for a in response.answers]
-        assert codes == [OK, OK, RESOURCE_EXHAUSTED, RESOURCE_EXHAUSTED]
-        assert [a.response.result for a in response.answers[:2]] == [ACCEPTED, ACCEPTED]
-        assert all("limit 2" in a.error_message for a in response.answers[2:])
-        assert [await claimed(s, w) for w in batch] == [True, True, False, False]
-        for wake in batch[:2]:
-            await s.world.wait_for_run(run_id_for(wake.agent_id, wake.wake_id))
+        # The first two runs stay in their model calls until the call has been answered and checked.
+        with held_replies(s.standin, s.world.model_a) as release:
+            response = await s.runtime.StartRuns(items(*(start_request(w) for w in batch)))
+            codes = [a.error_code for a in response.answers]
+            assert codes == [OK, OK, RESOURCE_EXHAUSTED, RESOURCE_EXHAUSTED]
+            assert [a.response.result for a in response.answers[:2]] == [ACCEPTED, ACCEPTED]
+            assert all("limit 2" in a.error_message for a in response.answers[2:])
+            assert [await claimed(s, w) for w in batch] == [True, True, False, False]
+            release.set()
+            for wake in batch[:2]:
+                await s.world.wait_for_run(run_id_for(wake.agent_id, wake.wake_id))
         # Delivered again once the runs have ended, the refused items start.
         later = await s.runtime.StartRuns(items(*(start_request(w) for w in batch[2:])))
         assert [(a.error_code, a.response.result) for a in later.answers] == [(OK, ACCEPTED), (OK, ACCEPTED)]

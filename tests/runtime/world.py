@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import uuid
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import grpc
 
 from quayutec.config import ROOM
 from quayutec.v1 import claims_pb2_grpc, common_pb2, room_pb2, room_pb2_grpc, runtime_pb2, runtime_pb2_grpc
+from services.runtime.standin import ScriptedReply, StandinProvider
 from tests.harness.channels import open_callers_stub, service_channel
 from tests.harness.room import add_member
 
@@ -19,6 +23,46 @@ ENDED = (
     common_pb2.RUN_STATUS_FAILED,
     common_pb2.RUN_STATUS_TIMED_OUT,
 )
+
+
+# How long a held reply waits at most when a test never lets it go (a failsafe, not a timing).
+HELD_REPLY_FAILSAFE_SECONDS = 120.0
+
+
+@contextmanager
+def held_replies(standin: StandinProvider, model: str, text: str = "slow") -> Iterator[threading.Event]:
+    """The stand-in holds every reply to ``model`` until the test sets the yielded event, so a run
+    stays in its model call exactly as long as the test needs (and no longer: leaving lets go)."""
+    release = threading.Event()
+
+    def reply(_: Mapping[str, object]) -> ScriptedReply:
+        release.wait(HELD_REPLY_FAILSAFE_SECONDS)
+        return ScriptedReply(text)
+
+    standin.set_responder(model, reply)
+    try:
+        yield release
+    finally:
+        release.set()
+        standin.set_responder(model, None)
+
+
+@dataclass
+class FakeClock:
+    """A Runtime's clock that records waits instead of sleeping; with each wait it also notes what
+    ``witness()`` answers then (e.g. how many model requests were made before it)."""
+
+    sleeps: list[float] = field(default_factory=list)
+    witness: Callable[[], object] | None = None
+    witnessed: list[object] = field(default_factory=list)
+
+    async def sleep(self, seconds: float) -> None:
+        self.sleeps.append(seconds)
+        if self.witness is not None:
+            self.witnessed.append(self.witness())
+
+    def monotonic(self) -> float:
+        return 0.0
 
 
 @dataclass
@@ -43,6 +87,21 @@ class World:
             )
         )
         return posted
+
+    async def register_own_model(self, base_url: str, model: str = "own-model-1") -> common_pb2.Agent:
+        """An agent of company A on an OpenAI-compatible model at an owner-supplied ``base_url``."""
+        got = await self.room.RegisterAgent(
+            room_pb2.RoomServiceRegisterAgentRequest(
+                company_id=self.company_a,
+                name="own-model",
+                provider=common_pb2.PROVIDER_OPENAI_COMPATIBLE,
+                model=model,
+                base_url=base_url,
+                provider_key="own-secret",
+            )
+        )
+        agent: common_pb2.Agent = got.agent
+        return agent
 
     async def messages_by(self, agent_id: str) -> list[common_pb2.Message]:
         got = await self.room.ListMessages(room_pb2.RoomServiceListMessagesRequest(room_id=self.room_id, page_size=500))

@@ -408,7 +408,8 @@ LIMIT $3;
 -- $1 seconds ago yet which never continued (their continuation died before recording RUNNING);
 -- oldest first, each locked so one sweeper ends it. Seconds since the last progress in idle_seconds.
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
+    pos, attempt,
     floor(extract(epoch FROM now() - last_progress))::bigint AS idle_seconds
 FROM (
     SELECT r.*, r.updated_at AS last_progress
@@ -431,20 +432,50 @@ LIMIT $2;
 -- Locks one row not ended and unchanged since it was read ($2: its updated_at then); no row when it
 -- has moved on or another sweeper holds it.
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
+    pos, attempt
 FROM runs
 WHERE run_id = $1 AND ended_at IS NULL AND updated_at = $2
 FOR UPDATE SKIP LOCKED;
 
+-- name: unchecked_undelivered_wakes
+-- Wakes of messages and tasks created $1 seconds ago or more, delivered at least once, still pending,
+-- whose run's ledger row housekeeping has not looked for yet; oldest first, at most $2.
+SELECT wake_id, agent_id, room_id, kind, source_id, delivery_attempts, last_error
+FROM wake_outbox
+WHERE delivered_at IS NULL AND delivery_attempts > 0 AND NOT run_checked AND kind <> 'decision'
+    AND created_at < now() - $1::bigint * interval '1 second'
+ORDER BY created_at
+LIMIT $2;
+
+-- name: insert_not_started_runs
+-- A NOT_STARTED row for each run ($1 run ids, $2 wake ids, $3 errors) that has no row yet; the wake's
+-- agent, room and source from the outbox. Returns the rows written (none where a row exists).
+INSERT INTO runs (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step, error)
+SELECT item.run_id, w.agent_id, a.company_id, w.room_id, item.wake_id, w.kind, w.source_id, 'not_started',
+    'unspecified', item.error
+FROM unnest($1::text[], $2::text[], $3::text[]) AS item (run_id, wake_id, error)
+JOIN wake_outbox AS w ON w.wake_id = item.wake_id::uuid
+JOIN agents AS a ON a.agent_id = w.agent_id
+ON CONFLICT (run_id) DO NOTHING
+RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos,
+    attempt;
+
+-- name: mark_wakes_run_checked
+UPDATE wake_outbox SET run_checked = true WHERE wake_id = ANY($1::uuid[]);
+
 -- name: get_run
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
+    pos, attempt
 FROM runs WHERE run_id = $1;
 
 -- name: list_runs_of_agent
 -- Filters ($5 room, $6 status, $7..$8 start time) are NULL when not asked for.
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
+    pos, attempt
 FROM runs
 WHERE agent_id = $1 AND ($2::uuid IS NULL OR company_id = $2) AND pos < $3
     AND ($5::uuid IS NULL OR room_id = $5) AND ($6::text IS NULL OR status = $6)
@@ -456,7 +487,8 @@ LIMIT $4;
 -- Filters ($4 room, $5 status, $6..$7 start time) are NULL when not asked for; each has its index
 -- (runs_company_room_pos, runs_company_status_pos, runs_company_started).
 SELECT run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
+    pos, attempt
 FROM runs
 WHERE company_id = $1 AND pos < $2
     AND ($4::uuid IS NULL OR room_id = $4) AND ($5::text IS NULL OR status = $5)
@@ -554,7 +586,8 @@ FROM unnest($2::integer[], $3::text[], $4::text[]) AS h (action_index, kind, arg
 UPDATE runs SET status = 'parked', step = 'parked', updated_at = now()
 WHERE run_id = $1 AND ended_at IS NULL
 RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at, pos;
+    posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
+    pos, attempt;
 
 -- name: get_waitpoint
 SELECT token, run_id, agent_id, company_id, room_id, status, created_at, expires_at, pos
@@ -648,14 +681,17 @@ SELECT count(*) FROM removed;
 
 -- name: upsert_run_with_before
 -- The whole ledger row as it now stands, and its status before in status_before (NULL: there was no
--- row); an ended row is left alone (no row returned).
+-- row). The fence ($18, the writing run's attempt): a row is written when it is new, holds the same
+-- attempt, is not_started, or is parked and the write is a continuation of its decided waitpoint
+-- (attempt 'continue:<token>:...'); the write then takes the row over. An ended row, or one another
+-- attempt holds, is left alone (no row returned).
 WITH before AS (
     SELECT status FROM runs WHERE run_id = $1
 ), up AS (
     INSERT INTO runs (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at)
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt)
     VALUES ($1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
-        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17)
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18)
     ON CONFLICT (run_id) DO UPDATE SET
         agent_id = EXCLUDED.agent_id,
         company_id = EXCLUDED.company_id,
@@ -673,11 +709,21 @@ WITH before AS (
         active_ms = EXCLUDED.active_ms,
         started_at = COALESCE($16::timestamptz, runs.started_at),
         updated_at = now(),
-        ended_at = EXCLUDED.ended_at
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
     WHERE runs.ended_at IS NULL
+        AND (
+            runs.attempt = EXCLUDED.attempt
+            OR runs.status = 'not_started'
+            OR (runs.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = runs.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
     RETURNING run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
         posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, updated_at, ended_at,
-        pos
+        pos, attempt
 )
 SELECT up.*, (SELECT status FROM before) AS status_before FROM up;
 

@@ -196,7 +196,10 @@ CREATE TABLE runs (
     active_ms bigint NOT NULL DEFAULT 0,
     started_at timestamptz NOT NULL DEFAULT now(),
     updated_at timestamptz NOT NULL DEFAULT now(),
-    ended_at timestamptz
+    ended_at timestamptz,
+    -- The delivery whose run holds the row (its claimant token; '' on a not_started row): the fence
+    -- that lets at most one run of a wake read the room (upsert_run_with_before).
+    attempt text NOT NULL DEFAULT ''
 );
 CREATE INDEX runs_agent_pos ON runs (agent_id, pos);
 CREATE INDEX runs_company_pos ON runs (company_id, pos);
@@ -222,6 +225,9 @@ CREATE TABLE wake_outbox (
     delivery_attempts integer NOT NULL DEFAULT 0,
     delivered_at timestamptz,
     last_error text,
+    -- Housekeeping looked for the ledger row of this undelivered wake's run (and wrote a not_started
+    -- one when there was none); a wake is looked at once.
+    run_checked boolean NOT NULL DEFAULT false,
     CONSTRAINT wake_outbox_source_key UNIQUE (agent_id, kind, source_id)
 );
 CREATE INDEX wake_outbox_pending_due ON wake_outbox (due_at) WHERE delivered_at IS NULL;

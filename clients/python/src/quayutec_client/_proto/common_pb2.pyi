@@ -209,6 +209,11 @@ class _RunStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RunStatus.V
     """Waiting on a waitpoint for held actions."""
     RUN_STATUS_TIMED_OUT: _RunStatus.ValueType  # 5
     """Stopped at the active-time limit."""
+    RUN_STATUS_NOT_STARTED: _RunStatus.ValueType  # 6
+    """Recorded by housekeeping for a wake delivered but not started: no run has read the room yet, so
+    nothing was done (the Runtime stopped or refused before its room read). The wake is delivered
+    again; the run that then reads the room takes this row over.
+    """
 
 class RunStatus(_RunStatus, metaclass=_RunStatusEnumTypeWrapper): ...
 
@@ -220,6 +225,11 @@ RUN_STATUS_PARKED: RunStatus.ValueType  # 4
 """Waiting on a waitpoint for held actions."""
 RUN_STATUS_TIMED_OUT: RunStatus.ValueType  # 5
 """Stopped at the active-time limit."""
+RUN_STATUS_NOT_STARTED: RunStatus.ValueType  # 6
+"""Recorded by housekeeping for a wake delivered but not started: no run has read the room yet, so
+nothing was done (the Runtime stopped or refused before its room read). The wake is delivered
+again; the run that then reads the room takes this row over.
+"""
 Global___RunStatus: _TypeAlias = RunStatus  # noqa: Y015
 
 class _RunStep:
@@ -375,6 +385,8 @@ class _RoomEventKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RoomEve
     ROOM_EVENT_KIND_RUN_ENDED: _RoomEventKind.ValueType  # 11
     ROOM_EVENT_KIND_APPROVAL_AWAITING: _RoomEventKind.ValueType  # 12
     """Held actions await a decision of the agent's company (the only one that sees this event)."""
+    ROOM_EVENT_KIND_RUN_NOT_STARTED: _RoomEventKind.ValueType  # 13
+    """A wake's run was recorded NOT_STARTED: delivered, no run has read the room, nothing was done yet."""
 
 class RoomEventKind(_RoomEventKind, metaclass=_RoomEventKindEnumTypeWrapper):
     """RoomEventKind names what changed in a room."""
@@ -397,6 +409,8 @@ ROOM_EVENT_KIND_RUN_PARKED: RoomEventKind.ValueType  # 10
 ROOM_EVENT_KIND_RUN_ENDED: RoomEventKind.ValueType  # 11
 ROOM_EVENT_KIND_APPROVAL_AWAITING: RoomEventKind.ValueType  # 12
 """Held actions await a decision of the agent's company (the only one that sees this event)."""
+ROOM_EVENT_KIND_RUN_NOT_STARTED: RoomEventKind.ValueType  # 13
+"""A wake's run was recorded NOT_STARTED: delivered, no run has read the room, nothing was done yet."""
 Global___RoomEventKind: _TypeAlias = RoomEventKind  # noqa: Y015
 
 @_typing.final
@@ -974,6 +988,7 @@ class Run(_message.Message):
     STARTED_AT_FIELD_NUMBER: _builtins.int
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     ENDED_AT_FIELD_NUMBER: _builtins.int
+    ATTEMPT_FIELD_NUMBER: _builtins.int
     run_id: _builtins.str
     agent_id: _builtins.str
     company_id: _builtins.str
@@ -989,6 +1004,13 @@ class Run(_message.Message):
     trace_id: _builtins.str
     """W3C trace id (32 hex chars) to open the run in Jaeger."""
     active_ms: _builtins.int
+    attempt: _builtins.str
+    """The delivery whose run holds this row: the claimant token of its StartRun ("continue:<waitpoint
+    token>:<claimant token>" for a continuation; empty on a NOT_STARTED row). The Room applies a
+    ledger write only to a new row, a row of the same attempt, a NOT_STARTED row, or a PARKED row
+    whose waitpoint was decided when the write is its continuation (the write takes the row over);
+    any other is refused ALREADY_EXISTS, so at most one run of a wake ever reads the room.
+    """
     @_builtins.property
     def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeclaredAction]: ...
     @_builtins.property
@@ -1020,10 +1042,11 @@ class Run(_message.Message):
         started_at: _timestamp_pb2.Timestamp | None = ...,
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         ended_at: _timestamp_pb2.Timestamp | None = ...,
+        attempt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ended_at", b"ended_at", "started_at", b"started_at", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "active_ms", b"active_ms", "agent_id", b"agent_id", "company_id", b"company_id", "ended_at", b"ended_at", "error", b"error", "model_attempts", b"model_attempts", "posted_message_id", b"posted_message_id", "room_id", b"room_id", "run_id", b"run_id", "started_at", b"started_at", "status", b"status", "step", b"step", "trace_id", b"trace_id", "updated_at", b"updated_at", "wake_id", b"wake_id", "wake_kind", b"wake_kind", "wake_source_id", b"wake_source_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions", "active_ms", b"active_ms", "agent_id", b"agent_id", "attempt", b"attempt", "company_id", b"company_id", "ended_at", b"ended_at", "error", b"error", "model_attempts", b"model_attempts", "posted_message_id", b"posted_message_id", "room_id", b"room_id", "run_id", b"run_id", "started_at", b"started_at", "status", b"status", "step", b"step", "trace_id", b"trace_id", "updated_at", b"updated_at", "wake_id", b"wake_id", "wake_kind", b"wake_kind", "wake_source_id", b"wake_source_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
