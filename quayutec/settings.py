@@ -407,6 +407,15 @@ _DECLARED: list[Setting] = [
         ["gateway"],
     ),
     _g(
+        "QUAYUTEC_GATEWAY_WATCH_COALESCE_MS",
+        100.0,
+        "a busy room's new events (one read for its watchers less than a second before) are read this long"
+        " after their notification, so what is posted meanwhile reaches every watcher in one response (fewer"
+        " sends per event, that much later); a quiet room's event is read at once (0: always at once)",
+        ["gateway"],
+        shown="100",
+    ),
+    _g(
         "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS",
         900,
         "WatchRoom and WatchRooms streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also"
@@ -439,6 +448,22 @@ _DECLARED: list[Setting] = [
         " expired key's streams end",
         ["gateway"],
         shown="5",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_KEY_CACHE_SIZE",
+        0,
+        "API keys whose lookup authentication keeps in memory (0, the default: every call's key is looked up,"
+        " so a revoked key is refused from its revocation's commit); kept keys are used only while the replica"
+        " listens for revocations (QUAYUTEC_GATEWAY_KEY_NOTIFY), and one revoked elsewhere than through this"
+        " replica is refused once its notification arrives (milliseconds later)",
+        ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_KEY_CACHE_SECONDS",
+        30.0,
+        "longest a kept key lookup is used before the key is read again",
+        ["gateway"],
+        shown="30",
     ),
     _g(
         "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST",

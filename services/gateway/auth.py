@@ -1,8 +1,10 @@
 """API keys of companies and the server interceptor that turns a key into the calling company.
 
 A key reads ``qyk_<key_id>_<random>``; only its SHA-256 is stored. Authentication looks the key up
-by ``key_id`` and compares hashes in constant time, once per call and without a cache, so a revoked
-key stops working at once; a stream opened before is ended by ``OpenStreams`` (services/gateway/streams.py).
+by ``key_id`` and compares hashes in constant time on every call; the lookup is kept in memory while
+the replica listens for revocations (services/gateway/keycache.py: a revocation's notification drops
+the key at once, and nothing is kept while the listener is down), so a revoked key stops working at
+once; a stream opened before is ended by ``OpenStreams`` (services/gateway/streams.py).
 A session key (CreateSessionKey, what a console sign-in uses) is a key of the same form with a parent
 company key and an expiry. Failed authentications are throttled per source address and per key id
 (quayutec.throttle.AuthThrottle): beyond the burst they are answered RESOURCE_EXHAUSTED unchecked.
@@ -37,7 +39,8 @@ from quayutec.errors import (
     trailers_of,
 )
 from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
-from services.gateway.store import ApiKey, ApiKeyStore
+from services.gateway.keycache import KeyCache
+from services.gateway.store import ApiKey, ApiKeyStore, StoredKeyHash
 from services.gateway.streams import OpenStream, OpenStreams
 
 _log = logging.getLogger("quayutec.gateway.auth")
@@ -180,8 +183,11 @@ class Authenticator:
     """Resolves an ``authorization`` metadata value to the caller whose live key it carries, throttling
     failed attempts per source address and per key id."""
 
-    def __init__(self, store: ApiKeyStore, throttle: ThrottleConfig | None = None) -> None:
+    def __init__(
+        self, store: ApiKeyStore, throttle: ThrottleConfig | None = None, cache: KeyCache | None = None
+    ) -> None:
         self._store = store
+        self._cache = cache
         self._throttle = AuthThrottle(
             throttle or ThrottleConfig(), _log, what="authentications", settings=THROTTLE_SETTINGS
         )
@@ -215,7 +221,7 @@ class Authenticator:
             raise Unauthenticated(f"malformed authorization metadata: {_HOW_TO_AUTH}")
         if key_id is None:
             raise Unauthenticated(f"malformed API key (keys read qyk_<key id>_<secret>): {_HOW_TO_AUTH}")
-        stored = await self._store.get_key_hash(key_id)
+        stored = await self._lookup(key_id)
         if stored is None or not hmac.compare_digest(stored.key_hash, _hash_secret(secret)):
             raise Unauthenticated(f"unknown API key: {_HOW_TO_AUTH}")
         if stored.revoked:
@@ -229,6 +235,21 @@ class Authenticator:
             expires_at=stored.expires_at,
             parent_key_id=stored.parent_key_id,
         )
+
+    async def _lookup(self, key_id: uuid.UUID) -> StoredKeyHash | None:
+        """The key's row as authentication needs it: from the cache when it holds it, else read (and kept)."""
+        cache = self._cache
+        if cache is None:
+            return await self._store.get_key_hash(key_id)
+        key = str(key_id)
+        stored = cache.get(key)
+        if stored is not None:
+            return stored
+        epoch = cache.epoch
+        stored = await self._store.get_key_hash(key_id)
+        if stored is not None:
+            cache.put(key, stored, epoch)
+        return stored
 
 
 class CallerContext:

@@ -90,6 +90,9 @@ class WatchConfig:
     heartbeat_seconds: float = 15.0
     # While the LISTEN connection is down, streams re-read their room this often instead.
     check_seconds: float = 0.5
+    # A busy room's new events are read this long after their notification (what is posted meanwhile
+    # goes out in the same response); a quiet room's at once.
+    coalesce_ms: float = 100.0
     # Most WatchRoom and WatchRooms streams this replica serves at once (each also counts against the
     # server's concurrent RPC limit); beyond it they answer RESOURCE_EXHAUSTED.
     max_streams: int = 900
@@ -115,6 +118,14 @@ class StreamsConfig:
 
 
 @dataclass(frozen=True)
+class KeyCacheConfig:
+    """How many API keys, and how long each, authentication keeps in memory (0 keys, the default: no cache)."""
+
+    size: int = 0
+    seconds: float = 30.0
+
+
+@dataclass(frozen=True)
 class GatewayConfig:
     """Where the Gateway listens, whom it calls, its key database, TLS, rate limits and delivery."""
 
@@ -133,6 +144,8 @@ class GatewayConfig:
     delivery: DeliveryConfig = DeliveryConfig()
     watch: WatchConfig = WatchConfig()
     streams: StreamsConfig = StreamsConfig()
+    # Key lookups kept in memory while revocations are listened for (services/gateway/keycache.py).
+    key_cache: KeyCacheConfig = KeyCacheConfig()
     # Failed authentications per source address and per key id.
     auth_throttle: ThrottleConfig = field(default_factory=ThrottleConfig)
     # Most live session keys (CreateSessionKey) of one company key.
@@ -184,12 +197,17 @@ class GatewayConfig:
             heartbeat_seconds=env_float(env, setting(f"{p}WATCH_HEARTBEAT_SECONDS"), minimum=0.01),
             check_seconds=env_float(env, setting(f"{p}WATCH_CHECK_SECONDS"), minimum=0.01),
             max_streams=env_int(env, setting(f"{p}WATCH_MAX_STREAMS"), minimum=1),
+            coalesce_ms=env_float(env, setting(f"{p}WATCH_COALESCE_MS")),
             max_rooms=env_int(env, setting(f"{p}WATCH_MAX_ROOMS"), minimum=1),
         )
         streams = StreamsConfig(
             max_per_company=env_int(env, setting(f"{p}MAX_STREAMS_PER_COMPANY"), minimum=1),
             revocation_notify=env_bool(env, setting(f"{p}KEY_NOTIFY")),
             recheck_seconds=env_float(env, setting(f"{p}KEY_RECHECK_SECONDS"), minimum=0.05),
+        )
+        key_cache = KeyCacheConfig(
+            size=env_int(env, setting(f"{p}KEY_CACHE_SIZE")),
+            seconds=env_float(env, setting(f"{p}KEY_CACHE_SECONDS"), minimum=0.001),
         )
         auth_throttle = ThrottleConfig(
             rate_per_second=env_float(env, setting(f"{p}AUTH_FAILURE_RATE")),
@@ -210,6 +228,7 @@ class GatewayConfig:
             delivery=delivery,
             watch=watch,
             streams=streams,
+            key_cache=key_cache,
             auth_throttle=auth_throttle,
             max_session_keys=env_int(env, setting(f"{p}MAX_SESSION_KEYS"), minimum=1),
             max_api_keys=env_int(env, setting(f"{p}MAX_API_KEYS"), minimum=1),

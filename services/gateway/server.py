@@ -18,6 +18,7 @@ from services.gateway.a2a import A2AGrpcHandler, RoomAgentHandler
 from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
 from services.gateway.config import GatewayConfig
 from services.gateway.delivery import WakeDelivery
+from services.gateway.keycache import KeyCache
 from services.gateway.notify import COMPANY_ROOMS_CHANNEL, ROOM_EVENTS_CHANNEL, Listener, WakeListener
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.servicer import GatewayServicer
@@ -81,10 +82,20 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
     # Every open stream of this replica: each company's share, ended when its key is revoked.
     streams = OpenStreams(config.streams, keys)
     channels = {ROOM_EVENTS_CHANNEL: hub.notified, COMPANY_ROOMS_CHANNEL: hub.rooms_changed}
-    if config.streams.revocation_notify:
-        channels[KEYS_REVOKED_CHANNEL] = streams.revoked
+    # Key lookups kept in memory only while revocations are listened for (fails closed otherwise).
+    revocation_notify = config.streams.revocation_notify
+    key_cache = KeyCache(config.key_cache, lambda: revocation_notify and events_listener.listening.is_set())
+    keys.on_revoked.append(key_cache.revoked)  # revoked through this replica: dropped before the answer
+    if revocation_notify:
+
+        def revoked(key_id: str) -> None:
+            key_cache.revoked(key_id)
+            streams.revoked(key_id)
+
+        channels[KEYS_REVOKED_CHANNEL] = revoked
 
     def listening() -> None:
+        key_cache.clear()  # revocations sent while not listening were missed
         hub.reconnected()
         streams.listening()
 
@@ -151,7 +162,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         config=config.server,
         register=register,
         on_stop=on_stop,
-        interceptors=(AuthInterceptor(Authenticator(keys, config.auth_throttle), caller, streams),),
+        interceptors=(AuthInterceptor(Authenticator(keys, config.auth_throttle, key_cache), caller, streams),),
         credentials=credentials,
     )
     return grpc_server

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -67,6 +67,12 @@ class ApiKeyStore:
     def __init__(self, pool: asyncpg.Pool, queries: Queries | None = None) -> None:
         self._pool = pool
         self._q = queries if queries is not None else Queries(QUERIES_PATH)
+        # Told the id of each key this store revoked, once committed (the replica's key cache drops it).
+        self.on_revoked: list[Callable[[str], None]] = []
+
+    def _revoked(self, key_id: uuid.UUID) -> None:
+        for hook in self.on_revoked:
+            hook(str(key_id))
 
     async def insert_key(self, key_id: uuid.UUID, company_id: uuid.UUID, key_hash: bytes, label: str) -> ApiKey:
         row = await self._pool.fetchrow(self._q["insert_api_key"], key_id, company_id, key_hash, label)
@@ -96,7 +102,10 @@ class ApiKeyStore:
         )
 
     async def revoke_key(self, key_id: uuid.UUID) -> bool:
-        return await self._pool.fetchval(self._q["revoke_api_key"], key_id) is not None
+        revoked = await self._pool.fetchval(self._q["revoke_api_key"], key_id) is not None
+        if revoked:
+            self._revoked(key_id)
+        return revoked
 
     async def dead_keys(self, key_ids: Iterable[str]) -> set[str]:
         """Of ``key_ids``, those unknown, revoked (or whose company key is) or expired."""
@@ -131,7 +140,10 @@ class ApiKeyStore:
     async def revoke_company_key(self, key_id: uuid.UUID, company_id: uuid.UUID) -> ApiKey | None:
         """Revoke the company's key (at once; its session keys with it); None when it is not the company's."""
         row = await self._pool.fetchrow(self._q["revoke_company_key"], key_id, company_id)
-        return _api_key(row) if row is not None else None
+        if row is None:
+            return None
+        self._revoked(key_id)
+        return _api_key(row)
 
     async def list_keys(self, company_id: uuid.UUID, *, sessions: bool = False) -> list[ApiKey]:
         rows = await self._pool.fetch(self._q["list_api_keys"], company_id, sessions)

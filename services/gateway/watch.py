@@ -11,6 +11,10 @@ Room itself, scoped to its company. Reading by cursor is what makes the seam bet
 free of gaps and duplicates: a follow subscribes before its first read, takes only cursors after its
 own, and whatever commits later reaches it by the feed or by its own next read.
 
+A busy room (read less than a second ago) is read ``QUAYUTEC_GATEWAY_WATCH_COALESCE_MS`` after its
+notification, so what is posted meanwhile goes to every stream in one response: with many watchers the
+cost is per send (a write to each stream's socket), not per event. A quiet room's event is read at once.
+
 Every stream has one bounded buffer. While it replays, reading waits for room in the buffer; once
 live, a caller that lets the buffer fill is cut with RESOURCE_EXHAUSTED (it resumes from its last
 cursors). A cursor past the room's newest event is OUT_OF_RANGE.
@@ -30,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
@@ -48,6 +53,9 @@ _log = logging.getLogger("quayutec.gateway.watch")
 # streams hold the same event objects in their buffers, not copies.
 FEED_RING_EVENTS = 1024
 FEED_RING_BYTES = 4 * 1024 * 1024
+# A room whose events were read this recently (or 10 coalesce_ms, if longer) is busy: its next read waits
+# WatchConfig.coalesce_ms.
+ACTIVE_SECONDS = 1.0
 # Cursors one Room read covers; also how far back a newly joined room is searched for the join.
 READ_LIMIT = 500
 # Most events, and bytes of them, one response carries (a caller that falls behind gets batches).
@@ -82,6 +90,7 @@ class _Feed:
         self._hub = hub
         self._task: asyncio.Task[None] | None = None
         self._again = False
+        self._last_read = 0.0  # monotonic time the latest read of new events began
 
     def poke(self) -> None:
         """Read what is new (again after the current read, if one is under way)."""
@@ -120,6 +129,13 @@ class _Feed:
 
     async def _read(self) -> None:
         while True:
+            # A room read less than ACTIVE_SECONDS ago is read coalesce_ms after its notification: what
+            # is posted meanwhile goes to every stream in the same response. A quiet room's event is read at once.
+            now = time.monotonic()
+            coalesce = self._hub.config.coalesce_ms / 1000
+            if self.cursor is not None and now - self._last_read < max(ACTIVE_SECONDS, 10 * coalesce):
+                await asyncio.sleep(coalesce)
+            self._last_read = now
             self._again = False
             try:
                 await self._read_new()

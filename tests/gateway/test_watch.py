@@ -395,3 +395,30 @@ async def test_list_rpcs_hand_out_a_resume_token_on_the_last_page_too(
         gateway_pb2.ListMessagesRequest(room_id=room.room_id, newest_first=True), timeout=10
     )
     assert newest_first.resume_page_token == ""  # nothing is ever added before the oldest
+
+
+async def test_events_posted_while_a_busy_room_is_read_reach_a_watcher_in_one_response(
+    database_url: str, room_addr: str, acme: CompanyKey
+) -> None:
+    """With QUAYUTEC_GATEWAY_WATCH_COALESCE_MS, a room read moments ago is read again only after that
+    long: messages posted meanwhile go to each watcher together, in one response (one send, not one each)."""
+    slow = {**QUIET, "QUAYUTEC_GATEWAY_WATCH_COALESCE_MS": "3000"}  # the room stays busy for 30 s after a read
+    async with (
+        running_gateway(database_url, room_addr, NOWHERE, **slow) as addr,
+        authed_gateway(addr, acme.secret) as gw,
+    ):
+        room = await create_room(gw)
+        call = gw.WatchRoom(gateway_pb2.WatchRoomRequest(room_id=room.room_id), metadata=auth(acme), timeout=60)
+        await caught_up(call)
+        await post(gw, room.room_id, "first")
+        async for item in call:
+            if any(e.message.body == "first" for e in item.events):
+                break
+        await post(gw, room.room_id, "second")
+        await post(gw, room.room_id, "third")
+        async for item in call:
+            bodies = [e.message.body for e in item.events if e.kind == common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED]
+            if bodies:
+                assert bodies == ["second", "third"], bodies
+                break
+        call.cancel()
