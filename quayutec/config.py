@@ -6,6 +6,7 @@ under one prefix (``QUAYUTEC_<SERVICE>_``); nothing reads the environment at imp
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -127,6 +128,8 @@ def env_float(
         value = float(raw)
     except ValueError as exc:
         raise ConfigError(f"{name} must be a number, got {raw!r}") from exc
+    if not math.isfinite(value):
+        raise ConfigError(f"{name} must be a finite number, got {raw!r}")
     if value < minimum:
         raise ConfigError(f"{name} must be at least {minimum}, got {value}")
     return value
@@ -180,6 +183,8 @@ class DatabaseConfig:
     pool_min: int = 1
     pool_max: int = 10
     budget: ConnectionBudget | None = None
+    # PostgreSQL ends a session left idle inside a transaction this long (0: never).
+    idle_in_transaction_seconds: float = 10.0
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, prefix: str = "QUAYUTEC_") -> DatabaseConfig:
@@ -193,7 +198,15 @@ class DatabaseConfig:
         if pool_min > pool_max:
             raise ConfigError(f"{prefix}DB_POOL_MIN ({pool_min}) exceeds {prefix}DB_POOL_MAX ({pool_max})")
         budget = ConnectionBudget.from_env(env)
-        return cls(url=url, data_dir=data_dir, pool_min=pool_min, pool_max=pool_max, budget=budget)
+        idle = env_float(env, setting("QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS"), minimum=0.0)
+        return cls(
+            url=url,
+            data_dir=data_dir,
+            pool_min=pool_min,
+            pool_max=pool_max,
+            budget=budget,
+            idle_in_transaction_seconds=idle,
+        )
 
 
 @dataclass(frozen=True)

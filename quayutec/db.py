@@ -92,10 +92,24 @@ async def _no_session_reset(conn: asyncpg.Connection) -> None:
     saves one round trip per acquire."""
 
 
-async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asyncpg.Pool:
-    """An asyncpg pool; fails fast with a clear message when PostgreSQL is unreachable."""
+async def create_pool(
+    url: str, *, min_size: int = 1, max_size: int = 10, idle_in_transaction_seconds: float = 10.0
+) -> asyncpg.Pool:
+    """An asyncpg pool; fails fast with a clear message when PostgreSQL is unreachable.
+
+    Its sessions carry ``idle_in_transaction_session_timeout``: when a replica is cut off from the
+    database between two statements of a transaction (its COMMIT lost on the way), PostgreSQL ends
+    that session after ``idle_in_transaction_seconds`` and rolls the transaction back, instead of
+    holding its row locks (a room's sequence row, a run's ledger row) until TCP notices, which can
+    take minutes. Nothing of ours keeps a transaction open between statements for long."""
+    settings = {"idle_in_transaction_session_timeout": str(round(idle_in_transaction_seconds * 1000))}
     pool = await asyncpg.create_pool(
-        url, min_size=min_size, max_size=max_size, command_timeout=30, reset=_no_session_reset
+        url,
+        min_size=min_size,
+        max_size=max_size,
+        command_timeout=30,
+        reset=_no_session_reset,
+        server_settings=settings,
     )
     if pool is None:  # pragma: no cover - asyncpg returns None only without await
         raise RuntimeError("asyncpg.create_pool returned no pool")
@@ -104,7 +118,12 @@ async def create_pool(url: str, *, min_size: int = 1, max_size: int = 10) -> asy
 
 async def open_pool(config: DatabaseConfig) -> asyncpg.Pool:
     url = await resolve_database_url(config)
-    return await create_pool(url, min_size=config.pool_min, max_size=config.pool_max)
+    return await create_pool(
+        url,
+        min_size=config.pool_min,
+        max_size=config.pool_max,
+        idle_in_transaction_seconds=config.idle_in_transaction_seconds,
+    )
 
 
 async def check_connection_budget(pool: asyncpg.Pool, budget: ConnectionBudget, service: str) -> int:

@@ -172,6 +172,15 @@ _DECLARED: list[Setting] = [
         ALL,
         shown="20",
     ),
+    _g(
+        "QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS",
+        10.0,
+        "PostgreSQL ends a session of ours that leaves a transaction open and silent this long "
+        "(idle_in_transaction_session_timeout), releasing its locks: a replica cut off from the database "
+        "mid-transaction cannot hold a room's rows for long; 0 turns it off",
+        [*WITH_DATABASE, "cli"],
+        shown="10",
+    ),
     _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),

@@ -8,6 +8,7 @@ they fail saying so; they are never skipped.
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -34,7 +35,10 @@ def bed() -> Iterator[Bed]:
         yield the_bed
     finally:
         the_bed.stop()
-        the_bed.remove_files()
+        if os.environ.get("QUAYUTEC_BED_KEEP") == "1":
+            print(f"\nthe bed's files are kept in {the_bed.root} (QUAYUTEC_BED_KEEP=1)")
+        else:
+            the_bed.remove_files()
 
 
 @pytest.fixture

@@ -1,0 +1,81 @@
+"""What every database session of ours asks of PostgreSQL (quayutec.db.create_pool): a transaction
+left open and silent, as when a replica is cut off from the database before its COMMIT arrives, is
+ended by the server after QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS and its locks released, so the
+other replicas' writes to the same rows go on.
+
+Found by the cluster bed: host a cut from the database for 9 s left one of Room's transactions open
+on the server (its client gone, its COMMIT lost), holding the room's sequence row; every later post
+to that room waited on it for over a minute, until the bed stopped."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from pathlib import Path
+
+import asyncpg
+import pytest
+
+from quayutec.config import ConfigError, DatabaseConfig
+from quayutec.db import create_pool, open_pool
+
+# Bounds on waits that end when PostgreSQL acts (never asserted as timings).
+WAIT_SECONDS = 30.0
+
+
+async def session_timeout(pool: asyncpg.Pool) -> str:
+    return str(await pool.fetchval("SHOW idle_in_transaction_session_timeout"))
+
+
+def test_the_setting_is_read_and_checked() -> None:
+    assert DatabaseConfig.from_env({}).idle_in_transaction_seconds == 10.0
+    shorter = DatabaseConfig.from_env({"QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS": "2.5"})
+    assert shorter.idle_in_transaction_seconds == 2.5
+    for bad, says in (("-1", "at least 0"), ("nan", "finite"), ("inf", "finite"), ("soon", "a number")):
+        with pytest.raises(ConfigError) as refused:
+            DatabaseConfig.from_env({"QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS": bad})
+        assert "QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS" in str(refused.value) and says in str(refused.value)
+
+
+async def test_every_service_pool_carries_the_timeout(database_url: str) -> None:
+    default = await open_pool(DatabaseConfig(url=database_url, data_dir=Path("."), pool_min=1, pool_max=2))
+    off = await open_pool(
+        DatabaseConfig(url=database_url, data_dir=Path("."), pool_min=1, pool_max=2, idle_in_transaction_seconds=0)
+    )
+    try:
+        assert await session_timeout(default) == "10s"
+        assert await session_timeout(off) == "0"
+    finally:
+        await default.close()
+        await off.close()
+
+
+async def test_a_transaction_whose_commit_never_comes_releases_its_locks(database_url: str) -> None:
+    table = f"idle_probe_{uuid.uuid4().hex[:8]}"
+    setup = await asyncpg.connect(database_url)
+    await setup.execute(f"CREATE TABLE {table} (id int PRIMARY KEY, n int NOT NULL)")
+    await setup.execute(f"INSERT INTO {table} VALUES (1, 0)")
+    cut_off = await create_pool(database_url, min_size=1, max_size=1, idle_in_transaction_seconds=1.0)
+    others = await create_pool(database_url, min_size=1, max_size=1)
+    try:
+        assert await session_timeout(cut_off) == "1s"
+        stalled = await cut_off.acquire()
+        # The replica's transaction takes the row, then nothing more arrives from it: to PostgreSQL this
+        # is what a COMMIT lost in a partition looks like.
+        await stalled.execute("BEGIN")
+        await stalled.execute(f"UPDATE {table} SET n = n + 1 WHERE id = 1")
+        # Another replica's write to the same row waits for that lock, then goes on once the server
+        # has ended the silent session (bounded: it would otherwise wait for as long as TCP takes).
+        async with asyncio.timeout(WAIT_SECONDS):
+            await others.execute(f"UPDATE {table} SET n = n + 10 WHERE id = 1")
+        assert await others.fetchval(f"SELECT n FROM {table} WHERE id = 1") == 10  # the lost one rolled back
+        # The session that went silent learns it is over at its next word; nothing of it was kept.
+        with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError)):
+            await stalled.execute("COMMIT")
+        await cut_off.release(stalled)
+        assert await cut_off.fetchval(f"SELECT n FROM {table} WHERE id = 1") == 10  # the pool recovers
+    finally:
+        await cut_off.close()
+        await others.close()
+        await setup.execute(f"DROP TABLE {table}")
+        await setup.close()
