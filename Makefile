@@ -87,7 +87,7 @@ test-repeat: $(STAMP)
 # The multi-host bed's tests (tests/cluster): faults across a network of namespaces, as root, in
 # namespaces of their own (`unshare`); about 8 minutes. `.ci/run` runs them after `make test`.
 test-cluster: $(STAMP)
-	$(BIN)/python -m scripts.cluster test
+	$(BIN)/python -m scripts.cluster test -s
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

@@ -17,6 +17,9 @@ _undecodable_log = logging.getLogger("quayutec.undecodable")
 
 # PostgreSQL SQLSTATE classes that mean "the database is not reachable right now".
 CONNECTION_SQLSTATE_CLASSES = ("08", "53", "57")
+# The server ended the session and rolled its transaction back: 25P03 idle_in_transaction_session_timeout
+# (a client cut off mid-transaction, see quayutec.db.create_pool), 25P04 transaction_timeout.
+CONNECTION_SQLSTATES = ("25P03", "25P04")
 
 
 class ServiceError(Exception):
@@ -150,7 +153,7 @@ def is_connection_error(exc: BaseException) -> bool:
     """True when ``exc`` means PostgreSQL could not be reached (retryable, UNAVAILABLE)."""
     if isinstance(exc, asyncpg.PostgresError):
         sqlstate = getattr(exc, "sqlstate", None) or ""
-        return sqlstate[:2] in CONNECTION_SQLSTATE_CLASSES
+        return sqlstate[:2] in CONNECTION_SQLSTATE_CLASSES or sqlstate in CONNECTION_SQLSTATES
     # asyncpg's InternalClientError ("cannot switch to state ...; another operation is in progress")
     # comes from a connection broken in the middle of an operation, e.g. PostgreSQL shutting down
     # mid-transaction: it is answered like a lost connection.

@@ -14,10 +14,12 @@ import uuid
 from pathlib import Path
 
 import asyncpg
+import grpc
 import pytest
 
 from quayutec.config import ConfigError, DatabaseConfig
 from quayutec.db import create_pool, open_pool
+from quayutec.errors import status_for
 
 # Bounds on waits that end when PostgreSQL acts (never asserted as timings).
 WAIT_SECONDS = 30.0
@@ -69,9 +71,11 @@ async def test_a_transaction_whose_commit_never_comes_releases_its_locks(databas
         async with asyncio.timeout(WAIT_SECONDS):
             await others.execute(f"UPDATE {table} SET n = n + 10 WHERE id = 1")
         assert await others.fetchval(f"SELECT n FROM {table} WHERE id = 1") == 10  # the lost one rolled back
-        # The session that went silent learns it is over at its next word; nothing of it was kept.
-        with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError)):
+        # The session that went silent learns it is over at its next word; nothing of it was kept, so
+        # the caller is told UNAVAILABLE (retry), like any lost connection, never INTERNAL.
+        with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError)) as ended:
             await stalled.execute("COMMIT")
+        assert status_for(ended.value) == (grpc.StatusCode.UNAVAILABLE, "the database is unavailable; retry later")
         await cut_off.release(stalled)
         assert await cut_off.fetchval(f"SELECT n FROM {table} WHERE id = 1") == 10  # the pool recovers
     finally:

@@ -20,6 +20,11 @@ from quayutec.errors import status_for
         asyncpg.exceptions.AdminShutdownError("terminating connection due to administrator command"),
         # Seen when PostgreSQL shut down in the middle of a Room transaction's commit.
         asyncpg.exceptions.InternalClientError("cannot switch to state 15; another operation (2) is in progress"),
+        # The server ended a session left idle in its transaction (the transaction was rolled back):
+        # a Room replica cut off from the database mid-transaction reads it once the network is back.
+        asyncpg.exceptions.IdleInTransactionSessionTimeoutError(
+            "terminating connection due to idle-in-transaction timeout"
+        ),
     ],
     ids=lambda e: type(e).__name__,
 )
