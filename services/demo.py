@@ -304,8 +304,8 @@ async def run_demo() -> int:
                 say(f"   console  {stack.console_url}")
                 await demo(stack, standin)
                 if sys.stdin.isatty():
-                    say(f"\nthe stack stays up for the console at {stack.console_url}; press Enter to stop it")
-                    await enter_or_interrupt()
+                    prompt = f"\nthe stack stays up for the console at {stack.console_url}; press Enter to stop it"
+                    await enter_or_interrupt(prompt)
                     say("stopping ...")
             finally:
                 stack.stop_all()
@@ -337,9 +337,11 @@ def claim_folder(data_dir: Path) -> tuple[DataDirLock, bool]:
     return own(root / "data", again="quayutec demo"), True
 
 
-async def enter_or_interrupt() -> None:
-    """Wait until Enter on standard input, Ctrl-C or SIGTERM, whichever comes first. Nothing is left
-    waiting on the terminal after (a thread blocked reading it would hold the exit until Enter)."""
+async def enter_or_interrupt(prompt: str) -> None:
+    """Say ``prompt``, then wait until Enter on standard input, Ctrl-C or SIGTERM, whichever comes
+    first. The handlers are in place before the prompt is shown, so a Ctrl-C the moment it appears
+    is one of them (not Python's KeyboardInterrupt). Nothing is left waiting on the terminal after
+    (a thread blocked reading it would hold the exit until Enter)."""
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     fd = sys.stdin.fileno()
@@ -352,6 +354,7 @@ async def enter_or_interrupt() -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
     try:
+        say(prompt)
         await done.wait()
     finally:
         loop.remove_reader(fd)
