@@ -102,6 +102,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/inflight.py
 	$(BIN)/python bench/tables.py
 	$(BIN)/python bench/clients.py
+	$(BIN)/python bench/statements.py
 
 # Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
 # a server that no command can reach.

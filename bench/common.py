@@ -80,6 +80,12 @@ def postgres_server() -> Iterator[str]:
 _EMBEDDED_PGDATA: dict[str, Path] = {}
 
 
+def embedded_pgdata(admin_url: str) -> Path | None:
+    """The data folder of the embedded PostgreSQL behind ``admin_url`` (its server log is ``log`` there);
+    None for ``DATABASE_URL``'s server."""
+    return _EMBEDDED_PGDATA.get(admin_url)
+
+
 def postgres_cpu_seconds(admin_url: str) -> float | None:
     """User + system CPU seconds used so far by the embedded PostgreSQL behind ``admin_url`` (its
     postmaster, every live child and the children it has reaped); None for ``DATABASE_URL``'s server,

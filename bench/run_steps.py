@@ -129,6 +129,7 @@ class RunSteps:
                 dedupe,
                 [],
                 str(message_id),
+                "",  # no traceparent: the anchors are not traced
             )
             return str(row["message_id"])
 
@@ -152,6 +153,8 @@ class RunSteps:
             row["active_ms"],
             datetime.fromisoformat(row["started_at"]),
             datetime.now(UTC),
+            "anchor",  # the fence's attempt: one writer per run here
+            [],  # no trace ids: the anchors are not traced
         )
 
 

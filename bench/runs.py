@@ -22,8 +22,15 @@ started by C workers, each on a room of its own with the same wake messages:
   loopback-only network namespace (``unshare --net``; it then needs its own embedded PostgreSQL, not
   ``DATABASE_URL``). Never in tests.
 
+CPU per run (embedded PostgreSQL only): user + system CPU over the measured runs of PostgreSQL's
+processes and of the system's own: ours, the Claims, Room and Runtime processes (not the bench's
+driving and polling); DBOS and the floor, the bench's process, where they run (its driving included;
+on the standard asyncio loop, where the services run uvloop); not measured for Restate. The stand-in
+is left out everywhere.
+
 It prints, per concurrency, ours/DBOS, ours/floor and ours/Restate runs/s (above 1: ours is faster;
-ours/floor is at most about 1, the share of the floor ours reaches). ``--json PATH`` also writes the
+ours/floor is at most about 1, the share of the floor ours reaches), and ours/anchor CPU per run where
+both were measured (above 1: ours costs more). ``--json PATH`` also writes the
 figures as one JSON object (for ``bench/compare.py``). The database is ``DATABASE_URL``'s server or
 an embedded PostgreSQL in a tmp folder.
 """
@@ -38,6 +45,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from math import isnan
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +74,7 @@ from bench.common import (
     parse_concurrency,
     percentile,
     post_wakes,
+    postgres_cpu_seconds,
     postgres_server,
     print_table,
     room_callers,
@@ -86,6 +95,8 @@ from quayutec.v1 import common_pb2, runtime_pb2, runtime_pb2_grpc
 
 ROOM_WAIT_SECONDS = 600.0
 OURS = "quayutec"
+# CPU seconds used so far by the processes a system runs on (a difference of two readings is what it used).
+CpuClock = Callable[[], float]
 # The anchors, in the order they run, by their --baseline name: what the table calls them.
 ANCHORS = {
     "dbos": "DBOS Transact",
@@ -108,6 +119,8 @@ class Level:
     client_ms: list[float]
     refused: int = 0
     failed: int = 0
+    # CPU ms per measured run of the system's processes and PostgreSQL's (NaN when not measured).
+    cpu_ms: float = float("nan")
 
     @property
     def rate(self) -> float:
@@ -139,6 +152,19 @@ async def closed_loop(items: Sequence[Any], concurrency: int, one: Callable[[Any
 
 
 # -- ours -----------------------------------------------------------------------------------------------
+
+
+def services_cpu_seconds(stack: Any) -> float:
+    """User + system CPU seconds of the stack's service processes so far."""
+    import psutil
+
+    return float(sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in stack.procs.values()))
+
+
+def postgres_cpu(admin_url: str) -> float:
+    """The embedded PostgreSQL's CPU seconds so far; NaN for ``DATABASE_URL``'s (so no CPU figure is shown)."""
+    seconds = postgres_cpu_seconds(admin_url)
+    return float("nan") if seconds is None else seconds
 
 
 async def start_run(runtime: Any, world: World, wake: PostedWake) -> tuple[str, int]:
@@ -175,14 +201,24 @@ def ledger_level(system: str, concurrency: int, result: WorkloadResult, rows: Se
 
 
 async def bench_ours(
-    room: Any, runtime: Any, pool: asyncpg.Pool, world: World, concurrencies: list[int], runs: int, warmup: int
+    room: Any,
+    runtime: Any,
+    pool: asyncpg.Pool,
+    world: World,
+    concurrencies: list[int],
+    runs: int,
+    warmup: int,
+    cpu_now: CpuClock,
 ) -> list[Level]:
     levels: list[Level] = []
     for c in concurrencies:
         wakes = await post_wakes(room, world, warmup + runs)
         await measure_ours(runtime, pool, world, wakes[:warmup], c)
+        before = cpu_now()
         result, rows = await measure_ours(runtime, pool, world, wakes[warmup:], c)
+        cpu = cpu_now() - before
         levels.append(ledger_level(OURS, c, result, rows))
+        levels[-1].cpu_ms = cpu * 1000 / len(rows)
         print(f"  quayutec c={c}: {levels[-1].rate:.0f} runs/s", file=sys.stderr, flush=True)
     return levels
 
@@ -205,8 +241,10 @@ async def measure_anchor(
     concurrencies: list[int],
     warmup: int,
     start: Callable[[PostedWake], Awaitable[None]],
+    cpu_now: CpuClock | None = None,
 ) -> list[Level]:
-    """Each level: ``warmup`` unmeasured runs, then the rest; ``start(wake)`` returns when its run has ended."""
+    """Each level: ``warmup`` unmeasured runs, then the rest; ``start(wake)`` returns when its run has ended.
+    With ``cpu_now``, the CPU per run it counts over the measured runs."""
     world = side.world
     levels: list[Level] = []
     for c, wakes in zip(concurrencies, side.wakes_per_level, strict=True):
@@ -216,12 +254,15 @@ async def measure_anchor(
             return 0
 
         await closed_loop(wakes[:warmup], c, one)
+        before = cpu_now() if cpu_now is not None else float("nan")
         result = await closed_loop(wakes[warmup:], c, one)
+        cpu = cpu_now() - before if cpu_now is not None else float("nan")
         run_ids = [run_id_for(world.agent_id, w.wake_id) for w in wakes[warmup:]]
         rows = await pool.fetch(ENDED_RUNS_QUERY, run_ids)
         if len(rows) != len(run_ids):
             raise BenchError(f"{ANCHORS[system]} recorded {len(rows)} ledger rows for {len(run_ids)} runs")
         levels.append(ledger_level(system, c, result, rows))
+        levels[-1].cpu_ms = cpu * 1000 / len(rows)
         print(f"  {ANCHORS[system]} c={c}: {levels[-1].rate:.0f} runs/s", file=sys.stderr, flush=True)
     return levels
 
@@ -252,7 +293,7 @@ def _function(step: Callable[..., Awaitable[Any]]) -> Callable[..., Coroutine[An
 
 
 async def bench_dbos(
-    steps: RunSteps, system_url: str, side: AnchorWorld, concurrencies: list[int], warmup: int
+    steps: RunSteps, system_url: str, side: AnchorWorld, concurrencies: list[int], warmup: int, cpu_now: CpuClock
 ) -> list[Level]:
     from dbos import DBOS
 
@@ -275,19 +316,21 @@ async def bench_dbos(
             )
             await handle.get_result()
 
-        return await measure_anchor("dbos", steps.pool, side, concurrencies, warmup, start)
+        return await measure_anchor("dbos", steps.pool, side, concurrencies, warmup, start, cpu_now)
     finally:
         DBOS.destroy(destroy_registry=True)
 
 
-async def bench_floor(steps: RunSteps, side: AnchorWorld, concurrencies: list[int], warmup: int) -> list[Level]:
+async def bench_floor(
+    steps: RunSteps, side: AnchorWorld, concurrencies: list[int], warmup: int, cpu_now: CpuClock
+) -> list[Level]:
     world = side.world
     run: StepRunner = direct
 
     async def start(wake: PostedWake) -> None:
         await agent_run(run, steps, world.agent_id, wake.wake_id, world.room_id, wake.message_id)
 
-    return await measure_anchor("floor", steps.pool, side, concurrencies, warmup, start)
+    return await measure_anchor("floor", steps.pool, side, concurrencies, warmup, start, cpu_now)
 
 
 async def bench_restate(
@@ -369,18 +412,33 @@ async def amain(opts: argparse.Namespace) -> Figures:
                         wakes = [await post_wakes(room, world, opts.warmup + opts.runs) for _ in concurrencies]
                         sides[anchor] = AnchorWorld(world, wakes)
                     print(f"measuring ours ({opts.runs} runs per level) ...", file=sys.stderr, flush=True)
-                    levels = await bench_ours(room, runtime, pool, ours_world, concurrencies, opts.runs, opts.warmup)
+                    levels = await bench_ours(
+                        room,
+                        runtime,
+                        pool,
+                        ours_world,
+                        concurrencies,
+                        opts.runs,
+                        opts.warmup,
+                        lambda: services_cpu_seconds(stack) + postgres_cpu(admin_url),
+                    )
             q = Queries(ROOT / "services" / "room" / "sql" / "queries.sql")
             key = env["QUAYUTEC_ENCRYPTION_KEY"]
             cipher = MultiFernet([Fernet(key.encode())])
+
+            def in_process_cpu() -> float:
+                return time.process_time() + postgres_cpu(admin_url)
+
             async with httpx.AsyncClient(timeout=30) as http:
                 steps = RunSteps(pool, http, standin_url, cipher, q)
                 for anchor in anchors:
                     print(f"measuring {ANCHORS[anchor]} on the same PostgreSQL ...", file=sys.stderr, flush=True)
                     if anchor == "dbos":
-                        levels += await bench_dbos(steps, system_url, sides[anchor], concurrencies, opts.warmup)
+                        levels += await bench_dbos(
+                            steps, system_url, sides[anchor], concurrencies, opts.warmup, in_process_cpu
+                        )
                     elif anchor == "floor":
-                        levels += await bench_floor(steps, sides[anchor], concurrencies, opts.warmup)
+                        levels += await bench_floor(steps, sides[anchor], concurrencies, opts.warmup, in_process_cpu)
                     else:
                         levels += await bench_restate(
                             steps, url, key, data_dir, sides[anchor], concurrencies, opts.warmup
@@ -399,7 +457,19 @@ def report(levels: list[Level], concurrencies: list[int], seconds: float) -> Fig
     )
     label = {OURS: OURS, **ANCHORS}
     print_table(
-        ["system", "conc", "runs", "runs/s", "added p50", "added p99", "client p50", "client p99", "refused", "failed"],
+        [
+            "system",
+            "conc",
+            "runs",
+            "runs/s",
+            "added p50",
+            "added p99",
+            "client p50",
+            "client p99",
+            "CPU ms/run",
+            "refused",
+            "failed",
+        ],
         [
             [
                 label[lv.system],
@@ -410,6 +480,7 @@ def report(levels: list[Level], concurrencies: list[int], seconds: float) -> Fig
                 percentile(lv.added_ms, 99),
                 percentile(lv.client_ms, 50),
                 percentile(lv.client_ms, 99),
+                lv.cpu_ms,
                 lv.refused,
                 lv.failed,
             ]
@@ -420,6 +491,7 @@ def report(levels: list[Level], concurrencies: list[int], seconds: float) -> Fig
     for lv in levels:
         latencies = {"added": lv.added_ms, "client": lv.client_ms}
         figures |= level_figures(f"{lv.system} c={lv.concurrency}", "runs/s", lv.rate, latencies)
+        figures[f"{lv.system} c={lv.concurrency} CPU ms per run"] = lv.cpu_ms
     by = {(lv.system, lv.concurrency): lv for lv in levels}
     print()
     for anchor in ANCHORS:
@@ -431,6 +503,14 @@ def report(levels: list[Level], concurrencies: list[int], seconds: float) -> Fig
                 ratios.append(f"c={c}: {ratio:.2f}x")
         if ratios:
             print(f"throughput ours/{ANCHORS[anchor]}: {', '.join(ratios)}")
+        costs = []
+        for c in concurrencies:
+            if (anchor, c) in by and (OURS, c) in by and not isnan(by[(anchor, c)].cpu_ms + by[(OURS, c)].cpu_ms):
+                ratio = by[(OURS, c)].cpu_ms / by[(anchor, c)].cpu_ms
+                figures[f"ours/{anchor} c={c} CPU per run"] = ratio
+                costs.append(f"c={c}: {ratio:.2f}x")
+        if costs:
+            print(f"CPU per run ours/{ANCHORS[anchor]}: {', '.join(costs)}")
     print(f"bench took {seconds:.0f} s")
     if any(lv.failed for lv in levels):
         raise BenchError("some runs did not succeed (see the failed column); the figures are not comparable")

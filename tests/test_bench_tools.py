@@ -5,15 +5,19 @@ timing is asserted: both sides are this checkout on this interpreter."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
+import asyncpg
 import pytest
 
-from bench import compare
+from bench import compare, statements
 from bench.common import BenchError, read_figures, write_figures
+from quayutec.sql import Queries
 
 REPO = Path(__file__).resolve().parent.parent
 CLAIMS = Path("bench/claims.py")
@@ -119,3 +123,60 @@ def test_the_bench_to_compare_must_be_a_script_in_bench() -> None:
     for wrong in (str(REPO / "README.md"), str(REPO / "bench" / "missing.py"), "/tmp/runs.py"):
         with pytest.raises(BenchError):
             compare.bench_script(wrong)
+
+
+def test_the_runs_bench_runs_ours_and_the_floor_on_the_rooms_current_statements(
+    pg_server_url: str, tmp_path: Path
+) -> None:
+    """The floor calls the Room's own queries: a query that gains a parameter breaks it (it did once,
+    unnoticed); a few runs of each side show it still runs, and every run succeeds."""
+    out = tmp_path / "runs.json"
+    args = ["--runs", "4", "--warmup", "1", "--concurrency", "1", "--baseline", "floor", "--json", str(out)]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "runs.py"), *args],
+        cwd=REPO,
+        env={**os.environ, "DATABASE_URL": pg_server_url},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = read_figures(out.read_text())
+    for system in ("quayutec", "floor"):
+        rate = figures[f"{system} c=1 runs/s"]
+        assert rate is not None and rate > 0
+    assert "floor (plain calls)" in done.stdout
+
+
+async def test_statement_stats_from_the_servers_log_name_each_query_and_count_its_calls(database_url: str) -> None:
+    """bench/statements.py's reading of PostgreSQL's log_statement_stats output, on a real server's log."""
+    conn = await asyncpg.connect(database_url)
+    try:
+        log = Path(await conn.fetchval("SELECT current_setting('data_directory')")) / "log"
+        if not log.is_file():
+            pytest.skip("the server's log is not on this machine (DATABASE_URL's server)")
+        queries = Queries(REPO / "services" / "room" / "sql" / "queries.sql")
+        offset = log.stat().st_size
+        await conn.execute("SET log_min_error_statement = 'log'")
+        await conn.execute("SET log_statement_stats = on")
+        for _ in range(3):
+            await conn.fetchrow(queries["room_event_bounds"], uuid.uuid4())
+        async with conn.transaction():
+            await conn.fetchrow(queries["room_event_bounds"], uuid.uuid4())
+            await conn.fetchval(queries["agent_company"], uuid.uuid4())
+        await conn.execute("RESET log_statement_stats")
+    finally:
+        await conn.close()
+    with log.open("rb") as f:
+        f.seek(offset)
+        text = f.read().decode("utf-8", "replace")
+
+    costs = statements.parse_statement_stats(text, statements.statement_names())
+
+    assert costs["room.room_event_bounds"].calls == 4
+    assert costs["room.agent_company"].calls == 1
+    assert costs["BEGIN"].calls == 1 and costs["COMMIT"].calls == 1
+    # Parse, bind and execute each took some CPU, and all of it is the statement's.
+    assert costs["room.room_event_bounds"].cpu_s > 0
+    assert statements.service_of("room.room_event_bounds") == "room"
+    assert statements.service_of("COMMIT") == "BEGIN/COMMIT"
