@@ -38,7 +38,11 @@ from cryptography.fernet import Fernet  # noqa: E402
 
 from quayutec.config import ROOM, SERVICES  # noqa: E402
 from quayutec.db import create_pool, embedded_ctl, embedded_pid, with_database  # noqa: E402
-from quayutec.ledger import run_id_for  # noqa: E402
+
+try:
+    from quayutec.ledger import run_id_for
+except ImportError:  # a baseline tree from before it moved there (bench/compare.py runs this bench on older trees)
+    from services.runtime.run import run_id_for  # type: ignore[attr-defined]
 from quayutec.migrate import migrate  # noqa: E402
 from quayutec.tls import GATEWAY  # noqa: E402
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc, runtime_pb2  # noqa: E402
