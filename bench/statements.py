@@ -44,27 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a scri
 import asyncpg
 import uvloop
 
-from bench.common import (
-    BatchWatcher,
-    BenchError,
-    Figures,
-    add_json_argument,
-    base_env,
-    create_migrated_database,
-    drop_database,
-    embedded_pgdata,
-    parse_concurrency,
-    percentile,
-    postgres_cpu_seconds,
-    postgres_server,
-    print_table,
-    room_callers,
-    run_main,
-    running_stack,
-    scratch_dir,
-    standin_process,
-    wait_for_room,
-)
+from bench import common
 from bench.wakes import REPLIES_QUERY, ROOM_WAIT_SECONDS, cpu_ms_each, cpu_seconds, end_to_end, make_gateway_world
 from quayutec.db import create_pool
 from quayutec.sql import Queries
@@ -184,29 +164,29 @@ class Level:
 
 
 async def per_statement(opts: argparse.Namespace, admin_url: str, url: str) -> tuple[list[Level], dict[str, str]]:
-    pgdata = embedded_pgdata(admin_url)
+    pgdata = common.embedded_pgdata(admin_url)
     if pgdata is None:
-        raise BenchError("this bench reads the embedded PostgreSQL's log: unset DATABASE_URL")
+        raise common.BenchError("this bench reads the embedded PostgreSQL's log: unset DATABASE_URL")
     log = pgdata / "log"
     names = statement_names()
     levels: list[Level] = []
-    with scratch_dir("qy-bench-statements-") as data_dir, standin_process() as standin_url:
-        env = base_env(standin_url, data_dir)
+    with common.scratch_dir("qy-bench-statements-") as data_dir, common.standin_process() as standin_url:
+        env = common.base_env(standin_url, data_dir)
         env.update(
             {
                 "QUAYUTEC_GATEWAY_POST_RATE": "1000000",
                 "QUAYUTEC_GATEWAY_POST_BURST": "1000000",
-                "QUAYUTEC_RUNTIME_MAX_RUNS": str(2 * max(parse_concurrency(opts.concurrency)) + 16),
+                "QUAYUTEC_RUNTIME_MAX_RUNS": str(2 * max(common.parse_concurrency(opts.concurrency)) + 16),
             }
         )
         pool = await create_pool(url, min_size=2, max_size=4)
         try:
-            async with running_stack(url, SERVICES, env, data_dir / "logs") as stack:
-                await wait_for_room(stack, ROOM_WAIT_SECONDS)
-                async with room_callers(stack) as room, stack.channel("gateway", GATEWAY) as channel:
+            async with common.running_stack(url, SERVICES, env, data_dir / "logs") as stack:
+                await common.wait_for_room(stack, ROOM_WAIT_SECONDS)
+                async with common.room_callers(stack) as room, stack.channel("gateway", GATEWAY) as channel:
                     tag = uuid.uuid4().hex[:6]
-                    with BatchWatcher(pool, REPLIES_QUERY, interval=0.002) as watcher:
-                        for c in parse_concurrency(opts.concurrency):
+                    with common.BatchWatcher(pool, REPLIES_QUERY, interval=0.002) as watcher:
+                        for c in common.parse_concurrency(opts.concurrency):
                             world = await make_gateway_world(room, pool, channel, f"{tag}-{c}")
                             await end_to_end(world, watcher, opts.warmup, c)
                             before = cpu_seconds(stack, admin_url)
@@ -223,7 +203,9 @@ async def per_statement(opts: argparse.Namespace, admin_url: str, url: str) -> t
                                 text = f.read().decode("utf-8", "replace")
                             level = Level(c, opts.wakes, plain, parse_statement_stats(text, names))
                             if not level.statements:
-                                raise BenchError(f"no statement statistics in {log}: was log_statement_stats applied?")
+                                raise common.BenchError(
+                                    f"no statement statistics in {log}: was log_statement_stats applied?"
+                                )
                             levels.append(level)
                             print(f"  c={c}: {len(level.statements)} statements seen", file=sys.stderr)
         finally:
@@ -231,8 +213,8 @@ async def per_statement(opts: argparse.Namespace, admin_url: str, url: str) -> t
     return levels, names
 
 
-def report_statements(levels: list[Level]) -> Figures:
-    figures: Figures = {}
+def report_statements(levels: list[Level]) -> common.Figures:
+    figures: common.Figures = {}
     for level in levels:
         n = level.wakes
         ours = {k: v for k, v in level.statements.items() if k not in (BENCH_POLLING, BENCH_CONTROL)}
@@ -248,7 +230,7 @@ def report_statements(levels: list[Level]) -> Figures:
             f"(statements/PostgreSQL = {total_ms / postgres:.2f}, statements/all = {total_ms / everything:.2f})\n"
         )
         rows = sorted(ours.items(), key=lambda kv: -kv[1].cpu_s)
-        print_table(
+        common.print_table(
             ["statement", "calls per wake", "CPU us per call", "CPU us per wake", "share of statements"],
             [
                 [
@@ -326,7 +308,7 @@ async def post_five(conn: asyncpg.Connection, q: Queries, room_id: str, company_
     async with conn.transaction():
         check = await conn.fetchrow(q["post_check"], room_id, company_id, None, [], None)
         if not (check["room_found"] and check["member"]):
-            raise BenchError("the bench's company is not a member of its room")
+            raise common.BenchError("the bench's company is not a member of its room")
         row = await conn.fetchrow(
             q["insert_message_with_wakes"],
             room_id, message_id, "person", company_id, "bench", None, body, [], None, None, [], str(message_id), "",
@@ -341,7 +323,7 @@ async def post_one(conn: asyncpg.Connection, room_id: str, company_id: str, i: i
     detail = _event_detail(room_id, company_id, message_id, body)
     row = await conn.fetchrow(FUSED_POST, room_id, company_id, message_id, "bench", body, detail, None)
     if row is None:
-        raise BenchError("the fused post wrote nothing: the bench's company is not a member of its room")
+        raise common.BenchError("the fused post wrote nothing: the bench's company is not a member of its room")
 
 
 async def _poster(
@@ -369,14 +351,14 @@ async def round_trips(opts: argparse.Namespace, admin_url: str, url: str) -> lis
     finally:
         await conn.close()
     if place is None:
-        raise BenchError("no room with a member: part 1 made none")
+        raise common.BenchError("no room with a member: part 1 made none")
     room_id, company_id = place["room_id"], place["company_id"]
     variants: dict[str, Callable[[asyncpg.Connection, int], Awaitable[None]]] = {
         "5 round trips (as the Room)": lambda conn, i: post_five(conn, q, room_id, company_id, i),
         "1 statement (prototype)": lambda conn, i: post_one(conn, room_id, company_id, i),
     }
     results: list[RoundTrips] = []
-    for c in parse_concurrency(opts.concurrency):
+    for c in common.parse_concurrency(opts.concurrency):
         pool = await create_pool(url, min_size=c, max_size=c)
         try:
             measured = {name: RoundTrips(name, c) for name in variants}
@@ -386,10 +368,11 @@ async def round_trips(opts: argparse.Namespace, admin_url: str, url: str) -> lis
                     order.reverse()
                 for name, post in order:
                     jobs = iter(range(opts.posts))
-                    cpu0, pg0, t0 = time.process_time(), postgres_cpu_seconds(admin_url) or 0.0, time.perf_counter()
+                    cpu0, t0 = time.process_time(), time.perf_counter()
+                    pg0 = common.postgres_cpu_seconds(admin_url) or 0.0
                     await asyncio.gather(*(_poster(pool, post, jobs) for _ in range(c)))
                     wall = time.perf_counter() - t0
-                    cpu = time.process_time() - cpu0 + (postgres_cpu_seconds(admin_url) or 0.0) - pg0
+                    cpu = time.process_time() - cpu0 + (common.postgres_cpu_seconds(admin_url) or 0.0) - pg0
                     if round_no:
                         measured[name].cpu_ms.append(cpu * 1000 / opts.posts)
                         measured[name].wall_ms.append(wall * 1000 / opts.posts)
@@ -400,13 +383,13 @@ async def round_trips(opts: argparse.Namespace, admin_url: str, url: str) -> lis
     return results
 
 
-def report_round_trips(results: list[RoundTrips]) -> Figures:
+def report_round_trips(results: list[RoundTrips]) -> common.Figures:
     print(
         "\nA person's post (no mention): the Room's five round trips against the same work in one statement, "
         "alternating rounds;\nper post, median of the rounds (min-max); CPU = this client process + PostgreSQL\n"
     )
     rows = []
-    figures: Figures = {}
+    figures: common.Figures = {}
     by_c: dict[int, dict[str, RoundTrips]] = defaultdict(dict)
     for r in results:
         by_c[r.concurrency][r.variant] = r
@@ -414,38 +397,37 @@ def report_round_trips(results: list[RoundTrips]) -> Figures:
             [
                 r.variant,
                 r.concurrency,
-                f"{percentile(r.cpu_ms, 50):.3f} ({min(r.cpu_ms):.3f}-{max(r.cpu_ms):.3f})",
-                f"{percentile(r.wall_ms, 50):.3f} ({min(r.wall_ms):.3f}-{max(r.wall_ms):.3f})",
+                f"{common.percentile(r.cpu_ms, 50):.3f} ({min(r.cpu_ms):.3f}-{max(r.cpu_ms):.3f})",
+                f"{common.percentile(r.wall_ms, 50):.3f} ({min(r.wall_ms):.3f}-{max(r.wall_ms):.3f})",
             ]
         )
-    print_table(["variant", "posters", "CPU ms per post", "wall ms per post"], rows)
+    common.print_table(["variant", "posters", "CPU ms per post", "wall ms per post"], rows)
     print()
     for c, pair in sorted(by_c.items()):
         five, one = pair["5 round trips (as the Room)"], pair["1 statement (prototype)"]
         ratios = [o / f for o, f in zip(one.cpu_ms, five.cpu_ms, strict=True)]
         walls = [o / f for o, f in zip(one.wall_ms, five.wall_ms, strict=True)]
-        print(
-            f"one/five at {c} poster(s): CPU {percentile(ratios, 50):.2f} ({min(ratios):.2f}-{max(ratios):.2f}), "
-            f"wall {percentile(walls, 50):.2f} ({min(walls):.2f}-{max(walls):.2f}), round by round"
-        )
-        figures[f"post one/five c={c} CPU"] = percentile(ratios, 50)
-        figures[f"post one/five c={c} wall"] = percentile(walls, 50)
-        figures[f"post five c={c} CPU ms"] = percentile(five.cpu_ms, 50)
-        figures[f"post one c={c} CPU ms"] = percentile(one.cpu_ms, 50)
+        cpu_text = f"{common.percentile(ratios, 50):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        wall_text = f"{common.percentile(walls, 50):.2f} ({min(walls):.2f}-{max(walls):.2f})"
+        print(f"one/five at {c} poster(s): CPU {cpu_text}, wall {wall_text}, round by round")
+        figures[f"post one/five c={c} CPU"] = common.percentile(ratios, 50)
+        figures[f"post one/five c={c} wall"] = common.percentile(walls, 50)
+        figures[f"post five c={c} CPU ms"] = common.percentile(five.cpu_ms, 50)
+        figures[f"post one c={c} CPU ms"] = common.percentile(one.cpu_ms, 50)
     return figures
 
 
-async def amain(opts: argparse.Namespace) -> Figures:
+async def amain(opts: argparse.Namespace) -> common.Figures:
     started = time.monotonic()
-    with postgres_server() as admin_url:
-        url = await create_migrated_database(admin_url)
+    with common.postgres_server() as admin_url:
+        url = await common.create_migrated_database(admin_url)
         try:
             levels, _ = await per_statement(opts, admin_url, url)
             figures = report_statements(levels)
             if opts.rounds > 0:
                 figures |= report_round_trips(await round_trips(opts, admin_url, url))
         finally:
-            await drop_database(admin_url, url)
+            await common.drop_database(admin_url, url)
     print(f"bench took {time.monotonic() - started:.0f} s")
     return figures
 
@@ -457,7 +439,7 @@ def main() -> int:
     parser.add_argument("--concurrency", default="1,32", help="comma-separated numbers of posters (default 1,32)")
     parser.add_argument("--posts", type=int, default=2000, help="posts per variant and round in part 2 (default 2000)")
     parser.add_argument("--rounds", type=int, default=4, help="measured rounds of part 2, 0 to skip it (default 4)")
-    add_json_argument(parser)
+    common.add_json_argument(parser)
     opts = parser.parse_args()
     for name in ("wakes", "posts"):
         if getattr(opts, name) < 1:
@@ -465,7 +447,7 @@ def main() -> int:
     if opts.rounds < 0:
         parser.error("--rounds must be 0 or more")
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())  # the client side as the services run it
-    return run_main(amain, opts)
+    return common.run_main(amain, opts)
 
 
 if __name__ == "__main__":
