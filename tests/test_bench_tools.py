@@ -180,3 +180,23 @@ async def test_statement_stats_from_the_servers_log_name_each_query_and_count_it
     assert costs["room.room_event_bounds"].cpu_s > 0
     assert statements.service_of("room.room_event_bounds") == "room"
     assert statements.service_of("COMMIT") == "BEGIN/COMMIT"
+
+
+def test_the_tables_bench_measures_and_explains_the_rooms_statements(pg_server_url: str, tmp_path: Path) -> None:
+    """Like the floor, bench/tables.py calls the Room's queries itself (its EXPLAIN ANALYZE of each)."""
+    out = tmp_path / "tables.json"
+    done = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "tables.py"), "--sizes", "0", "--calls", "10", "--json", str(out)],
+        cwd=REPO,
+        env={**os.environ, "DATABASE_URL": pg_server_url},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = read_figures(out.read_text())
+    for call in ("PostMessage", "ReadRunContext", "SettleWake"):
+        p50 = figures[f"{call} 0 rows p50 ms"]
+        assert p50 is not None and p50 > 0
+    for statement in ("post_check", "insert_message_with_wakes", "run_context", "lease_wakes"):
+        assert f"\n-- {statement}\n" in done.stdout
