@@ -37,6 +37,7 @@ from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run as a script from a checkout
@@ -397,8 +398,8 @@ def report_round_trips(results: list[RoundTrips]) -> common.Figures:
             [
                 r.variant,
                 r.concurrency,
-                f"{common.percentile(r.cpu_ms, 50):.3f} ({min(r.cpu_ms):.3f}-{max(r.cpu_ms):.3f})",
-                f"{common.percentile(r.wall_ms, 50):.3f} ({min(r.wall_ms):.3f}-{max(r.wall_ms):.3f})",
+                f"{median(r.cpu_ms):.3f} ({min(r.cpu_ms):.3f}-{max(r.cpu_ms):.3f})",
+                f"{median(r.wall_ms):.3f} ({min(r.wall_ms):.3f}-{max(r.wall_ms):.3f})",
             ]
         )
     common.print_table(["variant", "posters", "CPU ms per post", "wall ms per post"], rows)
@@ -407,13 +408,13 @@ def report_round_trips(results: list[RoundTrips]) -> common.Figures:
         five, one = pair["5 round trips (as the Room)"], pair["1 statement (prototype)"]
         ratios = [o / f for o, f in zip(one.cpu_ms, five.cpu_ms, strict=True)]
         walls = [o / f for o, f in zip(one.wall_ms, five.wall_ms, strict=True)]
-        cpu_text = f"{common.percentile(ratios, 50):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
-        wall_text = f"{common.percentile(walls, 50):.2f} ({min(walls):.2f}-{max(walls):.2f})"
+        cpu_text = f"{median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})"
+        wall_text = f"{median(walls):.2f} ({min(walls):.2f}-{max(walls):.2f})"
         print(f"one/five at {c} poster(s): CPU {cpu_text}, wall {wall_text}, round by round")
-        figures[f"post one/five c={c} CPU"] = common.percentile(ratios, 50)
-        figures[f"post one/five c={c} wall"] = common.percentile(walls, 50)
-        figures[f"post five c={c} CPU ms"] = common.percentile(five.cpu_ms, 50)
-        figures[f"post one c={c} CPU ms"] = common.percentile(one.cpu_ms, 50)
+        figures[f"post one/five c={c} CPU"] = median(ratios)
+        figures[f"post one/five c={c} wall"] = median(walls)
+        figures[f"post five c={c} CPU ms"] = median(five.cpu_ms)
+        figures[f"post one c={c} CPU ms"] = median(one.cpu_ms)
     return figures
 
 
