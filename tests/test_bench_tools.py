@@ -125,23 +125,30 @@ def test_the_bench_to_compare_must_be_a_script_in_bench() -> None:
             compare.bench_script(wrong)
 
 
-def test_the_runs_bench_runs_ours_and_the_floor_on_the_rooms_current_statements(
-    pg_server_url: str, tmp_path: Path
-) -> None:
-    """The floor calls the Room's own queries: a query that gains a parameter breaks it (it did once,
-    unnoticed); a few runs of each side show it still runs, and every run succeeds."""
-    out = tmp_path / "runs.json"
-    args = ["--runs", "4", "--warmup", "1", "--concurrency", "1", "--baseline", "floor", "--json", str(out)]
+def run_bench(
+    script: str, args: list[str], database_url: str, tmp_path: Path
+) -> tuple[subprocess.CompletedProcess[str], dict[str, float | None]]:
+    """``bench/<script>`` with ``args`` on ``database_url``'s server; it must succeed. Its run and figures."""
+    out = tmp_path / f"{script}.json"
     done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "runs.py"), *args],
+        [sys.executable, str(REPO / "bench" / script), *args, "--json", str(out)],
         cwd=REPO,
-        env={**os.environ, "DATABASE_URL": pg_server_url},
+        env={**os.environ, "DATABASE_URL": database_url},
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    figures = read_figures(out.read_text())
+    return done, read_figures(out.read_text())
+
+
+def test_the_runs_bench_runs_ours_and_the_floor_on_the_rooms_current_statements(
+    pg_server_url: str, tmp_path: Path
+) -> None:
+    """The floor calls the Room's own queries: a query that gains a parameter breaks it (it did once,
+    unnoticed); a few runs of each side show it still runs, and every run succeeds."""
+    args = ["--runs", "4", "--warmup", "1", "--concurrency", "1", "--baseline", "floor"]
+    done, figures = run_bench("runs.py", args, pg_server_url, tmp_path)
     for system in ("quayutec", "floor"):
         rate = figures[f"{system} c=1 runs/s"]
         assert rate is not None and rate > 0
@@ -184,17 +191,7 @@ async def test_statement_stats_from_the_servers_log_name_each_query_and_count_it
 
 def test_the_tables_bench_measures_and_explains_the_rooms_statements(pg_server_url: str, tmp_path: Path) -> None:
     """Like the floor, bench/tables.py calls the Room's queries itself (its EXPLAIN ANALYZE of each)."""
-    out = tmp_path / "tables.json"
-    done = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "tables.py"), "--sizes", "0", "--calls", "10", "--json", str(out)],
-        cwd=REPO,
-        env={**os.environ, "DATABASE_URL": pg_server_url},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    figures = read_figures(out.read_text())
+    done, figures = run_bench("tables.py", ["--sizes", "0", "--calls", "10"], pg_server_url, tmp_path)
     for call in ("PostMessage", "ReadRunContext", "SettleWake"):
         p50 = figures[f"{call} 0 rows p50 ms"]
         assert p50 is not None and p50 > 0
