@@ -86,6 +86,7 @@ from bench.common import (
     wait_for_room,
 )
 from bench.run_steps import RunSteps, StepRunner, agent_run, direct
+from bench.wakes import cpu_seconds
 from quayutec.crypto import Fernet, MultiFernet
 from quayutec.db import create_pool
 from quayutec.ledger import run_id_for
@@ -154,11 +155,11 @@ async def closed_loop(items: Sequence[Any], concurrency: int, one: Callable[[Any
 # -- ours -----------------------------------------------------------------------------------------------
 
 
-def services_cpu_seconds(stack: Any) -> float:
-    """User + system CPU seconds of the stack's service processes so far."""
-    import psutil
-
-    return float(sum(sum(psutil.Process(p.pid).cpu_times()[:2]) for p in stack.procs.values()))
+def stack_cpu_seconds(stack: Any, admin_url: str) -> float:
+    """The stack's service processes' and the embedded PostgreSQL's CPU seconds so far; NaN for
+    ``DATABASE_URL``'s server (so no CPU figure is shown)."""
+    readings = cpu_seconds(stack, admin_url)
+    return float(sum(readings.values())) if "postgres" in readings else float("nan")
 
 
 def postgres_cpu(admin_url: str) -> float:
@@ -420,7 +421,7 @@ async def amain(opts: argparse.Namespace) -> Figures:
                         concurrencies,
                         opts.runs,
                         opts.warmup,
-                        lambda: services_cpu_seconds(stack) + postgres_cpu(admin_url),
+                        lambda: stack_cpu_seconds(stack, admin_url),
                     )
             q = Queries(ROOT / "services" / "room" / "sql" / "queries.sql")
             key = env["QUAYUTEC_ENCRYPTION_KEY"]
