@@ -220,6 +220,12 @@ class ConnectionLimits:
     idle_seconds: float = 300.0
     keepalive_seconds: float = 60.0
     keepalive_timeout_seconds: float = 20.0
+    # Concurrent calls: keyed ones, and health and reflection (a budget of their own, and per source);
+    # the streams of one HTTP/2 connection (quayutec.server.CallBudgets).
+    max_calls: int = 1024
+    open_calls: int = 64
+    open_calls_per_source: int = 8
+    streams_per_connection: int = 1024
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionLimits:
@@ -231,6 +237,10 @@ class ConnectionLimits:
             idle_seconds=env_float(env, setting("QUAYUTEC_GRPC_IDLE_SECONDS"), minimum=1.0),
             keepalive_seconds=env_float(env, setting("QUAYUTEC_GRPC_KEEPALIVE_SECONDS"), minimum=1.0),
             keepalive_timeout_seconds=env_float(env, setting("QUAYUTEC_GRPC_KEEPALIVE_TIMEOUT_SECONDS"), minimum=1.0),
+            max_calls=env_int(env, setting("QUAYUTEC_GRPC_MAX_CALLS"), minimum=1),
+            open_calls=env_int(env, setting("QUAYUTEC_GRPC_OPEN_CALLS"), minimum=1),
+            open_calls_per_source=env_int(env, setting("QUAYUTEC_GRPC_OPEN_CALLS_PER_SOURCE"), minimum=1),
+            streams_per_connection=env_int(env, setting("QUAYUTEC_GRPC_MAX_STREAMS_PER_CONNECTION"), minimum=1),
         )
 
 

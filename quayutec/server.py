@@ -3,7 +3,9 @@
 Start-up order: the caller opens its pool and builds its servicer, then ``GrpcServer.start()``
 binds the server with our interceptors, health and reflection (v1 and v1alpha), and marks health
 SERVING. Every port cuts connections that do nothing useful (``ConnectionLimits``: handshake
-timeout, idle timeout, keepalive). An internal service passes its ``identity``: it then serves
+timeout, idle timeout, keepalive), and ``CallBudgets`` keeps health checks and reflection (open to
+anyone) in a budget of their own, apart from the calls that carry a key or a certificate. An
+internal service passes its ``identity``: it then serves
 mutual TLS only and admits each call per ``quayutec.authz``; with ``health_listen`` set, a second,
 plaintext server answers health checks only.
 ``stop()`` marks NOT_SERVING, drains with ``server.stop(grace)``, then runs the service's own
@@ -16,7 +18,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -27,16 +29,20 @@ from grpc_reflection.v1alpha._async import ReflectionServicer
 
 from quayutec.authz import AuthzInterceptor
 from quayutec.config import ConfigError, ConnectionLimits, ServerConfig, ServiceSpec, env_str
-from quayutec.errors import ErrorMappingInterceptor
+from quayutec.errors import ErrorMappingInterceptor, WrappedHandlers
 from quayutec.settings import setting
 from quayutec.telemetry import setup_telemetry
+from quayutec.throttle import source_of
 from quayutec.tls import Identity
 
 _log = logging.getLogger("quayutec.server")
 
-# Bounded resources on every server: message size and concurrent streams.
+# Bounded resources on every server: message size and concurrent calls (``CallBudgets``; the
+# numbers are ``ConnectionLimits``' defaults, QUAYUTEC_GRPC_MAX_CALLS and its neighbours).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 MAX_CONCURRENT_RPCS = 1024
+# Calls anyone may make without a key or a certificate: health checks and reflection.
+OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # Keepalive enforcement: our own channels ping every few seconds, idle or not
 # (quayutec.channels.KEEPALIVE_MS), to find a silent peer; a client may ping that often (at most
 # once a second while no data flows, with or without calls in flight), and the third ping sooner
@@ -65,6 +71,133 @@ class _Reflection(ReflectionServicer):  # type: ignore[misc]
         except KeyError:
             return response
         return super()._file_containing_symbol(request, method.containing_service.full_name)
+
+
+class CallBudgets(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Concurrent calls in two budgets, so that a client with no key cannot starve the others.
+
+    Keyed calls (the Gateway's API behind its key check, an internal service's behind mutual TLS)
+    share ``max_calls``. Health checks and reflection, which anyone may call, have a budget of their
+    own, ``open_calls``, of which one source address holds at most ``open_calls_per_source``; a
+    health check (unary, answered at once) and a held stream (Watch, reflection) are counted apart,
+    so streams held open never refuse a probe's Check. A call past its budget is answered
+    RESOURCE_EXHAUSTED at once. (gRPC's own ``maximum_concurrent_rpcs`` counted every call in one
+    budget: 1,024 health Watch streams with no key refused every other call.)"""
+
+    def __init__(self, limits: ConnectionLimits) -> None:
+        self._limits = limits
+        self._keyed = 0
+        # (unary, stream) -> calls held; and per source.
+        self._open: dict[bool, int] = {False: 0, True: 0}
+        self._open_by_source: dict[tuple[bool, str], int] = {}
+        self._wrapped = WrappedHandlers()
+
+    @property
+    def held(self) -> tuple[int, int]:
+        """(keyed calls, open calls) being served now."""
+        return self._keyed, sum(self._open.values())
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method: str = handler_call_details.method
+        return self._wrapped.get(method, handler, lambda: self._budgeted(handler, method.startswith(OPEN_SERVICES)))
+
+    def _take(self, open_call: bool, stream: bool, peer: str) -> Callable[[], None] | str:
+        """A release function when the call fits its budget, else why it does not."""
+        limits = self._limits
+        if not open_call:
+            if self._keyed >= limits.max_calls:
+                return f"concurrent call limit reached ({limits.max_calls}: QUAYUTEC_GRPC_MAX_CALLS); retry shortly"
+            self._keyed += 1
+
+            def release_keyed() -> None:
+                self._keyed -= 1
+
+            return release_keyed
+        source = (stream, source_of(peer))
+        if self._open[stream] >= limits.open_calls:
+            return f"too many health and reflection calls at once ({limits.open_calls}: QUAYUTEC_GRPC_OPEN_CALLS)"
+        if self._open_by_source.get(source, 0) >= limits.open_calls_per_source:
+            return (
+                f"too many health and reflection calls from your address at once ({limits.open_calls_per_source}:"
+                " QUAYUTEC_GRPC_OPEN_CALLS_PER_SOURCE)"
+            )
+        self._open[stream] += 1
+        self._open_by_source[source] = self._open_by_source.get(source, 0) + 1
+
+        def release_open() -> None:
+            self._open[stream] -= 1
+            left = self._open_by_source[source] - 1
+            if left:
+                self._open_by_source[source] = left
+            else:
+                del self._open_by_source[source]
+
+        return release_open
+
+    async def _enter(self, open_call: bool, stream: bool, context: grpc.aio.ServicerContext) -> Callable[[], None]:
+        taken = self._take(open_call, stream, context.peer())
+        if isinstance(taken, str):
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, taken)
+            raise AssertionError("abort raises")  # pragma: no cover
+        return taken
+
+    def _budgeted(self, handler: grpc.RpcMethodHandler, open_call: bool) -> grpc.RpcMethodHandler:
+        """``handler`` holding a place in its budget while it runs, for all four kinds of RPC."""
+        codecs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            unary_unary = handler.unary_unary
+
+            async def uu(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                release = await self._enter(open_call, False, context)
+                try:
+                    return await unary_unary(request, context)
+                finally:
+                    release()
+
+            return grpc.unary_unary_rpc_method_handler(uu, **codecs)
+        if handler.stream_unary is not None:
+            stream_unary = handler.stream_unary
+
+            async def su(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+                release = await self._enter(open_call, True, context)
+                try:
+                    return await stream_unary(requests, context)
+                finally:
+                    release()
+
+            return grpc.stream_unary_rpc_method_handler(su, **codecs)
+        streaming = handler.unary_stream if handler.unary_stream is not None else handler.stream_stream
+
+        async def held(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            release = await self._enter(open_call, True, context)
+            try:
+                async for response in _responses(streaming(request, context)):
+                    yield response
+            finally:
+                release()
+
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(held, **codecs)
+        return grpc.stream_stream_rpc_method_handler(held, **codecs)
+
+
+async def _responses(result: Any) -> AsyncIterator[Any]:
+    """The responses of a streaming handler, whether it yields them or writes them and returns."""
+    if hasattr(result, "__aiter__"):
+        async for response in result:
+            yield response
+    else:
+        await result
 
 
 def connection_options(limits: ConnectionLimits) -> list[tuple[str, int]]:
@@ -128,7 +261,9 @@ class GrpcServer:
         authz = (AuthzInterceptor(),) if identity is not None else ()
         # One per server, so the main and health ports share one budget of undecodable-request lines.
         self._errors = ErrorMappingInterceptor()
-        self._interceptors = (*authz, *interceptors, self._errors)
+        # First, so a call past its budget costs nothing more; the health port has its own.
+        self.budgets = CallBudgets(config.connections)
+        self._interceptors = (self.budgets, *authz, *interceptors, self._errors)
         self._credentials = identity.server_credentials() if identity is not None else credentials
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
@@ -144,10 +279,9 @@ class GrpcServer:
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_concurrent_streams", MAX_CONCURRENT_RPCS),
+                ("grpc.max_concurrent_streams", self._config.connections.streams_per_connection),
                 *connection_options(self._config.connections),
             ],
-            maximum_concurrent_rpcs=MAX_CONCURRENT_RPCS,
         )
         self._register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -175,10 +309,14 @@ class GrpcServer:
 
     async def _start_health_server(self, listen: str) -> None:
         """Plaintext health checks only, for probes that cannot present a client certificate."""
+        limits = self._config.connections
         health_server = grpc.aio.server(
-            interceptors=(self._errors,),
-            options=[("grpc.max_receive_message_length", 4096), *connection_options(self._config.connections)],
-            maximum_concurrent_rpcs=16,
+            interceptors=(CallBudgets(limits), self._errors),
+            options=[
+                ("grpc.max_receive_message_length", 4096),
+                ("grpc.max_concurrent_streams", min(limits.open_calls_per_source, limits.streams_per_connection)),
+                *connection_options(limits),
+            ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)
         port = health_server.add_insecure_port(listen)

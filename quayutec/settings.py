@@ -173,6 +173,33 @@ _DECLARED: list[Setting] = [
         shown="20",
     ),
     _g(
+        "QUAYUTEC_GRPC_MAX_CALLS",
+        1024,
+        "concurrent calls a gRPC server serves (authenticated, or mutual TLS); health checks and reflection"
+        " never count against it; past it a call is answered RESOURCE_EXHAUSTED",
+        ALL,
+    ),
+    _g(
+        "QUAYUTEC_GRPC_MAX_STREAMS_PER_CONNECTION",
+        1024,
+        "concurrent streams one HTTP/2 connection may open (max_concurrent_streams); a client's further calls"
+        " wait for one to end",
+        ALL,
+    ),
+    _g(
+        "QUAYUTEC_GRPC_OPEN_CALLS",
+        64,
+        "concurrent health checks and reflection streams (calls served without a key or certificate) a gRPC"
+        " port serves; a budget of their own, apart from QUAYUTEC_GRPC_MAX_CALLS",
+        ALL,
+    ),
+    _g(
+        "QUAYUTEC_GRPC_OPEN_CALLS_PER_SOURCE",
+        8,
+        "of those, at most this many held open from one source address (an IPv6 /64)",
+        ALL,
+    ),
+    _g(
         "QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS",
         10.0,
         "PostgreSQL ends a session of ours that leaves a transaction open and silent this long "
