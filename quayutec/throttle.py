@@ -2,14 +2,16 @@
 
 ``TokenBuckets`` is the one bucket implementation: the Gateway's per-company post rate limit, and
 the throttle of failed authentications (Gateway API keys, console sign-in) per source address and
-per key id. A throttle refuses a throttled subject's attempts before checking them, except an
-attempt with a key that already succeeded here (so an attacker cannot lock a known key out), and
-writes one log line when a subject's burst of failures begins, not one per try.
+per key id. The throttle punishes the guesser, never the key's owner: an attempt that carries a key
+is always checked, so the right secret is let in however many wrong ones were sent with its id or
+from its address; a failure beyond a subject's burst is answered "too many failed attempts" (the
+caller is told to back off) instead of "wrong key". Only an attempt with nothing to check (no key,
+or not shaped like one) is refused unchecked while its source is throttled. One log line is written
+when a subject's burst of failures begins, not one per try.
 """
 
 from __future__ import annotations
 
-import hashlib
 import ipaddress
 import logging
 import math
@@ -107,7 +109,8 @@ class TokenBuckets:
 
 def source_of(peer: str) -> str:
     """The throttled source of a peer (gRPC ``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, or a bare address): the
-    address without its port, an IPv6 address as its /64 (one host usually holds a whole /64)."""
+    address without its port, an IPv6 address as its /64 (one host usually holds a whole /64), an
+    IPv4-mapped one as its IPv4 address."""
     kind, _, rest = peer.partition(":")
     if kind == "ipv4":
         host = rest.rpartition(":")[0] or rest
@@ -119,6 +122,8 @@ def source_of(peer: str) -> str:
         address = ipaddress.ip_address(host)
     except ValueError:
         return host[:100] or "unknown"
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)  # an IPv4 client of a dual-stack listener
     if address.version == 6:
         return str(ipaddress.ip_network(f"{address}/64", strict=False))
     return str(address)
@@ -127,7 +132,7 @@ def source_of(peer: str) -> str:
 @dataclass(frozen=True)
 class ThrottleConfig:
     """Failed authentications: ``burst`` at once per subject, then ``rate`` a second; at most
-    ``max_subjects`` subjects (sources and key ids) and as many known-good keys kept. Rate 0: off."""
+    ``max_subjects`` subjects (sources and key ids) kept. Rate 0: off."""
 
     rate_per_second: float = 1.0
     burst: int = 20
@@ -136,7 +141,7 @@ class ThrottleConfig:
 
 class AuthThrottle:
     """Counts failed authentications per subject (``source:<address>``, ``key:<key id>``) and says when
-    a subject is throttled. Memory: at most ``max_subjects`` buckets and as many known-good keys."""
+    a subject is throttled. Memory: at most ``max_subjects`` buckets."""
 
     def __init__(
         self,
@@ -148,26 +153,27 @@ class AuthThrottle:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._buckets = TokenBuckets(config.rate_per_second, config.burst, config.max_subjects, clock=clock)
-        self._max_known = config.max_subjects
-        self._known: OrderedDict[str, bytes] = OrderedDict()
         self._log = logger
         self._what = what
         self._settings = settings
 
     def __len__(self) -> int:
-        return len(self._buckets) + len(self._known)
+        return len(self._buckets)
 
-    def refusal(self, subjects: Iterable[str], key_id: str | None, secret: str) -> tuple[int, str] | None:
-        """(milliseconds to wait, the sentence) when one of ``subjects`` is throttled and the key is not
-        one that succeeded here with this very secret; None when the attempt may be checked."""
+    def refusal(self, subjects: Iterable[str], key_id: str | None) -> tuple[int, str] | None:
+        """Before checking an attempt: (milliseconds to wait, the sentence) when it carries no key to
+        check (``key_id`` None) and one of ``subjects`` is throttled; None when it is to be checked (an
+        attempt with a key always is: a throttle never keeps the right secret out)."""
+        if key_id is not None:
+            return None
+        return self._throttled(subjects)
+
+    def _throttled(self, subjects: Iterable[str]) -> tuple[int, str] | None:
         if not self._buckets.enabled:
             return None
         for subject in subjects:
             wait = self._buckets.wait_ms(subject)
             if wait:
-                if key_id is not None and self._known.get(key_id) == _digest(secret):
-                    self._known.move_to_end(key_id)
-                    return None
                 where = "with this key id" if subject.startswith("key:") else "from your address"
                 return wait, (
                     f"too many failed {self._what} {where} (at most {self._buckets.burst:g} at once, then "
@@ -175,28 +181,18 @@ class AuthThrottle:
                 )
         return None
 
-    def failed(self, subjects: Iterable[str]) -> None:
-        """Count one failure against each subject; log once when a subject's burst begins."""
+    def failed(self, subjects: Iterable[str]) -> tuple[int, str] | None:
+        """Count one failure against each subject (logging once when a subject's burst begins); returns
+        the refusal to answer instead of "wrong key" when a subject was already throttled."""
+        subjects = list(subjects)
+        refused = self._throttled(subjects)
         for subject in subjects:
             if self._buckets.spend(subject):
                 self._log.warning(
-                    "more than %g failed %s at once (%s); refusing its attempts beyond %g a second until it calms"
+                    "more than %g failed %s at once (%s); answering its failures 'too many' until it calms"
                     " (one line per burst)",
                     self._buckets.burst,
                     self._what,
                     subject,
-                    self._buckets.rate,
                 )
-
-    def succeeded(self, key_id: str, secret: str) -> None:
-        """Remember a key that worked here, so a throttle on its source or id never locks it out."""
-        if not self._buckets.enabled:
-            return
-        self._known[key_id] = _digest(secret)
-        self._known.move_to_end(key_id)
-        while len(self._known) > self._max_known:
-            self._known.popitem(last=False)
-
-
-def _digest(secret: str) -> bytes:
-    return hashlib.sha256(secret.encode("utf-8")).digest()
+        return refused

@@ -8,7 +8,8 @@ cookie copied before sign-out is refused afterwards for pages, posting and live 
 Gateway ends the key's open streams within seconds).
 
 Failed sign-ins are throttled per browser address and per key id (quayutec.throttle.AuthThrottle):
-beyond the burst the form answers 429 with Retry-After, one log line per burst.
+beyond the burst a wrong key is answered 429 with Retry-After, one log line per burst; a key is
+always checked, so the right one signs in whatever was tried before.
 
 Every POST must carry the session's CSRF token, and its Origin (and Sec-Fetch-Site, where the
 browser sends it) must name the console itself.
@@ -136,15 +137,26 @@ def _subjects(request: Request, key: str) -> tuple[list[str], str | None]:
     return subjects, str(key_id) if key_id else None
 
 
-def _throttled(request: Request, key: str) -> tuple[AuthThrottle, list[str], str | None]:
-    """The sign-in throttle and this attempt's subjects; SignInRefused (429) while they are refused."""
+def _too_many(refused: tuple[int, str]) -> SignInRefused:
+    wait_ms, sentence = refused
+    return SignInRefused(429, f"Too many failed sign-ins: {sentence}.", math.ceil(wait_ms / 1000))
+
+
+def _throttled(request: Request, key: str) -> tuple[AuthThrottle, list[str]]:
+    """The sign-in throttle and this attempt's subjects; SignInRefused (429) while its browser's address
+    is throttled and the attempt has no key to check (one that has is always checked)."""
     throttle: AuthThrottle = request.app.state.signin_throttle
     subjects, key_id = _subjects(request, key)
-    refused = throttle.refusal(subjects, key_id, key)
+    refused = throttle.refusal(subjects, key_id)
     if refused is not None:
-        wait_ms, sentence = refused
-        raise SignInRefused(429, f"Too many failed sign-ins: {sentence}.", math.ceil(wait_ms / 1000))
-    return throttle, subjects, key_id
+        raise _too_many(refused)
+    return throttle, subjects
+
+
+def _wrong_key(throttle: AuthThrottle, subjects: list[str]) -> SignInRefused:
+    """A key that was not accepted: counted, and answered 429 once its subjects are past their burst."""
+    refused = throttle.failed(subjects)
+    return _too_many(refused) if refused is not None else SignInRefused(401, _NOT_ACCEPTED)
 
 
 _NOT_ACCEPTED = "That API key was not accepted. Check it, or ask your administrator for a new one."
@@ -154,25 +166,23 @@ async def check_confirm_key(s: Session, key: str) -> None:
     """A key typed to confirm what only a company key may do (make an API key): it must be a live key of
     the signed-in company. A wrong one counts against the sign-in throttle, as a sign-in would: this is
     one more place to try keys."""
-    throttle, subjects, key_id = _throttled(s.request, key)
+    throttle, subjects = _throttled(s.request, key)
     try:
         who = await GatewayClient(s.request.app.state.channel, key).WhoAmI(
             gateway_pb2.WhoAmIRequest(), timeout=CALL_SECONDS
         )
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-            throttle.failed(subjects)
-            raise SignInRefused(401, _NOT_ACCEPTED) from None
+            raise _wrong_key(throttle, subjects) from None
         raise
     if who.company.company_id != s.company_id:
         raise SignInRefused(403, f"That key is {who.company.name}'s, not {s.company_name}'s: type one of yours.")
-    throttle.succeeded(key_id or "", key)
 
 
 async def sign_in(request: Request, key: str) -> None:
     """Make a session key from the company's ``key`` and keep it in the cookie (a fresh session);
     SignInRefused when the key is not accepted, the sign-ins are throttled or the Gateway refuses."""
-    throttle, subjects, key_id = _throttled(request, key)
+    throttle, subjects = _throttled(request, key)
     channel = request.app.state.channel
     config = request.app.state.config
     low, high = SESSION_TTL_SECONDS
@@ -186,8 +196,7 @@ async def sign_in(request: Request, key: str) -> None:
         who = await GatewayClient(channel, made.secret).WhoAmI(gateway_pb2.WhoAmIRequest(), timeout=CALL_SECONDS)
     except grpc.aio.AioRpcError as exc:
         if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
-            throttle.failed(subjects)
-            raise SignInRefused(401, _NOT_ACCEPTED) from None
+            raise _wrong_key(throttle, subjects) from None
         if exc.code() == grpc.StatusCode.PERMISSION_DENIED:
             raise SignInRefused(403, "Sign in with your company's API key (that was a session key).") from None
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -196,7 +205,6 @@ async def sign_in(request: Request, key: str) -> None:
             seconds = math.ceil(int(wait) / 1000) if isinstance(wait, str) and wait.isdigit() else None
             raise SignInRefused(429, f"The Gateway refused the sign-in for now: {exc.details()}", seconds) from None
         raise
-    throttle.succeeded(key_id or "", key)
     request.session.clear()  # a new session: a fresh CSRF token, nothing of the one before
     request.session["key"] = request.app.state.box.encrypt(made.secret.encode()).decode()
     request.session["sid"] = made.key_id

@@ -7,7 +7,8 @@ the key at once, and nothing is kept while the listener is down), so a revoked k
 once; a stream opened before is ended by ``OpenStreams`` (services/gateway/streams.py).
 A session key (CreateSessionKey, what a console sign-in uses) is a key of the same form with a parent
 company key and an expiry. Failed authentications are throttled per source address and per key id
-(quayutec.throttle.AuthThrottle): beyond the burst they are answered RESOURCE_EXHAUSTED unchecked.
+(quayutec.throttle.AuthThrottle): beyond the burst they are answered RESOURCE_EXHAUSTED; a key is
+always checked, so the right secret gets in whatever was guessed with its id or from its address.
 """
 
 from __future__ import annotations
@@ -202,17 +203,16 @@ class Authenticator:
             key_id = parse_key_id(secret)
         if key_id is not None:
             subjects.append(f"key:{key_id}")
-        refused = self._throttle.refusal(subjects, str(key_id) if key_id else None, secret)
-        if refused is not None:
-            wait_ms, sentence = refused
-            raise ResourceExhausted(sentence, retry_after_ms=wait_ms)
-        try:
-            caller = await self._check(authorization, secret, key_id)
-        except Unauthenticated:
-            self._throttle.failed(subjects)
-            raise
-        self._throttle.succeeded(caller.key_id, secret)
-        return caller
+        refused = self._throttle.refusal(subjects, str(key_id) if key_id else None)
+        if refused is None:
+            try:
+                return await self._check(authorization, secret, key_id)
+            except Unauthenticated:
+                refused = self._throttle.failed(subjects)
+                if refused is None:
+                    raise
+        wait_ms, sentence = refused
+        raise ResourceExhausted(sentence, retry_after_ms=wait_ms)
 
     async def _check(self, authorization: str | None, secret: str, key_id: uuid.UUID | None) -> Caller:
         if not authorization:

@@ -217,10 +217,29 @@ async def test_failed_sign_ins_are_throttled_with_one_log_line(
         refused = answers[-1]
         assert "Too many failed sign-ins" in refused.text and "QUAYUTEC_CONSOLE_SIGNIN_FAILURE_BURST" in refused.text
         assert int(refused.headers["retry-after"]) >= 1
-        # The key that worked is not locked out by its address's throttle.
+        # A valid key is always checked: its address's throttle does not lock it out.
         assert (await sign_in(client, w.acme.secret)).status_code == 303
     lines = [r for r in caplog.records if "failed sign-ins at once" in r.getMessage()]
     assert len(lines) == 1, [r.getMessage() for r in lines]
+
+
+async def test_fifty_failed_sign_ins_from_one_browser_never_refuse_a_valid_sign_in(database_url: str) -> None:
+    """50 failed sign-ins from one browser address (half of them with acme's own key id): past both
+    throttles (the console's per browser, the Gateway's), acme's valid key still signs in from another
+    address and from that same one, and so does globex's (a key neither replica has seen work)."""
+    async with world(database_url) as w, running_console(w.gateway_addr) as base:
+        elsewhere = httpx.AsyncHTTPTransport(local_address="127.0.0.2")
+        async with browser(base) as guesser:
+            guesses = [f"qyk_{w.acme.key_id if n % 2 else uuid.uuid4()}_{'x' * 43}" for n in range(50)]
+            statuses = [(await sign_in(guesser, g)).status_code for g in guesses]
+            assert set(statuses) == {401, 429} and statuses.count(429) >= 30, statuses
+            async with httpx.AsyncClient(
+                base_url=base, follow_redirects=False, timeout=FAILSAFE, transport=elsewhere
+            ) as owner:
+                await signed_in(owner, w.acme.secret)
+            await signed_in(guesser, w.acme.secret)
+        async with browser(base) as other:
+            await signed_in(other, w.globex.secret)
 
 
 async def test_posts_from_another_origin_are_refused(database_url: str) -> None:

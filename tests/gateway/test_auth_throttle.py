@@ -1,6 +1,8 @@
 """Failed authentications are throttled per source address and per key id: beyond the burst they are
 answered RESOURCE_EXHAUSTED (with the wait in the message and the retry-after-ms trailer) without
-being checked, one log line per burst; a key that works is never locked out; memory stays bounded."""
+being checked when they carry no key, one log line per burst; an attempt with a key is always checked,
+so the right secret is never locked out, whatever was guessed with its id from any address; memory
+stays bounded."""
 
 from __future__ import annotations
 
@@ -69,30 +71,33 @@ async def test_two_hundred_wrong_keys_are_throttled_with_one_log_line(
     assert "source:127.0.0.1" in lines[0].getMessage()
 
 
-def test_a_key_id_is_throttled_from_any_address_and_the_tables_stay_bounded() -> None:
+def test_a_key_id_is_throttled_from_any_address_yet_its_right_secret_is_always_checked() -> None:
     clock = Clock()
     log = logging.getLogger("test.throttle")
     throttle = AuthThrottle(
         ThrottleConfig(rate_per_second=1.0, burst=3, max_subjects=50), log, what="sign-ins", settings="S", clock=clock
     )
-    key = "key:" + str(uuid.uuid4())
+    key_id = str(uuid.uuid4())
+    key = "key:" + key_id
     for n in range(3):  # three addresses, one key id
-        assert throttle.refusal([f"source:10.0.0.{n}", key], key, "wrong") is None
-        throttle.failed([f"source:10.0.0.{n}", key])
-    refused = throttle.refusal(["source:10.0.0.9", key], key, "wrong")
+        assert throttle.refusal([f"source:10.0.0.{n}", key], key_id) is None
+        assert throttle.failed([f"source:10.0.0.{n}", key]) is None
+    # A fourth wrong secret, from a fourth address: refused as too many "with this key id".
+    refused = throttle.failed(["source:10.0.0.9", key])
     assert refused is not None and "with this key id" in refused[1] and refused[0] == 1000
-    clock.now += 1.0  # one token back
-    assert throttle.refusal(["source:10.0.0.9", key], key, "wrong") is None
-    # The right secret of a key that worked here passes even while its id is throttled.
-    throttle.succeeded(key, "right")
-    throttle.failed(["source:10.0.0.9", key])
-    assert throttle.refusal(["source:10.0.0.9", key], key, "wrong") is not None
-    assert throttle.refusal(["source:10.0.0.9", key], key, "right") is None
-    # A flood of made-up key ids and addresses keeps at most max_subjects of each table.
+    # An attempt with a key is always checked (the right secret gets in); one with no key is refused
+    # unchecked while its address is throttled.
+    assert throttle.refusal(["source:10.0.0.9", key], key_id) is None
+    for _ in range(3):
+        throttle.failed(["source:10.0.0.9"])
+    no_key = throttle.refusal(["source:10.0.0.9"], None)
+    assert no_key is not None and "from your address" in no_key[1]
+    clock.now += 10.0  # tokens back
+    assert throttle.failed(["source:10.0.0.9", key]) is None
+    # A flood of made-up key ids and addresses keeps at most max_subjects buckets.
     for n in range(10_000):
         throttle.failed([f"source:{n}", f"key:{n}"])
-        throttle.succeeded(f"k{n}", "s")
-    assert len(throttle) <= 100
+    assert len(throttle) <= 50
 
 
 def test_sources_are_addresses_without_ports_and_ipv6_by_its_64() -> None:
@@ -101,6 +106,7 @@ def test_sources_are_addresses_without_ports_and_ipv6_by_its_64() -> None:
     assert source_of("ipv6:[::1]:5") == "::/64"
     assert source_of("10.1.2.3") == "10.1.2.3"
     assert source_of("unix:/tmp/sock") == "unix:/tmp/sock"
+    assert source_of("ipv6:[::ffff:127.0.0.1]:5") == "127.0.0.1"  # IPv4 through a dual-stack listener
 
 
 async def test_a_throttled_stream_is_refused_with_the_retry_after_trailer_too(
@@ -141,3 +147,51 @@ async def test_a_throttled_stream_is_refused_with_the_retry_after_trailer_too(
                 assert "retry after" in (refused.value.details() or "")
         assert codes[:2] == [grpc.StatusCode.UNAUTHENTICATED] * 2
         assert codes[2:] == [grpc.StatusCode.RESOURCE_EXHAUSTED] * 4, codes
+
+
+async def test_a_hundred_wrong_secrets_with_a_keys_id_never_lock_the_right_secret_out(
+    database_url: str, room_addr: str, acme: CompanyKey
+) -> None:
+    """On a fresh Gateway (it has never seen the key work, as after a restart): 100 wrong secrets with
+    acme's key id from one address (IPv6 ::1), then the right secret from another (127.0.0.1) and from
+    the same one: each served, while the guesses beyond the burst are told to back off."""
+    key_id = acme.key_id
+    async with running_gateway(
+        database_url,
+        room_addr,
+        NOWHERE,
+        QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false",
+        QUAYUTEC_GATEWAY_LISTEN="[::]:0",
+    ) as addr:
+        port = addr.rpartition(":")[2]
+
+        async def who(target: str, secret: str) -> grpc.StatusCode:
+            async with grpc.aio.insecure_channel(target) as channel:
+                try:
+                    await gateway_pb2_grpc.GatewayServiceStub(channel).WhoAmI(
+                        gateway_pb2.WhoAmIRequest(), metadata=(("authorization", f"Bearer {secret}"),), timeout=10
+                    )
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code()
+            return grpc.StatusCode.OK
+
+        guesser = f"[::1]:{port}"
+        async with grpc.aio.insecure_channel(guesser) as channel:
+            gw = gateway_pb2_grpc.GatewayServiceStub(channel)
+            codes = []
+            for _ in range(100):
+                try:
+                    await gw.WhoAmI(
+                        gateway_pb2.WhoAmIRequest(),
+                        metadata=(("authorization", f"Bearer qyk_{key_id}_{'x' * 43}"),),
+                        timeout=10,
+                    )
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as exc:
+                    codes.append(exc.code())
+        assert grpc.StatusCode.OK not in codes
+        assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) >= 50, codes  # the guesser is throttled
+        assert await who(f"127.0.0.1:{port}", acme.secret) == grpc.StatusCode.OK  # the owner, elsewhere
+        assert await who(guesser, acme.secret) == grpc.StatusCode.OK  # and from the guesser's own address
+        # The guesser's next wrong secret is still refused as too many.
+        assert await who(guesser, f"qyk_{key_id}_{'y' * 43}") == grpc.StatusCode.RESOURCE_EXHAUSTED
