@@ -54,6 +54,8 @@ _ROOM: dict[str, frozenset[str]] = {
     "ListInvitations": _G,
     "AcceptInvitation": _G,
     "DeclineInvitation": _G,
+    "ListRoomInvitations": _G,
+    "WithdrawInvitation": _G,
     "LeaveRoom": _G,
     "RemoveMember": _G,
     "ListMembers": _G,

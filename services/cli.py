@@ -496,25 +496,43 @@ INVITATION_STATUSES = {
     "pending": common_pb2.INVITATION_STATUS_PENDING,
     "accepted": common_pb2.INVITATION_STATUS_ACCEPTED,
     "declined": common_pb2.INVITATION_STATUS_DECLINED,
+    "withdrawn": common_pb2.INVITATION_STATUS_WITHDRAWN,
 }
 
 
 async def cmd_invitations(opts: argparse.Namespace) -> int:
+    status = INVITATION_STATUSES[opts.status]
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).ListInvitations(
-            gateway_pb2.ListInvitationsRequest(status=INVITATION_STATUSES[opts.status], page_size=opts.limit)
-        )
+        if opts.room:
+            got = await _client(channel).ListRoomInvitations(
+                gateway_pb2.ListRoomInvitationsRequest(room_id=opts.room, status=status, page_size=opts.limit)
+            )
+        else:
+            got = await _client(channel).ListInvitations(
+                gateway_pb2.ListInvitationsRequest(status=status, page_size=opts.limit)
+            )
     rows = [
         {
             "invitation_id": inv.invitation_id,
             "room_id": inv.room_id,
             "room": inv.room_name,
             "from": f"{inv.invited_by_company_name} ({inv.invited_by_company_id})",
+            **({"to": f"{inv.company_name} ({inv.company_id})"} if opts.room else {}),
             "status": opts.status,
         }
         for inv in got.invitations
     ]
     _print_rows(rows, opts.json, empty=f"no {opts.status} invitations")
+    return 0
+
+
+async def cmd_invitation_withdraw(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).WithdrawInvitation(
+            gateway_pb2.WithdrawInvitationRequest(invitation_id=opts.invitation_id)
+        )
+    inv = got.invitation
+    print(f"withdrawn: invitation {inv.invitation_id} of {inv.company_name} to room {inv.room_name!r}")
     return 0
 
 
@@ -866,18 +884,22 @@ def parser() -> argparse.ArgumentParser:
     rls.set_defaults(handler=cmd_room_list)
     iv = sub.add_parser("invitations", help="invitations to your company (pending ones by default)")
     iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending", help="which ones to list")
+    iv.add_argument("--room", default="", help="instead, every invitation into this room your company created")
     _limit(iv, 50)
     _json(iv)
     iv.set_defaults(handler=cmd_invitations)
-    invitation = sub.add_parser("invitation", help="answer an invitation to your company").add_subparsers(
-        dest="action", required=True, metavar="ACTION"
-    )
+    invitation = sub.add_parser(
+        "invitation", help="answer an invitation to your company, or withdraw one"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
     ia = invitation.add_parser("accept", help="accept: your company becomes a member of the room")
     ia.add_argument("invitation_id", help="as `invitations` prints")
     ia.set_defaults(handler=cmd_invitation_accept)
     idc = invitation.add_parser("decline", help="decline: your company does not join the room")
     idc.add_argument("invitation_id", help="as `invitations` prints")
     idc.set_defaults(handler=cmd_invitation_decline)
+    iw = invitation.add_parser("withdraw", help="withdraw a pending invitation (the room's creator, or its sender)")
+    iw.add_argument("invitation_id", help="as `invitations --room` prints")
+    iw.set_defaults(handler=cmd_invitation_withdraw)
     agent = sub.add_parser("agent", help="your agents").add_subparsers(dest="action", required=True, metavar="ACTION")
     ar = agent.add_parser("register", help=f"register an always-on agent (provider key from {PROVIDER_KEY_ENV})")
     ar.add_argument("--name", required=True, help="the agent's name, as people mention it")

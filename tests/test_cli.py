@@ -292,6 +292,13 @@ async def test_invitations_leave_and_remove_from_the_command_line(database_url: 
         second = (await ok(acme, "room", "invite", room_id, globex_id)).split()[1].rstrip(":")
         assert "declined" in await ok(globex, "invitation", "decline", second)
         assert second in await ok(globex, "invitations", "--status", "declined")
+        # The creator lists the room's pending invitations and withdraws one; it cannot be accepted then.
+        withdrawn = (await ok(acme, "room", "invite", room_id, globex_id)).split()[1].rstrip(":")
+        assert withdrawn in await ok(acme, "invitations", "--room", room_id)
+        assert "withdrawn" in await ok(acme, "invitation", "withdraw", withdrawn)
+        assert withdrawn in await ok(acme, "invitations", "--room", room_id, "--status", "withdrawn")
+        late = await run(globex, "invitation", "accept", withdrawn)
+        assert late.returncode == 2 and "FAILED_PRECONDITION" in late.stderr
         third = (await ok(acme, "room", "invite", room_id, globex_id)).split()[1].rstrip(":")
         await ok(globex, "invitation", "accept", third)
         assert "left room" in await ok(globex, "room", "leave", room_id)

@@ -332,6 +332,97 @@ class DeclineInvitationResponse(_message.Message):
 Global___DeclineInvitationResponse: _TypeAlias = DeclineInvitationResponse  # noqa: Y015
 
 @_typing.final
+class ListRoomInvitationsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    status: _common_pb2.InvitationStatus.ValueType
+    """Unspecified: PENDING."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        status: _common_pb2.InvitationStatus.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "room_id", b"room_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRoomInvitationsRequest: _TypeAlias = ListRoomInvitationsRequest  # noqa: Y015
+
+@_typing.final
+class ListRoomInvitationsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def invitations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Invitation]: ...
+    def __init__(
+        self,
+        *,
+        invitations: _abc.Iterable[_common_pb2.Invitation] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListRoomInvitationsResponse: _TypeAlias = ListRoomInvitationsResponse  # noqa: Y015
+
+@_typing.final
+class WithdrawInvitationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_ID_FIELD_NUMBER: _builtins.int
+    invitation_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        invitation_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation_id", b"invitation_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WithdrawInvitationRequest: _TypeAlias = WithdrawInvitationRequest  # noqa: Y015
+
+@_typing.final
+class WithdrawInvitationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def invitation(self) -> _common_pb2.Invitation: ...
+    def __init__(
+        self,
+        *,
+        invitation: _common_pb2.Invitation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WithdrawInvitationResponse: _TypeAlias = WithdrawInvitationResponse  # noqa: Y015
+
+@_typing.final
 class LeaveRoomRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

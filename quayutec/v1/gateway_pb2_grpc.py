@@ -77,6 +77,16 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationResponse.FromString,
                 _registered_method=True)
+        self.ListRoomInvitations = channel.unary_unary(
+                '/quayutec.v1.GatewayService/ListRoomInvitations',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.ListRoomInvitationsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListRoomInvitationsResponse.FromString,
+                _registered_method=True)
+        self.WithdrawInvitation = channel.unary_unary(
+                '/quayutec.v1.GatewayService/WithdrawInvitation',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.WithdrawInvitationRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.WithdrawInvitationResponse.FromString,
+                _registered_method=True)
         self.LeaveRoom = channel.unary_unary(
                 '/quayutec.v1.GatewayService/LeaveRoom',
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.LeaveRoomRequest.SerializeToString,
@@ -291,6 +301,27 @@ class GatewayServiceServicer:
         """DeclineInvitation refuses an invitation to the caller's company; declining again changes nothing.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
         FAILED_PRECONDITION (already accepted: use LeaveRoom).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRoomInvitations(self, request, context):
+        """ListRoomInvitations of a room the caller's company created, oldest first: pending ones unless
+        status says otherwise (WITHDRAWN ones too: withdrawn by WithdrawInvitation, or because their
+        sender left the room). Errors: INVALID_ARGUMENT, NOT_FOUND (room), PERMISSION_DENIED (only the
+        room's creator lists its invitations).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WithdrawInvitation(self, request, context):
+        """WithdrawInvitation of a pending invitation, by the room's creator or the invitation's sender: it
+        can no longer be accepted. Withdrawing again changes nothing. An invitation is also withdrawn when
+        its sender's company leaves or is removed from the room.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or a room the caller is not a member of),
+        PERMISSION_DENIED (neither creator nor sender), FAILED_PRECONDITION (already accepted or declined).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -619,6 +650,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.DeclineInvitation,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationResponse.SerializeToString,
+            ),
+            'ListRoomInvitations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRoomInvitations,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListRoomInvitationsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.ListRoomInvitationsResponse.SerializeToString,
+            ),
+            'WithdrawInvitation': grpc.unary_unary_rpc_method_handler(
+                    servicer.WithdrawInvitation,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.WithdrawInvitationRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.WithdrawInvitationResponse.SerializeToString,
             ),
             'LeaveRoom': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaveRoom,
@@ -963,6 +1004,60 @@ class GatewayService:
             '/quayutec.v1.GatewayService/DeclineInvitation',
             quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.DeclineInvitationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRoomInvitations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/ListRoomInvitations',
+            quayutec_dot_v1_dot_gateway__pb2.ListRoomInvitationsRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.ListRoomInvitationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WithdrawInvitation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/WithdrawInvitation',
+            quayutec_dot_v1_dot_gateway__pb2.WithdrawInvitationRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.WithdrawInvitationResponse.FromString,
             options,
             channel_credentials,
             insecure,

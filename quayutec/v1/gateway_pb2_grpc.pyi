@@ -71,6 +71,19 @@ class GatewayServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
     FAILED_PRECONDITION (already accepted: use LeaveRoom).
     """
+    ListRoomInvitations: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListRoomInvitationsRequest, _gateway_pb2.ListRoomInvitationsResponse]
+    """ListRoomInvitations of a room the caller's company created, oldest first: pending ones unless
+    status says otherwise (WITHDRAWN ones too: withdrawn by WithdrawInvitation, or because their
+    sender left the room). Errors: INVALID_ARGUMENT, NOT_FOUND (room), PERMISSION_DENIED (only the
+    room's creator lists its invitations).
+    """
+    WithdrawInvitation: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.WithdrawInvitationRequest, _gateway_pb2.WithdrawInvitationResponse]
+    """WithdrawInvitation of a pending invitation, by the room's creator or the invitation's sender: it
+    can no longer be accepted. Withdrawing again changes nothing. An invitation is also withdrawn when
+    its sender's company leaves or is removed from the room.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or a room the caller is not a member of),
+    PERMISSION_DENIED (neither creator nor sender), FAILED_PRECONDITION (already accepted or declined).
+    """
     LeaveRoom: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.LeaveRoomRequest, _gateway_pb2.LeaveRoomResponse]
     """LeaveRoom ends the caller's membership at once: every call on the room answers NOT_FOUND after
     it. Nothing of the caller's agents runs there any more: wakes still pending end in the run ledger
@@ -277,6 +290,19 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """DeclineInvitation refuses an invitation to the caller's company; declining again changes nothing.
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
     FAILED_PRECONDITION (already accepted: use LeaveRoom).
+    """
+    ListRoomInvitations: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListRoomInvitationsRequest, _gateway_pb2.ListRoomInvitationsResponse]  # type: ignore[assignment]
+    """ListRoomInvitations of a room the caller's company created, oldest first: pending ones unless
+    status says otherwise (WITHDRAWN ones too: withdrawn by WithdrawInvitation, or because their
+    sender left the room). Errors: INVALID_ARGUMENT, NOT_FOUND (room), PERMISSION_DENIED (only the
+    room's creator lists its invitations).
+    """
+    WithdrawInvitation: _aio.UnaryUnaryMultiCallable[_gateway_pb2.WithdrawInvitationRequest, _gateway_pb2.WithdrawInvitationResponse]  # type: ignore[assignment]
+    """WithdrawInvitation of a pending invitation, by the room's creator or the invitation's sender: it
+    can no longer be accepted. Withdrawing again changes nothing. An invitation is also withdrawn when
+    its sender's company leaves or is removed from the room.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or a room the caller is not a member of),
+    PERMISSION_DENIED (neither creator nor sender), FAILED_PRECONDITION (already accepted or declined).
     """
     LeaveRoom: _aio.UnaryUnaryMultiCallable[_gateway_pb2.LeaveRoomRequest, _gateway_pb2.LeaveRoomResponse]  # type: ignore[assignment]
     """LeaveRoom ends the caller's membership at once: every call on the room answers NOT_FOUND after
@@ -523,6 +549,31 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         """DeclineInvitation refuses an invitation to the caller's company; declining again changes nothing.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
         FAILED_PRECONDITION (already accepted: use LeaveRoom).
+        """
+
+    @_abc_1.abstractmethod
+    def ListRoomInvitations(
+        self,
+        request: _gateway_pb2.ListRoomInvitationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ListRoomInvitationsResponse, _abc.Awaitable[_gateway_pb2.ListRoomInvitationsResponse]]:
+        """ListRoomInvitations of a room the caller's company created, oldest first: pending ones unless
+        status says otherwise (WITHDRAWN ones too: withdrawn by WithdrawInvitation, or because their
+        sender left the room). Errors: INVALID_ARGUMENT, NOT_FOUND (room), PERMISSION_DENIED (only the
+        room's creator lists its invitations).
+        """
+
+    @_abc_1.abstractmethod
+    def WithdrawInvitation(
+        self,
+        request: _gateway_pb2.WithdrawInvitationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.WithdrawInvitationResponse, _abc.Awaitable[_gateway_pb2.WithdrawInvitationResponse]]:
+        """WithdrawInvitation of a pending invitation, by the room's creator or the invitation's sender: it
+        can no longer be accepted. Withdrawing again changes nothing. An invitation is also withdrawn when
+        its sender's company leaves or is removed from the room.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or a room the caller is not a member of),
+        PERMISSION_DENIED (neither creator nor sender), FAILED_PRECONDITION (already accepted or declined).
         """
 
     @_abc_1.abstractmethod

@@ -457,6 +457,105 @@ class RoomServiceDeclineInvitationResponse(_message.Message):
 Global___RoomServiceDeclineInvitationResponse: _TypeAlias = RoomServiceDeclineInvitationResponse  # noqa: Y015
 
 @_typing.final
+class RoomServiceListRoomInvitationsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    STATUS_FIELD_NUMBER: _builtins.int
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    company_id: _builtins.str
+    """The company that reads: the room's creator."""
+    status: _common_pb2.InvitationStatus.ValueType
+    """Unspecified: PENDING."""
+    page_size: _builtins.int
+    page_token: _builtins.str
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        status: _common_pb2.InvitationStatus.ValueType = ...,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "page_size", b"page_size", "page_token", b"page_token", "room_id", b"room_id", "status", b"status"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceListRoomInvitationsRequest: _TypeAlias = RoomServiceListRoomInvitationsRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceListRoomInvitationsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATIONS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    @_builtins.property
+    def invitations(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.Invitation]: ...
+    def __init__(
+        self,
+        *,
+        invitations: _abc.Iterable[_common_pb2.Invitation] | None = ...,
+        next_page_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitations", b"invitations", "next_page_token", b"next_page_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceListRoomInvitationsResponse: _TypeAlias = RoomServiceListRoomInvitationsResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceWithdrawInvitationRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    invitation_id: _builtins.str
+    company_id: _builtins.str
+    """The withdrawing company: the room's creator, or the invitation's sender."""
+    def __init__(
+        self,
+        *,
+        invitation_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "invitation_id", b"invitation_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceWithdrawInvitationRequest: _TypeAlias = RoomServiceWithdrawInvitationRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceWithdrawInvitationResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INVITATION_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def invitation(self) -> _common_pb2.Invitation: ...
+    def __init__(
+        self,
+        *,
+        invitation: _common_pb2.Invitation | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["invitation", b"invitation"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceWithdrawInvitationResponse: _TypeAlias = RoomServiceWithdrawInvitationResponse  # noqa: Y015
+
+@_typing.final
 class RoomServiceLeaveRoomRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -666,15 +765,22 @@ class RoomServiceGetAgentRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    READER_COMPANY_ID_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
+    reader_company_id: _builtins.str
+    """The company that reads, in a room it shares with the agent's company: the agent as the room's
+    rule `room-agents` lets it see it (another company's agent by id, name and company only). Empty for
+    the services' own reads.
+    """
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
+        reader_company_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "reader_company_id", b"reader_company_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -87,6 +87,16 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationResponse.FromString,
                 _registered_method=True)
+        self.ListRoomInvitations = channel.unary_unary(
+                '/quayutec.v1.RoomService/ListRoomInvitations',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomInvitationsRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomInvitationsResponse.FromString,
+                _registered_method=True)
+        self.WithdrawInvitation = channel.unary_unary(
+                '/quayutec.v1.RoomService/WithdrawInvitation',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceWithdrawInvitationRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceWithdrawInvitationResponse.FromString,
+                _registered_method=True)
         self.LeaveRoom = channel.unary_unary(
                 '/quayutec.v1.RoomService/LeaveRoom',
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceLeaveRoomRequest.SerializeToString,
@@ -355,6 +365,25 @@ class RoomServiceServicer:
         """DeclineInvitation: the invitation becomes DECLINED; declining again changes nothing.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
         FAILED_PRECONDITION (already accepted: leave the room instead).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRoomInvitations(self, request, context):
+        """ListRoomInvitations of one room, oldest first (pending ones unless status says otherwise), for
+        its creator (the rule `creator-manages-invitations`). Errors: NOT_FOUND (room, or company_id not a
+        member), PERMISSION_DENIED (not the creator).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WithdrawInvitation(self, request, context):
+        """WithdrawInvitation: a pending invitation becomes WITHDRAWN and can no longer be accepted; by the
+        room's creator or the invitation's sender. Withdrawing again changes nothing.
+        Errors: NOT_FOUND (unknown invitation, or company_id not a member of its room), PERMISSION_DENIED,
+        FAILED_PRECONDITION (already accepted or declined).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -744,6 +773,16 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.DeclineInvitation,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationResponse.SerializeToString,
+            ),
+            'ListRoomInvitations': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRoomInvitations,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomInvitationsRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomInvitationsResponse.SerializeToString,
+            ),
+            'WithdrawInvitation': grpc.unary_unary_rpc_method_handler(
+                    servicer.WithdrawInvitation,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceWithdrawInvitationRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceWithdrawInvitationResponse.SerializeToString,
             ),
             'LeaveRoom': grpc.unary_unary_rpc_method_handler(
                     servicer.LeaveRoom,
@@ -1182,6 +1221,60 @@ class RoomService:
             '/quayutec.v1.RoomService/DeclineInvitation',
             quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceDeclineInvitationResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRoomInvitations(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/ListRoomInvitations',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomInvitationsRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceListRoomInvitationsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WithdrawInvitation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/WithdrawInvitation',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceWithdrawInvitationRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceWithdrawInvitationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -76,6 +76,17 @@ class RoomServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
     FAILED_PRECONDITION (already accepted: leave the room instead).
     """
+    ListRoomInvitations: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListRoomInvitationsRequest, _room_pb2.RoomServiceListRoomInvitationsResponse]
+    """ListRoomInvitations of one room, oldest first (pending ones unless status says otherwise), for
+    its creator (the rule `creator-manages-invitations`). Errors: NOT_FOUND (room, or company_id not a
+    member), PERMISSION_DENIED (not the creator).
+    """
+    WithdrawInvitation: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceWithdrawInvitationRequest, _room_pb2.RoomServiceWithdrawInvitationResponse]
+    """WithdrawInvitation: a pending invitation becomes WITHDRAWN and can no longer be accepted; by the
+    room's creator or the invitation's sender. Withdrawing again changes nothing.
+    Errors: NOT_FOUND (unknown invitation, or company_id not a member of its room), PERMISSION_DENIED,
+    FAILED_PRECONDITION (already accepted or declined).
+    """
     LeaveRoom: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceLeaveRoomRequest, _room_pb2.RoomServiceLeaveRoomResponse]
     """LeaveRoom ends a company's membership; in the same transaction its pending waitpoints in the room
     expire (each with its DECISION wake, so the parked run ends its held actions undone). Its agents'
@@ -303,6 +314,17 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """DeclineInvitation: the invitation becomes DECLINED; declining again changes nothing.
     Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
     FAILED_PRECONDITION (already accepted: leave the room instead).
+    """
+    ListRoomInvitations: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListRoomInvitationsRequest, _room_pb2.RoomServiceListRoomInvitationsResponse]  # type: ignore[assignment]
+    """ListRoomInvitations of one room, oldest first (pending ones unless status says otherwise), for
+    its creator (the rule `creator-manages-invitations`). Errors: NOT_FOUND (room, or company_id not a
+    member), PERMISSION_DENIED (not the creator).
+    """
+    WithdrawInvitation: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceWithdrawInvitationRequest, _room_pb2.RoomServiceWithdrawInvitationResponse]  # type: ignore[assignment]
+    """WithdrawInvitation: a pending invitation becomes WITHDRAWN and can no longer be accepted; by the
+    room's creator or the invitation's sender. Withdrawing again changes nothing.
+    Errors: NOT_FOUND (unknown invitation, or company_id not a member of its room), PERMISSION_DENIED,
+    FAILED_PRECONDITION (already accepted or declined).
     """
     LeaveRoom: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceLeaveRoomRequest, _room_pb2.RoomServiceLeaveRoomResponse]  # type: ignore[assignment]
     """LeaveRoom ends a company's membership; in the same transaction its pending waitpoints in the room
@@ -582,6 +604,29 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         """DeclineInvitation: the invitation becomes DECLINED; declining again changes nothing.
         Errors: INVALID_ARGUMENT, NOT_FOUND (unknown invitation, or one to another company),
         FAILED_PRECONDITION (already accepted: leave the room instead).
+        """
+
+    @_abc_1.abstractmethod
+    def ListRoomInvitations(
+        self,
+        request: _room_pb2.RoomServiceListRoomInvitationsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceListRoomInvitationsResponse, _abc.Awaitable[_room_pb2.RoomServiceListRoomInvitationsResponse]]:
+        """ListRoomInvitations of one room, oldest first (pending ones unless status says otherwise), for
+        its creator (the rule `creator-manages-invitations`). Errors: NOT_FOUND (room, or company_id not a
+        member), PERMISSION_DENIED (not the creator).
+        """
+
+    @_abc_1.abstractmethod
+    def WithdrawInvitation(
+        self,
+        request: _room_pb2.RoomServiceWithdrawInvitationRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceWithdrawInvitationResponse, _abc.Awaitable[_room_pb2.RoomServiceWithdrawInvitationResponse]]:
+        """WithdrawInvitation: a pending invitation becomes WITHDRAWN and can no longer be accepted; by the
+        room's creator or the invitation's sender. Withdrawing again changes nothing.
+        Errors: NOT_FOUND (unknown invitation, or company_id not a member of its room), PERMISSION_DENIED,
+        FAILED_PRECONDITION (already accepted or declined).
         """
 
     @_abc_1.abstractmethod

@@ -166,8 +166,11 @@ class RoomAgentHandler(RequestHandler):
         await self._gateway._member_room(room_id, company_id)
         not_found = NotFound("agent not found in this room (unknown, or its company is not a member)")
         try:
+            # As the caller's company may see it (the Room's rule `room-agents`): another company's
+            # agent without its system prompt, provider or model.
             got = await self._room.GetAgent(
-                room_pb2.RoomServiceGetAgentRequest(agent_id=agent_id), timeout=self._timeout
+                room_pb2.RoomServiceGetAgentRequest(agent_id=agent_id, reader_company_id=company_id),
+                timeout=self._timeout,
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
@@ -496,7 +499,11 @@ def _state(task: common_pb2.Task, runs: list[common_pb2.Run]) -> a2a_pb2.TaskSta
 
 
 def agent_card(agent: common_pb2.Agent, company_name: str, room_id: str, url: str) -> a2a_pb2.AgentCard:
-    """The card of one room agent: who it is, whose it is, what it does, and its gRPC interface."""
+    """The card of one room agent: who it is, whose it is, what it does, and its gRPC interface.
+
+    ``agent`` is as the caller's company sees it (the rule `room-agents`), so the description is the
+    first line of its system prompt for its own company only; any other member reads a plain sentence
+    of its name and company, as ListAgents shows them."""
     summary = agent.system_prompt.strip().splitlines()[0][:300] if agent.system_prompt.strip() else ""
     description = summary or f"{agent.name}, an agent of {company_name} in a Quayutec room"
     card = a2a_pb2.AgentCard(

@@ -339,6 +339,37 @@ class GatewayServicer(KeyRpcs):
         )
         return gateway_pb2.DeclineInvitationResponse(invitation=response.invitation)
 
+    async def ListRoomInvitations(
+        self, request: gateway_pb2.ListRoomInvitationsRequest, context: Any
+    ) -> gateway_pb2.ListRoomInvitationsResponse:
+        company_id = self._caller.company_id()
+        _check_enum(common_pb2.InvitationStatus, request.status, "status")
+        response = await self._room.ListRoomInvitations(
+            room_pb2.RoomServiceListRoomInvitationsRequest(
+                room_id=self._checked_room_id(request.room_id),
+                company_id=company_id,
+                status=request.status,
+                page_size=_page_size(request.page_size),
+                page_token=request.page_token,
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.ListRoomInvitationsResponse(
+            invitations=response.invitations, next_page_token=response.next_page_token
+        )
+
+    async def WithdrawInvitation(
+        self, request: gateway_pb2.WithdrawInvitationRequest, context: Any
+    ) -> gateway_pb2.WithdrawInvitationResponse:
+        company_id = self._caller.company_id()
+        response = await self._room.WithdrawInvitation(
+            room_pb2.RoomServiceWithdrawInvitationRequest(
+                invitation_id=self._invitation_id(request.invitation_id), company_id=company_id
+            ),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.WithdrawInvitationResponse(invitation=response.invitation)
+
     async def LeaveRoom(self, request: gateway_pb2.LeaveRoomRequest, context: Any) -> gateway_pb2.LeaveRoomResponse:
         company_id = self._caller.company_id()
         await self._write_to_room(

@@ -32,6 +32,7 @@ class Act(enum.Enum):
     DECIDE_APPROVAL = ("approval", "decide")
     INVITE = ("membership", "invite a company")
     ANSWER_INVITATION = ("membership", "accept or decline an invitation")
+    MANAGE_INVITATIONS = ("membership", "list or withdraw a room's invitations")
     LEAVE = ("membership", "leave")
     REMOVE_MEMBER = ("membership", "remove a member")
     SET_RIGHTS = ("agent rights", "set or read")
@@ -72,6 +73,8 @@ class Facts:
     # the id names nothing: an unknown id is refused exactly like another company's).
     object_id: str = ""
     owner_id: str = ""
+    # On a repeat: the company whose earlier write holds the dedupe key ("" when the write is new).
+    repeat_of_company_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -84,6 +87,9 @@ class Rule:
     code: grpc.StatusCode
     refusal: str  # formatted with the Facts' fields
     allows: Callable[[Facts], bool]
+    # Checked on a repeat too (a write whose dedupe key the room already holds), before the earlier
+    # write is answered; the other rules were checked when that write was made.
+    on_repeat: bool = False
 
 
 def _owner(facts: Facts) -> bool:
@@ -101,6 +107,16 @@ RULES: tuple[Rule, ...] = (
         grpc.StatusCode.PERMISSION_DENIED,
         "company {company_id} is not a member of room {room_id}",
         lambda f: f.member,
+        on_repeat=True,
+    ),
+    Rule(
+        "repeat-own-write",
+        CONTENT,
+        "a repeat (a dedupe key the room holds) answers only the same company's earlier write",
+        grpc.StatusCode.ALREADY_EXISTS,
+        "that dedupe_key is taken in room {room_id} by another company's write; use keys of your own",
+        lambda f: not f.repeat_of_company_id or f.repeat_of_company_id == f.company_id,
+        on_repeat=True,
     ),
     Rule(
         "mentions-in-room",
@@ -137,7 +153,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "member-manages",
-        (Act.INVITE, Act.LEAVE, Act.REMOVE_MEMBER),
+        (Act.INVITE, Act.LEAVE, Act.REMOVE_MEMBER, Act.MANAGE_INVITATIONS),
         "a member company of the room",
         grpc.StatusCode.NOT_FOUND,
         "room {room_id} not found",
@@ -150,6 +166,15 @@ RULES: tuple[Rule, ...] = (
         grpc.StatusCode.NOT_FOUND,
         "invitation {object_id} not found among your company's invitations",
         _owner,
+    ),
+    Rule(
+        "creator-manages-invitations",
+        (Act.MANAGE_INVITATIONS,),
+        "the room's creator; an invitation's sender may withdraw it too",
+        grpc.StatusCode.PERMISSION_DENIED,
+        "only the company that created room {room_id} (or, to withdraw one, the invitation's sender) may do this; "
+        "company {company_id} is neither",
+        lambda f: f.company_id == f.creator_id or _owner(f),
     ),
     Rule(
         "creator-stays",
@@ -211,9 +236,12 @@ def rules_of(act: Act) -> list[Rule]:
     return [rule for rule in RULES if act in rule.acts]
 
 
-def enforce(act: Act, facts: Facts) -> None:
+def enforce(act: Act, facts: Facts, *, repeat: bool = False) -> None:
     """Raise the refusal of ``act`` by the first rule that does not allow it (a RuleBroken naming the
-    rule, in its words); return when every rule allows it."""
+    rule, in its words); return when every rule allows it. A ``repeat`` (``facts.repeat_of_company_id``
+    set) is checked by the rules marked ``on_repeat``, before the earlier write is answered."""
     for rule in rules_of(act):
+        if repeat and not rule.on_repeat:
+            continue
         if not rule.allows(facts):
             raise RuleBroken(rule.code, rule.rule_id, rule.refusal.format(**asdict(facts)))

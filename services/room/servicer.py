@@ -53,6 +53,7 @@ _INVITATION_STATUS = {
     common_pb2.INVITATION_STATUS_PENDING: "pending",
     common_pb2.INVITATION_STATUS_ACCEPTED: "accepted",
     common_pb2.INVITATION_STATUS_DECLINED: "declined",
+    common_pb2.INVITATION_STATUS_WITHDRAWN: "withdrawn",
 }
 _PARKED_STATUS = (common_pb2.RUN_STATUS_UNSPECIFIED, common_pb2.RUN_STATUS_PARKED)
 _PARKED_STEP = (common_pb2.RUN_STEP_UNSPECIFIED, common_pb2.RUN_STEP_PARKED)
@@ -222,6 +223,33 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         row = await self._store.decline_invitation(invitation_id, v.required_id(request.company_id, "company_id"))
         return room_pb2.RoomServiceDeclineInvitationResponse(invitation=convert.invitation(row))
 
+    async def ListRoomInvitations(
+        self, request: room_pb2.RoomServiceListRoomInvitationsRequest, context: Ctx
+    ) -> room_pb2.RoomServiceListRoomInvitationsResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        status = _INVITATION_STATUS.get(request.status or common_pb2.INVITATION_STATUS_PENDING)
+        if status is None:
+            raise InvalidArgument(f"status {request.status} is not an InvitationStatus")
+        scope = f"room-invitations-{status}"
+        page = await self._store.list_room_invitations(
+            room_id,
+            v.required_id(request.company_id, "company_id"),
+            status,
+            v.decode_page_token(request.page_token, scope),
+            v.page_size(request.page_size),
+        )
+        return room_pb2.RoomServiceListRoomInvitationsResponse(
+            invitations=[convert.invitation(r) for r in page.rows],
+            next_page_token=v.encode_page_token(scope, page.next_key),
+        )
+
+    async def WithdrawInvitation(
+        self, request: room_pb2.RoomServiceWithdrawInvitationRequest, context: Ctx
+    ) -> room_pb2.RoomServiceWithdrawInvitationResponse:
+        invitation_id = v.required_id(request.invitation_id, "invitation_id")
+        row = await self._store.withdraw_invitation(invitation_id, v.required_id(request.company_id, "company_id"))
+        return room_pb2.RoomServiceWithdrawInvitationResponse(invitation=convert.invitation(row))
+
     async def LeaveRoom(
         self, request: room_pb2.RoomServiceLeaveRoomRequest, context: Ctx
     ) -> room_pb2.RoomServiceLeaveRoomResponse:
@@ -300,7 +328,10 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         self, request: room_pb2.RoomServiceGetAgentRequest, context: Ctx
     ) -> room_pb2.RoomServiceGetAgentResponse:
         row = await self._store.get_agent(v.required_id(request.agent_id, "agent_id"))
-        return room_pb2.RoomServiceGetAgentResponse(agent=convert.agent(row))
+        agent = convert.agent(row)
+        if request.reader_company_id:
+            agent = _agent_as_seen(agent, v.required_id(request.reader_company_id, "reader_company_id"))
+        return room_pb2.RoomServiceGetAgentResponse(agent=agent)
 
     async def ListAgents(
         self, request: room_pb2.RoomServiceListAgentsRequest, context: Ctx

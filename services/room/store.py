@@ -289,6 +289,44 @@ class RoomStore:
         rows = await self._pool.fetch(query, company_id, status, after or 0, limit + 1)
         return _page(rows, limit, "pos")
 
+    async def list_room_invitations(
+        self, room_id: str, company_id: str, status: str, after: int | None, limit: int
+    ) -> Page:
+        """The invitations into ``room_id`` in one status, for its creator."""
+        async with self._pool.acquire() as conn:
+            room = await conn.fetchrow(self._q["get_room"], room_id)
+            if room is None:
+                raise NotFound(f"room {room_id} not found")
+            member = await conn.fetchval(self._q["is_member"], room_id, company_id)
+            creator = str(room["created_by_company_id"])
+            enforce(Act.MANAGE_INVITATIONS, Facts(company_id, room_id, member=member, creator_id=creator))
+            rows = await conn.fetch(self._q["list_room_invitations"], room_id, status, after or 0, limit + 1)
+        return _page(rows, limit, "pos")
+
+    async def withdraw_invitation(self, invitation_id: str, company_id: str) -> Record:
+        """A pending invitation withdrawn by the room's creator or its sender; withdrawing again changes
+        nothing."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            invitation = await conn.fetchrow(self._q["lock_invitation"], invitation_id)
+            if invitation is None:
+                raise NotFound(f"invitation {invitation_id} not found")
+            room_id = str(invitation["room_id"])
+            room = await conn.fetchrow(self._q["get_room"], room_id)
+            member = await conn.fetchval(self._q["lock_membership"], room_id, company_id)
+            facts = Facts(
+                company_id,
+                room_id,
+                member=bool(member),
+                creator_id=str(room["created_by_company_id"]),
+                object_id=invitation_id,
+                owner_id=str(invitation["invited_by_company_id"]),
+            )
+            enforce(Act.MANAGE_INVITATIONS, facts)
+            if invitation["status"] in ("accepted", "declined"):
+                raise FailedPrecondition(f"invitation {invitation_id} was already {invitation['status']}")
+            await conn.execute(self._q["respond_invitation"], invitation_id, "withdrawn")
+            return await conn.fetchrow(self._q["get_invitation"], invitation_id)
+
     async def accept_invitation(self, invitation_id: str, company_id: str) -> tuple[Record, Record]:
         """The invitation accepted and the company's membership, in one transaction; a repeat while still
         a member answers the same."""
@@ -298,6 +336,11 @@ class RoomStore:
             if invitation["status"] == "declined":
                 raise FailedPrecondition(
                     f"invitation {invitation_id} was declined; a member of the room must invite you again"
+                )
+            if invitation["status"] == "withdrawn":
+                raise FailedPrecondition(
+                    f"invitation {invitation_id} was withdrawn (by the room's creator or its sender, or its sender "
+                    "left the room); a member of the room must invite you again"
                 )
             joined = False
             if invitation["status"] == "pending":
@@ -374,6 +417,7 @@ class RoomStore:
         lock_membership, to commit), the room row (the MEMBER_LEFT event's cursor) last."""
         if await conn.fetchrow(self._q["delete_member"], room_id, company_id) is None:
             return None
+        await conn.execute(self._q["withdraw_invitations_sent_by"], room_id, company_id)
         expired = int(await conn.fetchval(self._q["expire_waitpoints_of_company_in_room"], room_id, company_id))
         events = _Events()
         left = common_pb2.RoomMember(room_id=room_id, company_id=company_id)
@@ -507,12 +551,15 @@ class RoomStore:
             if not check["room_found"]:
                 raise NotFound(f"room {room_id} not found")
             events = _Events()
+            author = _identified(author, check["agent_company_id"])
             earlier = check["earlier"]
-            if earlier is not None:
+            if earlier is not None:  # the author's right to write here first, then the answer
+                repeat = str(earlier["author_company_id"])
+                facts = Facts(author.company_id, room_id, member=check["member"], repeat_of_company_id=repeat)
+                enforce(Act.POST_MESSAGE, facts, repeat=True)
                 await self._record_write(conn, events, run, earlier["message_id"])
                 await self._append_events(conn, events)
                 return Posted(earlier, list(check["earlier_wakes"]), True)
-            author = _identified(author, check["agent_company_id"])
             companies = dict(zip(check["mentioned_agent_ids"], check["mentioned_company_ids"], strict=True))
             in_room = {str(a) for a, c in companies.items() if c in check["member_company_ids"]}
             missing = next((a for a in mention_agent_ids if a not in in_room), "")
@@ -581,11 +628,13 @@ class RoomStore:
             events = _Events()
             if dedupe_key is not None:
                 earlier = await self._earlier_task(conn, room_id, dedupe_key)
-                if earlier is not None:
+                if earlier is not None:  # the author's right to write here first, then the answer
+                    facts = Facts("", repeat_of_company_id=str(earlier.row["from_company_id"]))
+                    await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts, repeat=True)
                     await self._record_write(conn, events, run, earlier.row["task_id"])
                     await self._append_events(conn, events)
                     return earlier
-            assignee = await conn.fetchrow(self._q["agents_in_room"], [to_agent_id], room_id)
+            assignee = await conn.fetchrow(self._q["lock_assignee_in_room"], to_agent_id, room_id)
             in_room = assignee is not None and bool(assignee["member"])
             facts = Facts(author.company_id, assignee_id=to_agent_id, assignee_in_room=in_room)
             author = await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts)
@@ -596,6 +645,9 @@ class RoomStore:
                 earlier = await self._earlier_task(conn, room_id, dedupe_key)
                 if earlier is None:  # pragma: no cover - the conflict row cannot vanish
                     raise AlreadyExists(f"a task with dedupe_key {dedupe_key!r} already exists")
+                repeat = str(earlier.row["from_company_id"])
+                facts = Facts(author.company_id, room_id, member=True, repeat_of_company_id=repeat)
+                enforce(Act.CREATE_TASK, facts, repeat=True)
                 await self._record_write(conn, events, run, earlier.row["task_id"])
                 await self._append_events(conn, events)
                 return earlier
@@ -638,7 +690,9 @@ class RoomStore:
             events = _Events()
             if dedupe_key is not None:
                 earlier = await conn.fetchrow(self._q["find_task_update_by_dedupe"], task_id, dedupe_key)
-                if earlier is not None:
+                if earlier is not None:  # the author's right to write here first, then the answer
+                    facts = Facts("", repeat_of_company_id=str(earlier["author_company_id"]))
+                    await self._admit_author(conn, str(task["room_id"]), author, Act.UPDATE_TASK, facts, repeat=True)
                     await self._record_write(conn, events, run, earlier["update_id"])
                     await self._append_events(conn, events)
                     updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
@@ -712,7 +766,10 @@ class RoomStore:
             if dedupe_key is not None:
                 row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
             deduplicated = row is not None
-            if row is None:
+            if row is not None:  # the author's right to write here first, then the answer
+                facts = Facts("", repeat_of_company_id=str(row["author_company_id"]))
+                await self._admit_author(conn, room_id, author, Act.WRITE_MEMORY, facts, repeat=True)
+            else:
                 author = await self._admit_author(conn, room_id, author, Act.WRITE_MEMORY)
                 row = await conn.fetchrow(
                     self._q["insert_memory"], room_id, *author.columns(), text, visibility, run_id, dedupe_key
@@ -720,6 +777,9 @@ class RoomStore:
                 if row is None:  # a concurrent write with the same dedupe_key committed first
                     row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
                     deduplicated = True
+                    repeat = str(row["author_company_id"])
+                    facts = Facts(author.company_id, room_id, member=True, repeat_of_company_id=repeat)
+                    enforce(Act.WRITE_MEMORY, facts, repeat=True)
                 else:
                     audience = author.company_id if visibility == "company" else None
                     line = convert.memory_line(row)
@@ -1274,15 +1334,24 @@ class RoomStore:
             raise NotFound(f"room {room_id} not found")
 
     async def _admit_author(
-        self, conn: asyncpg.Connection, room_id: str, author: AuthorRef, act: Act, facts: Facts | None = None
+        self,
+        conn: asyncpg.Connection,
+        room_id: str,
+        author: AuthorRef,
+        act: Act,
+        facts: Facts | None = None,
+        *,
+        repeat: bool = False,
     ) -> AuthorRef:
         """The author with its company filled in, once the room's rules allow it ``act`` (``facts``: what
-        else the act's rules look at). Its membership row stays locked FOR SHARE to the end of the caller's
-        transaction (see lock_membership), so the rule it passed holds until the write commits."""
+        else the act's rules look at; ``repeat``: the rules a repeat of an earlier write answers to). Its
+        membership row stays locked FOR SHARE to the end of the caller's transaction (see
+        lock_membership), so the rule it passed holds until the write commits."""
         if author.kind == "agent":
             author = _identified(author, await conn.fetchval(self._q["agent_company"], author.agent_id))
         member = bool(await conn.fetchval(self._q["lock_membership"], room_id, author.company_id))
-        enforce(act, replace(facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member))
+        facts = replace(facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member)
+        enforce(act, facts, repeat=repeat)
         return author
 
 

@@ -211,6 +211,13 @@ async def test_membership_rules(room: Stub, world: World, pool: asyncpg.Pool) ->
     await refused(room.RemoveMember(by_bolt), DENIED, "creator-removes")
     itself = r.RoomServiceRemoveMemberRequest(room_id=world.room_id, company_id=acme, removed_by_company_id=acme)
     await refused(room.RemoveMember(itself), FAILED, "creator-not-removed")
+    # A room's invitations: listed and withdrawn by its creator (or, withdrawn, by their sender) only.
+    listing = r.RoomServiceListRoomInvitationsRequest(room_id=world.room_id, company_id=crow)
+    await refused(room.ListRoomInvitations(listing), NOT_FOUND, "member-manages")
+    listing = r.RoomServiceListRoomInvitationsRequest(room_id=world.room_id, company_id=bolt)
+    await refused(room.ListRoomInvitations(listing), DENIED, "creator-manages-invitations")
+    by_bolt_withdraw = r.RoomServiceWithdrawInvitationRequest(invitation_id=invitation.invitation_id, company_id=bolt)
+    await refused(room.WithdrawInvitation(by_bolt_withdraw), DENIED, "creator-manages-invitations")
     assert await room_state(pool) == before
 
 

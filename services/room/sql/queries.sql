@@ -78,7 +78,26 @@ JOIN companies invited ON invited.company_id = i.company_id
 WHERE i.invitation_id = $1;
 
 -- name: lock_invitation
-SELECT invitation_id, room_id, company_id, status FROM room_invitations WHERE invitation_id = $1 FOR UPDATE;
+SELECT invitation_id, room_id, company_id, invited_by_company_id, status FROM room_invitations
+WHERE invitation_id = $1 FOR UPDATE;
+
+-- name: withdraw_invitations_sent_by
+-- The pending invitations company $2 sent into room $1, withdrawn as its membership ends: an invitation
+-- dies with its sender's membership (an accept waiting on the row's lock then reads it withdrawn).
+UPDATE room_invitations SET status = 'withdrawn', responded_at = now()
+WHERE room_id = $1 AND invited_by_company_id = $2 AND status = 'pending';
+
+-- name: list_room_invitations
+-- The invitations into room $1, by status.
+SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, invited.name AS company_name,
+    i.invited_by_company_id, c.name AS invited_by_company_name, i.status, i.created_at, i.responded_at, i.pos
+FROM room_invitations i
+JOIN rooms r ON r.room_id = i.room_id
+JOIN companies c ON c.company_id = i.invited_by_company_id
+JOIN companies invited ON invited.company_id = i.company_id
+WHERE i.room_id = $1 AND i.status = $2 AND i.pos > $3
+ORDER BY i.pos
+LIMIT $4;
 
 -- name: respond_invitation
 UPDATE room_invitations SET status = $2, responded_at = now() WHERE invitation_id = $1 AND status = 'pending';
@@ -182,6 +201,20 @@ SELECT a.agent_id, a.company_id,
     EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $2 AND m.company_id = a.company_id) AS member
 FROM agents a
 WHERE a.agent_id = ANY ($1::uuid[]);
+
+-- name: lock_assignee_in_room
+-- Agent $1 with its company and whether that company is a member of room $2, its membership row locked
+-- FOR SHARE (see lock_membership), as a mentioned agent's is: the assignee's company cannot leave before
+-- the task commits, so no task follows its MEMBER_LEFT event.
+WITH assignee AS (
+    SELECT agent_id, company_id FROM agents WHERE agent_id = $1::uuid
+), membership AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $2 AND company_id = (SELECT company_id FROM assignee)
+    FOR SHARE
+)
+SELECT a.agent_id, a.company_id, (SELECT count(*) FROM membership) > 0 AS member
+FROM assignee a;
 
 -- name: agent_company
 SELECT company_id FROM agents WHERE agent_id = $1;

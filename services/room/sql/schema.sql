@@ -39,7 +39,8 @@ CREATE TABLE room_invitations (
     company_id uuid NOT NULL REFERENCES companies (company_id),
     invited_by_company_id uuid NOT NULL REFERENCES companies (company_id),
     pos bigint GENERATED ALWAYS AS IDENTITY,
-    status text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'accepted', 'declined')),
+    -- withdrawn: by the room's creator or its sender, or when its sender's company left the room.
+    status text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'accepted', 'declined', 'withdrawn')),
     created_at timestamptz NOT NULL DEFAULT now(),
     responded_at timestamptz,
     CONSTRAINT room_invitations_responded_check CHECK ((status = 'pending') = (responded_at IS NULL))
@@ -49,6 +50,8 @@ CREATE UNIQUE INDEX room_invitations_one_pending ON room_invitations (room_id, c
 CREATE INDEX room_invitations_company_status_pos ON room_invitations (company_id, status, pos);
 -- The invitations a company sent (ListInvitations with sent).
 CREATE INDEX room_invitations_inviter_status_pos ON room_invitations (invited_by_company_id, status, pos);
+-- A room's invitations (ListRoomInvitations, for its creator).
+CREATE INDEX room_invitations_room_status_pos ON room_invitations (room_id, status, pos);
 
 CREATE TABLE agents (
     agent_id uuid PRIMARY KEY DEFAULT gen_random_uuid(),

@@ -349,6 +349,10 @@ class _InvitationStatusEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Invi
     """Accepted: the invited company became a member (it may have left since)."""
     INVITATION_STATUS_DECLINED: _InvitationStatus.ValueType  # 3
     """Declined: it never became a member through this invitation."""
+    INVITATION_STATUS_WITHDRAWN: _InvitationStatus.ValueType  # 4
+    """Withdrawn before it was answered: by the room's creator or its sender (WithdrawInvitation), or
+    because its sender's company left the room. It can no longer be accepted.
+    """
 
 class InvitationStatus(_InvitationStatus, metaclass=_InvitationStatusEnumTypeWrapper): ...
 
@@ -359,6 +363,10 @@ INVITATION_STATUS_ACCEPTED: InvitationStatus.ValueType  # 2
 """Accepted: the invited company became a member (it may have left since)."""
 INVITATION_STATUS_DECLINED: InvitationStatus.ValueType  # 3
 """Declined: it never became a member through this invitation."""
+INVITATION_STATUS_WITHDRAWN: InvitationStatus.ValueType  # 4
+"""Withdrawn before it was answered: by the room's creator or its sender (WithdrawInvitation), or
+because its sender's company left the room. It can no longer be accepted.
+"""
 Global___InvitationStatus: _TypeAlias = InvitationStatus  # noqa: Y015
 
 class _RoomEventKind:
