@@ -4,6 +4,8 @@ A2A agent card shows another company's agent without its system prompt."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import grpc
 
 from quayutec.v1 import common_pb2, gateway_pb2
@@ -16,15 +18,15 @@ from tests.harness.gateway import CompanyKey, join_room
 PENDING, WITHDRAWN = common_pb2.INVITATION_STATUS_PENDING, common_pb2.INVITATION_STATUS_WITHDRAWN
 
 
-def room_invitations(gw: GatewayStub, room_id: str, status: int = PENDING) -> object:
+def room_invitations(gw: GatewayStub, room_id: str, status: common_pb2.InvitationStatus.ValueType = PENDING) -> Any:
     return gw.ListRoomInvitations(gateway_pb2.ListRoomInvitationsRequest(room_id=room_id, status=status), timeout=10)
 
 
-def accept(gw: GatewayStub, invitation_id: str) -> object:
+def accept(gw: GatewayStub, invitation_id: str) -> Any:
     return gw.AcceptInvitation(gateway_pb2.AcceptInvitationRequest(invitation_id=invitation_id), timeout=10)
 
 
-def withdraw(gw: GatewayStub, invitation_id: str) -> object:
+def withdraw(gw: GatewayStub, invitation_id: str) -> Any:
     return gw.WithdrawInvitation(gateway_pb2.WithdrawInvitationRequest(invitation_id=invitation_id), timeout=10)
 
 
@@ -41,18 +43,16 @@ async def test_an_invitation_dies_with_its_senders_membership(
     await join_room(acme_gw, globex_gw, room.room_id)
     invitation = await invite(globex_gw, room.room_id, initech.company_id)
     listed = await room_invitations(acme_gw, room.room_id)
-    assert [i.invitation_id for i in listed.invitations] == [invitation.invitation_id]  # type: ignore[attr-defined]
+    assert [i.invitation_id for i in listed.invitations] == [invitation.invitation_id]
     await acme_gw.RemoveMember(
         gateway_pb2.RemoveMemberRequest(room_id=room.room_id, company_id=globex.company_id), timeout=10
     )
     await expect_error(grpc.StatusCode.FAILED_PRECONDITION, accept(initech_gw, invitation.invitation_id), "withdrawn")
     members = await acme_gw.ListMembers(gateway_pb2.ListMembersRequest(room_id=room.room_id), timeout=10)
     assert initech.company_id not in [m.company_id for m in members.members]
-    assert (await room_invitations(acme_gw, room.room_id)).invitations == []  # type: ignore[attr-defined]
+    assert (await room_invitations(acme_gw, room.room_id)).invitations == []
     gone = await room_invitations(acme_gw, room.room_id, WITHDRAWN)
-    assert [(i.invitation_id, i.status) for i in gone.invitations] == [  # type: ignore[attr-defined]
-        (invitation.invitation_id, WITHDRAWN)
-    ]
+    assert [(i.invitation_id, i.status) for i in gone.invitations] == [(invitation.invitation_id, WITHDRAWN)]
 
 
 async def test_the_creator_lists_and_withdraws_pending_invitations(
@@ -67,12 +67,12 @@ async def test_the_creator_lists_and_withdraws_pending_invitations(
     # The invited company cannot withdraw it; the creator can, and again changes nothing.
     await expect_error(grpc.StatusCode.NOT_FOUND, withdraw(initech_gw, invitation.invitation_id))
     withdrawn = await withdraw(acme_gw, invitation.invitation_id)
-    assert withdrawn.invitation.status == WITHDRAWN  # type: ignore[attr-defined]
-    assert (await withdraw(acme_gw, invitation.invitation_id)).invitation.status == WITHDRAWN  # type: ignore[attr-defined]
+    assert withdrawn.invitation.status == WITHDRAWN
+    assert (await withdraw(acme_gw, invitation.invitation_id)).invitation.status == WITHDRAWN
     await expect_error(grpc.StatusCode.FAILED_PRECONDITION, accept(initech_gw, invitation.invitation_id), "withdrawn")
     # Its sender may withdraw its own: a new invitation, withdrawn by Globex.
     again = await invite(globex_gw, room.room_id, initech.company_id)
-    assert (await withdraw(globex_gw, again.invitation_id)).invitation.status == WITHDRAWN  # type: ignore[attr-defined]
+    assert (await withdraw(globex_gw, again.invitation_id)).invitation.status == WITHDRAWN
     # An accepted one cannot be withdrawn.
     third = await invite(acme_gw, room.room_id, initech.company_id)
     await accept(initech_gw, third.invitation_id)
