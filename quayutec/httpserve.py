@@ -2,11 +2,15 @@
 
 uvicorn cuts a kept-alive connection that stays quiet after a response, caps a request head at
 16 KiB and answers 503 past ``limit_concurrency``; it never cuts a client that connects and then
-sends its request line and headers slowly or not at all. Two small guards close the gaps:
+sends its request line and headers slowly or not at all, and one address may hold every connection.
+Two small guards close the gaps:
 
 * ``header_deadline_protocol``: uvicorn's h11 protocol with a deadline on each request head,
   from the moment the connection opens (or the previous response ends) until the head is whole;
-  past it the connection is closed.
+  past it the connection is closed. It also holds at most ``per_source`` connections of one
+  source address (an IPv6 /64) open at once: a further one is closed as soon as it opens, before
+  it counts against ``limit_concurrency``, so one address's half-sent requests (slowloris) cannot
+  make everyone else's answer 503.
 * ``BoundedBody``: an ASGI wrapper that reads a request's body before the application sees it,
   at most ``max_body_bytes`` (413 past it, or at once when a longer length is declared) and
   within ``body_seconds`` (408 past it), then hands it over whole.
@@ -25,6 +29,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from quayutec.config import env_float, env_int
+from quayutec.throttle import source_of
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -42,6 +47,8 @@ class HttpLimits:
     keep_alive_seconds: int = 5
     max_connections: int = 500
     max_body_bytes: int = 1024 * 1024
+    # Open connections of one source address (0: no limit, e.g. behind a proxy that is the only source).
+    max_connections_per_source: int = 50
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> HttpLimits:
@@ -54,6 +61,7 @@ class HttpLimits:
             keep_alive_seconds=env_int(env, setting("QUAYUTEC_CONSOLE_KEEP_ALIVE_SECONDS"), minimum=1),
             max_connections=env_int(env, setting("QUAYUTEC_CONSOLE_MAX_CONNECTIONS"), minimum=1),
             max_body_bytes=env_int(env, setting("QUAYUTEC_CONSOLE_MAX_BODY_BYTES"), minimum=1024),
+            max_connections_per_source=env_int(env, setting("QUAYUTEC_CONSOLE_MAX_CONNECTIONS_PER_SOURCE"), minimum=0),
         )
 
 
@@ -64,22 +72,32 @@ def server_config(app: App, *, host: str, port: int, limits: HttpLimits, **optio
         BoundedBody(app, limits.max_body_bytes, limits.body_seconds),
         host=host,
         port=port,
-        http=header_deadline_protocol(limits.header_seconds),
+        http=header_deadline_protocol(limits.header_seconds, limits.max_connections_per_source),
         timeout_keep_alive=limits.keep_alive_seconds,
         limit_concurrency=limits.max_connections,
         **options,
     )
 
 
-def header_deadline_protocol(seconds: float) -> type[H11Protocol]:
+def header_deadline_protocol(seconds: float, per_source: int = 0) -> type[H11Protocol]:
     """uvicorn's h11 protocol, closing a connection whose request head is not whole ``seconds``
-    after the connection opened or the previous response ended."""
+    after the connection opened or the previous response ended, and one that opens while its source
+    address holds ``per_source`` others (0: no limit)."""
+    held: dict[str, int] = {}  # open connections by source, shared by every connection of the server
 
     class HeaderDeadline(H11Protocol):
         _head_timer: asyncio.TimerHandle | None = None
+        _source: str | None = None
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)  # type: ignore[arg-type]
+            if per_source:
+                source = source_of(self.client[0]) if self.client else "unknown"
+                if held.get(source, 0) >= per_source:
+                    transport.close()  # before it reads a byte: no request, no 503 for anyone else
+                    return
+                held[source] = held.get(source, 0) + 1
+                self._source = source
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -94,6 +112,13 @@ def header_deadline_protocol(seconds: float) -> type[H11Protocol]:
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            if self._source is not None:
+                left = held[self._source] - 1
+                if left:
+                    held[self._source] = left
+                else:
+                    del held[self._source]
+                self._source = None
             super().connection_lost(exc)
 
         def _arm(self) -> None:

@@ -649,6 +649,13 @@ _DECLARED: list[Setting] = [
         ["console"],
     ),
     _g(
+        "QUAYUTEC_CONSOLE_MAX_CONNECTIONS_PER_SOURCE",
+        50,
+        "open connections one address (an IPv6 /64) may hold; a further one is closed at once, before it counts"
+        " against QUAYUTEC_CONSOLE_MAX_CONNECTIONS (0: no limit, for a console whose only client is a proxy)",
+        ["console"],
+    ),
+    _g(
         "QUAYUTEC_CONSOLE_MAX_BODY_BYTES",
         1024 * 1024,
         "the longest request body the console reads (a form post); longer: 413, unread when its length is declared",

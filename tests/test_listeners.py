@@ -8,6 +8,7 @@ own 120 s handshake default, for the server to close every one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -38,12 +39,14 @@ FAILSAFE_SECONDS = 30.0
 Conn = tuple[asyncio.StreamReader, asyncio.StreamWriter]
 
 
-async def open_idle(port: int, count: int, first_bytes: bytes = b"") -> list[Conn]:
-    """``count`` TCP connections to 127.0.0.1:``port``, each sending ``first_bytes`` and then nothing.
-    The caller keeps the writers: a writer that is garbage-collected closes its connection."""
+async def open_idle(port: int, count: int, first_bytes: bytes = b"", *, source: str | None = None) -> list[Conn]:
+    """``count`` TCP connections to 127.0.0.1:``port`` (from ``source``, another loopback address, when
+    given), each sending ``first_bytes`` and then nothing. The caller keeps the writers: a writer that is
+    garbage-collected closes its connection."""
     conns = []
     for _ in range(count):
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        local = (source, 0) if source else None
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, local_addr=local)
         if first_bytes:
             writer.write(first_bytes)
             await writer.drain()
@@ -169,6 +172,19 @@ def test_a_bad_limit_stops_the_service_at_start(bad: str) -> None:
 def console(tmp_path: Path) -> Iterator[int]:
     """``python -m services.console`` with short limits (1 s head and body, 1 KiB bodies); yields its port.
     Its Gateway address is a closed local port: these tests never get past the console's own door."""
+    with running_console_process(
+        tmp_path,
+        QUAYUTEC_CONSOLE_HEADER_TIMEOUT_SECONDS="1",
+        QUAYUTEC_CONSOLE_BODY_TIMEOUT_SECONDS="1",
+        QUAYUTEC_CONSOLE_KEEP_ALIVE_SECONDS="1",
+        QUAYUTEC_CONSOLE_MAX_BODY_BYTES="1024",
+    ) as port:
+        yield port
+
+
+@contextlib.contextmanager
+def running_console_process(tmp_path: Path, **env: str) -> Iterator[int]:
+    """``python -m services.console`` with ``env``; yields its port once it answers /healthz."""
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.console"],
@@ -179,10 +195,7 @@ def console(tmp_path: Path) -> Iterator[int]:
             "QUAYUTEC_DATA_DIR": str(tmp_path),
             "QUAYUTEC_CONSOLE_LISTEN": f"127.0.0.1:{port}",
             "QUAYUTEC_GATEWAY_ADDR": "127.0.0.1:9",
-            "QUAYUTEC_CONSOLE_HEADER_TIMEOUT_SECONDS": "1",
-            "QUAYUTEC_CONSOLE_BODY_TIMEOUT_SECONDS": "1",
-            "QUAYUTEC_CONSOLE_KEEP_ALIVE_SECONDS": "1",
-            "QUAYUTEC_CONSOLE_MAX_BODY_BYTES": "1024",
+            **env,
         },
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -253,6 +266,36 @@ async def test_the_console_bounds_request_bodies(console: int) -> None:
     assert page.startswith(b"HTTP/1.1 200 ")
     small = await answer_and_close(console, head + b"Content-Length: 9\r\nConnection: close\r\n\r\napi_key=x")
     assert small.startswith(b"HTTP/1.1 403 "), small[:200]  # no CSRF token: refused by the page itself
+
+
+@pytest.mark.parametrize("per_source", ["0", "50"])
+async def test_one_address_holding_half_sent_requests_does_not_take_the_console(
+    tmp_path: Path, per_source: str
+) -> None:
+    """Slowloris from 127.0.0.2: 500 requests whose headers never end, held open (the head deadline is
+    60 s here). With no per-source limit ("0") they fill QUAYUTEC_CONSOLE_MAX_CONNECTIONS and everyone
+    else is answered 503 (the finding); with the default (50 per address), /healthz and a real page
+    still answer 200 to another address every time."""
+    with running_console_process(
+        tmp_path / per_source,
+        QUAYUTEC_CONSOLE_HEADER_TIMEOUT_SECONDS="60",
+        QUAYUTEC_CONSOLE_MAX_CONNECTIONS_PER_SOURCE=per_source,
+    ) as port:
+        held = await open_idle(port, 500, b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Slow: ", source="127.0.0.2")
+        try:
+            statuses = []
+            for path in ("/healthz", "/signin") * 10:
+                request = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode()
+                statuses.append((await answer_and_close(port, request))[:12])
+            if per_source == "0":
+                assert b"HTTP/1.1 503" in statuses, statuses
+            else:
+                assert statuses == [b"HTTP/1.1 200"] * 20, statuses
+                # The source's connections past its 50 were closed at once; its 50 are still held.
+                assert await closed_by_server(held[50:]) == 450
+        finally:
+            for _, writer in held:
+                writer.close()
 
 
 def test_the_console_limits_are_settings() -> None:
