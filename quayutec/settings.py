@@ -518,7 +518,7 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_GATEWAY_AUTH_TRACKED",
         10_000,
-        "sources and key ids whose failed authentications are counted, and keys known good (least recent dropped)",
+        "sources and key ids whose failed authentications are counted (least recent dropped)",
         ["gateway"],
     ),
     _g(

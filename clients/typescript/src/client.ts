@@ -179,6 +179,16 @@ export class Client {
     return required((await this.unary("declineInvitation", { invitationId })).invitation);
   }
 
+  /** Every invitation into a room your company created, oldest first: pending ones unless `status` says otherwise. */
+  roomInvitations(roomId: string, options: { status?: EnumInput<typeof InvitationStatus>; pageSize?: number } = {}): AsyncGenerator<Invitation, void, undefined> {
+    return this.paged("listRoomInvitations", { roomId, status: enumValue(InvitationStatus, options.status), pageSize: options.pageSize }, (p) => p.invitations);
+  }
+
+  /** Withdraw a pending invitation (the room's creator, or its sender); withdrawing again changes nothing. */
+  async withdrawInvitation(invitationId: string): Promise<Invitation> {
+    return required((await this.unary("withdrawInvitation", { invitationId })).invitation);
+  }
+
   /** End your company's membership at once. */
   async leaveRoom(roomId: string): Promise<void> {
     await this.unary("leaveRoom", { roomId });
@@ -465,6 +475,8 @@ export const WRAPS: { readonly [K in RpcKey]: keyof Client } = {
   listInvitations: "invitations",
   acceptInvitation: "acceptInvitation",
   declineInvitation: "declineInvitation",
+  listRoomInvitations: "roomInvitations",
+  withdrawInvitation: "withdrawInvitation",
   leaveRoom: "leaveRoom",
   removeMember: "removeMember",
   listMembers: "members",

@@ -40,6 +40,8 @@ export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   listInvitations: Safety.Read,
   acceptInvitation: Safety.IdempotentWrite,
   declineInvitation: Safety.IdempotentWrite,
+  listRoomInvitations: Safety.Read,
+  withdrawInvitation: Safety.IdempotentWrite,
   leaveRoom: Safety.UnkeyedWrite,
   removeMember: Safety.UnkeyedWrite,
   listMembers: Safety.Read,

@@ -57,6 +57,8 @@ SAFETY: Mapping[str, Safety] = {
     "ListInvitations": Safety.READ,
     "AcceptInvitation": Safety.IDEMPOTENT_WRITE,
     "DeclineInvitation": Safety.IDEMPOTENT_WRITE,
+    "ListRoomInvitations": Safety.READ,
+    "WithdrawInvitation": Safety.IDEMPOTENT_WRITE,
     "LeaveRoom": Safety.UNKEYED_WRITE,
     "RemoveMember": Safety.UNKEYED_WRITE,
     "ListMembers": Safety.READ,

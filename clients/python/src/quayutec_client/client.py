@@ -235,6 +235,24 @@ class Client:
         response: gateway_pb2.DeclineInvitationResponse = await self._unary("DeclineInvitation", request)
         return response.invitation
 
+    @rpc("ListRoomInvitations")
+    def room_invitations(self, room_id: str, *, status: int | str = 0, page_size: int = 0) -> AsyncIterator[Invitation]:
+        """Every invitation into a room your company created, oldest first: pending ones unless ``status``
+        says otherwise."""
+        request = gateway_pb2.ListRoomInvitationsRequest(
+            room_id=room_id,
+            status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status),
+            page_size=page_size,
+        )
+        return self._paged("ListRoomInvitations", request, lambda p: p.invitations)
+
+    @rpc("WithdrawInvitation")
+    async def withdraw_invitation(self, invitation_id: str) -> Invitation:
+        """Withdraw a pending invitation (the room's creator, or its sender); withdrawing again changes nothing."""
+        request = gateway_pb2.WithdrawInvitationRequest(invitation_id=invitation_id)
+        response: gateway_pb2.WithdrawInvitationResponse = await self._unary("WithdrawInvitation", request)
+        return response.invitation
+
     @rpc("LeaveRoom")
     async def leave_room(self, room_id: str) -> None:
         """End your company's membership at once."""
