@@ -37,10 +37,9 @@ from quayutec.tls import Identity
 
 _log = logging.getLogger("quayutec.server")
 
-# Bounded resources on every server: message size and concurrent calls (``CallBudgets``; the
-# numbers are ``ConnectionLimits``' defaults, QUAYUTEC_GRPC_MAX_CALLS and its neighbours).
+# Bounded resources on every server: message size, and concurrent calls (``CallBudgets``, with
+# ``ConnectionLimits``: QUAYUTEC_GRPC_MAX_CALLS and its neighbours).
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-MAX_CONCURRENT_RPCS = 1024
 # Calls anyone may make without a key or a certificate: health checks and reflection.
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # Keepalive enforcement: our own channels ping every few seconds, idle or not
@@ -87,15 +86,10 @@ class CallBudgets(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     def __init__(self, limits: ConnectionLimits) -> None:
         self._limits = limits
         self._keyed = 0
-        # (unary, stream) -> calls held; and per source.
+        # Open calls held, unary (False) and streams (True); and per (kind, source).
         self._open: dict[bool, int] = {False: 0, True: 0}
         self._open_by_source: dict[tuple[bool, str], int] = {}
         self._wrapped = WrappedHandlers()
-
-    @property
-    def held(self) -> tuple[int, int]:
-        """(keyed calls, open calls) being served now."""
-        return self._keyed, sum(self._open.values())
 
     async def intercept_service(
         self,
@@ -262,8 +256,7 @@ class GrpcServer:
         # One per server, so the main and health ports share one budget of undecodable-request lines.
         self._errors = ErrorMappingInterceptor()
         # First, so a call past its budget costs nothing more; the health port has its own.
-        self.budgets = CallBudgets(config.connections)
-        self._interceptors = (self.budgets, *authz, *interceptors, self._errors)
+        self._interceptors = (CallBudgets(config.connections), *authz, *interceptors, self._errors)
         self._credentials = identity.server_credentials() if identity is not None else credentials
         self._server: grpc.aio.Server | None = None
         self._health_server: grpc.aio.Server | None = None
