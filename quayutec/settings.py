@@ -455,7 +455,7 @@ _DECLARED: list[Setting] = [
         "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS",
         900,
         "WatchRoom and WatchRooms streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also"
-        " counts against the server's 1,024 concurrent RPCs",
+        " counts against the server's concurrent calls (QUAYUTEC_GRPC_MAX_CALLS)",
         ["gateway"],
     ),
     _g(
