@@ -48,7 +48,7 @@ class HttpLimits:
     max_connections: int = 500
     max_body_bytes: int = 1024 * 1024
     # Open connections of one source address (0: no limit, e.g. behind a proxy that is the only source).
-    max_connections_per_source: int = 50
+    max_connections_per_source: int = 100
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> HttpLimits:

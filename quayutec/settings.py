@@ -650,7 +650,7 @@ _DECLARED: list[Setting] = [
     ),
     _g(
         "QUAYUTEC_CONSOLE_MAX_CONNECTIONS_PER_SOURCE",
-        50,
+        100,
         "open connections one address (an IPv6 /64) may hold; a further one is closed at once, before it counts"
         " against QUAYUTEC_CONSOLE_MAX_CONNECTIONS (0: no limit, for a console whose only client is a proxy)",
         ["console"],

@@ -268,13 +268,13 @@ async def test_the_console_bounds_request_bodies(console: int) -> None:
     assert small.startswith(b"HTTP/1.1 403 "), small[:200]  # no CSRF token: refused by the page itself
 
 
-@pytest.mark.parametrize("per_source", ["0", "50"])
+@pytest.mark.parametrize("per_source", ["0", "100"])
 async def test_one_address_holding_half_sent_requests_does_not_take_the_console(
     tmp_path: Path, per_source: str
 ) -> None:
     """Slowloris from 127.0.0.2: 500 requests whose headers never end, held open (the head deadline is
     60 s here). With no per-source limit ("0") they fill QUAYUTEC_CONSOLE_MAX_CONNECTIONS and everyone
-    else is answered 503 (the finding); with the default (50 per address), /healthz and a real page
+    else is answered 503 (the finding); with the default (100 per address), /healthz and a real page
     still answer 200 to another address every time."""
     with running_console_process(
         tmp_path / per_source,
@@ -291,8 +291,8 @@ async def test_one_address_holding_half_sent_requests_does_not_take_the_console(
                 assert b"HTTP/1.1 503" in statuses, statuses
             else:
                 assert statuses == [b"HTTP/1.1 200"] * 20, statuses
-                # The source's connections past its 50 were closed at once; its 50 are still held.
-                assert await closed_by_server(held[50:]) == 450
+                # The source's connections past its 100 were closed at once; its 100 are still held.
+                assert await closed_by_server(held[100:]) == 400
         finally:
             for _, writer in held:
                 writer.close()
