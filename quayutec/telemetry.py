@@ -35,7 +35,7 @@ from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_ON,
@@ -342,7 +342,9 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
                 }
             )
             telemetry._sampler = _QuietPolling(_env_sampler(), settings.housekeeping_ratio)
-            telemetry.tracer_provider = TracerProvider(resource=resource, sampler=telemetry._sampler)
+            telemetry.tracer_provider = TracerProvider(
+                resource=resource, sampler=telemetry._sampler, span_limits=_span_limits(env)
+            )
             telemetry.tracer_provider.add_span_processor(telemetry._processors)
             exporter = _span_exporter(settings)
             if exporter is not None:
@@ -360,6 +362,12 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
             settings.metrics_exporter,
         )
         return telemetry
+
+
+def _span_limits(env: Mapping[str, str] | None) -> SpanLimits:
+    """The SDK's limits (from OTEL_SPAN_*), but room for a link per item of our largest batch."""
+    env = os.environ if env is None else env
+    return SpanLimits(max_links=None if env.get("OTEL_SPAN_LINK_COUNT_LIMIT") else MAX_LINKS)
 
 
 def _span_exporter(settings: TelemetrySettings) -> SpanExporter | None:
@@ -531,6 +539,46 @@ def wake_delivery_span(wake: common_pb2.Wake) -> Iterator[trace.Span]:
         record_exception=False,
     ) as span:
         annotate(span, agent_id=wake.agent_id, room_id=wake.room_id, wake_id=wake.wake_id)
+        yield span
+
+
+# Most ids a batched call's span names (``quayutec.batch.size`` gives the count; its links reach all).
+BATCH_IDS_NAMED = 100
+# Most links one span keeps (the SDK's default, 128, is less than our largest batches).
+MAX_LINKS = 1000
+BATCH_TRACER = "quayutec.batch"
+_BATCH = trace.get_tracer(BATCH_TRACER)
+
+
+@contextmanager
+def batch_span(
+    name: str, contexts: Sequence[otel_context.Context], *, wake_ids: Sequence[str] = (), run_ids: Sequence[str] = ()
+) -> Iterator[trace.Span]:
+    """The span of one batched call (``name``; the call's client span is its child), current while
+    it lasts: in the trace of the first item submitted from a recorded span, linked to the span every
+    item was submitted from, naming the items' wakes and runs (at most BATCH_IDS_NAMED of each). So
+    each wake's trace reaches the call that carried it, whichever item went first."""
+    links: list[Link] = []
+    seen: set[tuple[int, int]] = set()
+    parent = contexts[0] if contexts else otel_context.Context()
+    chosen = False
+    for ctx in contexts:
+        span = trace.get_current_span(ctx)
+        sc = span.get_span_context()
+        if not sc.is_valid or (sc.trace_id, sc.span_id) in seen:
+            continue
+        seen.add((sc.trace_id, sc.span_id))
+        links.append(Link(sc))
+        if not chosen and span.is_recording():
+            parent, chosen = ctx, True
+    attributes: dict[str, Any] = {f"{ID_PREFIX}batch.size": len(contexts)}
+    if wake_ids:
+        attributes[f"{ID_PREFIX}wake_ids"] = [w for w in wake_ids[:BATCH_IDS_NAMED] if w]
+    if run_ids:
+        attributes[f"{ID_PREFIX}run_ids"] = [r for r in run_ids[:BATCH_IDS_NAMED] if r]
+    with _BATCH.start_as_current_span(
+        name, context=parent, kind=SpanKind.INTERNAL, links=links[:MAX_LINKS] or None, attributes=attributes
+    ) as span:
         yield span
 
 

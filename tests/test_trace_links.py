@@ -25,6 +25,7 @@ from services.runtime.standin import StandinProvider
 from tests.harness.gateway import ended_run, run_reaching
 from tests.harness.otlp import Collector, Got, flushed_until
 from tests.harness.stack import wake_stack
+from tests.harness.walk import STEPS, walk
 
 SERVER = Span.SPAN_KIND_SERVER
 
@@ -247,3 +248,46 @@ async def test_span_attributes_are_stable_convention_names(
     # Every span's resource names the service and its version (the installed package's).
     assert {s.resource.get("service.version") for s in spans} == {service_version()} != {"unknown"}
     assert all(s.resource.get("service.name") for s in spans)
+
+
+WAKES = 10
+
+
+async def test_each_of_concurrent_wakes_reaches_its_claim_start_and_settlement(
+    collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
+) -> None:
+    received, export = collector
+    async with wake_stack(database_url, standin) as stack:
+        # One post mentioning ten agents: ten wakes committed together, leased and delivered as one batch.
+        agents = [stack.agent_id]
+        for i in range(1, WAKES):
+            agent = gateway_pb2.RegisterAgentRequest(
+                name=f"helper{i}", provider=common_pb2.PROVIDER_ANTHROPIC, model=stack.model, provider_key="sk-ant-x"
+            )
+            agents.append((await stack.gw.RegisterAgent(agent, timeout=10)).agent.agent_id)
+        standin.enqueue_reply("On it.", model=stack.model, times=WAKES)
+        posted = await stack.gw.PostMessage(
+            gateway_pb2.PostMessageRequest(
+                room_id=stack.room_id, person="ana", body="everyone: plan the launch", mention_agent_ids=agents
+            ),
+            timeout=10,
+        )
+        wakes = dict(zip(posted.wake_ids, agents, strict=True))
+        wake_ids = list(wakes)
+        for wake_id, agent_id in wakes.items():
+            run = await ended_run(stack.gw, run_id_for(agent_id, wake_id))
+            assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
+
+        def delivered(spans: list[Got]) -> bool:  # each delivery's span ends after its settlement
+            ended = {s.attr("quayutec.wake_id") for s in spans if s.name == "deliver wake"}
+            return set(wake_ids) <= ended
+
+        spans = await flushed_until(received, export, delivered)
+    figures = walk(spans, wake_ids)
+    print(f"\nthe walk: {figures.figures()}")
+    assert figures.missing == {step: [] for step in STEPS}, figures.figures()
+    assert figures.orphans == [], figures.orphans
+    # Each batched call's span names the wakes it carried (one call each here: one leased batch).
+    for name in ("ClaimMany batch", "StartRuns batch", "SettleWakes batch"):
+        named = {w for s in spans if s.name == name for w in s.attr("quayutec.wake_ids")}
+        assert named == set(wake_ids), name
