@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
@@ -49,7 +50,7 @@ from opentelemetry.trace import Link, SpanContext, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import Attributes
 
-from quayutec.config import ConfigError, env_float
+from quayutec.config import ConfigError, env_bool, env_float
 from quayutec.settings import setting
 from quayutec.v1 import common_pb2, room_pb2
 
@@ -85,6 +86,28 @@ _GRPC_STABLE_NAMES: Mapping[str, str | None] = {
     "net.peer.name": None,  # "localhost" on a Unix socket: network.peer.address says it
     "rpc.user_agent": "user_agent.original",
 }
+# The pre-stable gRPC names the stable ones replace (rpc.service and rpc.method become one rpc.method).
+_GRPC_PRE_STABLE = frozenset({"rpc.system", "rpc.service", "rpc.method", "rpc.grpc.status_code"})
+_GRPC_CODE_NAMES: Mapping[int, str] = {code.value[0]: code.name for code in grpc.StatusCode}
+# Answers a caller is expected to get now and then: span status and ``error.type``, no exception
+# event with a stack trace. Server errors (UNKNOWN, INTERNAL, UNAVAILABLE, DEADLINE_EXCEEDED,
+# UNIMPLEMENTED, DATA_LOSS) keep theirs.
+EXPECTED_REFUSALS = frozenset(
+    {
+        "CANCELLED",
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNAUTHENTICATED",
+    }
+)
+# The services whose calls come from outside (the Gateway's door): an incoming traceparent is a link.
+DOOR_SERVICES = ("quayutec.v1.GatewayService", "lf.a2a.v1.A2AService")
 # Services never traced: probes, reflection, and OTLP itself (a collector in-process, in tests).
 _UNTRACED_SERVICE_PREFIXES = ("grpc.health.", "grpc.reflection.", "opentelemetry.proto.")
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -103,6 +126,8 @@ class TelemetrySettings:
     metrics_endpoint: str | None
     # The fraction of idle polling and housekeeping RPCs traced as roots of their own (0: none).
     housekeeping_ratio: float = 0.0
+    # Whether an incoming traceparent at the Gateway's door is the parent of its span (else a link).
+    trust_caller_trace: bool = False
 
     @classmethod
     def from_env(cls, service_name: str, env: Mapping[str, str] | None = None) -> TelemetrySettings:
@@ -119,6 +144,7 @@ class TelemetrySettings:
             metrics_exporter=_exporter_choice(env, "OTEL_METRICS_EXPORTER", metrics_endpoint),
             metrics_endpoint=metrics_endpoint,
             housekeeping_ratio=_housekeeping_ratio(env),
+            trust_caller_trace=env_bool(env, setting("QUAYUTEC_GATEWAY_TRUST_TRACEPARENT")),
         )
 
 
@@ -196,26 +222,44 @@ class _SwitchableProcessor(SpanProcessor):
 
 
 def stable_conventions(span: ReadableSpan) -> ReadableSpan:
-    """A gRPC span with the stable names: ``pkg.Service/Method`` (no leading slash) and the network
-    attributes of today's conventions; any other span as it is."""
+    """A gRPC span with the stable RPC conventions: span name ``pkg.Service/Method`` (no leading
+    slash), ``rpc.system.name``, ``rpc.method`` fully qualified, ``rpc.response.status_code`` as the
+    code's name (``error.type`` too when not OK), ``network.peer.port`` an int; an expected refusal
+    (EXPECTED_REFUSALS) keeps its status and attributes but no exception event. Any other span as it is."""
     attributes = span.attributes or {}
     if attributes.get("rpc.system") != "grpc":
         return span
-    renamed: dict[str, Any] = {}
+    renamed: dict[str, Any] = {"rpc.system.name": "grpc", "rpc.method": span.name.lstrip("/")}
     for key, value in attributes.items():
+        if key in _GRPC_PRE_STABLE:
+            continue
         if key in _GRPC_STABLE_NAMES:
             new = _GRPC_STABLE_NAMES[key]
             if new is not None:
                 renamed.setdefault(new, value)
         else:
             renamed[key] = value
+    if "network.peer.port" in renamed:
+        try:
+            renamed["network.peer.port"] = int(renamed["network.peer.port"])
+        except (TypeError, ValueError):
+            del renamed["network.peer.port"]
+    code = _GRPC_CODE_NAMES.get(attributes.get("rpc.grpc.status_code"), "UNKNOWN")  # type: ignore[arg-type]
+    if code == "OK" and not span.status.is_ok:
+        code = "UNKNOWN"  # an exception the servicer did not map: gRPC answers UNKNOWN
+    renamed["rpc.response.status_code"] = code
+    events = span.events
+    if code != "OK":
+        renamed.setdefault("error.type", code)
+        if code in EXPECTED_REFUSALS:
+            events = tuple(event for event in events if event.name != "exception")
     return ReadableSpan(
         name=span.name.lstrip("/"),
         context=span.context,
         parent=span.parent,
         resource=span.resource,
         attributes=renamed,
-        events=span.events,
+        events=events,
         links=span.links,
         kind=span.kind,
         status=span.status,
@@ -292,7 +336,7 @@ class Telemetry:
         self._processors.add(processor)
         if self._sampler is not None:
             self._sampler.recording = True
-        _instrument()
+        _instrument(self.settings.trust_caller_trace)
 
         def detach() -> None:
             # With nothing left to receive them, spans are dropped again (and runs record no trace id).
@@ -367,7 +411,7 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
 def _span_limits(env: Mapping[str, str] | None) -> SpanLimits:
     """The SDK's limits (from OTEL_SPAN_*), but room for a link per item of our largest batch."""
     env = os.environ if env is None else env
-    return SpanLimits(max_links=None if env.get("OTEL_SPAN_LINK_COUNT_LIMIT") else MAX_LINKS)
+    return SpanLimits(max_links=None if env.get(setting("OTEL_SPAN_LINK_COUNT_LIMIT").name) else MAX_LINKS)
 
 
 def _span_exporter(settings: TelemetrySettings) -> SpanExporter | None:
@@ -403,9 +447,11 @@ def _traced(details: Any) -> bool:
     return not _untraced(details)
 
 
-def _instrument() -> None:
+def _instrument(trust_caller_trace: bool = False) -> None:
     """gRPC aio server and client (context in metadata), asyncpg (statements, never parameters) and
-    httpx; each once. Installed when something receives spans: without a receiver they are pure cost."""
+    httpx; each once. Installed when something receives spans: without a receiver they are pure cost.
+    The gRPC server's spans come from ``_DoorTracerProvider`` (the Gateway's door decides its own
+    traces) and each gRPC client span is told its server's address (``_ServerAddress``)."""
     # Read once, by the first instrumentation that asks: set before any is imported and installed.
     os.environ.setdefault(SEMCONV_OPT_IN, str(setting(SEMCONV_OPT_IN).default))
     from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
@@ -413,15 +459,137 @@ def _instrument() -> None:
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
     # No request or response hooks: message bodies never reach a span.
+    server = GrpcAioInstrumentorServer(filter_=_traced)  # type: ignore[no-untyped-call]
+    if not server.is_instrumented_by_opentelemetry:
+        server.instrument(tracer_provider=_DoorTracerProvider(trust_caller_trace))
+    client = GrpcAioInstrumentorClient(filter_=_traced)  # type: ignore[no-untyped-call]
+    if not client.is_instrumented_by_opentelemetry:
+        client.instrument()
+        _tell_client_spans_their_server()
     instrumentors: list[Any] = [
-        GrpcAioInstrumentorServer(filter_=_traced),  # type: ignore[no-untyped-call]
-        GrpcAioInstrumentorClient(filter_=_traced),  # type: ignore[no-untyped-call]
         AsyncPGInstrumentor(capture_parameters=False),  # type: ignore[no-untyped-call]
         HTTPXClientInstrumentor(),
     ]
     for instrumentor in instrumentors:
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument()
+
+
+class _DoorTracerProvider(trace.TracerProvider):
+    """The gRPC server instrumentation's tracers: the installed provider's, behind ``_DoorTracer``."""
+
+    def __init__(self, trust_caller_trace: bool) -> None:
+        self._trust = trust_caller_trace
+
+    def get_tracer(
+        self,
+        instrumenting_module_name: str,
+        instrumenting_library_version: str | None = None,
+        schema_url: str | None = None,
+        attributes: Attributes | None = None,
+    ) -> trace.Tracer:
+        inner = trace.get_tracer_provider().get_tracer(
+            instrumenting_module_name, instrumenting_library_version, schema_url, attributes
+        )
+        return _DoorTracer(inner, self._trust)
+
+
+class _DoorTracer(trace.Tracer):
+    """Server spans of the Gateway's door (DOOR_SERVICES) start a trace of ours: a caller's
+    traceparent becomes a link to its span (its trace id in ``quayutec.caller.trace_id``) and our
+    sampler decides, so a caller's flags never switch our tracing off and its span, which we never
+    receive, is never our span's missing parent. Unless the operator trusts callers' contexts."""
+
+    def __init__(self, inner: trace.Tracer, trust_caller_trace: bool) -> None:
+        self._inner = inner
+        self._trust = trust_caller_trace
+
+    def start_span(
+        self, name: str, context: otel_context.Context | None = None, *args: Any, **kwargs: Any
+    ) -> trace.Span:
+        return self._inner.start_span(name, context, *args, **kwargs)
+
+    @contextmanager
+    def start_as_current_span(  # type: ignore[override]
+        self,
+        name: str,
+        context: otel_context.Context | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[trace.Span]:
+        caller = trace.get_current_span(context).get_span_context()
+        if not self._trust and caller.is_valid and caller.is_remote and name.lstrip("/").startswith(DOOR_SERVICES):
+            context = otel_context.Context()
+            links = [*(links or ()), Link(caller, {f"{ID_PREFIX}link": "caller"})]
+            attributes = {**(attributes or {}), f"{ID_PREFIX}caller.trace_id": trace.format_trace_id(caller.trace_id)}
+        with self._inner.start_as_current_span(
+            name, context=context, kind=kind, attributes=attributes, links=links, **kwargs
+        ) as span:
+            yield span
+
+
+def _server_of(target: str) -> tuple[str, int | None]:
+    """``server.address`` and ``server.port`` of a channel target (``host:port``, ``[::1]:port``,
+    ``dns:///host:port``, ``unix:/path``)."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return target.split(":", 1)[1], None
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        target = target.removeprefix(scheme)
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or (host.count(":") and not host.startswith("[")):
+        return target.strip("[]"), None
+    return host.strip("[]"), int(port)
+
+
+class _ServerAddress(
+    grpc.aio.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
+    grpc.aio.StreamUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.aio.StreamStreamClientInterceptor,  # type: ignore[misc]
+):
+    """Runs inside the instrumentation's client span (the last interceptor of a channel): puts the
+    channel's ``server.address`` and ``server.port`` on it."""
+
+    def __init__(self, target: str) -> None:
+        address, port = _server_of(target)
+        self._attributes: dict[str, Any] = {"server.address": address}
+        if port is not None:
+            self._attributes["server.port"] = port
+
+    def _mark(self) -> None:
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(self._attributes)
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        self._mark()
+        return await continuation(client_call_details, request)
+
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        self._mark()
+        return await continuation(client_call_details, request)
+
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        self._mark()
+        return await continuation(client_call_details, request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        self._mark()
+        return await continuation(client_call_details, request_iterator)
+
+
+def _tell_client_spans_their_server() -> None:
+    """Wrap the instrumented channel factories so each channel's last interceptor is ``_ServerAddress``."""
+    for name in ("insecure_channel", "secure_channel"):
+        instrumented = getattr(grpc.aio, name)
+
+        def channel(target: str, *args: Any, _instrumented: Any = instrumented, **kwargs: Any) -> Any:
+            kwargs["interceptors"] = [*(kwargs.get("interceptors") or ()), _ServerAddress(target)]
+            return _instrumented(target, *args, **kwargs)
+
+        setattr(grpc.aio, name, channel)
 
 
 @dataclass

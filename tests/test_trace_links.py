@@ -14,9 +14,15 @@ promise of docs/operations.md ("Following a run in Jaeger"):
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
-from opentelemetry.proto.trace.v1.trace_pb2 import Span
+import grpc
+import pytest
+from opentelemetry import trace
+from opentelemetry.instrumentation.utils import suppress_instrumentation
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from quayutec.ledger import run_id_for
 from quayutec.telemetry import SpanCapture, service_version
@@ -192,11 +198,10 @@ async def test_an_idle_stack_exports_no_trace_and_housekeeping_that_acts_is_one_
 # and the pre-stable ones that must never appear again.
 STABLE_ATTRIBUTES = frozenset(
     {
-        # gRPC (rpc.*: the RPC conventions; the network ones stable)
-        "rpc.system",
-        "rpc.service",
+        # gRPC (the stable RPC conventions)
+        "rpc.system.name",
         "rpc.method",
-        "rpc.grpc.status_code",
+        "rpc.response.status_code",
         "network.peer.address",
         "network.peer.port",
         "user_agent.original",
@@ -225,6 +230,8 @@ STABLE_ATTRIBUTES = frozenset(
     }
 )
 PRE_STABLE = ("net.peer.", "net.host.", "http.method", "http.url", "http.status_code", "db.statement", "db.system")
+# The pre-stable RPC names, which must never appear (rpc.system.name is not one of them).
+PRE_STABLE_RPC = frozenset({"rpc.system", "rpc.service", "rpc.grpc.status_code", "rpc.user_agent"})
 
 
 async def test_span_attributes_are_stable_convention_names(
@@ -242,6 +249,20 @@ async def test_span_attributes_are_stable_convention_names(
     ours = {name for name in names if name.startswith("quayutec.")}
     assert names - ours <= STABLE_ATTRIBUTES, sorted(names - ours - STABLE_ATTRIBUTES)
     assert not [n for n in names if n.startswith(PRE_STABLE) and n != "db.system.name"]
+    assert not names & PRE_STABLE_RPC
+    # Every gRPC span has the stable names, with the stable types.
+    rpc = [s for s in spans if s.attr("rpc.system.name") == "grpc"]
+    assert rpc and {s.scope for s in rpc} == {"opentelemetry.instrumentation.grpc"}
+    for s in rpc:
+        assert s.attr("rpc.method") == s.name and "/" in s.name and s.name.startswith(("quayutec.v1.", "lf.a2a.")), (
+            s.name
+        )
+        assert isinstance(s.attr("rpc.response.status_code"), str), s.name
+        if s.span.kind == SERVER:
+            assert isinstance(s.attr("network.peer.port"), int), s.name
+        else:
+            assert s.attr("server.address") == "127.0.0.1" and isinstance(s.attr("server.port"), int), s.name
+    assert {s.attr("rpc.response.status_code") for s in rpc} >= {"OK"}
     # gRPC span names are "package.Service/Method", without the leading slash.
     assert not [s.name for s in spans if s.name.startswith("/")]
     assert "quayutec.v1.RoomService/ReadRunContext" in {s.name for s in spans}
@@ -291,3 +312,79 @@ async def test_each_of_concurrent_wakes_reaches_its_claim_start_and_settlement(
     for name in ("ClaimMany batch", "StartRuns batch", "SettleWakes batch"):
         named = {w for s in spans if s.name == name for w in s.attr("quayutec.wake_ids")}
         assert named == set(wake_ids), name
+
+
+def _remote(flags: int) -> trace.Span:
+    """A caller's span we never receive: a trace and span id of its own, sampled (01) or not (00)."""
+    return trace.NonRecordingSpan(
+        SpanContext(
+            trace_id=int(uuid.uuid4().hex, 16),
+            span_id=int(uuid.uuid4().hex[:16], 16),
+            is_remote=True,
+            trace_flags=TraceFlags(flags),
+        )
+    )
+
+
+@pytest.mark.parametrize("flags", [0x00, 0x01])
+async def test_a_callers_traceparent_is_a_link_and_our_sampler_decides(
+    collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str, flags: int
+) -> None:
+    received, export = collector
+    async with wake_stack(database_url, standin) as stack:
+        standin.enqueue_reply("On it.", model=stack.model)
+        caller = _remote(flags)
+        traceparent = (
+            f"00-{caller.get_span_context().trace_id:032x}-{caller.get_span_context().span_id:016x}-{flags:02x}"
+        )
+        with suppress_instrumentation():  # the caller's own client is not ours: its traceparent goes as it is
+            posted = await stack.gw.PostMessage(
+                gateway_pb2.PostMessageRequest(
+                    room_id=stack.room_id, person="ana", body="@planner plan", mention_agent_ids=[stack.agent_id]
+                ),
+                metadata=(("traceparent", traceparent),),
+                timeout=10,
+            )
+        (wake_id,) = posted.wake_ids
+        run = await ended_run(stack.gw, run_id_for(stack.agent_id, wake_id))
+        assert run.status == common_pb2.RUN_STATUS_SUCCEEDED, run.error
+        spans = await flushed_until(received, export, settled_wakes(1))
+
+    # The Gateway's span: a root of ours (sampled whatever the caller's flags), linked to the caller.
+    door = one(spans, "quayutec.v1.GatewayService/PostMessage", quayutec_message_id=posted.message.message_id)
+    assert door.span.kind == SERVER and not door.span.parent_span_id
+    assert door.trace_id != f"{caller.get_span_context().trace_id:032x}"
+    assert door.attr("quayutec.caller.trace_id") == f"{caller.get_span_context().trace_id:032x}"
+    assert [(link.trace_id, link.span_id) for link in door.span.links] == [
+        (caller.get_span_context().trace_id.to_bytes(16, "big"), caller.get_span_context().span_id.to_bytes(8, "big"))
+    ]
+    # The post's Room span is in our trace, and the wake it made links back to it.
+    room_post = one(spans, "quayutec.v1.RoomService/PostMessage", quayutec_message_id=posted.message.message_id)
+    assert room_post.trace_id == door.trace_id
+    assert one(spans, "deliver wake", quayutec_wake_id=wake_id).links_to(room_post)
+    # No span of ours lost its parent.
+    assert walk(spans, [wake_id]).orphans == []
+
+
+async def test_an_expected_refusal_is_a_status_not_an_exception(
+    collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
+) -> None:
+    received, export = collector
+    async with wake_stack(database_url, standin) as stack:
+        missing = str(uuid.uuid4())
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await stack.gw.GetRun(gateway_pb2.GetRunRequest(run_id=missing), timeout=10)
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+
+        def answered(spans: list[Got]) -> bool:
+            return len([s for s in spans if s.name == "quayutec.v1.GatewayService/GetRun"]) >= 2
+
+        spans = await flushed_until(received, export, answered)
+    calls = [s for s in spans if s.name == "quayutec.v1.GatewayService/GetRun"]
+    assert {s.span.kind for s in calls} == {SERVER, Span.SPAN_KIND_CLIENT}
+    for s in calls:
+        assert s.attr("rpc.response.status_code") == "NOT_FOUND" == s.attr("error.type"), s.span.kind
+        # The RPC conventions: an error of the client's call; the server's status is left unset.
+        wanted = Status.STATUS_CODE_ERROR if s.span.kind == Span.SPAN_KIND_CLIENT else Status.STATUS_CODE_UNSET
+        assert s.span.status.code == wanted, s.span.kind
+        assert [e.name for e in s.span.events] == [], s.span.kind
