@@ -767,20 +767,41 @@ def run_span(
 _HOUSEKEEPING = trace.get_tracer(HOUSEKEEPING_TRACER)
 
 
-def record_housekeeping(name: str, started_ns: int, counts: Mapping[str, int]) -> None:
+def record_housekeeping(
+    name: str, started_ns: int, counts: Mapping[str, int], *, run_ids: Sequence[str] = ()
+) -> None:
     """A housekeeping pass that changed something, recorded after the fact as a trace of its own
-    (``name``, from ``started_ns`` to now, each count as ``quayutec.housekeeping.<key>``); a pass that
-    changed nothing records nothing. Its calls were not traced (QUIET_ROOT_SPANS)."""
+    (``name``, from ``started_ns`` to now, each count as ``quayutec.housekeeping.<key>``, the runs it
+    touched as ``quayutec.run_ids``); a pass that changed nothing records nothing. Its calls were not
+    traced (QUIET_ROOT_SPANS)."""
     if not any(counts.values()):
         return
+    attributes: dict[str, Any] = {f"{ID_PREFIX}housekeeping.{key}": value for key, value in counts.items()}
+    if run_ids:
+        attributes[f"{ID_PREFIX}run_ids"] = list(run_ids[:BATCH_IDS_NAMED])
     span = _HOUSEKEEPING.start_span(
-        name,
-        context=otel_context.Context(),
-        kind=SpanKind.INTERNAL,
-        start_time=started_ns,
-        attributes={f"{ID_PREFIX}housekeeping.{key}": value for key, value in counts.items()},
+        name, context=otel_context.Context(), kind=SpanKind.INTERNAL, start_time=started_ns, attributes=attributes
     )
     span.end()
+
+
+@contextmanager
+def expiry_span(run_ids: Sequence[str], parked: Sequence[str]) -> Iterator[trace.Span]:
+    """The span of one expiry of approvals ("expire approvals"), a trace of its own, current while
+    it lasts: linked to the span that parked each run (``parked``: their traceparents), naming the
+    runs (at most BATCH_IDS_NAMED). The decision wakes it writes keep its trace context, so each
+    continuation's delivery links to it. Started only when something expires: idle passes make none."""
+    links = [link for link in map(link_to, parked) if link is not None]
+    with _HOUSEKEEPING.start_as_current_span(
+        "expire approvals",
+        context=otel_context.Context(),
+        kind=SpanKind.INTERNAL,
+        links=links[:MAX_LINKS] or None,
+        attributes={f"{ID_PREFIX}run_ids": list(run_ids[:BATCH_IDS_NAMED]), f"{ID_PREFIX}batch.size": len(run_ids)},
+    ) as span:
+        if len(run_ids) == 1:
+            annotate(span, run_id=run_ids[0])
+        yield span
 
 
 def run_outcome(status: common_pb2.RunStatus.ValueType) -> str:

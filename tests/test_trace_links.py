@@ -17,6 +17,7 @@ import asyncio
 import uuid
 from typing import Any
 
+import asyncpg
 import grpc
 import pytest
 from opentelemetry import trace
@@ -388,3 +389,43 @@ async def test_an_expected_refusal_is_a_status_not_an_exception(
         wanted = Status.STATUS_CODE_ERROR if s.span.kind == Span.SPAN_KIND_CLIENT else Status.STATUS_CODE_UNSET
         assert s.span.status.code == wanted, s.span.kind
         assert [e.name for e in s.span.events] == [], s.span.kind
+
+
+async def test_an_expired_approvals_continuation_links_to_the_expiry(
+    collector: tuple[Collector, SpanCapture], standin: StandinProvider, database_url: str
+) -> None:
+    received, export = collector
+    gateway_env = {"QUAYUTEC_GATEWAY_EXPIRE_INTERVAL_SECONDS": "0.2"}
+    async with wake_stack(database_url, standin, gateway_env=gateway_env) as stack:
+        await stack.gw.SetAgentRights(
+            gateway_pb2.SetAgentRightsRequest(agent_id=stack.agent_id, remember=common_pb2.ACTION_RIGHT_HOLD),
+            timeout=10,
+        )
+        remember = {"name": "remember", "arguments": {"text": "launch on Friday", "private": False}}
+        standin.enqueue_reply("Noted.", [remember], model=stack.model)
+        (wake_id,) = (await stack.post("@planner remember the launch day")).wake_ids
+        run_id = run_id_for(stack.agent_id, wake_id)
+        await run_reaching(stack.gw, run_id, lambda r: r.status == common_pb2.RUN_STATUS_PARKED)
+        # Nobody decides: the approval's time runs out.
+        connection = await asyncpg.connect(database_url)
+        try:
+            await connection.execute(
+                "UPDATE waitpoints SET expires_at = now() - interval '1 minute' WHERE run_id = $1", run_id
+            )
+        finally:
+            await connection.close()
+        run = await ended_run(stack.gw, run_id)
+        spans = await flushed_until(received, export, settled_wakes(2))
+
+    parking = one(spans, "quayutec.v1.RoomService/CreateWaitpoint", quayutec_run_id=run_id)
+    expiry = one(spans, "expire approvals", quayutec_run_id=run_id)
+    assert expiry.attr("quayutec.run_ids") == (run_id,)
+    assert not expiry.span.parent_span_id and expiry.links_to(parking)
+    # The continuation's delivery links to the expiry, its run to the parking, and its trace is the ledger's.
+    delivery = one(spans, "deliver wake", **{"quayutec.wake.kind": "decision"})
+    assert delivery.links_to(expiry)
+    assert delivery.trace_id == run.trace_ids[-1]
+    continuation = one(spans, "run", quayutec_run_id=run_id, quayutec_wake_id=delivery.attr("quayutec.wake_id"))
+    assert continuation.links_to(parking)
+    # The Gateway's housekeeping pass that expired it names the run.
+    assert run_id in one(spans, "housekeeping", **{"quayutec.housekeeping.expired": 1}).attr("quayutec.run_ids")

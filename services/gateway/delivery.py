@@ -318,7 +318,7 @@ class WakeDelivery:
                     "abandoned": abandoned.abandoned,
                     "not_started": not_started.recorded,
                 }
-                record_housekeeping("housekeeping", started_ns, counts)
+                record_housekeeping("housekeeping", started_ns, counts, run_ids=response.run_ids)
                 full = (response.expired, abandoned.abandoned, not_started.checked)
                 if max(full) >= _EXPIRE_BATCH:
                     continue

@@ -723,7 +723,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         self, request: room_pb2.RoomServiceExpireWaitpointsRequest, context: Ctx
     ) -> room_pb2.RoomServiceExpireWaitpointsResponse:
         limit = v.in_range(request.limit or 100, "limit", 1, 1000)
-        return room_pb2.RoomServiceExpireWaitpointsResponse(expired=await self._store.expire_waitpoints(limit))
+        expired, run_ids = await self._store.expire_waitpoints(limit)
+        return room_pb2.RoomServiceExpireWaitpointsResponse(expired=expired, run_ids=run_ids)
 
     async def AbandonStaleRuns(
         self, request: room_pb2.RoomServiceAbandonStaleRunsRequest, context: Ctx
