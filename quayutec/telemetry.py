@@ -767,9 +767,7 @@ def run_span(
 _HOUSEKEEPING = trace.get_tracer(HOUSEKEEPING_TRACER)
 
 
-def record_housekeeping(
-    name: str, started_ns: int, counts: Mapping[str, int], *, run_ids: Sequence[str] = ()
-) -> None:
+def record_housekeeping(name: str, started_ns: int, counts: Mapping[str, int], *, run_ids: Sequence[str] = ()) -> None:
     """A housekeeping pass that changed something, recorded after the fact as a trace of its own
     (``name``, from ``started_ns`` to now, each count as ``quayutec.housekeeping.<key>``, the runs it
     touched as ``quayutec.run_ids``); a pass that changed nothing records nothing. Its calls were not
