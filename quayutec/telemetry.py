@@ -635,6 +635,7 @@ def annotate(
     wake_id: str = "",
     run_id: str = "",
     message_id: str = "",
+    task_id: str = "",
     wake_ids: Sequence[str] = (),
 ) -> None:
     """Put our ids on ``span`` (the current span by default) as ``quayutec.<name>`` (a list of ids:
@@ -649,6 +650,7 @@ def annotate(
         "wake_id": wake_id,
         "run_id": run_id,
         "message_id": message_id,
+        "task_id": task_id,
     }
     for name, value in ids.items():
         if value:
