@@ -52,6 +52,7 @@ from opentelemetry.util.types import Attributes
 
 from quayutec.config import ConfigError, env_bool, env_float
 from quayutec.settings import setting
+from quayutec.sql import query_name
 from quayutec.v1 import common_pb2, room_pb2
 
 _log = logging.getLogger("quayutec.telemetry")
@@ -228,6 +229,8 @@ def stable_conventions(span: ReadableSpan) -> ReadableSpan:
     (EXPECTED_REFUSALS) keeps its status and attributes but no exception event. Any other span as it is."""
     attributes = span.attributes or {}
     if attributes.get("rpc.system") != "grpc":
+        if "db.system.name" in attributes:
+            return _named_query(span, attributes)
         return span
     renamed: dict[str, Any] = {"rpc.system.name": "grpc", "rpc.method": span.name.lstrip("/")}
     for key, value in attributes.items():
@@ -260,6 +263,31 @@ def stable_conventions(span: ReadableSpan) -> ReadableSpan:
         resource=span.resource,
         attributes=renamed,
         events=events,
+        links=span.links,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
+def _named_query(span: ReadableSpan, attributes: Mapping[str, Any]) -> ReadableSpan:
+    """A database span named by the named query it sent (``room/post_check``, also its
+    ``db.query.summary``), or by its keyword for a transaction's ``BEGIN;``/``COMMIT;``/``ROLLBACK;``."""
+    text = attributes.get("db.query.text")
+    name = query_name(text) if isinstance(text, str) else None
+    if name is None:
+        if span.name.rstrip(";") == span.name:
+            return span
+        name = span.name.rstrip(";").upper()
+    return ReadableSpan(
+        name=name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes={**attributes, "db.query.summary": name},
+        events=span.events,
         links=span.links,
         kind=span.kind,
         status=span.status,

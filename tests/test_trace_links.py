@@ -211,6 +211,7 @@ STABLE_ATTRIBUTES = frozenset(
         "db.system.name",
         "db.namespace",
         "db.query.text",
+        "db.query.summary",
         "db.operation.name",
         "server.address",
         "server.port",
@@ -268,6 +269,11 @@ async def test_span_attributes_are_stable_convention_names(
     # gRPC span names are "package.Service/Method", without the leading slash.
     assert not [s.name for s in spans if s.name.startswith("/")]
     assert "quayutec.v1.RoomService/ReadRunContext" in {s.name for s in spans}
+    # Database spans are named by the named query they sent (a transaction's by its keyword).
+    database = {s.name for s in spans if s.scope.startswith("opentelemetry.instrumentation.asyncpg")}
+    named = {"room/insert_message_with_wakes", "room/post_check", "claims/claim_many", "BEGIN", "COMMIT"}
+    assert named <= database, sorted(database)
+    assert not [n for n in database if "/" not in n and n not in ("BEGIN", "COMMIT", "ROLLBACK")], sorted(database)
     # Every span's resource names the service and its version (the installed package's).
     assert {s.resource.get("service.version") for s in spans} == {service_version()} != {"unknown"}
     assert all(s.resource.get("service.name") for s in spans)
