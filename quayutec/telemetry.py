@@ -719,12 +719,10 @@ _RUN = trace.get_tracer(RUN_TRACER)
 
 @contextmanager
 def wake_delivery_span(wake: common_pb2.Wake) -> Iterator[trace.Span]:
-    """The root span of one wake's trace ("deliver wake"): StartRun, the run and its calls hang under it."""
-    current = trace.get_current_span().get_span_context()
-    links = [Link(current)] if current.is_valid else []
-    created_by = link_to(wake.traceparent)  # the post, task or decision whose transaction made the wake
-    if created_by is not None:
-        links.append(created_by)
+    """The root span of one wake's trace ("deliver wake"): StartRun, the run and its calls hang under
+    it. It links to the span whose transaction made the wake (the post, task, decision or expiry)."""
+    created_by = link_to(wake.traceparent)
+    links = [created_by] if created_by is not None else []
     with _DELIVERY.start_as_current_span(
         "deliver wake",
         context=otel_context.Context(),  # a trace of its own, whatever the poll loop is inside
@@ -757,6 +755,7 @@ def batch_span(
     item was submitted from, naming the items' wakes and runs (at most BATCH_IDS_NAMED of each). So
     each wake's trace reaches the call that carried it, whichever item went first."""
     links: list[Link] = []
+    callers: list[trace.Span] = []
     seen: set[tuple[int, int]] = set()
     parent = contexts[0] if contexts else otel_context.Context()
     chosen = False
@@ -769,6 +768,8 @@ def batch_span(
         links.append(Link(sc))
         if not chosen and span.is_recording():
             parent, chosen = ctx, True
+        elif span.is_recording():
+            callers.append(span)
     attributes: dict[str, Any] = {f"{ID_PREFIX}batch.size": len(contexts)}
     if wake_ids:
         attributes[f"{ID_PREFIX}wake_ids"] = [w for w in wake_ids[:BATCH_IDS_NAMED] if w]
@@ -777,6 +778,10 @@ def batch_span(
     with _BATCH.start_as_current_span(
         name, context=parent, kind=SpanKind.INTERNAL, links=links[:MAX_LINKS] or None, attributes=attributes
     ) as span:
+        # And back: each other caller's span (still open, it awaits the call) links to the call's span,
+        # so the wake's own trace shows the call that carried it.
+        for caller in callers:
+            caller.add_link(span.get_span_context(), {f"{ID_PREFIX}link": "batch"})
         yield span
 
 

@@ -316,10 +316,14 @@ async def test_each_of_concurrent_wakes_reaches_its_claim_start_and_settlement(
     print(f"\nthe walk: {figures.figures()}")
     assert figures.missing == {step: [] for step in STEPS}, figures.figures()
     assert figures.orphans == [], figures.orphans
-    # Each batched call's span names the wakes it carried (one call each here: one leased batch).
+    # Each batched call's span names the wakes it carried (one call each here: one leased batch), and
+    # each wake's own trace shows it: the call is in that trace, or a span of that trace links to it.
+    traces = {one(spans, "deliver wake", quayutec_wake_id=w).trace_id: w for w in wake_ids}
     for name in ("ClaimMany batch", "StartRuns batch", "SettleWakes batch"):
-        named = {w for s in spans if s.name == name for w in s.attr("quayutec.wake_ids")}
-        assert named == set(wake_ids), name
+        (batch,) = [s for s in spans if s.name == name]
+        assert set(batch.attr("quayutec.wake_ids")) == set(wake_ids), name
+        shown = {traces[s.trace_id] for s in spans if s.trace_id in traces and s.links_to(batch)}
+        assert shown | {traces[batch.trace_id]} == set(wake_ids), name
 
 
 def _remote(flags: int) -> trace.Span:
