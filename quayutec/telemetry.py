@@ -8,12 +8,16 @@ service the same way). Span attributes carry ids only: never a prompt, a reply o
 
 Traces people can follow (docs/operations.md): a wake keeps the trace context of the span that
 created it and its ``deliver wake`` span links to it; a continuation's run links to the span that
-parked it. Housekeeping makes no trace while idle: polling and housekeeping RPCs are not sampled as
-roots (but for QUAYUTEC_HOUSEKEEPING_TRACE_RATIO of them), a database span without a parent is never
-recorded, and a housekeeping pass that changed something is recorded afterwards as a span of its own.
+parked it, and its delivery to the decision or the expiry (``expiry_span``). A batched call
+(``batch_span``) links to every wake it carries and each of them back to it. The Gateway's door
+starts traces of its own: a caller's traceparent is a link (``_DoorTracer``). Housekeeping makes no
+trace while idle: polling and housekeeping RPCs are not sampled as roots (but for
+QUAYUTEC_HOUSEKEEPING_TRACE_RATIO of them), a database span without a parent is never recorded, and
+a housekeeping pass that changed something is recorded afterwards as a span of its own.
 Attribute names follow the stable semantic conventions: the instrumentations' own opt-in
 (OTEL_SEMCONV_STABILITY_OPT_IN, ``http,database`` unless set) and, for gRPC, whose instrumentation has
-none, the stable names and span names written at the end of each span.
+none, the stable RPC names, types and span names written at the end of each span
+(``stable_conventions``, which also names database spans by their named query).
 """
 
 from __future__ import annotations
