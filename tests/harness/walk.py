@@ -35,13 +35,15 @@ class Walk:
     traces: int
     missing: dict[str, list[str]] = field(default_factory=dict)  # step -> wake ids that do not reach it
     calls: dict[str, int] = field(default_factory=dict)  # server spans of each step's calls, by name
+    exception_events: int = 0  # exception events on any span (with a stack trace each)
 
     def figures(self) -> str:
         missing = ", ".join(f"{step} {len(ids)}" for step, ids in self.missing.items())
         return (
             f"wakes {self.wakes}: spans {self.spans} in {self.traces} traces, "
             f"{self.spans_in_wake_traces / max(self.wakes, 1):.1f} spans per wake trace, links {self.links}, "
-            f"orphan roots {len(self.orphans)}; wakes not reaching their step: {missing}; calls {self.calls}"
+            f"orphan roots {len(self.orphans)}, exception events {self.exception_events}; "
+            f"wakes not reaching their step: {missing}; calls {self.calls}"
         )
 
 
@@ -99,6 +101,7 @@ def walk(spans: Sequence[Got], wake_ids: Iterable[str]) -> Walk:
         orphans=orphans,
         traces=len(by_trace),
         missing=missing,
+        exception_events=sum(1 for s in spans for e in s.span.events if e.name == "exception"),
         calls={
             name.rsplit("/", 1)[-1]: sum(
                 1 for s in spans if _normalised(s.name) == name and s.span.kind == Span.SPAN_KIND_SERVER
