@@ -671,7 +671,7 @@ def annotate(
     wake_ids: Sequence[str] = (),
 ) -> None:
     """Put our ids on ``span`` (the current span by default) as ``quayutec.<name>`` (a list of ids:
-    ``quayutec.<name>s``); empty ones are skipped."""
+    ``quayutec.<name>s``, at most BATCH_IDS_NAMED of them); empty ones are skipped."""
     target = span if span is not None else trace.get_current_span()
     if not target.is_recording():
         return
@@ -688,7 +688,7 @@ def annotate(
         if value:
             target.set_attribute(ID_PREFIX + name, value)
     if wake_ids:
-        target.set_attribute(ID_PREFIX + "wake_ids", list(wake_ids))
+        target.set_attribute(ID_PREFIX + "wake_ids", list(wake_ids[:BATCH_IDS_NAMED]))
 
 
 _tracecontext = TraceContextTextMapPropagator()

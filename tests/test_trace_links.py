@@ -40,7 +40,12 @@ SERVER = Span.SPAN_KIND_SERVER
 def one(spans: list[Got], name: str, **attributes: Any) -> Got:
     """The one span called ``name`` whose attributes (``quayutec_x`` for ``quayutec.x``) match."""
     wanted = {key.replace("_", ".", 1) if key.startswith("quayutec_") else key: v for key, v in attributes.items()}
-    found = [s for s in spans if s.name == name and all(s.attr(k) == v for k, v in wanted.items())]
+    kind = wanted.pop("kind", None)
+    found = [
+        s
+        for s in spans
+        if s.name == name and all(s.attr(k) == v for k, v in wanted.items()) and kind in (None, s.span.kind)
+    ]
     assert len(found) == 1, (name, wanted, sorted({s.name for s in spans}))
     return found[0]
 
@@ -324,6 +329,10 @@ async def test_each_of_concurrent_wakes_reaches_its_claim_start_and_settlement(
         assert set(batch.attr("quayutec.wake_ids")) == set(wake_ids), name
         shown = {traces[s.trace_id] for s in spans if s.trace_id in traces and s.links_to(batch)}
         assert shown | {traces[batch.trace_id]} == set(wake_ids), name
+    # The servers of those calls name the wakes too.
+    for name in ("ClaimsService/ClaimMany", "RuntimeService/StartRuns", "RoomService/SettleWakes"):
+        server = one(spans, f"quayutec.v1.{name}", **{"rpc.response.status_code": "OK"}, kind=SERVER)
+        assert set(server.attr("quayutec.wake_ids")) == set(wake_ids), name
 
 
 def _remote(flags: int) -> trace.Span:

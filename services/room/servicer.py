@@ -618,6 +618,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         items = [_wake_to_settle(wake, f"wakes[{n}].") for n, wake in enumerate(request.wakes)]
         if len({i.wake_id for i in items}) < len(items):
             raise InvalidArgument("wakes names a wake more than once; settle each wake once per call")
+        annotate(wake_ids=[i.wake_id for i in items])
         response = room_pb2.RoomServiceSettleWakesResponse()
         for result in await self._store.settle_wakes(items):
             response.results.add(
