@@ -25,8 +25,11 @@ items in the order they were submitted and returns one answer per item, in the s
   cancelled); with ``drop_abandoned=True`` an item whose caller gave up before its batch was taken
   is left out (a claim nobody waits for is never made). An item whose batch is already in flight
   is in that call either way.
-- **Tracing.** Each ``submit`` notes the caller's OpenTelemetry context; a batch's call runs in the
-  context of its first item (so it is traced in that item's trace), attached only while sending.
+- **Tracing.** Each ``submit`` notes the caller's OpenTelemetry context. Given a ``span_name``, a
+  batch of two or more runs its call in a span of that name (``quayutec.telemetry.batch_span``)
+  linked to every item's caller and naming the items' wakes (``wake_id(item)``), so each caller's
+  trace reaches the call; otherwise the call runs in the context of its first item. Either is
+  attached only while sending.
 - **Stopping.** ``drain(timeout)`` waits for the sender to send what is queued (including what is
   submitted meanwhile), then cancels a sender still busy after ``timeout``. ``close(error)`` stops
   at once: every caller still waiting, queued or in flight, gets ``error``, the sender is
@@ -42,11 +45,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 from opentelemetry import context as otel_context
+
+from quayutec.telemetry import batch_span
 
 ItemT = TypeVar("ItemT")
 AnswerT = TypeVar("AnswerT")
@@ -75,6 +81,8 @@ class Coalescer(Generic[ItemT, AnswerT]):
         max_batch: int,
         name: str = "coalescer",
         drop_abandoned: bool = False,
+        span_name: str = "",
+        wake_id: Callable[[ItemT], str] | None = None,
     ) -> None:
         if max_batch < 1:
             raise ValueError(f"max_batch must be at least 1, got {max_batch}")
@@ -82,6 +90,8 @@ class Coalescer(Generic[ItemT, AnswerT]):
         self._max_batch = max_batch
         self._name = name
         self._drop_abandoned = drop_abandoned
+        self._span_name = span_name
+        self._wake_id = wake_id
         self._queue: collections.deque[_Queued[ItemT, AnswerT]] = collections.deque()
         self._in_flight: list[_Queued[ItemT, AnswerT]] = []
         self._sender: asyncio.Task[None] | None = None
@@ -151,9 +161,16 @@ class Coalescer(Generic[ItemT, AnswerT]):
                 self._sender = None
 
     async def _send_batch(self, batch: list[_Queued[ItemT, AnswerT]]) -> None:
+        traced: contextlib.AbstractContextManager[object]
+        if self._span_name and len(batch) > 1:
+            wake_ids = [self._wake_id(q.item) for q in batch] if self._wake_id is not None else []
+            traced = batch_span(self._span_name, [q.context for q in batch], wake_ids=wake_ids)
+        else:
+            traced = contextlib.nullcontext()
         token = otel_context.attach(batch[0].context)
         try:
-            answers = await self._send([q.item for q in batch])
+            with traced:
+                answers = await self._send([q.item for q in batch])
         except Exception as exc:
             _fail_all(batch, exc)
             return

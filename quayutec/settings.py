@@ -707,6 +707,20 @@ _DECLARED: list[Setting] = [
         ALL,
         shown="0",
     ),
+    _g(
+        "OTEL_SPAN_LINK_COUNT_LIMIT",
+        "",
+        "most links a span keeps; unset: 1000, a link per wake of the largest batched call",
+        ALL,
+        shown="1000",
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_TRUST_TRACEPARENT",
+        False,
+        "true: a call's incoming traceparent is the parent of the Gateway's span (its flags decide the "
+        "sampling); false: a new trace of ours, sampled by our own sampler, linked to the caller's span",
+        ["gateway"],
+    ),
 ]
 for _spec in SERVICES:
     _DECLARED += _per_service(_spec)

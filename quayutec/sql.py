@@ -1,10 +1,18 @@
-"""Named SQL queries: one ``.sql`` file per component, loaded once, looked up by name."""
+"""Named SQL queries: one ``.sql`` file per component, loaded once, looked up by name.
+
+Each loaded query is also known by its text (``query_name``): a database span that sent it is named
+``<component>/<name>`` (e.g. ``room/post_check``) rather than by the SQL's first word.
+"""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
+
+# The text of every query loaded in this process -> "<component>/<name>" (constant texts, so the
+# table only grows to the number of queries there are).
+_LOADED: dict[str, str] = {}
 
 _NAME_LINE = re.compile(r"^--\s*name:\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
 
@@ -29,6 +37,9 @@ class Queries(Mapping[str, str]):
                 raise ValueError(f"{path}: query {name!r} is empty")
             queries[name] = body
         self._queries = queries
+        component = path.parent.parent.name if path.parent.name == "sql" else path.stem
+        for name, body in queries.items():
+            _LOADED.setdefault(body, f"{component}/{name}")
 
     def __getitem__(self, name: str) -> str:
         try:
@@ -46,3 +57,8 @@ class Queries(Mapping[str, str]):
 def _strip_comments(body: str) -> str:
     lines = [line for line in body.strip().splitlines() if not line.lstrip().startswith("--")]
     return "\n".join(lines).strip().rstrip(";").strip()
+
+
+def query_name(sql: str) -> str | None:
+    """``<component>/<name>`` of a loaded named query whose text is ``sql``; None for any other SQL."""
+    return _LOADED.get(sql)

@@ -8,12 +8,16 @@ service the same way). Span attributes carry ids only: never a prompt, a reply o
 
 Traces people can follow (docs/operations.md): a wake keeps the trace context of the span that
 created it and its ``deliver wake`` span links to it; a continuation's run links to the span that
-parked it. Housekeeping makes no trace while idle: polling and housekeeping RPCs are not sampled as
-roots (but for QUAYUTEC_HOUSEKEEPING_TRACE_RATIO of them), a database span without a parent is never
-recorded, and a housekeeping pass that changed something is recorded afterwards as a span of its own.
+parked it, and its delivery to the decision or the expiry (``expiry_span``). A batched call
+(``batch_span``) links to every wake it carries and each of them back to it. The Gateway's door
+starts traces of its own: a caller's traceparent is a link (``_DoorTracer``). Housekeeping makes no
+trace while idle: polling and housekeeping RPCs are not sampled as roots (but for
+QUAYUTEC_HOUSEKEEPING_TRACE_RATIO of them), a database span without a parent is never recorded, and
+a housekeeping pass that changed something is recorded afterwards as a span of its own.
 Attribute names follow the stable semantic conventions: the instrumentations' own opt-in
 (OTEL_SEMCONV_STABILITY_OPT_IN, ``http,database`` unless set) and, for gRPC, whose instrumentation has
-none, the stable names and span names written at the end of each span.
+none, the stable RPC names, types and span names written at the end of each span
+(``stable_conventions``, which also names database spans by their named query).
 """
 
 from __future__ import annotations
@@ -29,13 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import unquote
 
+import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import ReadableSpan, Span, SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace import ReadableSpan, Span, SpanLimits, SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 from opentelemetry.sdk.trace.sampling import (
     ALWAYS_ON,
@@ -49,8 +54,9 @@ from opentelemetry.trace import Link, SpanContext, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import Attributes
 
-from quayutec.config import ConfigError, env_float
+from quayutec.config import ConfigError, env_bool, env_float
 from quayutec.settings import setting
+from quayutec.sql import query_name
 from quayutec.v1 import common_pb2, room_pb2
 
 _log = logging.getLogger("quayutec.telemetry")
@@ -85,6 +91,28 @@ _GRPC_STABLE_NAMES: Mapping[str, str | None] = {
     "net.peer.name": None,  # "localhost" on a Unix socket: network.peer.address says it
     "rpc.user_agent": "user_agent.original",
 }
+# The pre-stable gRPC names the stable ones replace (rpc.service and rpc.method become one rpc.method).
+_GRPC_PRE_STABLE = frozenset({"rpc.system", "rpc.service", "rpc.method", "rpc.grpc.status_code"})
+_GRPC_CODE_NAMES: Mapping[int, str] = {code.value[0]: code.name for code in grpc.StatusCode}
+# Answers a caller is expected to get now and then: span status and ``error.type``, no exception
+# event with a stack trace. Server errors (UNKNOWN, INTERNAL, UNAVAILABLE, DEADLINE_EXCEEDED,
+# UNIMPLEMENTED, DATA_LOSS) keep theirs.
+EXPECTED_REFUSALS = frozenset(
+    {
+        "CANCELLED",
+        "INVALID_ARGUMENT",
+        "NOT_FOUND",
+        "ALREADY_EXISTS",
+        "PERMISSION_DENIED",
+        "RESOURCE_EXHAUSTED",
+        "FAILED_PRECONDITION",
+        "ABORTED",
+        "OUT_OF_RANGE",
+        "UNAUTHENTICATED",
+    }
+)
+# The services whose calls come from outside (the Gateway's door): an incoming traceparent is a link.
+DOOR_SERVICES = ("quayutec.v1.GatewayService", "lf.a2a.v1.A2AService")
 # Services never traced: probes, reflection, and OTLP itself (a collector in-process, in tests).
 _UNTRACED_SERVICE_PREFIXES = ("grpc.health.", "grpc.reflection.", "opentelemetry.proto.")
 _TRUE = frozenset({"1", "true", "yes", "on"})
@@ -103,6 +131,8 @@ class TelemetrySettings:
     metrics_endpoint: str | None
     # The fraction of idle polling and housekeeping RPCs traced as roots of their own (0: none).
     housekeeping_ratio: float = 0.0
+    # Whether an incoming traceparent at the Gateway's door is the parent of its span (else a link).
+    trust_caller_trace: bool = False
 
     @classmethod
     def from_env(cls, service_name: str, env: Mapping[str, str] | None = None) -> TelemetrySettings:
@@ -119,6 +149,7 @@ class TelemetrySettings:
             metrics_exporter=_exporter_choice(env, "OTEL_METRICS_EXPORTER", metrics_endpoint),
             metrics_endpoint=metrics_endpoint,
             housekeeping_ratio=_housekeeping_ratio(env),
+            trust_caller_trace=env_bool(env, setting("QUAYUTEC_GATEWAY_TRUST_TRACEPARENT")),
         )
 
 
@@ -196,25 +227,70 @@ class _SwitchableProcessor(SpanProcessor):
 
 
 def stable_conventions(span: ReadableSpan) -> ReadableSpan:
-    """A gRPC span with the stable names: ``pkg.Service/Method`` (no leading slash) and the network
-    attributes of today's conventions; any other span as it is."""
+    """A gRPC span with the stable RPC conventions: span name ``pkg.Service/Method`` (no leading
+    slash), ``rpc.system.name``, ``rpc.method`` fully qualified, ``rpc.response.status_code`` as the
+    code's name (``error.type`` too when not OK), ``network.peer.port`` an int; an expected refusal
+    (EXPECTED_REFUSALS) keeps its status and attributes but no exception event. Any other span as it is."""
     attributes = span.attributes or {}
     if attributes.get("rpc.system") != "grpc":
+        if "db.system.name" in attributes:
+            return _named_query(span, attributes)
         return span
-    renamed: dict[str, Any] = {}
+    renamed: dict[str, Any] = {"rpc.system.name": "grpc", "rpc.method": span.name.lstrip("/")}
     for key, value in attributes.items():
+        if key in _GRPC_PRE_STABLE:
+            continue
         if key in _GRPC_STABLE_NAMES:
             new = _GRPC_STABLE_NAMES[key]
             if new is not None:
                 renamed.setdefault(new, value)
         else:
             renamed[key] = value
+    if "network.peer.port" in renamed:
+        try:
+            renamed["network.peer.port"] = int(renamed["network.peer.port"])
+        except (TypeError, ValueError):
+            del renamed["network.peer.port"]
+    code = _GRPC_CODE_NAMES.get(attributes.get("rpc.grpc.status_code"), "UNKNOWN")  # type: ignore[arg-type]
+    if code == "OK" and not span.status.is_ok:
+        code = "UNKNOWN"  # an exception the servicer did not map: gRPC answers UNKNOWN
+    renamed["rpc.response.status_code"] = code
+    events = span.events
+    if code != "OK":
+        renamed.setdefault("error.type", code)
+        if code in EXPECTED_REFUSALS:
+            events = tuple(event for event in events if event.name != "exception")
     return ReadableSpan(
         name=span.name.lstrip("/"),
         context=span.context,
         parent=span.parent,
         resource=span.resource,
         attributes=renamed,
+        events=events,
+        links=span.links,
+        kind=span.kind,
+        status=span.status,
+        start_time=span.start_time,
+        end_time=span.end_time,
+        instrumentation_scope=span.instrumentation_scope,
+    )
+
+
+def _named_query(span: ReadableSpan, attributes: Mapping[str, Any]) -> ReadableSpan:
+    """A database span named by the named query it sent (``room/post_check``, also its
+    ``db.query.summary``), or by its keyword for a transaction's ``BEGIN;``/``COMMIT;``/``ROLLBACK;``."""
+    text = attributes.get("db.query.text")
+    name = query_name(text) if isinstance(text, str) else None
+    if name is None:
+        if span.name.rstrip(";") == span.name:
+            return span
+        name = span.name.rstrip(";").upper()
+    return ReadableSpan(
+        name=name,
+        context=span.context,
+        parent=span.parent,
+        resource=span.resource,
+        attributes={**attributes, "db.query.summary": name},
         events=span.events,
         links=span.links,
         kind=span.kind,
@@ -292,7 +368,7 @@ class Telemetry:
         self._processors.add(processor)
         if self._sampler is not None:
             self._sampler.recording = True
-        _instrument()
+        _instrument(self.settings.trust_caller_trace)
 
         def detach() -> None:
             # With nothing left to receive them, spans are dropped again (and runs record no trace id).
@@ -342,7 +418,9 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
                 }
             )
             telemetry._sampler = _QuietPolling(_env_sampler(), settings.housekeeping_ratio)
-            telemetry.tracer_provider = TracerProvider(resource=resource, sampler=telemetry._sampler)
+            telemetry.tracer_provider = TracerProvider(
+                resource=resource, sampler=telemetry._sampler, span_limits=_span_limits(env)
+            )
             telemetry.tracer_provider.add_span_processor(telemetry._processors)
             exporter = _span_exporter(settings)
             if exporter is not None:
@@ -360,6 +438,12 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
             settings.metrics_exporter,
         )
         return telemetry
+
+
+def _span_limits(env: Mapping[str, str] | None) -> SpanLimits:
+    """The SDK's limits (from OTEL_SPAN_*), but room for a link per item of our largest batch."""
+    env = os.environ if env is None else env
+    return SpanLimits(max_links=None if env.get(setting("OTEL_SPAN_LINK_COUNT_LIMIT").name) else MAX_LINKS)
 
 
 def _span_exporter(settings: TelemetrySettings) -> SpanExporter | None:
@@ -395,9 +479,11 @@ def _traced(details: Any) -> bool:
     return not _untraced(details)
 
 
-def _instrument() -> None:
+def _instrument(trust_caller_trace: bool = False) -> None:
     """gRPC aio server and client (context in metadata), asyncpg (statements, never parameters) and
-    httpx; each once. Installed when something receives spans: without a receiver they are pure cost."""
+    httpx; each once. Installed when something receives spans: without a receiver they are pure cost.
+    The gRPC server's spans come from ``_DoorTracerProvider`` (the Gateway's door decides its own
+    traces) and each gRPC client span is told its server's address (``_ServerAddress``)."""
     # Read once, by the first instrumentation that asks: set before any is imported and installed.
     os.environ.setdefault(SEMCONV_OPT_IN, str(setting(SEMCONV_OPT_IN).default))
     from opentelemetry.instrumentation.asyncpg import AsyncPGInstrumentor
@@ -405,15 +491,137 @@ def _instrument() -> None:
     from opentelemetry.instrumentation.httpx import HTTPXClientInstrumentor
 
     # No request or response hooks: message bodies never reach a span.
+    server = GrpcAioInstrumentorServer(filter_=_traced)  # type: ignore[no-untyped-call]
+    if not server.is_instrumented_by_opentelemetry:
+        server.instrument(tracer_provider=_DoorTracerProvider(trust_caller_trace))
+    client = GrpcAioInstrumentorClient(filter_=_traced)  # type: ignore[no-untyped-call]
+    if not client.is_instrumented_by_opentelemetry:
+        client.instrument()
+        _tell_client_spans_their_server()
     instrumentors: list[Any] = [
-        GrpcAioInstrumentorServer(filter_=_traced),  # type: ignore[no-untyped-call]
-        GrpcAioInstrumentorClient(filter_=_traced),  # type: ignore[no-untyped-call]
         AsyncPGInstrumentor(capture_parameters=False),  # type: ignore[no-untyped-call]
         HTTPXClientInstrumentor(),
     ]
     for instrumentor in instrumentors:
         if not instrumentor.is_instrumented_by_opentelemetry:
             instrumentor.instrument()
+
+
+class _DoorTracerProvider(trace.TracerProvider):
+    """The gRPC server instrumentation's tracers: the installed provider's, behind ``_DoorTracer``."""
+
+    def __init__(self, trust_caller_trace: bool) -> None:
+        self._trust = trust_caller_trace
+
+    def get_tracer(
+        self,
+        instrumenting_module_name: str,
+        instrumenting_library_version: str | None = None,
+        schema_url: str | None = None,
+        attributes: Attributes | None = None,
+    ) -> trace.Tracer:
+        inner = trace.get_tracer_provider().get_tracer(
+            instrumenting_module_name, instrumenting_library_version, schema_url, attributes
+        )
+        return _DoorTracer(inner, self._trust)
+
+
+class _DoorTracer(trace.Tracer):
+    """Server spans of the Gateway's door (DOOR_SERVICES) start a trace of ours: a caller's
+    traceparent becomes a link to its span (its trace id in ``quayutec.caller.trace_id``) and our
+    sampler decides, so a caller's flags never switch our tracing off and its span, which we never
+    receive, is never our span's missing parent. Unless the operator trusts callers' contexts."""
+
+    def __init__(self, inner: trace.Tracer, trust_caller_trace: bool) -> None:
+        self._inner = inner
+        self._trust = trust_caller_trace
+
+    def start_span(
+        self, name: str, context: otel_context.Context | None = None, *args: Any, **kwargs: Any
+    ) -> trace.Span:
+        return self._inner.start_span(name, context, *args, **kwargs)
+
+    @contextmanager
+    def start_as_current_span(  # type: ignore[override]
+        self,
+        name: str,
+        context: otel_context.Context | None = None,
+        kind: SpanKind = SpanKind.INTERNAL,
+        attributes: Attributes = None,
+        links: Sequence[Link] | None = None,
+        **kwargs: Any,
+    ) -> Iterator[trace.Span]:
+        caller = trace.get_current_span(context).get_span_context()
+        if not self._trust and caller.is_valid and caller.is_remote and name.lstrip("/").startswith(DOOR_SERVICES):
+            context = otel_context.Context()
+            links = [*(links or ()), Link(caller, {f"{ID_PREFIX}link": "caller"})]
+            attributes = {**(attributes or {}), f"{ID_PREFIX}caller.trace_id": trace.format_trace_id(caller.trace_id)}
+        with self._inner.start_as_current_span(
+            name, context=context, kind=kind, attributes=attributes, links=links, **kwargs
+        ) as span:
+            yield span
+
+
+def _server_of(target: str) -> tuple[str, int | None]:
+    """``server.address`` and ``server.port`` of a channel target (``host:port``, ``[::1]:port``,
+    ``dns:///host:port``, ``unix:/path``)."""
+    if target.startswith(("unix:", "unix-abstract:")):
+        return target.split(":", 1)[1], None
+    for scheme in ("dns:///", "dns:", "ipv4:", "ipv6:"):
+        target = target.removeprefix(scheme)
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or (host.count(":") and not host.startswith("[")):
+        return target.strip("[]"), None
+    return host.strip("[]"), int(port)
+
+
+class _ServerAddress(
+    grpc.aio.UnaryUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.aio.UnaryStreamClientInterceptor,  # type: ignore[misc]
+    grpc.aio.StreamUnaryClientInterceptor,  # type: ignore[misc]
+    grpc.aio.StreamStreamClientInterceptor,  # type: ignore[misc]
+):
+    """Runs inside the instrumentation's client span (the last interceptor of a channel): puts the
+    channel's ``server.address`` and ``server.port`` on it."""
+
+    def __init__(self, target: str) -> None:
+        address, port = _server_of(target)
+        self._attributes: dict[str, Any] = {"server.address": address}
+        if port is not None:
+            self._attributes["server.port"] = port
+
+    def _mark(self) -> None:
+        span = trace.get_current_span()
+        if span.is_recording():
+            span.set_attributes(self._attributes)
+
+    async def intercept_unary_unary(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        self._mark()
+        return await continuation(client_call_details, request)
+
+    async def intercept_unary_stream(self, continuation: Any, client_call_details: Any, request: Any) -> Any:
+        self._mark()
+        return await continuation(client_call_details, request)
+
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        self._mark()
+        return await continuation(client_call_details, request_iterator)
+
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
+        self._mark()
+        return await continuation(client_call_details, request_iterator)
+
+
+def _tell_client_spans_their_server() -> None:
+    """Wrap the instrumented channel factories so each channel's last interceptor is ``_ServerAddress``."""
+    for name in ("insecure_channel", "secure_channel"):
+        instrumented = getattr(grpc.aio, name)
+
+        def channel(target: str, *args: Any, _instrumented: Any = instrumented, **kwargs: Any) -> Any:
+            kwargs["interceptors"] = [*(kwargs.get("interceptors") or ()), _ServerAddress(target)]
+            return _instrumented(target, *args, **kwargs)
+
+        setattr(grpc.aio, name, channel)
 
 
 @dataclass
@@ -459,10 +667,11 @@ def annotate(
     wake_id: str = "",
     run_id: str = "",
     message_id: str = "",
+    task_id: str = "",
     wake_ids: Sequence[str] = (),
 ) -> None:
     """Put our ids on ``span`` (the current span by default) as ``quayutec.<name>`` (a list of ids:
-    ``quayutec.<name>s``); empty ones are skipped."""
+    ``quayutec.<name>s``, at most BATCH_IDS_NAMED of them); empty ones are skipped."""
     target = span if span is not None else trace.get_current_span()
     if not target.is_recording():
         return
@@ -473,12 +682,13 @@ def annotate(
         "wake_id": wake_id,
         "run_id": run_id,
         "message_id": message_id,
+        "task_id": task_id,
     }
     for name, value in ids.items():
         if value:
             target.set_attribute(ID_PREFIX + name, value)
     if wake_ids:
-        target.set_attribute(ID_PREFIX + "wake_ids", list(wake_ids))
+        target.set_attribute(ID_PREFIX + "wake_ids", list(wake_ids[:BATCH_IDS_NAMED]))
 
 
 _tracecontext = TraceContextTextMapPropagator()
@@ -513,12 +723,10 @@ _RUN = trace.get_tracer(RUN_TRACER)
 
 @contextmanager
 def wake_delivery_span(wake: common_pb2.Wake) -> Iterator[trace.Span]:
-    """The root span of one wake's trace ("deliver wake"): StartRun, the run and its calls hang under it."""
-    current = trace.get_current_span().get_span_context()
-    links = [Link(current)] if current.is_valid else []
-    created_by = link_to(wake.traceparent)  # the post, task or decision whose transaction made the wake
-    if created_by is not None:
-        links.append(created_by)
+    """The root span of one wake's trace ("deliver wake"): StartRun, the run and its calls hang under
+    it. It links to the span whose transaction made the wake (the post, task, decision or expiry)."""
+    created_by = link_to(wake.traceparent)
+    links = [created_by] if created_by is not None else []
     with _DELIVERY.start_as_current_span(
         "deliver wake",
         context=otel_context.Context(),  # a trace of its own, whatever the poll loop is inside
@@ -531,6 +739,53 @@ def wake_delivery_span(wake: common_pb2.Wake) -> Iterator[trace.Span]:
         record_exception=False,
     ) as span:
         annotate(span, agent_id=wake.agent_id, room_id=wake.room_id, wake_id=wake.wake_id)
+        yield span
+
+
+# Most ids a batched call's span names (``quayutec.batch.size`` gives the count; its links reach all).
+BATCH_IDS_NAMED = 100
+# Most links one span keeps (the SDK's default, 128, is less than our largest batches).
+MAX_LINKS = 1000
+BATCH_TRACER = "quayutec.batch"
+_BATCH = trace.get_tracer(BATCH_TRACER)
+
+
+@contextmanager
+def batch_span(
+    name: str, contexts: Sequence[otel_context.Context], *, wake_ids: Sequence[str] = (), run_ids: Sequence[str] = ()
+) -> Iterator[trace.Span]:
+    """The span of one batched call (``name``; the call's client span is its child), current while
+    it lasts: in the trace of the first item submitted from a recorded span, linked to the span every
+    item was submitted from, naming the items' wakes and runs (at most BATCH_IDS_NAMED of each). So
+    each wake's trace reaches the call that carried it, whichever item went first."""
+    links: list[Link] = []
+    callers: list[trace.Span] = []
+    seen: set[tuple[int, int]] = set()
+    parent = contexts[0] if contexts else otel_context.Context()
+    chosen = False
+    for ctx in contexts:
+        span = trace.get_current_span(ctx)
+        sc = span.get_span_context()
+        if not sc.is_valid or (sc.trace_id, sc.span_id) in seen:
+            continue
+        seen.add((sc.trace_id, sc.span_id))
+        links.append(Link(sc))
+        if not chosen and span.is_recording():
+            parent, chosen = ctx, True
+        elif span.is_recording():
+            callers.append(span)
+    attributes: dict[str, Any] = {f"{ID_PREFIX}batch.size": len(contexts)}
+    if wake_ids:
+        attributes[f"{ID_PREFIX}wake_ids"] = [w for w in wake_ids[:BATCH_IDS_NAMED] if w]
+    if run_ids:
+        attributes[f"{ID_PREFIX}run_ids"] = [r for r in run_ids[:BATCH_IDS_NAMED] if r]
+    with _BATCH.start_as_current_span(
+        name, context=parent, kind=SpanKind.INTERNAL, links=links[:MAX_LINKS] or None, attributes=attributes
+    ) as span:
+        # And back: each other caller's span (still open, it awaits the call) links to the call's span,
+        # so the wake's own trace shows the call that carried it.
+        for caller in callers:
+            caller.add_link(span.get_span_context(), {f"{ID_PREFIX}link": "batch"})
         yield span
 
 
@@ -551,20 +806,39 @@ def run_span(
 _HOUSEKEEPING = trace.get_tracer(HOUSEKEEPING_TRACER)
 
 
-def record_housekeeping(name: str, started_ns: int, counts: Mapping[str, int]) -> None:
+def record_housekeeping(name: str, started_ns: int, counts: Mapping[str, int], *, run_ids: Sequence[str] = ()) -> None:
     """A housekeeping pass that changed something, recorded after the fact as a trace of its own
-    (``name``, from ``started_ns`` to now, each count as ``quayutec.housekeeping.<key>``); a pass that
-    changed nothing records nothing. Its calls were not traced (QUIET_ROOT_SPANS)."""
+    (``name``, from ``started_ns`` to now, each count as ``quayutec.housekeeping.<key>``, the runs it
+    touched as ``quayutec.run_ids``); a pass that changed nothing records nothing. Its calls were not
+    traced (QUIET_ROOT_SPANS)."""
     if not any(counts.values()):
         return
+    attributes: dict[str, Any] = {f"{ID_PREFIX}housekeeping.{key}": value for key, value in counts.items()}
+    if run_ids:
+        attributes[f"{ID_PREFIX}run_ids"] = list(run_ids[:BATCH_IDS_NAMED])
     span = _HOUSEKEEPING.start_span(
-        name,
-        context=otel_context.Context(),
-        kind=SpanKind.INTERNAL,
-        start_time=started_ns,
-        attributes={f"{ID_PREFIX}housekeeping.{key}": value for key, value in counts.items()},
+        name, context=otel_context.Context(), kind=SpanKind.INTERNAL, start_time=started_ns, attributes=attributes
     )
     span.end()
+
+
+@contextmanager
+def expiry_span(run_ids: Sequence[str], parked: Sequence[str]) -> Iterator[trace.Span]:
+    """The span of one expiry of approvals ("expire approvals"), a trace of its own, current while
+    it lasts: linked to the span that parked each run (``parked``: their traceparents), naming the
+    runs (at most BATCH_IDS_NAMED). The decision wakes it writes keep its trace context, so each
+    continuation's delivery links to it. Started only when something expires: idle passes make none."""
+    links = [link for link in map(link_to, parked) if link is not None]
+    with _HOUSEKEEPING.start_as_current_span(
+        "expire approvals",
+        context=otel_context.Context(),
+        kind=SpanKind.INTERNAL,
+        links=links[:MAX_LINKS] or None,
+        attributes={f"{ID_PREFIX}run_ids": list(run_ids[:BATCH_IDS_NAMED]), f"{ID_PREFIX}batch.size": len(run_ids)},
+    ) as span:
+        if len(run_ids) == 1:
+            annotate(span, run_id=run_ids[0])
+        yield span
 
 
 def run_outcome(status: common_pb2.RunStatus.ValueType) -> str:

@@ -12,14 +12,27 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import grpc
 import pytest
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
+from opentelemetry.sdk.trace import Event, ReadableSpan, TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_ON, Decision, ParentBased
-from opentelemetry.trace import SpanContext, TraceFlags
+from opentelemetry.trace import SpanContext, StatusCode, TraceFlags
 
 from quayutec.config import ConfigError
-from quayutec.telemetry import QUIET_ROOT_SPANS, SpanCapture, TelemetrySettings, _QuietPolling, setup_telemetry
+from quayutec.telemetry import (
+    QUIET_ROOT_SPANS,
+    SpanCapture,
+    TelemetrySettings,
+    _DoorTracer,
+    _QuietPolling,
+    setup_telemetry,
+    stable_conventions,
+)
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.model import RETRY_WAIT_EVENT, RetryPolicy
 from services.runtime.standin import StandinProvider
@@ -73,7 +86,7 @@ async def test_one_wake_is_one_trace_across_the_services(
     trace_id = start_servers[0].trace_id
     assert run.trace_id == trace_id
     in_trace = [s for s in spans if s.trace_id == trace_id]
-    server_services = {s.attr("rpc.service") for s in in_trace if _server(s)}
+    server_services = {s.attr("rpc.method").split("/")[0] for s in in_trace if _server(s)}
     assert {"quayutec.v1.RuntimeService", "quayutec.v1.ClaimsService", "quayutec.v1.RoomService"} <= server_services
     in_trace_names = {s.name for s in in_trace}
     for name in (
@@ -202,3 +215,70 @@ def test_idle_roots_and_database_spans_without_a_call_are_not_sampled() -> None:
         assert sampler.should_sample(None, 7, "LISTEN", attributes=database).decision == Decision.DROP
         assert sampler.should_sample(parent, 7, "SELECT", attributes=database).decision == Decision.RECORD_AND_SAMPLE
         assert sampler.should_sample(None, 7, "deliver wake").decision == Decision.RECORD_AND_SAMPLE
+
+
+def test_the_gateway_trusts_a_callers_trace_context_only_when_told() -> None:
+    assert not TelemetrySettings.from_env("gateway", {}).trust_caller_trace
+    assert TelemetrySettings.from_env("gateway", {"QUAYUTEC_GATEWAY_TRUST_TRACEPARENT": "true"}).trust_caller_trace
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()  # of this test alone: the process's own is not touched
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+
+    def served(trust: bool, flags: int) -> dict[str, ReadableSpan]:
+        """The recorded server spans of a Gateway call and a Room call made under a caller's context."""
+        exporter.clear()
+        caller = SpanContext(0xABC, 0xDEF, is_remote=True, trace_flags=TraceFlags(flags))
+        token = otel_context.attach(trace.set_span_in_context(trace.NonRecordingSpan(caller)))
+        try:
+            door = _DoorTracer(provider.get_tracer("test"), trust)
+            for name in ("/quayutec.v1.GatewayService/PostMessage", "/quayutec.v1.RoomService/PostMessage"):
+                with door.start_as_current_span(name, kind=trace.SpanKind.SERVER):
+                    pass
+        finally:
+            otel_context.detach(token)
+        return {s.name.split(".")[-1]: s for s in exporter.get_finished_spans()}
+
+    # Not trusted: whatever the caller's flags, a root of ours, sampled by our sampler, linked to it.
+    for flags in (0x00, 0x01):
+        gateway = served(False, flags)["GatewayService/PostMessage"]
+        assert gateway.parent is None and gateway.context.trace_id != 0xABC
+        assert [(link.context.trace_id, link.context.span_id) for link in gateway.links] == [(0xABC, 0xDEF)]
+        assert gateway.attributes is not None and gateway.attributes["quayutec.caller.trace_id"] == f"{0xABC:032x}"
+    # Trusted: the caller's context is the parent, and its flags decide ("not sampled": nothing).
+    assert served(True, 0x00) == {}
+    trusted = served(True, 0x01)["GatewayService/PostMessage"]
+    assert trusted.parent is not None and trusted.parent.span_id == 0xDEF and not trusted.links
+    # Inside the stack (the Room) a caller's context is always the parent.
+    for trust in (False, True):
+        room = served(trust, 0x01)["RoomService/PostMessage"]
+        assert room.parent is not None and room.parent.span_id == 0xDEF
+
+
+def _grpc_span(code: grpc.StatusCode, status: StatusCode) -> ReadableSpan:
+    return ReadableSpan(
+        name="/quayutec.v1.GatewayService/GetRun",
+        context=SpanContext(1, 2, is_remote=False),
+        attributes={
+            "rpc.system": "grpc",
+            "rpc.service": "x",
+            "rpc.method": "y",
+            "rpc.grpc.status_code": code.value[0],
+            "net.peer.port": "4711",
+        },
+        events=(Event("exception", {"exception.stacktrace": "Traceback ..."}),),
+        kind=trace.SpanKind.SERVER,
+        status=trace.Status(status),
+    )
+
+
+def test_expected_refusals_lose_their_exception_events_and_server_errors_keep_them() -> None:
+    refused = stable_conventions(_grpc_span(grpc.StatusCode.NOT_FOUND, StatusCode.UNSET))
+    failed = stable_conventions(_grpc_span(grpc.StatusCode.INTERNAL, StatusCode.ERROR))
+    for span, code in ((refused, "NOT_FOUND"), (failed, "INTERNAL")):
+        assert span.name == span.attributes["rpc.method"] == "quayutec.v1.GatewayService/GetRun"  # type: ignore[index]
+        assert span.attributes is not None
+        assert span.attributes["rpc.response.status_code"] == code == span.attributes["error.type"]
+        assert span.attributes["network.peer.port"] == 4711
+        assert not {"rpc.system", "rpc.service", "rpc.grpc.status_code", "net.peer.port"} & set(span.attributes)
+    assert [e.name for e in refused.events] == []
+    assert [e.name for e in failed.events] == ["exception"]

@@ -2372,15 +2372,21 @@ class RoomServiceExpireWaitpointsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     EXPIRED_FIELD_NUMBER: _builtins.int
+    RUN_IDS_FIELD_NUMBER: _builtins.int
     expired: _builtins.int
+    @_builtins.property
+    def run_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The runs of the tokens this call expired (their continuations link to the expiry's span)."""
+
     def __init__(
         self,
         *,
         expired: _builtins.int = ...,
+        run_ids: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["expired", b"expired"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expired", b"expired", "run_ids", b"run_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

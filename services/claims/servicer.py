@@ -8,6 +8,7 @@ import grpc
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from quayutec.errors import InvalidArgument, NotFound
+from quayutec.telemetry import annotate
 from quayutec.v1 import claims_pb2, claims_pb2_grpc
 from services.claims.store import ClaimStore
 
@@ -43,6 +44,7 @@ class ClaimsServicer(claims_pb2_grpc.ClaimsServiceServicer):
                 f"claims has {len(items)} items; at most {MAX_CLAIM_MANY_ITEMS} are allowed,"
                 " send the rest in another call"
             )
+        annotate(wake_ids=[item.wake_id for item in items])
         # Every item is checked before anything is written.
         requests = []
         for i, item in enumerate(items):

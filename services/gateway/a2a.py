@@ -37,8 +37,10 @@ from a2a.utils.errors import (
     TaskNotFoundError,
     UnsupportedOperationError,
 )
+from opentelemetry import trace
 
 from quayutec.errors import InvalidArgument, NotFound, status_for
+from quayutec.telemetry import annotate
 from quayutec.v1 import common_pb2, room_pb2
 from services.gateway.auth import CallerContext
 from services.gateway.ratelimit import PostRateLimiter
@@ -57,6 +59,8 @@ SERVICE_NAME = a2a_pb2.DESCRIPTOR.services_by_name["A2AService"].full_name
 SECURITY_SCHEME = "quayutec-api-key"
 A2A_PERSON = "A2A client"
 MAX_MESSAGE_ID_BYTES = 200
+# The span attribute of an A2A call's messageId (the task id is quayutec.task_id).
+A2A_MESSAGE_ID_ATTRIBUTE = "quayutec.a2a.message_id"
 # The runs and reply messages one task's view reads (newest first): bounded work per call.
 RUNS_READ = 100
 MESSAGES_READ = 200
@@ -185,6 +189,7 @@ class RoomAgentHandler(RequestHandler):
 
     async def _room_task(self, room_id: str, agent_id: str, company_id: str, task_id: str) -> common_pb2.Task:
         """The room task behind an A2A task id, when it was sent to this agent by the caller's company."""
+        annotate(company_id=company_id, room_id=room_id, agent_id=agent_id, task_id=task_id[:64])
         try:
             task = await self._gateway._task_in_room(room_id, task_id)
         except NotFound:
@@ -310,6 +315,9 @@ class RoomAgentHandler(RequestHandler):
             self._room.CreateTask, create, company_id, room_id, AGENT_NOT_IN_ROOM
         )
         task: common_pb2.Task = response.task
+        # The A2A call's span: findable by the task id and by the caller's messageId.
+        annotate(company_id=company_id, room_id=room_id, agent_id=agent_id, task_id=task.task_id)
+        trace.get_current_span().set_attribute(A2A_MESSAGE_ID_ATTRIBUTE, message.message_id)
         return task
 
     async def _wait_past_working(

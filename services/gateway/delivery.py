@@ -36,7 +36,7 @@ from opentelemetry import context as otel_context
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from quayutec.coalesce import Coalescer
-from quayutec.telemetry import Metrics, annotate, record_housekeeping, wake_delivery_span
+from quayutec.telemetry import Metrics, annotate, batch_span, record_housekeeping, wake_delivery_span
 from quayutec.v1 import common_pb2, room_pb2, runtime_pb2
 from services.gateway.config import DeliveryConfig
 
@@ -84,7 +84,7 @@ class _BatchStart:
 
     Each wake's delivery adds its item with ``start`` (inside its own delivery span, whose context
     becomes the item's traceparent) and waits for its own answer. The call leaves when the last
-    wake has added its item, traced in the first wake's trace (like a SettleWakes call). When every
+    wake has added its item, in a span linked to every wake's delivery (like a SettleWakes call). When every
     delivery waiting on it is cancelled (the Gateway stopping), the call is cancelled too.
     """
 
@@ -94,7 +94,7 @@ class _BatchStart:
         self._size = size
         self._send = send
         self._items: list[runtime_pb2.StartRunsItem] = []
-        self._first_context: otel_context.Context | None = None
+        self._contexts: list[otel_context.Context] = []
         self._answers: asyncio.Future[list[_Started] | None] = asyncio.get_running_loop().create_future()
         self._call: asyncio.Task[None] | None = None
         self._waiting = 0
@@ -111,8 +111,7 @@ class _BatchStart:
                 tracestate=carrier.get("tracestate", ""),
             )
         )
-        if index == 0:
-            self._first_context = otel_context.get_current()
+        self._contexts.append(otel_context.get_current())
         if len(self._items) == self._size:
             self._call = asyncio.create_task(self._run(), name="start-runs")
         self._waiting += 1
@@ -126,10 +125,14 @@ class _BatchStart:
         return None if answers is None else answers[index]
 
     async def _run(self) -> None:
-        assert self._first_context is not None
-        token = otel_context.attach(self._first_context)
+        traced: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        if len(self._items) > 1:  # linked to every wake it starts; a batch of one is in its wake's trace
+            wake_ids = [item.request.wake_id for item in self._items]
+            traced = batch_span("StartRuns batch", self._contexts, wake_ids=wake_ids)
+        token = otel_context.attach(self._contexts[0])
         try:
-            answers = await self._send(self._items)
+            with traced:
+                answers = await self._send(self._items)
         except BaseException:
             self._answers.cancel()
             raise
@@ -169,9 +172,13 @@ class WakeDelivery:
         self._nudged = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
         # Settlements, answered True when the Room settled the wake. A settlement queued by a delivery
-        # cancelled meanwhile is still sent; a batch's call is traced in the trace of its first wake.
+        # cancelled meanwhile is still sent; a batch's call links to every wake it settles.
         self._settler: Coalescer[_Settlement, bool] = Coalescer(
-            self._send_settlements, max_batch=_SETTLE_BATCH, name=f"wake-settling-{self.lease_owner}"
+            self._send_settlements,
+            max_batch=_SETTLE_BATCH,
+            name=f"wake-settling-{self.lease_owner}",
+            span_name="SettleWakes batch",
+            wake_id=lambda settlement: settlement.item.wake_id,
         )
         # Until when (event loop time) each wake goes in its own StartRun: the Runtime had no StartRuns.
         self._per_wake_until = 0.0
@@ -311,7 +318,7 @@ class WakeDelivery:
                     "abandoned": abandoned.abandoned,
                     "not_started": not_started.recorded,
                 }
-                record_housekeeping("housekeeping", started_ns, counts)
+                record_housekeeping("housekeeping", started_ns, counts, run_ids=response.run_ids)
                 full = (response.expired, abandoned.abandoned, not_started.checked)
                 if max(full) >= _EXPIRE_BATCH:
                     continue

@@ -788,7 +788,7 @@ class GatewayServicer(KeyRpcs):
             raise not_found
         answer = gateway_pb2.GetRunResponse(run=response.run)
         if response.HasField("waitpoint") and response.waitpoint.company_id == company_id:
-            answer.approval.CopyFrom(response.waitpoint)
+            answer.approval.CopyFrom(_public_waitpoint(response.waitpoint))
         return answer
 
     async def _run_is_callers(self, run: common_pb2.Run, company_id: str) -> bool:
@@ -859,7 +859,7 @@ class GatewayServicer(KeyRpcs):
             timeout=self._timeout,
         )
         # Only the owning company's approvals, whatever the Room returns.
-        waitpoints = [w for w in response.waitpoints if w.company_id == company_id]
+        waitpoints = [_public_waitpoint(w) for w in response.waitpoints if w.company_id == company_id]
         return gateway_pb2.ListApprovalsResponse(
             waitpoints=waitpoints,
             next_page_token=response.next_page_token,
@@ -896,7 +896,9 @@ class GatewayServicer(KeyRpcs):
             raise
         annotate(company_id=company_id, room_id=response.waitpoint.room_id, run_id=response.waitpoint.run_id)
         return gateway_pb2.DecideApprovalResponse(
-            waitpoint=response.waitpoint, completed=response.completed, already_decided=response.already_decided
+            waitpoint=_public_waitpoint(response.waitpoint),
+            completed=response.completed,
+            already_decided=response.already_decided,
         )
 
     # --- live rooms ----------------------------------------------------------------------------
@@ -961,3 +963,11 @@ def _room_cursors(after: Any, most: int) -> dict[str, int]:
             raise InvalidArgument(f"after names room {room_id} twice")
         cursors[room_id] = int(named.cursor)
     return cursors
+
+
+def _public_waitpoint(waitpoint: common_pb2.Waitpoint) -> common_pb2.Waitpoint:
+    """``waitpoint`` as API clients see it: without ``traceparent``, our internal trace context."""
+    public = common_pb2.Waitpoint()
+    public.CopyFrom(waitpoint)
+    public.ClearField("traceparent")
+    return public

@@ -649,6 +649,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         items = [_wake_to_settle(wake, f"wakes[{n}].") for n, wake in enumerate(request.wakes)]
         if len({i.wake_id for i in items}) < len(items):
             raise InvalidArgument("wakes names a wake more than once; settle each wake once per call")
+        annotate(wake_ids=[i.wake_id for i in items])
         response = room_pb2.RoomServiceSettleWakesResponse()
         for result in await self._store.settle_wakes(items):
             response.results.add(
@@ -754,7 +755,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         self, request: room_pb2.RoomServiceExpireWaitpointsRequest, context: Ctx
     ) -> room_pb2.RoomServiceExpireWaitpointsResponse:
         limit = v.in_range(request.limit or 100, "limit", 1, 1000)
-        return room_pb2.RoomServiceExpireWaitpointsResponse(expired=await self._store.expire_waitpoints(limit))
+        expired, run_ids = await self._store.expire_waitpoints(limit)
+        return room_pb2.RoomServiceExpireWaitpointsResponse(expired=expired, run_ids=run_ids)
 
     async def AbandonStaleRuns(
         self, request: room_pb2.RoomServiceAbandonStaleRunsRequest, context: Ctx

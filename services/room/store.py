@@ -15,7 +15,7 @@ from quayutec.crypto import InvalidToken, MultiFernet
 from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, OutOfRange
 from quayutec.ledger import mark_undone, run_id_for
 from quayutec.sql import Queries
-from quayutec.telemetry import current_traceparent
+from quayutec.telemetry import current_traceparent, expiry_span
 from quayutec.v1 import common_pb2
 from services.room import convert
 from services.room.rules import Act, Facts, enforce
@@ -1303,9 +1303,19 @@ class RoomStore:
             await self._append_events(conn, events)
         return len(rows), len(wakes)
 
-    async def expire_waitpoints(self, limit: int) -> int:
-        """Marks up to ``limit`` pending tokens past their expiry EXPIRED, each with its DECISION wake."""
-        return int(await self._pool.fetchval(self._q["expire_due_waitpoints"], limit))
+    async def expire_waitpoints(self, limit: int) -> tuple[int, list[str]]:
+        """Marks up to ``limit`` pending tokens past their expiry EXPIRED, each with its DECISION wake;
+        returns how many and their runs. The expiry is a span of its own (``expiry_span``), whose trace
+        context the wakes keep, so each continuation links to it."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            due = await conn.fetch(self._q["due_waitpoints"], limit)
+            if not due:
+                return 0, []
+            run_ids = [str(row["run_id"]) for row in due]
+            with expiry_span(run_ids, [str(row["traceparent"]) for row in due]):
+                tokens = [row["token"] for row in due]
+                expired = await conn.fetchval(self._q["expire_due_waitpoints"], tokens, current_traceparent())
+        return int(expired), run_ids
 
     async def _record_decision_wake(self, conn: asyncpg.Connection, wp: Record) -> None:
         token, traceparent = str(wp["token"]), current_traceparent()

@@ -56,7 +56,12 @@ class ClaimsClient:
         self._stub = stub
         # A claim whose caller gave up before it left is never sent.
         self._claims: Coalescer[_Claim, _Answer] = Coalescer(
-            self._send, max_batch=max_items, name="claims client", drop_abandoned=True
+            self._send,
+            max_batch=max_items,
+            name="claims client",
+            drop_abandoned=True,
+            span_name="ClaimMany batch",
+            wake_id=lambda claim: claim.request.wake_id,
         )
         self._many = True
         self._closed = False

@@ -21,6 +21,7 @@ from opentelemetry.trace import Link, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from quayutec.errors import InvalidArgument, status_logged
+from quayutec.telemetry import annotate
 from quayutec.v1 import runtime_pb2, runtime_pb2_grpc
 from services.runtime.run import RunExecutor, Wake
 
@@ -49,6 +50,7 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
                 f"StartRuns takes 1 to {MAX_START_RUNS_ITEMS} items, got {count}: send the wakes in batches of "
                 f"at most {MAX_START_RUNS_ITEMS}"
             )
+        annotate(wake_ids=[item.request.wake_id for item in request.items])
         time_left = context.time_remaining()
         # gather runs each item in a task of its own, started in request order.
         answers = await asyncio.gather(*(self._start_item(item, time_left) for item in request.items))

@@ -422,10 +422,15 @@ async def test_the_callers_trace_context_reaches_the_gateway(
     ]
     assert len(served) == 2, [s.name for s in exporter.get_finished_spans()]
     trace_id, span_id = runs["with"]
-    traced, untraced = sorted(served, key=lambda s: s.parent is None)
-    assert traced.parent is not None and f"{traced.parent.span_id:016x}" == span_id
-    assert f"{traced.context.trace_id:032x}" == trace_id
-    assert untraced.parent is None, "no trace context is sent without OpenTelemetry"
+    # The Gateway starts a trace of its own either way; the caller's context, when sent, is a link.
+    assert all(s.parent is None for s in served)
+    traced, untraced = sorted(served, key=lambda s: not s.links)
+    assert [(f"{link.context.trace_id:032x}", f"{link.context.span_id:016x}") for link in traced.links] == [
+        (trace_id, span_id)
+    ]
+    assert traced.attributes is not None and traced.attributes["quayutec.caller.trace_id"] == trace_id
+    assert f"{traced.context.trace_id:032x}" != trace_id
+    assert not untraced.links, "no trace context is sent without OpenTelemetry"
 
 
 def test_retry_waits_grow_with_jitter_and_honour_the_advised_wait() -> None:

@@ -26,15 +26,19 @@ from a2a.utils.errors import (
     TaskNotFoundError,
     UnsupportedOperationError,
 )
+from opentelemetry.proto.trace.v1.trace_pb2 import Span
 
+from quayutec.telemetry import SpanCapture
 from quayutec.v1 import common_pb2, gateway_pb2
-from services.gateway.a2a import SECURITY_SCHEME, tenant_of
+from services.gateway.a2a import SECURITY_SCHEME, SERVICE_NAME, tenant_of
 from services.runtime.standin import ScriptedReply, StandinProvider, asked
 from tests.gateway.helpers import GatewayStub, create_room, register_agent
 from tests.gateway.test_membership import invite
-from tests.harness.gateway import CompanyKey, running_gateway
+from tests.harness.gateway import CompanyKey, authed_gateway, running_gateway
+from tests.harness.otlp import Collector, Got, flushed_until
 from tests.harness.runtime import running_runtime
 
+A2A_SERVICE = SERVICE_NAME
 FAST = {"QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.02", "QUAYUTEC_GATEWAY_POST_RATE": "0"}
 # The prompt's line of an open task: "- task <id>: <title>: <body>" (our titles carry no colon).
 TASK_LINE = re.compile(r"task ([0-9a-f-]{36}): ([^:\n]*):")
@@ -333,3 +337,36 @@ async def test_a2a_sends_count_against_the_company_rate_limit_and_reflection_lis
                 return list(ProtoReflectionDescriptorDatabase(channel).get_services())
 
         assert "lf.a2a.v1.A2AService" in await asyncio.to_thread(services)
+
+
+async def test_a2a_spans_name_the_task_and_the_message_id(
+    collector: tuple[Collector, SpanCapture],
+    database_url: str,
+    room_addr: str,
+    claims_addr: str,
+    acme: CompanyKey,
+) -> None:
+    received, export = collector
+    with StandinProvider() as standin:
+        standin.set_responder("claude-test", _responder)
+        async with (
+            running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
+            running_gateway(database_url, room_addr, runtime_addr, **FAST) as addr,
+            authed_gateway(addr, acme.secret) as gw,
+        ):
+            room = await create_room(gw)
+            agent = await register_agent(gw, "helper")
+            async with a2a_client(addr, tenant_of(room.room_id, agent.agent_id), acme.secret) as (client, card):
+                message = _message("please close the quarterly report")
+                sent = await send_once(card, acme.secret, message, wait=False)
+                await client.get_task(a2a_pb2.GetTaskRequest(id=sent.id))
+
+            def seen(spans: list[Got]) -> bool:
+                return any(s.name == f"{A2A_SERVICE}/GetTask" for s in spans)
+
+            spans = await flushed_until(received, export, seen)
+    servers = {s.name: s for s in spans if s.span.kind == Span.SPAN_KIND_SERVER and s.name.startswith(A2A_SERVICE)}
+    send = servers[f"{A2A_SERVICE}/SendMessage"]
+    assert send.attr("quayutec.task_id") == sent.id
+    assert send.attr("quayutec.a2a.message_id") == message.message_id
+    assert servers[f"{A2A_SERVICE}/GetTask"].attr("quayutec.task_id") == sent.id

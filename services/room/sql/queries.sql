@@ -661,21 +661,24 @@ RETURNING token;
 -- name: expire_waitpoint
 UPDATE waitpoints SET status = 'expired' WHERE token = $1 AND status = 'pending';
 
+-- name: due_waitpoints
+-- Pending tokens past their expiry, oldest first, locked for expire_due_waitpoints in the same transaction.
+SELECT token, run_id, traceparent FROM waitpoints
+WHERE status = 'pending' AND expires_at < now()
+ORDER BY expires_at
+LIMIT $1
+FOR UPDATE SKIP LOCKED;
+
 -- name: expire_due_waitpoints
--- Pending tokens past their expiry, each with its decision wake, in one statement (one transaction).
+-- The tokens $1 (locked by due_waitpoints) EXPIRED, each with its decision wake made under the
+-- trace context $2 (the expiry's span), in one statement.
 WITH expired AS (
     UPDATE waitpoints SET status = 'expired'
-    WHERE token IN (
-        SELECT token FROM waitpoints
-        WHERE status = 'pending' AND expires_at < now()
-        ORDER BY expires_at
-        LIMIT $1
-        FOR UPDATE SKIP LOCKED
-    )
+    WHERE token = ANY($1::uuid[]) AND status = 'pending'
     RETURNING token, agent_id, room_id
 ), woken AS (
-    INSERT INTO wake_outbox (agent_id, room_id, kind, source_id)
-    SELECT agent_id, room_id, 'decision', token::text FROM expired
+    INSERT INTO wake_outbox (agent_id, room_id, kind, source_id, traceparent)
+    SELECT agent_id, room_id, 'decision', token::text, $2 FROM expired
     ON CONFLICT (agent_id, kind, source_id) DO NOTHING
 )
 SELECT count(*) FROM expired;

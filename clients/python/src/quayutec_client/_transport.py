@@ -182,7 +182,8 @@ class Transport:
             )
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The API key, and the caller's current trace context when OpenTelemetry is installed."""
+        """The API key, and the caller's current trace context when OpenTelemetry is installed (the
+        Gateway links its own trace to it; it does not decide the Gateway's sampling)."""
         auth = (self._key.bearer(),)
         if _propagate is None:
             return auth

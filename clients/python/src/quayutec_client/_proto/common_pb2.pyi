@@ -1182,7 +1182,7 @@ class Waitpoint(_message.Message):
     status: Global___WaitpointStatus.ValueType
     traceparent: _builtins.str
     """The W3C trace context of the span that parked the run (its CreateWaitpoint), when traced: the
-    continuation's run links to it.
+    continuation's run links to it. Internal: the Gateway never returns it (always empty there).
     """
     @_builtins.property
     def held(self) -> _containers.RepeatedCompositeFieldContainer[Global___HeldAction]: ...

@@ -991,7 +991,7 @@ export type Waitpoint = Message$1<"quayutec.v1.Waitpoint"> & {
 
   /**
    * The W3C trace context of the span that parked the run (its CreateWaitpoint), when traced: the
-   * continuation's run links to it.
+   * continuation's run links to it. Internal: the Gateway never returns it (always empty there).
    *
    * @generated from field: string traceparent = 10;
    */
