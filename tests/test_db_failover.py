@@ -200,3 +200,16 @@ async def test_health_is_not_serving_while_the_database_is_unreachable(own_pg: O
         finally:
             await asyncio.to_thread(own_pg.start)
         await eventually(status_is(health_pb2.HealthCheckResponse.SERVING))
+
+
+async def test_the_admin_commands_take_a_multi_host_url(database_url: str) -> None:
+    """`quayutec migrate` and an admin command that reads the database, given the dead host first."""
+    from tests.test_cli import quayutec
+
+    env = {"DATABASE_URL": dead_host_first(database_url)}
+    migrated = await quayutec("migrate", env=env)
+    assert migrated.returncode == 0, migrated.stderr
+    assert "schema up to date" in migrated.stdout
+    listed = await quayutec("keys", "list", "--company", "00000000-0000-0000-0000-000000000000", env=env)
+    # It reached the database: the company was looked up there and is not found.
+    assert "error: no company 00000000-0000-0000-0000-000000000000 in this database" in listed.stderr, listed.stderr
