@@ -176,7 +176,8 @@ class GrpcServer:
                 await server.stop(0)
                 self._server = None
                 raise
-        await self.set_serving(True)
+        for name in ("", *self._service_names):
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if self._health_watch is not None:
             self._health_watch.start(self.set_serving)
         self.port = int(port)
@@ -206,9 +207,10 @@ class GrpcServer:
         await asyncio.shield(self._stopping)
 
     async def set_serving(self, serving: bool) -> None:
-        """Health SERVING or NOT_SERVING for every service of this server (ignored once stopping)."""
+        """Health SERVING or NOT_SERVING for this server's services (what readiness probes ask; ignored
+        once stopping). The process's own health ("", what liveness probes ask) stays SERVING."""
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for name in ("", *self._service_names):
+        for name in self._service_names:
             await self._health.set(name, status)
 
     async def _stop(self, grace: float) -> None:
