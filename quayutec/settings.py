@@ -77,7 +77,7 @@ def _per_service(spec: ServiceSpec) -> list[Setting]:
             _g(
                 f"{p}DATABASE_URL",
                 "",
-                f"{name}'s own database URL (a login that is a member of the role quayutec_{name}); unset: "
+                f"the database URL of {name} alone (a login that is a member of the role quayutec_{name}); unset: "
                 "DATABASE_URL. Migrations on start still use DATABASE_URL when it is set",
                 [name],
                 shown="(DATABASE_URL)",
@@ -225,7 +225,8 @@ _DECLARED: list[Setting] = [
         "QUAYUTEC_DB_HEALTH_INTERVAL_SECONDS",
         2.0,
         "how often each database service checks it reaches its database (one `SELECT 1`, bounded by "
-        "ACQUIRE_TIMEOUT_SECONDS); its gRPC health is NOT_SERVING while it cannot, SERVING again when it can",
+        "ACQUIRE_TIMEOUT_SECONDS); the health of its service (readiness) is NOT_SERVING while it cannot, SERVING "
+        "again when it can; the process's own health (liveness, the empty name) stays SERVING",
         WITH_DATABASE,
         shown="2",
     ),
