@@ -215,3 +215,34 @@ async def test_the_admin_commands_take_a_multi_host_url(database_url: str) -> No
     listed = await quayutec("keys", "list", "--company", "00000000-0000-0000-0000-000000000000", env=env)
     # It reached the database: the company was looked up there and is not found.
     assert "error: no company 00000000-0000-0000-0000-000000000000 in this database" in listed.stderr, listed.stderr
+
+
+async def test_a_listen_connection_that_dies_listens_again(database_url: str) -> None:
+    """The Gateway's LISTEN connection, ended by the server (as when the primary goes away), is
+    replaced: it listens again and the next notification arrives."""
+    from services.gateway.notify import Listener
+
+    pool = await create_pool(database_url, min_size=1, max_size=2, role="quayutec_gateway")
+    got: list[str] = []
+    listened: list[int] = []
+    listener = Listener(pool, {"quayutec_probe": got.append}, lambda: listened.append(1))
+    listener.start()
+    admin = await asyncpg.connect(database_url)
+    try:
+        await eventually(lambda: _true(listener.listening.is_set()))
+        ended = await admin.fetchval(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity"
+            " WHERE datname = current_database() AND query LIKE 'LISTEN%'"
+        )
+        assert ended >= 1
+        await eventually(lambda: _true(len(listened) >= 2 and listener.listening.is_set()))
+        await admin.execute("SELECT pg_notify('quayutec_probe', 'after')")
+        await eventually(lambda: _true(got == ["after"]))
+    finally:
+        await admin.close()
+        await listener.stop()
+        await pool.close()
+
+
+async def _true(value: bool) -> bool:
+    return value
