@@ -83,7 +83,11 @@ async def applied_versions(conn: asyncpg.Connection, component: str) -> set[int]
 async def migrate(pool: asyncpg.Pool, components: tuple[Component, ...] = COMPONENTS) -> list[Migration]:
     """Apply pending migrations, each in its own transaction; safe to run from many processes at once."""
     applied: list[Migration] = []
-    tables = {roles.SERVICE_ROLES[c.name]: roles.tables_of(c.schema_path.read_text("utf-8")) for c in components}
+    # Each component's tables, by the role of its service (a component with no role of its own: owner only).
+    tables = {
+        roles.SERVICE_ROLES.get(c.name, roles.OWNER): roles.tables_of(c.schema_path.read_text("utf-8"))
+        for c in components
+    }
     async with pool.acquire() as conn:
         await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
         try:

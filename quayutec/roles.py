@@ -86,6 +86,8 @@ async def grant_tables(conn: asyncpg.Connection, tables_by_role: dict[str, list[
     and may read the version table. Run as the owner."""
     everyone = ", ".join(SERVICE_ROLES.values())
     for role, tables in tables_by_role.items():
+        if role == OWNER:  # owns them: nothing to grant
+            continue
         for table in tables:
             await conn.execute(f'REVOKE ALL ON TABLE "{table}" FROM PUBLIC, {everyone}')
             await conn.execute(f'GRANT {", ".join(privileges_on(table))} ON TABLE "{table}" TO {role}')
