@@ -176,7 +176,9 @@ class ConnectionBudget:
 
 @dataclass(frozen=True)
 class DatabaseConfig:
-    """``DATABASE_URL`` when set; otherwise an embedded PostgreSQL under ``data_dir``."""
+    """``DATABASE_URL`` (or the service's own ``QUAYUTEC_<SVC>_DATABASE_URL``) when set; otherwise an
+    embedded PostgreSQL under ``data_dir``. ``role``: the PostgreSQL role the service's sessions run
+    as (``quayutec.roles``; None: the login user's own, as the admin commands and migrations do)."""
 
     url: str | None
     data_dir: Path
@@ -185,13 +187,27 @@ class DatabaseConfig:
     budget: ConnectionBudget | None = None
     # PostgreSQL ends a session left idle inside a transaction this long (0: never).
     idle_in_transaction_seconds: float = 10.0
+    role: str | None = None
+    # Bounded waits (quayutec.db.create_pool): for a pooled connection, a statement, a new
+    # connection, and unacknowledged data or silence on a connection's socket.
+    acquire_timeout_seconds: float = 5.0
+    command_timeout_seconds: float = 30.0
+    connect_timeout_seconds: float = 5.0
+    tcp_timeout_seconds: float = 10.0
+    # How often a service checks that it reaches its database (its gRPC health follows).
+    health_interval_seconds: float = 2.0
+    # The login URL when the service has one of its own (``url`` is then that one).
+    admin_url: str | None = None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, prefix: str = "QUAYUTEC_") -> DatabaseConfig:
-        from quayutec.settings import setting
+        from quayutec.roles import service_role
+        from quayutec.settings import SETTINGS, setting
 
         env = os.environ if env is None else env
-        url = env.get(DATABASE_URL_ENV, "").strip() or None
+        shared_url = env.get(DATABASE_URL_ENV, "").strip() or None
+        own = f"{prefix}DATABASE_URL"
+        url = (env.get(own, "").strip() or None) if own in SETTINGS else None
         data_dir = Path(env_str(env, setting(DATA_DIR_ENV))).absolute()
         pool_min = env_int(env, setting(f"{prefix}DB_POOL_MIN"), minimum=0)
         pool_max = env_int(env, setting(f"{prefix}DB_POOL_MAX"), minimum=1)
@@ -199,13 +215,21 @@ class DatabaseConfig:
             raise ConfigError(f"{prefix}DB_POOL_MIN ({pool_min}) exceeds {prefix}DB_POOL_MAX ({pool_max})")
         budget = ConnectionBudget.from_env(env)
         idle = env_float(env, setting("QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS"), minimum=0.0)
+        service = prefix.removeprefix("QUAYUTEC_").rstrip("_").lower()
         return cls(
-            url=url,
+            url=url or shared_url,
             data_dir=data_dir,
             pool_min=pool_min,
             pool_max=pool_max,
             budget=budget,
             idle_in_transaction_seconds=idle,
+            role=service_role(service) if service else None,
+            acquire_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_ACQUIRE_TIMEOUT_SECONDS"), minimum=0.1),
+            command_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS"), minimum=0.1),
+            connect_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_CONNECT_TIMEOUT_SECONDS"), minimum=0.1),
+            tcp_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_TCP_TIMEOUT_SECONDS"), minimum=1.0),
+            health_interval_seconds=env_float(env, setting("QUAYUTEC_DB_HEALTH_INTERVAL_SECONDS"), minimum=0.1),
+            admin_url=shared_url if url else None,
         )
 
 

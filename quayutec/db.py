@@ -5,16 +5,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import subprocess
 import sys
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 
 from quayutec.config import ConfigError, ConnectionBudget, DatabaseConfig
+from quayutec.errors import is_connection_error
 
 _log = logging.getLogger("quayutec.db")
 
@@ -75,7 +78,9 @@ def embedded_database_url(data_dir: Path) -> str:
 
 
 def with_database(url: str, dbname: str) -> str:
-    """``url`` pointed at database ``dbname`` (keeps host, socket and credentials)."""
+    """``url`` pointed at database ``dbname`` (keeps every host, socket, credential and parameter,
+    so a multi-host URL such as ``postgresql://u@h1:5432,h2:5432/db?target_session_attrs=read-write``
+    stays one)."""
     parts = urlsplit(url)
     return urlunsplit((parts.scheme, parts.netloc, f"/{dbname}", parts.query, parts.fragment))
 
@@ -92,37 +97,170 @@ async def _no_session_reset(conn: asyncpg.Connection) -> None:
     saves one round trip per acquire."""
 
 
+# SQLSTATEs after which no connection of the pool is worth keeping: the server became read-only (a
+# demoted primary: 25006) or is going away (57P01 admin_shutdown, 57P02 crash_shutdown, 57P03
+# cannot_connect_now). The pool reconnects, and a multi-host URL finds the new primary.
+_SERVER_GONE_SQLSTATES = frozenset({"25006", "57P01", "57P02", "57P03"})
+
+
+def _leaves_connection_unusable(exc: BaseException) -> bool:
+    """A statement that timed out or was cancelled (its answer may still come, or never: the network
+    may have eaten it), or any error that means the connection or its server is gone: the connection
+    is terminated (its socket closed at once, no polite goodbye that could wait behind lost packets)."""
+    return isinstance(exc, (TimeoutError, asyncio.CancelledError)) or is_connection_error(exc)
+
+
+class _AcquireContext(asyncpg.pool.PoolAcquireContext):  # type: ignore[misc]
+    async def __aexit__(self, *exc: object) -> None:
+        error = exc[1]
+        if isinstance(error, BaseException) and self.connection is not None and _leaves_connection_unusable(error):
+            self.connection.terminate()
+            if getattr(error, "sqlstate", None) in _SERVER_GONE_SQLSTATES:
+                await self.pool.expire_connections()
+        await super().__aexit__(*exc)
+
+
+class Pool(asyncpg.Pool):  # type: ignore[misc]
+    """asyncpg's pool with a bounded wait for a connection by default, and connections that a timed out,
+    cancelled or failed statement left in doubt terminated instead of given back."""
+
+    def __init__(self, *args: Any, acquire_timeout: float | None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.acquire_timeout = acquire_timeout
+
+    def acquire(self, *, timeout: float | None = None) -> _AcquireContext:
+        return _AcquireContext(self, self.acquire_timeout if timeout is None else timeout)
+
+
+@dataclass(frozen=True)
+class TcpTimeouts:
+    """How a database socket finds out its peer is gone: data unacknowledged for ``seconds`` aborts
+    the connection (TCP_USER_TIMEOUT), and an idle one is probed (keepalives) so silence is noticed
+    in about as long. Set on our side of each socket and asked of the server for its side."""
+
+    seconds: float = 10.0
+
+    @property
+    def keepalive_idle(self) -> int:
+        return max(1, round(self.seconds / 2))
+
+    @property
+    def keepalive_interval(self) -> int:
+        return max(1, round(self.seconds / 10))
+
+    keepalive_count: int = 3
+
+    @property
+    def user_timeout_ms(self) -> int:
+        return round(self.seconds * 1000)
+
+    def server_settings(self) -> dict[str, str]:
+        """The server's side (ignored by PostgreSQL on a Unix socket)."""
+        return {
+            "tcp_keepalives_idle": str(self.keepalive_idle),
+            "tcp_keepalives_interval": str(self.keepalive_interval),
+            "tcp_keepalives_count": str(self.keepalive_count),
+            "tcp_user_timeout": str(self.user_timeout_ms),
+        }
+
+    def apply(self, sock: Any) -> bool:
+        """Our side, on a connected socket; False when it is not TCP (a Unix socket)."""
+        if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+            return False
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, self.keepalive_idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, self.keepalive_interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, self.keepalive_count)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, self.user_timeout_ms)
+        return True
+
+
+def connection_socket(conn: asyncpg.Connection) -> Any:
+    """The socket under an asyncpg connection (asyncpg keeps its transport private)."""
+    transport = getattr(conn, "_transport", None)
+    return None if transport is None else transport.get_extra_info("socket")
+
+
 async def create_pool(
-    url: str, *, min_size: int = 1, max_size: int = 10, idle_in_transaction_seconds: float = 10.0
-) -> asyncpg.Pool:
+    url: str,
+    *,
+    min_size: int = 1,
+    max_size: int = 10,
+    idle_in_transaction_seconds: float = 10.0,
+    role: str | None = None,
+    acquire_timeout: float | None = 5.0,
+    command_timeout: float = 30.0,
+    connect_timeout: float = 5.0,
+    tcp: TcpTimeouts = TcpTimeouts(),
+) -> Pool:
     """An asyncpg pool; fails fast with a clear message when PostgreSQL is unreachable.
 
     Its sessions carry ``idle_in_transaction_session_timeout``: when a replica is cut off from the
     database between two statements of a transaction (its COMMIT lost on the way), PostgreSQL ends
     that session after ``idle_in_transaction_seconds`` and rolls the transaction back, instead of
     holding its row locks (a room's sequence row, a run's ledger row) until TCP notices, which can
-    take minutes. Nothing of ours keeps a transaction open between statements for long."""
-    settings = {"idle_in_transaction_session_timeout": str(round(idle_in_transaction_seconds * 1000))}
-    pool = await asyncpg.create_pool(
+    take minutes. Nothing of ours keeps a transaction open between statements for long.
+
+    Every wait is bounded: ``acquire_timeout`` for a pooled connection, ``command_timeout`` for a
+    statement, ``connect_timeout`` for a new connection (each host of a multi-host URL in turn), and
+    ``tcp`` for a socket whose peer fell silent. ``role``: the role every session runs as (sent at
+    connection start, so even ``RESET ROLE`` keeps it; ``quayutec.roles``)."""
+    settings = {
+        "idle_in_transaction_session_timeout": str(round(idle_in_transaction_seconds * 1000)),
+        **tcp.server_settings(),
+    }
+    if role is not None:
+        settings["role"] = role
+
+    async def on_connect(conn: asyncpg.Connection) -> None:
+        try:
+            tcp.apply(connection_socket(conn))
+        except (OSError, AttributeError) as exc:  # pragma: no cover - a transport without a settable socket
+            _log.warning("could not set TCP keepalives on a database connection: %s", exc)
+
+    pool = Pool(
         url,
         min_size=min_size,
         max_size=max_size,
-        command_timeout=30,
+        max_queries=50_000,
+        max_inactive_connection_lifetime=300.0,
+        connect=None,
+        setup=None,
+        init=on_connect,
         reset=_no_session_reset,
+        loop=None,
+        connection_class=asyncpg.Connection,
+        record_class=asyncpg.Record,
+        acquire_timeout=acquire_timeout,
+        command_timeout=command_timeout,
+        timeout=connect_timeout,
         server_settings=settings,
     )
-    if pool is None:  # pragma: no cover - asyncpg returns None only without await
-        raise RuntimeError("asyncpg.create_pool returned no pool")
+    try:
+        await pool
+    except asyncpg.InsufficientPrivilegeError as exc:
+        if role is None:
+            raise
+        raise ConfigError(
+            f"the database login may not act as role {role} ({exc}): run `quayutec migrate` (it creates the "
+            "roles and grants them to the user that runs it), or grant the role to this service's login "
+            "(docs/operations.md, PostgreSQL in production)"
+        ) from exc
     return pool
 
 
-async def open_pool(config: DatabaseConfig) -> asyncpg.Pool:
+async def open_pool(config: DatabaseConfig) -> Pool:
     url = await resolve_database_url(config)
     return await create_pool(
         url,
         min_size=config.pool_min,
         max_size=config.pool_max,
         idle_in_transaction_seconds=config.idle_in_transaction_seconds,
+        role=config.role,
+        acquire_timeout=config.acquire_timeout_seconds,
+        command_timeout=config.command_timeout_seconds,
+        connect_timeout=config.connect_timeout_seconds,
+        tcp=TcpTimeouts(config.tcp_timeout_seconds),
     )
 
 

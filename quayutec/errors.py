@@ -18,8 +18,10 @@ _undecodable_log = logging.getLogger("quayutec.undecodable")
 # PostgreSQL SQLSTATE classes that mean "the database is not reachable right now".
 CONNECTION_SQLSTATE_CLASSES = ("08", "53", "57")
 # The server ended the session and rolled its transaction back: 25P03 idle_in_transaction_session_timeout
-# (a client cut off mid-transaction, see quayutec.db.create_pool), 25P04 transaction_timeout.
-CONNECTION_SQLSTATES = ("25P03", "25P04")
+# (a client cut off mid-transaction, see quayutec.db.create_pool), 25P04 transaction_timeout; or the
+# server is no longer the primary: 25006 read_only_sql_transaction (a demoted primary; the pool drops
+# its connections and a multi-host URL finds the new one).
+CONNECTION_SQLSTATES = ("25P03", "25P04", "25006")
 
 
 class ServiceError(Exception):

@@ -11,14 +11,16 @@ import argparse
 import asyncio
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import asyncpg
 
+from quayutec import roles
 from quayutec.config import DatabaseConfig
 from quayutec.datadir import DataDirLock, share
 from quayutec.db import check_connection_budget, open_pool
+from quayutec.dbhealth import DatabaseHealth
 
 ROOT = Path(__file__).resolve().parent.parent
 _MIGRATION_NAME = re.compile(r"^(?P<version>\d{4})_(?P<name>[a-z0-9_]+)\.sql$")
@@ -81,9 +83,18 @@ async def applied_versions(conn: asyncpg.Connection, component: str) -> set[int]
 async def migrate(pool: asyncpg.Pool, components: tuple[Component, ...] = COMPONENTS) -> list[Migration]:
     """Apply pending migrations, each in its own transaction; safe to run from many processes at once."""
     applied: list[Migration] = []
+    # Each component's tables, by the role of its service (a component with no role of its own: owner only).
+    tables = {
+        roles.SERVICE_ROLES.get(c.name, roles.OWNER): roles.tables_of(c.schema_path.read_text("utf-8"))
+        for c in components
+    }
     async with pool.acquire() as conn:
         await conn.execute("SELECT pg_advisory_lock($1)", _LOCK_KEY)
         try:
+            # Migrations run as the owner role, which owns every table (quayutec.roles).
+            await roles.ensure_roles(conn)
+            await roles.own_tables(conn, [roles.VERSION_TABLE, *(t for ts in tables.values() for t in ts)])
+            await conn.execute(f"SET ROLE {roles.OWNER}")
             await conn.execute(VERSION_TABLE_SQL)
             for component in components:
                 done = await applied_versions(conn, component.name)
@@ -99,7 +110,9 @@ async def migrate(pool: asyncpg.Pool, components: tuple[Component, ...] = COMPON
                             migration.name,
                         )
                     applied.append(migration)
+            await roles.grant_tables(conn, tables)
         finally:
+            await conn.execute("RESET ROLE")
             await conn.execute("SELECT pg_advisory_unlock($1)", _LOCK_KEY)
     return applied
 
@@ -112,9 +125,13 @@ class ServicePool:
     pool: asyncpg.Pool
     owned: bool
     folder: DataDirLock | None = None
+    # The service's gRPC health follows whether it reaches its database (GrpcServer's health_watch).
+    health: DatabaseHealth | None = None
 
     async def close(self) -> None:
         try:
+            if self.health is not None:
+                await self.health.stop()
             if self.owned:
                 await self.pool.close()
         finally:
@@ -131,7 +148,14 @@ async def service_pool(
     to start in a folder a stack (`quayutec up`, the demo) owns (``DataDirTaken``)."""
     folder = share(database.data_dir) if pool is None and database.url is None else None
     try:
-        held = ServicePool(pool or await open_pool(database), owned=pool is None, folder=folder)
+        if migrate_on_start and pool is None:
+            # As the login of DATABASE_URL, not the service's role: migrations run as the owner role.
+            await migrate_database(replace(database, url=database.admin_url or database.url), (component,))
+        opened = pool or await open_pool(database)
+        health = DatabaseHealth(
+            opened, interval=database.health_interval_seconds, timeout=database.acquire_timeout_seconds
+        )
+        held = ServicePool(opened, owned=pool is None, folder=folder, health=health)
     except BaseException:
         if folder is not None:
             folder.release()
@@ -139,7 +163,7 @@ async def service_pool(
     try:
         if held.owned and database.budget is not None:
             await check_connection_budget(held.pool, database.budget, component.name)
-        if migrate_on_start:
+        if migrate_on_start and not held.owned:
             await migrate(held.pool, (component,))
     except BaseException:
         await held.close()
@@ -147,13 +171,18 @@ async def service_pool(
     return held
 
 
-async def apply_all(components: tuple[Component, ...] = COMPONENTS) -> list[Migration]:
-    """``quayutec migrate``: the components' pending migrations on ``DATABASE_URL`` (or embedded)."""
-    pool = await open_pool(DatabaseConfig.from_env())
+async def migrate_database(database: DatabaseConfig, components: tuple[Component, ...] = COMPONENTS) -> list[Migration]:
+    """``components`` migrated on a pool of their own (one connection, the login's own role)."""
+    pool = await open_pool(replace(database, role=None, pool_min=1, pool_max=1))
     try:
-        applied = await migrate(pool, components)
+        return await migrate(pool, components)
     finally:
         await pool.close()
+
+
+async def apply_all(components: tuple[Component, ...] = COMPONENTS) -> list[Migration]:
+    """``quayutec migrate``: the components' pending migrations on ``DATABASE_URL`` (or embedded)."""
+    applied = await migrate_database(DatabaseConfig.from_env(), components)
     for m in applied:
         print(f"applied {m.component} {m.version:04d}_{m.name}")
     print(f"schema up to date ({len(applied)} applied)")

@@ -19,7 +19,7 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 import uvloop
@@ -232,6 +232,13 @@ def add_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> Non
     )
 
 
+class HealthWatch(Protocol):
+    """Something that sets the server's health while it runs (quayutec.dbhealth.DatabaseHealth)."""
+
+    def start(self, set_serving: Callable[[bool], Awaitable[None]]) -> None: ...
+    async def stop(self) -> None: ...
+
+
 class GrpcServer:
     """One gRPC server with health checking, reflection and error mapping."""
 
@@ -245,6 +252,7 @@ class GrpcServer:
         interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
         credentials: grpc.ServerCredentials | None = None,
         identity: Identity | None = None,
+        health_watch: HealthWatch | None = None,
     ) -> None:
         if identity is not None and credentials is not None:
             raise ValueError("give an internal service its identity or the public port its credentials, not both")
@@ -263,6 +271,7 @@ class GrpcServer:
         self.health_port = 0
         self._health = health.aio.HealthServicer()
         self._stopping: asyncio.Task[None] | None = None
+        self._health_watch = health_watch
         self.port = 0
 
     async def start(self) -> int:
@@ -296,6 +305,8 @@ class GrpcServer:
                 raise
         for name in ("", *self._service_names):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        if self._health_watch is not None:
+            self._health_watch.start(self.set_serving)
         self.port = int(port)
         _log.info("%s listening on port %d", ", ".join(self._service_names), port)
         return self.port
@@ -326,7 +337,16 @@ class GrpcServer:
             self._stopping = asyncio.ensure_future(self._stop(self._config.grace_seconds if grace is None else grace))
         await asyncio.shield(self._stopping)
 
+    async def set_serving(self, serving: bool) -> None:
+        """Health SERVING or NOT_SERVING for this server's services (what readiness probes ask; ignored
+        once stopping). The process's own health ("", what liveness probes ask) stays SERVING."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self._service_names:
+            await self._health.set(name, status)
+
     async def _stop(self, grace: float) -> None:
+        if self._health_watch is not None:
+            await self._health_watch.stop()
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace)

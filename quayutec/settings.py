@@ -74,6 +74,15 @@ def _per_service(spec: ServiceSpec) -> list[Setting]:
     ]
     if name in WITH_DATABASE:
         found += [
+            _g(
+                f"{p}DATABASE_URL",
+                "",
+                f"the database URL of {name} alone (a login that is a member of the role quayutec_{name}); unset: "
+                "DATABASE_URL. Migrations on start still use DATABASE_URL when it is set",
+                [name],
+                shown="(DATABASE_URL)",
+                secret=True,
+            ),
             _g(f"{p}MIGRATE_ON_START", True, f"{name} applies its own migrations at start-up", [name]),
             _g(f"{p}DB_POOL_MIN", 1, f"fewest open database connections of {name}", [name]),
             _g(
@@ -207,6 +216,46 @@ _DECLARED: list[Setting] = [
         "mid-transaction cannot hold a room's rows for long; 0 turns it off",
         [*WITH_DATABASE, "cli"],
         shown="10",
+    ),
+    _g(
+        "QUAYUTEC_DB_ACQUIRE_TIMEOUT_SECONDS",
+        5.0,
+        "longest wait for a pooled database connection; past it the call answers UNAVAILABLE",
+        [*WITH_DATABASE, "cli"],
+        shown="5",
+    ),
+    _g(
+        "QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS",
+        30.0,
+        "longest wait for one SQL statement; a statement past it fails UNAVAILABLE and its connection is "
+        "closed at once (terminated), never given back to the pool",
+        [*WITH_DATABASE, "cli"],
+        shown="30",
+    ),
+    _g(
+        "QUAYUTEC_DB_CONNECT_TIMEOUT_SECONDS",
+        5.0,
+        "longest wait to open one database connection (each host of a multi-host DATABASE_URL in turn)",
+        [*WITH_DATABASE, "cli"],
+        shown="5",
+    ),
+    _g(
+        "QUAYUTEC_DB_TCP_TIMEOUT_SECONDS",
+        10.0,
+        "a database socket whose data goes unacknowledged this long is aborted (TCP_USER_TIMEOUT), and an idle "
+        "one is probed by keepalives after half of it, on both sides of the socket: a silent network or a dead "
+        "primary is noticed in seconds, not after minutes of TCP retransmissions",
+        [*WITH_DATABASE, "cli"],
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_DB_HEALTH_INTERVAL_SECONDS",
+        2.0,
+        "how often each database service checks it reaches its database (one `SELECT 1`, bounded by "
+        "ACQUIRE_TIMEOUT_SECONDS); the health of its service (readiness) is NOT_SERVING while it cannot, SERVING "
+        "again when it can; the process's own health (liveness, the empty name) stays SERVING",
+        WITH_DATABASE,
+        shown="2",
     ),
     _g("QUAYUTEC_DB_POOL_MIN", 1, "fewest open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),

@@ -35,6 +35,7 @@ async def create_server(config: ClaimsConfig, *, pool: asyncpg.Pool | None = Non
         register=lambda server: claims_pb2_grpc.add_ClaimsServiceServicer_to_server(servicer, server),
         on_stop=held.close,
         identity=identity,
+        health_watch=held.health,
     )
 
 

@@ -164,6 +164,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         on_stop=on_stop,
         interceptors=(AuthInterceptor(Authenticator(keys, config.auth_throttle, key_cache), caller, streams),),
         credentials=credentials,
+        health_watch=held.health,
     )
     return grpc_server
 

@@ -85,6 +85,7 @@ async def create_server(
         register=register,
         on_stop=on_stop,
         identity=identity,
+        health_watch=held.health,
     )
 
 

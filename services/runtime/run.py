@@ -155,6 +155,10 @@ class RoomView:
     room_agents: dict[str, common_pb2.Agent]
 
 
+# How often the end of a run is written again while the Room is unreachable (Ledger.end_retry_seconds).
+END_RETRY_EVERY_SECONDS = 1.0
+
+
 @dataclass
 class Ledger:
     """The run's ledger row, written whole to Room with each write (or alone) at each step a crash must not hide."""
@@ -168,6 +172,10 @@ class Ledger:
     # Called once, when this run's first ledger write has committed: the run holds the row.
     on_recorded: Callable[[], None] | None = None
     recorded: bool = False
+    # How long the end of the run is written again while the Room is unreachable past its own retries:
+    # a run cut off from its database ends in the ledger soon after the database is back, instead of
+    # staying open until the Gateway's sweep abandons it.
+    end_retry_seconds: float = 0.0
 
     def snapshot(self) -> common_pb2.Run:
         self.run.active_ms = int((time.monotonic() - self.started) * 1000)
@@ -235,7 +243,15 @@ class Ledger:
         mark_undone(self.run, error or "the run ended first")
         self.run.step = common_pb2.RUN_STEP_ENDED
         self.run.ended_at.GetCurrentTime()
-        await self.save()
+        deadline = time.monotonic() + self.end_retry_seconds
+        while True:
+            try:
+                await self.save()
+                break
+            except grpc.aio.AioRpcError as exc:
+                if not retryable(exc) or time.monotonic() >= deadline:
+                    raise
+            await asyncio.sleep(END_RETRY_EVERY_SECONDS)
         if self.metrics is not None:
             self.metrics.run_ended(run_outcome(status))
 
@@ -391,6 +407,7 @@ class RunExecutor:
             self._config.backend_timeout_seconds,
             metrics=self._metrics,
             on_recorded=self._recorded(attempt, run_id),
+            end_retry_seconds=self._config.run_seconds,
         )
         active_time = asyncio.timeout(self._config.run_seconds)
         try:
@@ -436,6 +453,7 @@ class RunExecutor:
             return
         except asyncio.CancelledError:
             if ledger.recorded:  # before its first write the run did nothing: the next delivery takes it over
+                ledger.end_retry_seconds = 0.0  # shutting down: the Room's own retries only
                 await asyncio.shield(ledger.end(common_pb2.RUN_STATUS_FAILED, "the runtime shut down during the run"))
             raise
         except grpc.aio.AioRpcError as exc:
@@ -501,6 +519,7 @@ class RunExecutor:
             started=time.monotonic() - run.active_ms / 1000,
             metrics=self._metrics,
             on_recorded=self._recorded(attempt, run.run_id),
+            end_retry_seconds=self._config.run_seconds,
         )
         run.status = common_pb2.RUN_STATUS_RUNNING
         decisions = {h.index: h for h in waitpoint.held}

@@ -11,6 +11,7 @@ from typing import Any, cast
 import asyncpg
 
 from quayutec.config import DatabaseConfig, ServerConfig
+from quayutec.roles import service_role
 from quayutec.v1 import claims_pb2_grpc
 from services.claims.config import ClaimsConfig
 from services.claims.server import create_server
@@ -22,7 +23,8 @@ def claims_config(database_url: str, **overrides: object) -> ClaimsConfig:
     replace fields."""
     config = ClaimsConfig(
         server=ServerConfig(listen="127.0.0.1:0", grace_seconds=1.0, mtls=TEST_MTLS),
-        database=DatabaseConfig(url=database_url, data_dir=Path(".quayutec")),
+        # As the Claims role, as the service runs (quayutec.roles): the tests see what PostgreSQL allows it.
+        database=DatabaseConfig(url=database_url, data_dir=Path(".quayutec"), role=service_role("claims")),
     )
     return replace(config, **overrides)  # type: ignore[arg-type]
 
