@@ -16,6 +16,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from quayutec.v1 import common_pb2, gateway_pb2
 from tests.cluster.bed import Bed, host_ips
 from tests.cluster.ha import HA_HOSTS, PG_PORT, TTL, HaDatabase
 from tests.cluster.world import Outcome, World, count_outcome, wait_settled, wait_until, world_on
@@ -112,7 +113,13 @@ async def seen_by_models(world: World, at_least: int, limit: float = 60.0) -> No
 
 
 async def under_load(
-    bed: Bed, name: str, fault: Fault, *, settle: bool = True, settle_limit: float = SETTLE_LIMIT_SECONDS
+    bed: Bed,
+    name: str,
+    fault: Fault,
+    *,
+    settle: bool = True,
+    settle_limit: float = SETTLE_LIMIT_SECONDS,
+    label: str = "",
 ) -> FaultRun:
     """WAKES wakes posted and in flight, a client posting all along, then ``fault``; counted once
     every wake is done (or, ``settle=False``, once the limit has passed: a wake whose post was lost
@@ -141,7 +148,7 @@ async def under_load(
         outcome = await count_outcome(world, await asyncio.to_thread(world.model_requests))
     no_primary = None if load.primary_back is None else load.primary_back - load.started
     return FaultRun(
-        name=name,
+        name=label or name,
         outcome=outcome,
         no_primary_seconds=no_primary,
         posts_refused_seconds=prober.longest_gap(load.started),
@@ -284,3 +291,37 @@ async def negative_control(load: Load) -> None:
     await asyncio.to_thread(load.ha.wait_healthy, 120)
     await asyncio.to_thread(load.ha.set_synchronous, True)
     await asyncio.to_thread(load.ha.wait_healthy, 60)
+
+
+# -- what the promise costs ----------------------------------------------------------------------------
+
+
+async def post_to_reply_ms(world: World, start: int, count: int, limit: float = 30.0) -> list[float]:
+    """``count`` wakes one at a time through host a's Gateway: milliseconds from each post to its
+    reply on a WatchRoom stream (the client's view)."""
+    queue: asyncio.Queue[float] = asyncio.Queue()
+
+    async def replies() -> None:
+        call = world.gateways["a"].WatchRoom(
+            gateway_pb2.WatchRoomRequest(room_id=world.room_id),
+            metadata=(("authorization", f"Bearer {world.secret}"),),
+        )
+        try:
+            async for item in call:
+                for event in item.events:
+                    if event.HasField("message") and event.message.author.kind == common_pb2.AUTHOR_KIND_AGENT:
+                        queue.put_nowait(time.monotonic())
+        finally:
+            call.cancel()
+
+    watcher = asyncio.create_task(replies())
+    await asyncio.sleep(0.5)  # the stream is open before the first post
+    took = []
+    try:
+        for i in range(start, start + count):
+            posted_at = time.monotonic()
+            await world.post(i, via=["a"])
+            took.append((await asyncio.wait_for(queue.get(), timeout=limit) - posted_at) * 1000)
+    finally:
+        watcher.cancel()
+    return took
