@@ -18,7 +18,7 @@ TS_STAMP := $(TS_CLIENT)/node_modules/.installed
 # fresh venv without reaching any index.
 WHEELHOUSE := $(VENV)/wheelhouse
 
-.PHONY: demo test test-cluster test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
+.PHONY: demo test test-cluster ha-packages test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
 # The venv itself, once; pip's cache (~/.cache/pip) serves what was downloaded before.
 $(BIN)/python:
@@ -85,9 +85,20 @@ test-repeat: $(STAMP)
 	$(BIN)/python scripts/repeat_tests.py --rounds $(N)
 
 # The multi-host bed's tests (tests/cluster): faults across a network of namespaces, as root, in
-# namespaces of their own (`unshare`); about 8 minutes. `.ci/run` runs them after `make test`.
-test-cluster: $(STAMP)
+# namespaces of their own (`unshare`); about 8 minutes, then the database failovers on the HA bed
+# (tests/cluster/test_failover.py), about 2 more. `.ci/run` runs them after `make test`.
+test-cluster: $(STAMP) ha-packages
 	$(BIN)/python -m scripts.cluster test -s
+
+# The HA bed's database hosts run Debian's PostgreSQL 15, Patroni and etcd (tests/cluster/ha.py), installed
+# here when missing. Tested with bookworm's postgresql-15 15.18, patroni 3.0.2-1, etcd-server 3.4.23;
+# the bed uses none of the services these packages may set up, only their programs.
+HA_PACKAGES := postgresql-15 patroni python3-etcd etcd-server
+ha-packages:
+	if [ ! -x /usr/lib/postgresql/15/bin/postgres ] || [ ! -x /usr/bin/patroni ] || [ ! -x /usr/bin/etcd ]; then \
+	  sudo=""; if [ "$$(id -u)" != 0 ]; then sudo="sudo"; fi; \
+	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $(HA_PACKAGES); \
+	fi
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py

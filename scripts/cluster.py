@@ -1,11 +1,13 @@
 """The multi-host test bed (tests/cluster/bed.py) from one command, always in namespaces of its own.
 
     python -m scripts.cluster up [--root DIR]      start the bed in the background; prints how to use it
+    python -m scripts.cluster --ha up              the same with a highly available database (Patroni)
     python -m scripts.cluster exec -- CMD ...      run CMD inside the bed's network (e.g. `quayutec`, bash)
     python -m scripts.cluster fault partition a db | heal | delay 5 | counters
     python -m scripts.cluster status
     python -m scripts.cluster down                 stop it: nothing is left (processes, namespaces, devices)
-    python -m scripts.cluster test [PYTEST ARGS]   run tests/cluster in a fresh bed (what `make test-cluster` does)
+    python -m scripts.cluster test [PYTEST ARGS]   run tests/cluster in a fresh bed (what `make test-cluster` does),
+                                                   then the HA bed's tests (test_failover.py) in another
 
 Everything runs under ``unshare --net --mount --pid --fork --mount-proc``: a network namespace with
 loopback only, which the bed fills with its own devices and addresses; a PID namespace, so that
@@ -77,8 +79,9 @@ def cmd_up(opts: argparse.Namespace) -> int:
         raise SystemExit(f"a bed is already up in {root}; `python -m scripts.cluster down` first")
     root.mkdir(parents=True, exist_ok=True)
     log = (root / "up.log").open("ab")
+    ha = ["--ha"] if opts.ha else []
     outer = subprocess.Popen(
-        [*NAMESPACES, "--kill-child", "--", sys.executable, "-m", "scripts.cluster", "--root", str(root), "serve"],
+        [*NAMESPACES, "--kill-child", "--", sys.executable, "-m", "scripts.cluster", "--root", str(root), *ha, "serve"],
         cwd=REPO,
         stdin=subprocess.DEVNULL,
         stdout=log,
@@ -112,7 +115,7 @@ def cmd_serve(opts: argparse.Namespace) -> int:
     from tests.cluster.bed import CLIENT_IP, DB_IP, SERVICE_HOSTS, Bed, netem_available
 
     root: Path = opts.root
-    bed = Bed(root / "bed")
+    bed = Bed(root / "bed", ha=opts.ha)
     stop = asyncio.Event()
 
     async def serve() -> None:
@@ -125,7 +128,7 @@ def cmd_serve(opts: argparse.Namespace) -> int:
                 "gateways": [bed.gateway_addr(h) for h in SERVICE_HOSTS],
                 "database": bed.database_url,
                 "client address": CLIENT_IP,
-                "database host": DB_IP,
+                "database host": DB_IP if not opts.ha else "pg1, pg2, pg3 (10.77.1.11-13)",
                 "tc netem in this kernel": netem_available(),
             }
             tmp = root / f"{READY}.tmp"
@@ -217,17 +220,29 @@ def cmd_down(opts: argparse.Namespace) -> int:
     return 0
 
 
+# Tests on the bed with a highly available database (Patroni): a pytest session of their own, in
+# namespaces of their own (the two beds own the same addresses).
+HA_TESTS = "tests/cluster/test_failover.py"
+NO_TESTS = 5  # pytest's exit code when it collected nothing
+
+
 def cmd_test(opts: argparse.Namespace) -> int:
     _need_tools()
     args = list(opts.pytest_args)
-    paths = [] if any(a.startswith("tests/cluster") for a in args) else ["tests/cluster"]
-    argv = [*NAMESPACES, "--kill-child", "--", sys.executable, "-m", "pytest", *paths, "-p", "no:randomly"]
-    return subprocess.call([*argv, *args], cwd=REPO)
+    base = [*NAMESPACES, "--kill-child", "--", sys.executable, "-m", "pytest", "-p", "no:randomly"]
+    if any(a.startswith("tests/cluster") for a in args):
+        return subprocess.call([*base, *args], cwd=REPO)
+    single = subprocess.call([*base, "tests/cluster", "--ignore", HA_TESTS, *args], cwd=REPO)
+    ha = subprocess.call([*base, HA_TESTS, *args], cwd=REPO)
+    if {single, ha} == {NO_TESTS, 0}:
+        return 0  # a -k or -m that picks tests of one session only
+    return single or ha
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scripts.cluster", description=__doc__.splitlines()[0])
     parser.add_argument("--root", type=Path, default=DEFAULT_ROOT, help=f"the bed's folder (default {DEFAULT_ROOT})")
+    parser.add_argument("--ha", action="store_true", help="three database hosts under Patroni (tests/cluster/ha.py)")
     sub = parser.add_subparsers(required=True)
     sub.add_parser("up", help="start the bed in the background").set_defaults(handler=cmd_up)
     sub.add_parser("serve", help="(inside the namespaces) hold the bed until SIGTERM").set_defaults(handler=cmd_serve)

@@ -10,6 +10,10 @@ a set of pods that a fault cuts off, slows down or kills together.
     host b    10.77.3.11 gateway  .12 room  .13 claims  .14 runtime (+ the stand-in provider)
     client    10.77.9.1   the namespace the bed runs in (tests, `scripts.cluster exec`)
 
+With ``ha=True`` the database is highly available instead (``tests.cluster.ha``): three database
+hosts pg1, pg2, pg3 (10.77.1.11-13), each running an etcd member, Patroni and PostgreSQL 15, and
+the services get a URL listing all three with ``target_session_attrs=read-write``.
+
 Each client of an internal service dials every replica (``ipv4:a:port,b:port``) and spreads its
 calls over them; every process presents a certificate of the bed's own CA that names its identity,
 its pod's host name and its address.
@@ -41,6 +45,8 @@ from typing import Any
 from quayutec.config import CLAIMS, GATEWAY, ROOM, RUNTIME, ServiceSpec
 from quayutec.tls import ADMIN, CA_ENV, CERT_ENV, KEY_ENV, MtlsConfig, write_host_pki
 from services.stack import REPO, wait_serving
+from tests.cluster.ha import HA_HOSTS, HA_IPS, HaDatabase, HaError, multi_host_url, node_url
+from tests.cluster.ha import SERVICE_PORTS as HA_SERVICE_PORTS
 
 DB_HOST = "db"
 SERVICE_HOSTS = ("a", "b")
@@ -107,7 +113,9 @@ def pod_name(host: str, service: str) -> str:
 
 
 def host_ips(host: str) -> list[str]:
-    """Every address of ``host`` (``db``, ``a``, ``b`` or ``client``)."""
+    """Every address of ``host`` (``db``, ``a``, ``b``, ``client``, or ``pg1``-``pg3`` in an HA bed)."""
+    if host in HA_IPS:
+        return [HA_IPS[host]]
     if host not in (DB_HOST, CLIENT_HOST, *SERVICE_HOSTS):
         raise BedError(f"unknown host {host!r}: one of {DB_HOST}, {', '.join(SERVICE_HOSTS)}, {CLIENT_HOST}")
     if host == DB_HOST:
@@ -184,21 +192,41 @@ class Bed:
 
     root: Path
     settings: Mapping[str, str] = field(default_factory=dict)
+    ha: bool = False  # three database hosts under Patroni instead of one PostgreSQL
     pods: dict[str, Pod] = field(default_factory=dict)
     procs: dict[tuple[str, str], subprocess.Popen[bytes]] = field(default_factory=dict)
     wire: subprocess.Popen[bytes] | None = None
     postgres: subprocess.Popen[bytes] | None = None
+    ha_db: HaDatabase | None = None
+    # Database hosts of an HA bed that are down or cut off (kill_host, or a test's partition): left
+    # out of ``counting_url`` so that the tests' own reads never wait on a silent host.
+    unreachable_database_hosts: set[str] = field(default_factory=set)
     started: bool = False
 
     # -- addresses ----------------------------------------------------------------------------------------
 
     @property
     def database_url(self) -> str:
+        if self.ha:
+            return multi_host_url(DB_NAME)
         return f"postgresql://postgres@{DB_IP}:{DB_PORT}/{DB_NAME}"
 
     @property
     def admin_database_url(self) -> str:
+        if self.ha:
+            return multi_host_url("postgres")
         return f"postgresql://postgres@{DB_IP}:{DB_PORT}/postgres"
+
+    @property
+    def counting_url(self) -> str:
+        """Where the tests count outcomes: the surviving database (every reachable host of an HA bed)."""
+        if self.ha:
+            return multi_host_url(DB_NAME, [h for h in HA_HOSTS if h not in self.unreachable_database_hosts])
+        return self.database_url
+
+    @property
+    def database_hosts(self) -> tuple[str, ...]:
+        return HA_HOSTS if self.ha else (DB_HOST,)
 
     def gateway_addr(self, host: str) -> str:
         return f"{pod_ip(host, GATEWAY.name)}:{GATEWAY.port}"
@@ -248,13 +276,20 @@ class Bed:
         self._start_wire()
         self._link_pods()
         self._make_pki()
-        self._start_postgres()
-        await self._migrate()
+        if self.ha:
+            await asyncio.to_thread(self._start_ha)
+        else:
+            self._start_postgres()
+        await self._bootstrap_database()
         for host in SERVICE_HOSTS:
             await self.start_host(host)
 
     def _make_pods(self) -> None:
-        self.pods[DB_HOST] = Pod(DB_HOST, "qydb", DB_IP)
+        if self.ha:
+            for host in HA_HOSTS:
+                self.pods[host] = Pod(host, f"qy{host}", HA_IPS[host])
+        else:
+            self.pods[DB_HOST] = Pod(DB_HOST, "qydb", DB_IP)
         for host in SERVICE_HOSTS:
             for spec in START_ORDER:
                 self.pods[pod_name(host, spec.name)] = Pod(host, pod_name(host, spec.name), pod_ip(host, spec.name))
@@ -264,6 +299,8 @@ class Bed:
     def _start_wire(self) -> None:
         ports = [f"{p.name}={p.ip}@{p.host}" for p in self.pods.values()] + [f"qyclient={CLIENT_IP}@{CLIENT_HOST}"]
         service_ports = [DB_PORT, STANDIN_PORT, *(s.port for s in START_ORDER)]
+        if self.ha:
+            service_ports += HA_SERVICE_PORTS
         argv = [*_guard(), sys.executable, "-m", "tests.cluster.wire", "--control", str(self.control_path)]
         argv += [a for p in ports for a in ("--port", p)]
         argv += [a for p in service_ports for a in ("--service-port", str(p))]
@@ -345,7 +382,24 @@ class Bed:
         )
         log.close()
 
-    async def _migrate(self) -> None:
+    def _start_ha(self) -> None:
+        self.ha_db = HaDatabase(
+            root=self.root / "ha",
+            log_dir=self.log_dir,
+            enter=lambda host, argv: self.pods[host].enter(argv),
+            ns_of=lambda host: f"/proc/{self.pods[host].holder.pid}/ns/net",  # type: ignore[union-attr]
+        )
+        (self.root / "ha").mkdir(exist_ok=True)
+        (self.root / "ha").chmod(0o755)
+        try:
+            self.ha_db.start()
+            self.ha_db.wait_healthy(limit=120)
+        except HaError as exc:
+            raise BedError(f"{exc} (logs: {self.log_dir}/pg*-patroni.log, pg*-etcd.log)") from exc
+
+    async def _bootstrap_database(self) -> None:
+        """The database the services use, from nothing: created, then migrated (one place, so that
+        whatever else the database needs before the services start is added here)."""
         import asyncpg
 
         from quayutec.db import create_pool
@@ -356,7 +410,7 @@ class Bed:
             if self.postgres is not None and self.postgres.poll() is not None:
                 raise BedError(f"PostgreSQL exited with {self.postgres.returncode} (log: {self.log_dir}/postgres.log)")
             try:
-                conn = await asyncpg.connect(self.admin_database_url, timeout=2)
+                conn = await asyncpg.connect(self.admin_database_url, timeout=5)
                 break
             except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
                 if time.monotonic() > deadline:
@@ -367,6 +421,10 @@ class Bed:
                 await conn.execute(f"CREATE DATABASE {DB_NAME}")
         finally:
             await conn.close()
+        for host in self.database_hosts if self.ha else ():
+            # A standby answers a client only once it has replayed the new database (a commit waits
+            # for the standby's flush, not its replay): a multi-host client stops at the first that answers.
+            await _wait_database(node_url(host, DB_NAME), deadline)
         pool = await create_pool(self.database_url, min_size=1, max_size=2)
         try:
             await migrate(pool)
@@ -440,6 +498,11 @@ class Bed:
         """The host dies at once: SIGKILL to every process of it, and its addresses stop answering
         (the machine is gone: its peers get no reset, only silence)."""
         self.partition(f"down-{host}", host_ips(host), [ip for p in self.pods.values() for ip in [p.ip]] + [CLIENT_IP])
+        if host in HA_IPS:
+            assert self.ha_db is not None
+            self.unreachable_database_hosts.add(host)
+            self.ha_db.kill_host(host)
+            return
         for (h, what), proc in list(self.procs.items()):
             if h == host:
                 if proc.poll() is None:
@@ -450,6 +513,11 @@ class Bed:
     async def restart_host(self, host: str) -> None:
         """The host comes back: reachable again, its processes started afresh."""
         self.heal(f"down-{host}")
+        if host in HA_IPS:
+            assert self.ha_db is not None
+            self.ha_db.start_host(host)
+            self.unreachable_database_hosts.discard(host)
+            return
         await self.start_host(host)
 
     def stop(self) -> None:
@@ -461,6 +529,9 @@ class Bed:
         for proc in self.procs.values():
             _wait_or_kill(proc, deadline)
         self.procs.clear()
+        if self.ha_db is not None:
+            self.ha_db.stop()
+            self.ha_db = None
         if self.postgres is not None:
             if self.postgres.poll() is None:
                 self.postgres.send_signal(signal.SIGINT)  # fast shutdown
@@ -513,6 +584,8 @@ class Bed:
     def heal(self, name: str | None = None) -> None:
         """Lift the partition ``name`` (every one when None)."""
         self.control(op="heal", name=name)
+        if name is None:
+            self.unreachable_database_hosts.clear()
 
     def set_delay(self, ms: float, *, every_hop: bool = False) -> None:
         """Delay each packet between hosts (or on every hop between pods) by ``ms`` one way."""
@@ -525,6 +598,8 @@ class Bed:
     def processes(self) -> Iterator[subprocess.Popen[bytes]]:
         """Every process the bed holds."""
         yield from self.procs.values()
+        if self.ha_db is not None:
+            yield from self.ha_db.processes()
         for extra in (self.postgres, self.wire):
             if extra is not None:
                 yield extra
@@ -558,6 +633,20 @@ def _wait_or_kill(proc: subprocess.Popen[bytes], deadline: float) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+async def _wait_database(url: str, deadline: float) -> None:
+    import asyncpg
+
+    while True:
+        try:
+            conn = await asyncpg.connect(url, timeout=2)
+            await conn.close()
+            return
+        except (OSError, asyncpg.PostgresError, asyncpg.InterfaceError, TimeoutError):
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.2)
 
 
 def _ensure_pg_user() -> None:

@@ -21,7 +21,19 @@ __all__ = ["REPO"]
 
 @pytest.fixture(scope="session")
 def bed() -> Iterator[Bed]:
-    the_bed = Bed(new_root())
+    yield from _session_bed(ha=False)
+
+
+@pytest.fixture(scope="session")
+def ha_bed() -> Iterator[Bed]:
+    """The bed with a highly available database (three hosts under Patroni): tests/cluster/ha.py. A
+    session holds one bed only (both own the same addresses): `scripts.cluster test` runs the HA
+    tests in a session of their own."""
+    yield from _session_bed(ha=True)
+
+
+def _session_bed(*, ha: bool) -> Iterator[Bed]:
+    the_bed = Bed(new_root(), ha=ha)
     try:
         asyncio.run(the_bed.start())
     except BedError as exc:

@@ -29,14 +29,17 @@ def addresses() -> str:
 
 
 @pytest.mark.timeout(300)
-def test_up_then_down_leaves_nothing_behind() -> None:
+@pytest.mark.parametrize("ha", [False, True], ids=["one-database", "ha-database"])
+def test_up_then_down_leaves_nothing_behind(ha: bool) -> None:
+    """With ``--ha``, the three database hosts' etcd, Patroni and PostgreSQL go too."""
     # Not under pytest's private temporary folder: PostgreSQL runs as another user and must reach it.
     root = new_root() / "bed"
     links, addrs = interfaces(), addresses()
     mounts = Path("/proc/self/mountinfo").read_text()
-    up = cluster(root, "up")
+    up = cluster(root, *(["--ha"] if ha else []), "up")
     assert up.returncode == 0, up.stdout + up.stderr
     assert "10.77.2.11:50051" in up.stdout, up.stdout
+    assert ("pg1, pg2, pg3" in up.stdout) == ha, up.stdout
     assert leftovers(root), "the bed runs processes of its own"
     # From inside the bed's network, host b's Gateway answers; from here (another namespace) nothing of the bed shows.
     probe = "import socket; socket.create_connection(('10.77.3.11', 50051), timeout=5).close(); print('reached')"

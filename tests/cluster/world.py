@@ -47,6 +47,8 @@ class World:
     secret: str  # the company's API key (streams carry it themselves: the stubs' interceptor is unary only)
     posted: list[str] = field(default_factory=list)  # wake ids, in posting order
     bodies: dict[str, str] = field(default_factory=dict)  # wake id -> the message body that woke it
+    acknowledged: set[str] = field(default_factory=set)  # message ids of every post a Gateway answered
+    unavailable: int = 0  # UNAVAILABLE or DEADLINE_EXCEEDED answers to posts (each retried)
 
     def script_standins(self, *, times: int, delay_seconds: float, remember: bool = True) -> None:
         """Each host's stand-in answers this agent's next ``times`` requests after ``delay_seconds``,
@@ -88,10 +90,12 @@ class World:
                 posted: gateway_pb2.PostMessageResponse = await self.gateways[host].PostMessage(
                     request, timeout=RPC_SECONDS
                 )
+                self.acknowledged.add(posted.message.message_id)
                 return posted
             except grpc.aio.AioRpcError as exc:
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
                     raise
+                self.unavailable += 1
                 if time.monotonic() > deadline:
                     raise
                 await asyncio.sleep(0.1)
@@ -162,7 +166,7 @@ async def world_on(bed: Bed, name: str) -> AsyncIterator[World]:
             room_pb2.RoomServiceCreateCompanyRequest(name=f"company {tag}"), timeout=10
         )
     company_id = company.company.company_id
-    pool = await create_pool(bed.database_url, min_size=1, max_size=1)
+    pool = await create_pool(bed.counting_url, min_size=1, max_size=1)
     try:
         _, secret = await create_api_key(pool, company_id, f"bed {tag}")
     finally:
@@ -206,6 +210,7 @@ class Outcome:
     open_runs: int  # a ledger row not ended yet
     last_ended_at: float | None  # epoch seconds of the last run's end
     leases: int  # deliveries leased in all (more than the wakes: some were delivered again)
+    posts_missing: int = 0  # posts a Gateway acknowledged that the database no longer has
 
     @property
     def lost(self) -> int:
@@ -220,13 +225,13 @@ class Outcome:
         return (
             f"{name}: wakes {self.wakes}: once {self.once}, twice {self.twice}, recorded not done "
             f"{self.not_done_total} ({reasons}), lost {self.lost} (claims without a ledger row "
-            f"{self.claims_without_row}, never claimed {self.never_claimed}), runs still open {self.open_runs}; "
-            f"deliveries leased {self.leases}"
+            f"{self.claims_without_row}, never claimed {self.never_claimed}), runs still open {self.open_runs}, "
+            f"acknowledged posts missing {self.posts_missing}; deliveries leased {self.leases}"
         )
 
 
 async def count_outcome(world: World, model_requests: dict[str, int] | None = None) -> Outcome:
-    conn = await asyncpg.connect(world.bed.database_url)
+    conn = await asyncpg.connect(world.bed.counting_url)
     try:
         wakes = world.posted
         claims = {
@@ -262,6 +267,8 @@ async def count_outcome(world: World, model_requests: dict[str, int] | None = No
         leases = await conn.fetchval(
             "SELECT coalesce(sum(delivery_attempts), 0) FROM wake_outbox WHERE wake_id = ANY($1::uuid[])", wakes
         )
+        acknowledged = sorted(world.acknowledged)
+        present = await conn.fetchval("SELECT count(*) FROM messages WHERE message_id = ANY($1::uuid[])", acknowledged)
     finally:
         await conn.close()
     requested = model_requests or {}
@@ -298,6 +305,7 @@ async def count_outcome(world: World, model_requests: dict[str, int] | None = No
         open_runs=still_open,
         last_ended_at=max(ended) if ended else None,
         leases=int(leases),
+        posts_missing=len(acknowledged) - int(present),
     )
 
 
@@ -311,7 +319,7 @@ def _reason(status: str, error: str, replies: int, memory: int) -> str:
 async def claims_final(world: World) -> bool:
     """True when every posted wake is in a final state: its run ended, or claimed without a row for
     longer than a run can live (that row will never come from its run), never unclaimed-and-pending."""
-    conn = await asyncpg.connect(world.bed.database_url)
+    conn = await asyncpg.connect(world.bed.counting_url)
     try:
         row = await conn.fetchrow(
             """
