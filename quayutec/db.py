@@ -12,7 +12,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 
@@ -181,6 +181,76 @@ def connection_socket(conn: asyncpg.Connection) -> Any:
     return None if transport is None else transport.get_extra_info("socket")
 
 
+def single_host_urls(url: str) -> list[str]:
+    """``url`` split into one URL per host it lists, in order (hosts in the netloc,
+    ``postgresql://u@h1:5432,h2:5432/db``, or in the query, ``?host=h1,h2&port=p1,p2``); a URL with one
+    host is returned as it is."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    fields = dict(query)
+    if "host" in fields:
+        hosts = fields["host"].split(",")
+        ports = fields.get("port", "").split(",") if fields.get("port") else []
+        if len(hosts) < 2:
+            return [url]
+        if len(ports) == 1:
+            ports = ports * len(hosts)
+        urls = []
+        for i, host in enumerate(hosts):
+            one = [(k, v) for k, v in query if k not in ("host", "port")] + [("host", host)]
+            if ports:
+                one.append(("port", ports[i] if i < len(ports) else ports[-1]))
+            urls.append(urlunsplit((parts.scheme, parts.netloc, parts.path, urlencode(one, safe="/"), parts.fragment)))
+        return urls
+    userinfo, at, hostlist = parts.netloc.rpartition("@")
+    hosts = hostlist.split(",")
+    if len(hosts) < 2:
+        return [url]
+    return [
+        urlunsplit((parts.scheme, f"{userinfo}{at}{host}", parts.path, parts.query, parts.fragment)) for host in hosts
+    ]
+
+
+# What a host that is not the primary, not up yet or silent answers: try the next host.
+_NEXT_HOST_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    TimeoutError,
+    asyncpg.TargetServerAttributeNotMatched,
+    asyncpg.CannotConnectNowError,
+    asyncpg.InvalidCatalogNameError,
+)
+
+
+class HostByHost:
+    """A pool's way to open a connection on a multi-host URL: each host in turn, each within the
+    whole connect timeout, starting from the host that last worked.
+
+    asyncpg's own multi-host connect spends one timeout on the whole list, so a silent host listed
+    first (a primary whose machine died: no refusal comes back) uses all of it and the hosts after it
+    are never tried; each new connection then fails until the dead host is taken out of the URL."""
+
+    def __init__(self) -> None:
+        self.preferred = 0
+
+    async def __call__(self, dsn: str, *, timeout: float = 60.0, **kwargs: Any) -> asyncpg.Connection:  # noqa: ASYNC109
+        urls = single_host_urls(dsn)
+        if len(urls) == 1:
+            return await asyncpg.connect(dsn, timeout=timeout, **kwargs)
+        start = self.preferred % len(urls)
+        last: BaseException | None = None
+        for step in range(len(urls)):
+            index = (start + step) % len(urls)
+            try:
+                conn = await asyncpg.connect(urls[index], timeout=timeout, **kwargs)
+            except _NEXT_HOST_ERRORS as exc:
+                last = exc
+                continue
+            self.preferred = index
+            return conn
+        assert last is not None
+        raise last
+
+
 async def create_pool(
     url: str,
     *,
@@ -202,7 +272,7 @@ async def create_pool(
     take minutes. Nothing of ours keeps a transaction open between statements for long.
 
     Every wait is bounded: ``acquire_timeout`` for a pooled connection, ``command_timeout`` for a
-    statement, ``connect_timeout`` for a new connection (each host of a multi-host URL in turn), and
+    statement, ``connect_timeout`` for a new connection (each host of a multi-host URL in turn, ``HostByHost``), and
     ``tcp`` for a socket whose peer fell silent. ``role``: the role every session runs as (sent at
     connection start, so even ``RESET ROLE`` keeps it; ``quayutec.roles``)."""
     settings = {
@@ -224,7 +294,7 @@ async def create_pool(
         max_size=max_size,
         max_queries=50_000,
         max_inactive_connection_lifetime=300.0,
-        connect=None,
+        connect=HostByHost(),
         setup=None,
         init=on_connect,
         reset=_no_session_reset,

@@ -17,7 +17,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quayutec.config import DatabaseConfig
-from quayutec.db import TcpTimeouts, connection_socket, create_pool, open_pool, with_database
+from quayutec.db import TcpTimeouts, connection_socket, create_pool, open_pool, single_host_urls, with_database
 from quayutec.errors import status_for
 from tests.harness.channels import service_channel
 from tests.harness.claims import running_claims
@@ -35,20 +35,24 @@ def dead_loopback_port() -> int:
         return int(s.getsockname()[1])
 
 
-def dead_host_first(url: str) -> str:
-    """``url`` with a dead loopback host listed before its own, asking for the read-write server."""
+def host_first(url: str, host: str, port: int) -> str:
+    """``url`` with ``host:port`` listed before its own host, asking for the read-write server."""
     parts = urlsplit(url)
     query = dict(parse_qsl(parts.query))
-    dead = dead_loopback_port()
     if "host" in query:  # a Unix socket folder (the embedded server): hosts and ports go in the query
-        query["host"] = f"127.0.0.1,{query['host']}"
-        query["port"] = f"{dead},{query.get('port', '5432')}"
+        query["host"] = f"{host},{query['host']}"
+        query["port"] = f"{port},{query.get('port', '5432')}"
         netloc = parts.netloc
     else:
         userinfo, _, hostport = parts.netloc.rpartition("@")
-        netloc = f"{userinfo}@127.0.0.1:{dead},{hostport}" if userinfo else f"127.0.0.1:{dead},{hostport}"
+        netloc = f"{userinfo}@{host}:{port},{hostport}" if userinfo else f"{host}:{port},{hostport}"
     query["target_session_attrs"] = "read-write"
     return urlunsplit((parts.scheme, netloc, parts.path, urlencode(query, safe="/,"), parts.fragment))
+
+
+def dead_host_first(url: str) -> str:
+    """``url`` with a dead loopback host listed before its own, asking for the read-write server."""
+    return host_first(url, "127.0.0.1", dead_loopback_port())
 
 
 def test_multi_host_urls_stay_whole() -> None:
@@ -246,3 +250,37 @@ async def test_a_listen_connection_that_dies_listens_again(database_url: str) ->
 
 async def _true(value: bool) -> bool:
     return value
+
+
+def test_a_multi_host_url_splits_into_one_url_per_host() -> None:
+    assert single_host_urls(MULTI) == [
+        "postgresql://svc@db-1.internal:5432/quayutec?target_session_attrs=read-write",
+        "postgresql://svc@db-2.internal:5433/quayutec?target_session_attrs=read-write",
+    ]
+    socket_form = "postgresql://u@/quayutec?host=/run/a,/run/b&port=5432&target_session_attrs=read-write"
+    assert single_host_urls(socket_form) == [
+        "postgresql://u@/quayutec?target_session_attrs=read-write&host=/run/a&port=5432",
+        "postgresql://u@/quayutec?target_session_attrs=read-write&host=/run/b&port=5432",
+    ]
+    one = "postgresql://u@db:5432/quayutec"
+    assert single_host_urls(one) == [one]
+
+
+async def test_a_silent_first_host_costs_one_connect_timeout_not_every_connection(database_url: str) -> None:
+    """A host that accepts and never answers (a primary whose machine died) listed first: each host
+    gets its own connect timeout, so the server after it is reached, and the pool then starts from it."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # the kernel completes handshakes; nothing ever speaks
+    try:
+        url = host_first(database_url, "127.0.0.1", int(silent.getsockname()[1]))
+        pool = await create_pool(url, min_size=2, max_size=2, connect_timeout=1.0)
+        try:
+            assert await pool.fetchval("SELECT 1") == 1
+            # Both connections opened; a third one made now starts from the host that worked.
+            async with pool.acquire() as a, pool.acquire() as b:
+                assert await a.fetchval("SELECT 2") == 2 and await b.fetchval("SELECT 3") == 3
+        finally:
+            await pool.close()
+    finally:
+        silent.close()
