@@ -106,9 +106,22 @@ export class Unavailable extends QuayutecError {
 export class DeadlineExceeded extends QuayutecError {
   override name = "DeadlineExceeded";
 }
-/** The call was cancelled. */
+/** The call was cancelled (its `signal` aborted). */
 export class Cancelled extends QuayutecError {
   override name = "Cancelled";
+}
+/** The client was closed (`client.close()`) while the call or watch was under way, or before it began. */
+export class Closed extends Cancelled {
+  override name = "Closed";
+}
+/**
+ * The Gateway was reached but no gRPC connection could be made with it, so retrying cannot help: a TLS
+ * handshake that failed (TLS to a plaintext port, an untrusted certificate, a certificate that does not
+ * name the address), or a Gateway that drops every connection before answering (often plaintext to a
+ * TLS port). The message says which and what to check.
+ */
+export class ConnectionFailed extends Unavailable {
+  override name = "ConnectionFailed";
 }
 /** The Gateway failed; the message says no more, by design. */
 export class Internal extends QuayutecError {

@@ -13,8 +13,8 @@ import {
   type WatchRoomsResponse,
 } from "./gen/quayutec/v1/gateway_pb.js";
 import { Unavailable, type QuayutecError } from "./errors.js";
-import { callError, Code, sleep, type Transport } from "./transport.js";
-import type { RetryPolicy } from "./retry.js";
+import { Code, type Transport } from "./transport.js";
+import { RETRYABLE, type RetryPolicy } from "./retry.js";
 
 /**
  * One server stream opened again, as the policy allows, whenever it fails with UNAVAILABLE,
@@ -74,15 +74,23 @@ abstract class ResumingStream<Response> {
     this.stream = undefined;
   }
 
-  /** Read the next answer into the pending items, reconnecting as the policy allows. */
+  /** Read the next answer into the pending items, reconnecting as the policy allows; Closed when the
+   * client is closed under it. */
   protected async receive(): Promise<void> {
     const started = performance.now();
-    for (let failures = 1; !this.closed; failures++) {
+    let failures = 0;
+    let closedEarly = 0;
+    for (let tries = 1; !this.closed; tries++) {
+      const stop = this.transport.stopped(this.method, tries - 1);
+      if (stop) {
+        throw stop;
+      }
       if (this.stream === undefined) {
         this.abort = new AbortController();
         this.stream = this.open(this.abort.signal)[Symbol.asyncIterator]();
       }
       let error: QuayutecError;
+      let sent = true;
       let timer: NodeJS.Timeout | undefined;
       try {
         const idle = new Promise<"idle">((resolve) => {
@@ -91,11 +99,12 @@ abstract class ResumingStream<Response> {
         const next = await Promise.race([this.stream.next(), idle]);
         if (next === "idle") {
           this.drop();
-          error = new Unavailable(Code.Unavailable, `nothing, not even a heartbeat, for ${this.idleTimeoutMs} ms`, this.method, failures);
+          error = new Unavailable(Code.Unavailable, `nothing, not even a heartbeat, for ${this.idleTimeoutMs} ms`, this.method, tries);
         } else if (next.done) {
           this.stream = undefined; // ended without an error: the Gateway went away
-          error = new Unavailable(Code.Unavailable, "the stream ended", this.method, failures);
+          error = new Unavailable(Code.Unavailable, "the stream ended", this.method, tries);
         } else {
+          this.transport.markAnswered();
           this.take(next.value);
           return;
         }
@@ -104,16 +113,22 @@ abstract class ResumingStream<Response> {
         if (this.closed) {
           return;
         }
-        error = callError(reason, this.method, failures, false);
+        const stop = this.transport.stopped(this.method, tries);
+        if (stop) {
+          throw stop;
+        }
+        const failed = this.transport.failure(reason, this.method, tries, closedEarly);
+        ({ error, sent, closedEarly } = failed);
       } finally {
         clearTimeout(timer);
       }
-      const wait = this.transport.retryWaitMs(this.policy, error, failures, started);
+      failures += sent ? 1 : 0;
+      const wait = this.transport.retryWaitMs(this.policy, error, sent ? failures : 0, started, RETRYABLE.has(error.code), tries);
       if (wait === undefined) {
         throw error;
       }
       this.reconnects++;
-      await sleep(wait, this.transport.signal);
+      await this.transport.pause(wait, this.method, tries);
     }
   }
 }

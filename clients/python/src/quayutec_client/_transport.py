@@ -3,6 +3,7 @@ channel and its metadata (API key, trace context), and the retry loop."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import random
@@ -16,8 +17,16 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
+from quayutec_client._checks import check_request
 from quayutec_client._proto import gateway_pb2
-from quayutec_client.errors import QuayutecError, RateLimited, error_for
+from quayutec_client.errors import (
+    Closed,
+    ConnectionFailed,
+    QuayutecError,
+    RateLimited,
+    connection_failure,
+    error_for,
+)
 from quayutec_client.retry import REFUSED_BEFORE_ACTING, RETRYABLE, RetryPolicy
 
 _propagate: ModuleType | None
@@ -27,6 +36,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     _propagate = None
 
 _log = logging.getLogger("quayutec_client")
+
+# A Gateway that closes this many new connections in a row before gRPC begins is taken to speak
+# something else (TLS, when the client has it off).
+CLOSED_EARLY_LIMIT = 4
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"]
 
@@ -166,6 +179,7 @@ class Transport:
         self.sleep = sleep
         self.clock = clock
         self.rng = rng or random.Random()
+        self._closed = asyncio.Event()
         self._key = key  # the metadata is made per call, so no attribute of this object holds the key
         self.key_id = key.key_id
         self._unary: dict[str, Any] = {}
@@ -188,34 +202,97 @@ class Transport:
         _propagate.inject(carrier)
         return auth + tuple(carrier.items()) if carrier else auth
 
-    async def unary(self, name: str, request: Message, policy: RetryPolicy) -> Any:
-        """Send ``request`` to RPC ``name``, retried as its safety and ``policy`` allow."""
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def close(self) -> None:
+        """Close the channel: every call and watch under way, or waiting to retry, ends with Closed."""
+        self._closed.set()
+        await self.channel.close()
+
+    def closed_error(self, method: str, attempts: int) -> Closed:
+        return Closed(grpc.StatusCode.CANCELLED, "the client was closed", method=method, attempts=attempts)
+
+    async def pause(self, seconds: float, method: str, attempts: int) -> None:
+        """Wait ``seconds`` before a retry; Closed at once if the client is closed meanwhile."""
+        closing = asyncio.ensure_future(self._closed.wait())
+        waiting = asyncio.ensure_future(self.sleep(seconds))
+        try:
+            await asyncio.wait((closing, waiting), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            waiting.cancel()
+        if self.closed:
+            raise self.closed_error(method, attempts)
+
+    def failure(
+        self, exc: grpc.aio.AioRpcError, method: str, attempts: int, closed_early: int
+    ) -> tuple[QuayutecError, bool]:
+        """The typed error of a failed attempt, and whether the attempt was sent (a call that found no
+        connection was not). A TLS failure, or a connection closed before gRPC began ``CLOSED_EARLY_LIMIT``
+        times in a row, raises ConnectionFailed: retrying cannot mend either."""
+        why = connection_failure(exc)
+        if why == "tls":
+            raise ConnectionFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the TLS handshake with the Gateway at {self.address} failed ({exc.details()}): check that the "
+                "Gateway serves TLS, that its certificate is trusted (Tls(root_certificates=...)) and names this "
+                "address (Tls(server_name=...)); a Gateway without TLS needs plaintext=True",
+                method=method,
+                attempts=attempts,
+            )
+        if why == "closed" and closed_early + 1 >= CLOSED_EARLY_LIMIT:
+            raise ConnectionFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the Gateway at {self.address} closed the connection before speaking gRPC, "
+                f"{CLOSED_EARLY_LIMIT} times in a row: if it serves TLS, connect without plaintext=True",
+                method=method,
+                attempts=attempts,
+            )
+        return error_for(exc, method=method, attempts=attempts), why is None
+
+    async def unary(self, name: str, request: Message, policy: RetryPolicy, timeout: float | None = None) -> Any:
+        """Send ``request`` to RPC ``name``, retried as its safety and ``policy`` allow; ``timeout``
+        (seconds) bounds the whole call, retries included, instead of the policy's total time."""
         rpc = RPCS[name]
         if type(request) is not rpc.request:
             raise TypeError(f"{name} takes {rpc.request.__name__}, not {type(request).__name__}")
+        check_request(name, request)
+        policy = policy.within(timeout)
         call = self._unary[name]
         started = self.clock()
-        attempt = 0
+        sent = tries = closed_early = 0
         while True:
-            attempt += 1
+            if self.closed:
+                raise self.closed_error(name, sent)
+            tries += 1
             left = policy.total_timeout - (self.clock() - started)
             try:
                 return await call(
-                    request,
-                    timeout=max(0.001, min(policy.attempt_timeout, left)),
-                    metadata=self.metadata(),
-                    wait_for_ready=True,
+                    request, timeout=max(0.001, min(policy.attempt_timeout, left)), metadata=self.metadata()
                 )
             except grpc.aio.AioRpcError as exc:
-                error = error_for(exc, method=name, attempts=attempt)
-                wait = self.retry_wait(policy, error, attempt, started, rpc.safety.retry_codes)
+                if self.closed:
+                    raise self.closed_error(name, sent) from exc
+                error, was_sent = self.failure(exc, name, tries, closed_early)
+                closed_early = 0 if was_sent or connection_failure(exc) != "closed" else closed_early + 1
+                sent += was_sent
+                codes = rpc.safety.retry_codes if was_sent else RETRYABLE
+                wait = self.retry_wait(policy, error, sent if was_sent else 0, started, codes, retry=tries)
                 if wait is None:
                     raise error from exc
-            await self.sleep(wait)
+            except asyncio.CancelledError:
+                if self.closed and not _being_cancelled():
+                    raise self.closed_error(name, sent) from None
+                raise
+            await self.pause(wait, name, sent)
 
     def stream(self, name: str, request: Message) -> grpc.aio.UnaryStreamCall:
-        """Open server stream ``name`` (no deadline, waiting for the Gateway when it is not up)."""
-        return self._streams[name](request, metadata=self.metadata(), wait_for_ready=True)
+        """Open server stream ``name`` (no deadline)."""
+        if self.closed:
+            raise self.closed_error(name, 0)
+        return self._streams[name](request, metadata=self.metadata())
 
     def retry_wait(
         self,
@@ -224,25 +301,36 @@ class Transport:
         attempt: int,
         started: float,
         codes: frozenset[grpc.StatusCode] = RETRYABLE,
+        *,
+        retry: int | None = None,
     ) -> float | None:
-        """How long to wait before attempt ``attempt + 1`` after ``error``; None to give up."""
-        if error.code not in codes or attempt >= policy.max_attempts:
+        """How long to wait before trying again after ``error``, the ``attempt``-th attempt that reached
+        the Gateway (0: none did, so the policy's attempts are not used up, only its total time, unless
+        it allows one attempt only); ``retry`` counts every try, for the backoff. None to give up."""
+        if error.code not in codes or attempt >= policy.max_attempts or policy.max_attempts == 1:
             return None
         advised = error.retry_after if isinstance(error, RateLimited) else None
         if advised is not None and advised > policy.max_advised_wait:
             return None
-        wait = policy.wait_before(attempt, advised, self.rng)
+        wait = policy.wait_before(retry or attempt, advised, self.rng)
         if self.clock() - started + wait >= policy.total_timeout:
             return None
         _log.info(
-            "%s: %s after attempt %d; retrying in %.2f s%s",
+            "%s: %s after attempt %d%s; retrying in %.2f s%s",
             error.method,
             error.code.name,
-            attempt,
+            retry or attempt,
+            "" if attempt else " (not sent: no connection)",
             wait,
             f" (the Gateway advised {advised:.3f} s)" if advised is not None else "",
         )
         return wait
+
+
+def _being_cancelled() -> bool:
+    """Whether the current task is being cancelled (rather than its call cut by a closed channel)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def channel_for(

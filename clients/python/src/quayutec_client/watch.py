@@ -17,7 +17,7 @@ import grpc
 
 from quayutec_client._proto import common_pb2, gateway_pb2
 from quayutec_client._transport import Transport
-from quayutec_client.errors import QuayutecError, Unavailable, error_for
+from quayutec_client.errors import QuayutecError, Unavailable, connection_failure
 from quayutec_client.retry import RetryPolicy
 
 _log = logging.getLogger("quayutec_client")
@@ -83,44 +83,59 @@ class _ResumingStream:
             self._call = None
 
     async def _receive(self) -> None:
-        """Read the next answer into the pending items, reconnecting as the policy allows."""
-        started = self._transport.clock()
-        failures = 0
+        """Read the next answer into the pending items, reconnecting as the policy allows. Closed when
+        the client is closed under it."""
+        transport = self._transport
+        started = transport.clock()
+        failures = tries = closed_early = 0
         while not self._closed:
+            if transport.closed:
+                raise transport.closed_error(self._method, failures)
             if self._call is None:
                 self._call = self._open()
             error: QuayutecError
+            tries += 1
+            was_sent = True
             try:
                 response: Any = await asyncio.wait_for(self._call.read(), self._idle_timeout)
             except grpc.aio.AioRpcError as exc:
                 self._call = None
-                failures += 1
-                error = error_for(exc, method=self._method, attempts=failures)
+                if transport.closed:
+                    raise transport.closed_error(self._method, failures) from exc
+                error, was_sent = transport.failure(exc, self._method, tries, closed_early)
+                closed_early = 0 if was_sent or connection_failure(exc) != "closed" else closed_early + 1
             except TimeoutError:
                 self._drop()
-                failures += 1
                 error = Unavailable(
                     grpc.StatusCode.UNAVAILABLE,
                     f"nothing, not even a heartbeat, for {self._idle_timeout:g} s",
                     method=self._method,
-                    attempts=failures,
+                    attempts=tries,
                 )
+            except asyncio.CancelledError:
+                self._call = None
+                task = asyncio.current_task()
+                if transport.closed and not (task is not None and task.cancelling()):
+                    raise transport.closed_error(self._method, failures) from None
+                raise
             else:
                 if response is grpc.aio.EOF:  # ended without a status: the Gateway went away
                     self._call = None
-                    failures += 1
+                    if transport.closed:
+                        raise transport.closed_error(self._method, failures)
                     error = Unavailable(
-                        grpc.StatusCode.UNAVAILABLE, "the stream ended", method=self._method, attempts=failures
+                        grpc.StatusCode.UNAVAILABLE, "the stream ended", method=self._method, attempts=tries
                     )
                 else:
                     self._take(response)
                     return
-            wait = self._transport.retry_wait(self._policy, error, failures, started)
+            failures += was_sent
+            wait = transport.retry_wait(self._policy, error, failures if was_sent else 0, started, retry=tries)
             if wait is None:
                 raise error
             self.reconnects += 1
             _log.info("%s resumes %s", self._method, self._resumes_after())
-            await self._transport.sleep(wait)
+            await transport.pause(wait, self._method, failures)
 
 
 class RoomWatch(_ResumingStream):
