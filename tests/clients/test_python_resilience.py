@@ -144,6 +144,7 @@ def test_a_bad_address_is_refused_at_connect(monkeypatch: pytest.MonkeyPatch) ->
         with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
             quayutec_client.connect(bad, "qyk_a_b", plaintext=True)
     monkeypatch.delenv("QUAYUTEC_GATEWAY", raising=False)
+    monkeypatch.delenv("QUAYUTEC_GATEWAY_ADDR", raising=False)
     monkeypatch.delenv("QUAYUTEC_API_KEY", raising=False)
     with pytest.raises(ValueError, match="QUAYUTEC_GATEWAY"):
         quayutec_client.connect(api_key="qyk_a_b")
@@ -156,6 +157,10 @@ async def test_the_address_and_key_come_from_the_environment(
 ) -> None:
     monkeypatch.setenv("QUAYUTEC_GATEWAY", stack.gateway_addr)
     monkeypatch.setenv("QUAYUTEC_API_KEY", acme.secret)
+    async with quayutec_client.connect(plaintext=True) as client:
+        assert (await client.who_am_i()).company_id == acme.company_id
+    monkeypatch.delenv("QUAYUTEC_GATEWAY")
+    monkeypatch.setenv("QUAYUTEC_GATEWAY_ADDR", stack.gateway_addr)  # what `quayutec up` exports
     async with quayutec_client.connect(plaintext=True) as client:
         assert (await client.who_am_i()).company_id == acme.company_id
 
@@ -238,3 +243,14 @@ async def test_mistakes_are_refused_before_the_wire_with_the_gateways_own_messag
         await client.post_message(r, "hi", person="ana", mentions="id")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         client.watch_rooms(after=[(r, 1)])  # type: ignore[arg-type]
+
+
+def test_a_client_made_outside_any_event_loop_works_under_a_later_asyncio_run() -> None:
+    client = quayutec_client.connect("127.0.0.1:9", "qyk_a_b", plaintext=True, retry=quayutec_client.NO_RETRY)
+
+    async def use() -> None:
+        with pytest.raises(errors.Unavailable):  # nothing listens: the point is that it was sent at all
+            await client.who_am_i()
+        await client.close()
+
+    asyncio.run(use())

@@ -68,7 +68,7 @@ export function newIdempotencyKey(): string {
 }
 
 export interface ConnectOptions {
-  /** The Gateway, "host:port" (default: the QUAYUTEC_GATEWAY environment variable). */
+  /** The Gateway, "host:port" (default: the QUAYUTEC_GATEWAY environment variable, else QUAYUTEC_GATEWAY_ADDR). */
   address?: string;
   /** Your company's API key, qyk_... (default: the QUAYUTEC_API_KEY environment variable). */
   apiKey?: string;
@@ -110,7 +110,8 @@ export function connect(options: ConnectOptions = {}): Client {
   if (options.plaintext && options.tls) {
     throw new TypeError("plaintext: true and tls options contradict each other: choose one");
   }
-  const address = checkAddress(options.address ?? process.env[GATEWAY_ENV] ?? "");
+  // QUAYUTEC_GATEWAY_ADDR is what `quayutec up` exports for the CLI.
+  const address = checkAddress(options.address ?? (process.env[GATEWAY_ENV] || process.env.QUAYUTEC_GATEWAY_ADDR || ""));
   const apiKey = options.apiKey ?? process.env[API_KEY_ENV];
   if (apiKey === undefined || apiKey === "") {
     throw new TypeError(`no apiKey given and ${API_KEY_ENV} is not set`);

@@ -8,9 +8,17 @@ import { setMaxListeners } from "node:events";
 import { Cancelled, Closed, ConnectionFailed, errorFor, RateLimited, Unavailable, type QuayutecError } from "./errors.js";
 import { REFUSED_BEFORE_ACTING, RETRYABLE, waitBeforeMs, type RetryPolicy } from "./retry.js";
 
-type Otel = typeof import("@opentelemetry/api");
-// Trace context follows the caller's active span when @opentelemetry/api is installed; nothing when not.
-const otel: Otel | undefined = await import("@opentelemetry/api").catch(() => undefined);
+// Trace context follows the caller's active span when @opentelemetry/api is installed; nothing when
+// not. Loaded without a top-level await (so the package also builds as CommonJS); every call waits for
+// the load once (`otelLoaded`).
+const otelImport = import("@opentelemetry/api");
+let otel: Awaited<typeof otelImport> | undefined;
+const otelLoaded: Promise<void> = otelImport.then(
+  (api) => {
+    otel = api;
+  },
+  () => undefined,
+);
 
 /** The generated service's methods, by their TypeScript names (whoAmI, postMessage, ...). */
 export type GatewayMethods = typeof GatewayService.method;
@@ -199,6 +207,11 @@ export class Transport {
     this.closing.abort(new Closed(Code.Canceled, "the client was closed", "", 0));
   }
 
+  /** Resolves once the optional @opentelemetry/api was looked for (before a stream's first open). */
+  get ready(): Promise<void> {
+    return otelLoaded;
+  }
+
   /** A stream answered: the Gateway speaks gRPC on this connection. */
   markAnswered(): void {
     this.answered = true;
@@ -266,6 +279,7 @@ export class Transport {
     }
     const codes = SAFETY[key] === Safety.UnkeyedWrite ? REFUSED_BEFORE_ACTING : RETRYABLE;
     const signal = options.signal ? AbortSignal.any([this.closing.signal, options.signal]) : this.closing.signal;
+    await otelLoaded;
     const started = performance.now();
     let sent = 0;
     let closedEarly = 0;

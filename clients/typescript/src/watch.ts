@@ -86,6 +86,7 @@ abstract class ResumingStream<Response> {
         throw stop;
       }
       if (this.stream === undefined) {
+        await this.transport.ready;
         this.abort = new AbortController();
         this.stream = this.open(this.abort.signal)[Symbol.asyncIterator]();
       }

@@ -167,9 +167,11 @@ test("a bad address is refused at connect; the address and key come from the env
     assert.throws(() => connect({ address, apiKey: "qyk_a_b", plaintext: true }), says, address);
   }
   const acme = await stack.company();
-  const saved = { gateway: process.env.QUAYUTEC_GATEWAY, key: process.env.QUAYUTEC_API_KEY };
+  const names = ["QUAYUTEC_GATEWAY", "QUAYUTEC_GATEWAY_ADDR", "QUAYUTEC_API_KEY"] as const;
+  const saved = names.map((name) => [name, process.env[name]] as const);
   try {
     delete process.env.QUAYUTEC_GATEWAY;
+    delete process.env.QUAYUTEC_GATEWAY_ADDR;
     delete process.env.QUAYUTEC_API_KEY;
     assert.throws(() => connect({ apiKey: "qyk_a_b" }), /QUAYUTEC_GATEWAY/);
     assert.throws(() => connect({ address: "127.0.0.1:50051" }), /QUAYUTEC_API_KEY/);
@@ -179,7 +181,7 @@ test("a bad address is refused at connect; the address and key come from the env
     clients.push(c);
     assert.equal((await c.whoAmI()).companyId, acme.company_id);
   } finally {
-    for (const [name, value] of [["QUAYUTEC_GATEWAY", saved.gateway], ["QUAYUTEC_API_KEY", saved.key]] as const) {
+    for (const [name, value] of saved) {
       if (value === undefined) {
         delete process.env[name];
       } else {

@@ -74,3 +74,12 @@ test("a reset connection is UNAVAILABLE (retried as the retry table says); the G
   assert.ok(neverSent(new ConnectError("connect ECONNREFUSED", Code.Unavailable, undefined, undefined, refused)));
   assert.ok(!neverSent(new ConnectError("read ECONNRESET", Code.Aborted, undefined, undefined, reset)));
 });
+
+test("the package loads with require() (CommonJS) and with import (ESM), by its name", () => {
+  const pkg = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..");
+  const check = "typeof q.connect === 'function' && typeof q.Closed === 'function' && q.DEFAULT_RETRY.maxAttempts === 6";
+  const cjs = execFileSync(process.execPath, ["-e", `const q = require("@quayutec/client"); console.log(${check})`], { cwd: pkg, encoding: "utf8" });
+  assert.equal(cjs.trim(), "true");
+  const esm = execFileSync(process.execPath, ["--input-type=module", "-e", `import * as q from "@quayutec/client"; console.log(${check})`], { cwd: pkg, encoding: "utf8" });
+  assert.equal(esm.trim(), "true");
+});

@@ -166,7 +166,7 @@ class Transport:
 
     def __init__(
         self,
-        channel: grpc.aio.Channel,
+        channel: Callable[[], grpc.aio.Channel],
         key: ApiKey,
         address: str,
         *,
@@ -174,7 +174,10 @@ class Transport:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        self.channel = channel
+        # The channel is made at the first call, in the event loop that makes it (gRPC binds a channel
+        # to the loop it is made in): a client made at import time works under a later asyncio.run.
+        self._make_channel = channel
+        self._channel: grpc.aio.Channel | None = None
         self.address = address
         self.sleep = sleep
         self.clock = clock
@@ -184,14 +187,25 @@ class Transport:
         self.key_id = key.key_id
         self._unary: dict[str, Any] = {}
         self._streams: dict[str, Any] = {}
-        for rpc in RPCS.values():
-            make = channel.unary_stream if rpc.server_streaming else channel.unary_unary
-            callables = self._streams if rpc.server_streaming else self._unary
-            callables[rpc.name] = make(
-                rpc.path,
-                request_serializer=rpc.request.SerializeToString,
-                response_deserializer=rpc.response.FromString,
-            )
+
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel (made, with a callable per RPC, on first use)."""
+        if self._channel is None:
+            channel = self._channel = self._make_channel()
+            for rpc in RPCS.values():
+                make = channel.unary_stream if rpc.server_streaming else channel.unary_unary
+                callables = self._streams if rpc.server_streaming else self._unary
+                callables[rpc.name] = make(
+                    rpc.path,
+                    request_serializer=rpc.request.SerializeToString,
+                    response_deserializer=rpc.response.FromString,
+                )
+        return self._channel
+
+    def _callable(self, name: str) -> Any:
+        self.channel  # noqa: B018 - makes the channel and the callables on first use
+        return self._streams[name] if RPCS[name].server_streaming else self._unary[name]
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         """The API key, and the caller's current trace context when OpenTelemetry is installed."""
@@ -209,7 +223,8 @@ class Transport:
     async def close(self) -> None:
         """Close the channel: every call and watch under way, or waiting to retry, ends with Closed."""
         self._closed.set()
-        await self.channel.close()
+        if self._channel is not None:
+            await self._channel.close()
 
     def closed_error(self, method: str, attempts: int) -> Closed:
         return Closed(grpc.StatusCode.CANCELLED, "the client was closed", method=method, attempts=attempts)
@@ -260,7 +275,7 @@ class Transport:
             raise TypeError(f"{name} takes {rpc.request.__name__}, not {type(request).__name__}")
         check_request(name, request)
         policy = policy.within(timeout)
-        call = self._unary[name]
+        call = self._callable(name)
         started = self.clock()
         sent = tries = closed_early = 0
         while True:
@@ -292,7 +307,7 @@ class Transport:
         """Open server stream ``name`` (no deadline)."""
         if self.closed:
             raise self.closed_error(name, 0)
-        return self._streams[name](request, metadata=self.metadata())
+        return self._callable(name)(request, metadata=self.metadata())
 
     def retry_wait(
         self,

@@ -16,6 +16,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
+import grpc
 from google.protobuf.message import Message as _ProtoMessage
 
 from quayutec_client._checks import check_request, sequence_of_str, watch_cursor, watch_cursors
@@ -108,6 +109,7 @@ def _enum(wrapper: _EnumType, prefix: str, value: int | str) -> Any:
 
 # Where connect() looks when it is not given the address or the key.
 GATEWAY_ENV = "QUAYUTEC_GATEWAY"
+GATEWAY_ADDR_ENV = "QUAYUTEC_GATEWAY_ADDR"
 API_KEY_ENV = "QUAYUTEC_API_KEY"
 
 
@@ -141,29 +143,37 @@ def connect(
     channel_options: Sequence[tuple[str, Any]] = (),
 ) -> Client:
     """A client of the Gateway at ``address`` ("host:port") calling as the company of ``api_key``
-    (when not given, from the environment variables QUAYUTEC_GATEWAY and QUAYUTEC_API_KEY).
+    (when not given, from the environment variables QUAYUTEC_GATEWAY, else QUAYUTEC_GATEWAY_ADDR, and
+    QUAYUTEC_API_KEY).
 
     TLS is on, with the system's roots unless ``tls`` names others; ``plaintext=True`` turns it off
     (a Gateway on your own machine). ``retry`` is the policy of every call (``RetryPolicy()`` by
-    default). Call it from async code; close the client with ``await client.close()`` or
+    default). Call it anywhere (the channel is made at the first call, in that call's event
+    loop); close the client with ``await client.close()`` or
     ``async with connect(...) as client``.
     """
     if plaintext and tls is not None:
         raise ValueError("plaintext=True and tls options contradict each other: choose one")
-    address = check_address(os.environ.get(GATEWAY_ENV, "") if address is None else address)
+    if address is None:  # QUAYUTEC_GATEWAY_ADDR is what `quayutec up` exports for the CLI
+        address = os.environ.get(GATEWAY_ENV) or os.environ.get(GATEWAY_ADDR_ENV, "")
+    address = check_address(address)
     if api_key is None:
         api_key = os.environ.get(API_KEY_ENV, "")
         if not api_key:
             raise ValueError(f"no api_key given and {API_KEY_ENV} is not set")
     key = ApiKey(api_key)
     tls = tls or Tls()
-    channel = channel_for(
-        address,
-        plaintext=plaintext,
-        root_certificates=tls.root_certificates,
-        server_name=tls.server_name,
-        options=(*DEFAULT_CHANNEL_OPTIONS, *channel_options),
-    )
+    options = (*DEFAULT_CHANNEL_OPTIONS, *channel_options)
+
+    def channel() -> grpc.aio.Channel:
+        return channel_for(
+            address,
+            plaintext=plaintext,
+            root_certificates=tls.root_certificates,
+            server_name=tls.server_name,
+            options=options,
+        )
+
     return Client(Transport(channel, key, address, sleep=asyncio.sleep), retry or RetryPolicy())
 
 
