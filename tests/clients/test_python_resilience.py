@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -92,6 +93,7 @@ async def test_close_ends_a_watch_and_a_call_waiting_to_retry_with_closed(
         with pytest.raises(errors.Closed) as closed:
             await task
         assert closed.value.code == grpc.StatusCode.CANCELLED and "closed" in closed.value.message
+        assert len(closed.value.request_id) == 32  # the call's (or the watch's) x-request-id
     with pytest.raises(errors.Closed):
         await client.who_am_i()
     await stack.gateway.start()
@@ -127,6 +129,7 @@ async def test_tls_and_protocol_mismatches_are_reported_at_once_naming_tls(
                 assert took <= 5, f"{what}: reported after {took:.1f} s"
                 assert "TLS" in failed.value.message, (what, failed.value)
                 assert isinstance(failed.value, errors.Unavailable)
+                assert len(failed.value.request_id) == 32, failed.value.request_id
                 with pytest.raises(errors.ConnectionFailed):  # a watch too, at once
                     await anext(aiter(client.watch(str(acme.company_id))))
 
@@ -232,6 +235,11 @@ async def test_mistakes_are_refused_before_the_wire_with_the_gateways_own_messag
             assert refused.value.message == answered.value.details(), method
     finally:
         await channel.close()
+
+    # An error the Gateway answers carries the id the call was sent with.
+    with pytest.raises(errors.NotFound) as missing:
+        await client.get_task(r, str(uuid.uuid4()))
+    assert len(missing.value.request_id) == 32 and missing.value.trace_id == ""  # no OpenTelemetry context
 
     # Watch cursors, checked as the Gateway checks them, before anything is opened.
     with pytest.raises(errors.InvalidArgument, match=r"after must be a cursor \(0 or more\)"):

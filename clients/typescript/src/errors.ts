@@ -21,6 +21,11 @@ export function codeName(code: Code): string {
 export class QuayutecError extends Error {
   override name = "QuayutecError";
   readonly codeName: string;
+  /** The id the client sent as `x-request-id` on every attempt of the call (or every stream of the
+   * watch), and the trace id of the `traceparent` it sent ("" when none): quote them when you ask
+   * about a call. */
+  requestId = "";
+  traceId = "";
   constructor(
     readonly code: Code,
     readonly rawMessage: string,

@@ -5,7 +5,8 @@ import { createGrpcTransport } from "@connectrpc/connect-node";
 import { checkRequest } from "./checks.js";
 import { GatewayService } from "./gen/quayutec/v1/gateway_pb.js";
 import { setMaxListeners } from "node:events";
-import { Cancelled, Closed, ConnectionFailed, errorFor, RateLimited, Unavailable, type QuayutecError } from "./errors.js";
+import { randomUUID } from "node:crypto";
+import { Cancelled, Closed, ConnectionFailed, errorFor, QuayutecError, RateLimited, Unavailable } from "./errors.js";
 import { REFUSED_BEFORE_ACTING, RETRYABLE, waitBeforeMs, type RetryPolicy } from "./retry.js";
 
 // Trace context follows the caller's active span when @opentelemetry/api is installed; nothing when
@@ -98,6 +99,17 @@ export interface PerCall {
   timeoutMs?: number;
 }
 
+/** `error`, when a QuayutecError, with the request id and the trace id (of the `traceparent` sent) of
+ * its call. */
+export function identified(error: unknown, requestId: string, headers: Record<string, string>): unknown {
+  if (error instanceof QuayutecError) {
+    error.requestId = requestId;
+    const parts = (headers.traceparent ?? "").split("-");
+    error.traceId = parts.length === 4 ? (parts[1] ?? "") : "";
+  }
+  return error;
+}
+
 /** Node's error codes of a thrown error and of its causes. */
 function causeCodes(reason: unknown): string[] {
   const codes: string[] = [];
@@ -166,7 +178,7 @@ export function sleep(ms: number, signal: AbortSignal): Promise<void> {
  * only in the closure of `headers`: no property of this object holds it. */
 export class Transport {
   readonly raw: Raw;
-  readonly headers: () => Record<string, string>;
+  readonly headers: (requestId?: string) => Record<string, string>;
   /** The key's id (qyk_<key id>_<secret>; not secret: `quayutec keys list` shows it); "" when not shaped so. */
   readonly keyId: string;
   private readonly closing = new AbortController();
@@ -179,8 +191,8 @@ export class Transport {
     }
     this.keyId = /^qyk_([^_]+)_./.exec(apiKey)?.[1] ?? "";
     const bearer = `Bearer ${apiKey}`;
-    this.headers = () => {
-      const headers: Record<string, string> = { authorization: bearer };
+    this.headers = (requestId) => {
+      const headers: Record<string, string> = { authorization: bearer, ...(requestId ? { "x-request-id": requestId } : {}) };
       otel?.propagation.inject(otel.context.active(), headers);
       return headers;
     };
@@ -278,8 +290,26 @@ export class Transport {
       policy = { ...policy, totalTimeoutMs: options.timeoutMs, attemptTimeoutMs: Math.min(policy.attemptTimeoutMs, options.timeoutMs) };
     }
     const codes = SAFETY[key] === Safety.UnkeyedWrite ? REFUSED_BEFORE_ACTING : RETRYABLE;
-    const signal = options.signal ? AbortSignal.any([this.closing.signal, options.signal]) : this.closing.signal;
     await otelLoaded;
+    const requestId = randomUUID().replaceAll("-", "");
+    const headers = this.headers(requestId);
+    try {
+      return await this.send(method, call, request, policy, codes, options, headers);
+    } catch (error) {
+      throw identified(error, requestId, headers);
+    }
+  }
+
+  private async send<R>(
+    method: string,
+    call: (request: unknown, options: CallOptions) => Promise<R>,
+    request: unknown,
+    policy: RetryPolicy,
+    codes: ReadonlySet<Code>,
+    options: PerCall,
+    headers: Record<string, string>,
+  ): Promise<R> {
+    const signal = options.signal ? AbortSignal.any([this.closing.signal, options.signal]) : this.closing.signal;
     const started = performance.now();
     let sent = 0;
     let closedEarly = 0;
@@ -292,7 +322,7 @@ export class Transport {
       try {
         const answer = await call(request, {
           timeoutMs: Math.max(1, Math.min(policy.attemptTimeoutMs, left)),
-          headers: this.headers(),
+          headers,
           signal,
         });
         this.answered = true;
@@ -316,9 +346,9 @@ export class Transport {
   }
 
   /** Open server stream `key` (no deadline); it ends when `signal` aborts or the client is closed. */
-  stream<K extends StreamKey>(key: K, request: RequestOf<K>, signal: AbortSignal): ReturnType<Raw[K]> {
+  stream<K extends StreamKey>(key: K, request: RequestOf<K>, signal: AbortSignal, requestId = ""): ReturnType<Raw[K]> {
     const call = this.raw[key] as unknown as (request: unknown, options: CallOptions) => ReturnType<Raw[K]>;
-    return call(request, { headers: this.headers(), signal: AbortSignal.any([signal, this.closing.signal]) });
+    return call(request, { headers: this.headers(requestId), signal: AbortSignal.any([signal, this.closing.signal]) });
   }
 
   /**

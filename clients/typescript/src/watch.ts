@@ -13,7 +13,8 @@ import {
   type WatchRoomsResponse,
 } from "./gen/quayutec/v1/gateway_pb.js";
 import { Unavailable, type QuayutecError } from "./errors.js";
-import { Code, type Transport } from "./transport.js";
+import { randomUUID } from "node:crypto";
+import { Code, identified, type Transport } from "./transport.js";
 import { RETRYABLE, type RetryPolicy } from "./retry.js";
 
 /**
@@ -23,6 +24,8 @@ import { RETRYABLE, type RetryPolicy } from "./retry.js";
  */
 abstract class ResumingStream<Response> {
   reconnects = 0;
+  /** Sent as x-request-id on every stream of this watch, and in its errors. */
+  readonly requestId = randomUUID().replaceAll("-", "");
   /** Received, not yet handed out. */
   protected readonly pending: (RoomEvent | WatchRoomsHeartbeat)[] = [];
   private stream: AsyncIterator<Response> | undefined;
@@ -49,15 +52,23 @@ abstract class ResumingStream<Response> {
       if (this.closed) {
         return undefined;
       }
-      await this.receive();
+      await this.identifiedReceive();
     }
     return this.pending.shift();
+  }
+
+  private async identifiedReceive(): Promise<void> {
+    try {
+      await this.receive();
+    } catch (error) {
+      throw identified(error, this.requestId, this.transport.headers());
+    }
   }
 
   /** Open the stream and wait for its first answer. */
   async ready(): Promise<this> {
     if (this.stream === undefined && this.pending.length === 0) {
-      await this.receive();
+      await this.identifiedReceive();
     }
     return this;
   }
@@ -169,7 +180,7 @@ export class RoomWatch extends ResumingStream<WatchRoomResponse> implements Asyn
   }
 
   protected open(signal: AbortSignal): AsyncIterable<WatchRoomResponse> {
-    return this.transport.stream("watchRoom", create(WatchRoomRequestSchema, { roomId: this.roomId, after: this.cursor }), signal);
+    return this.transport.stream("watchRoom", create(WatchRoomRequestSchema, { roomId: this.roomId, after: this.cursor }), signal, this.requestId);
   }
 
   protected take(response: WatchRoomResponse): void {
@@ -264,7 +275,7 @@ export class RoomsWatch extends ResumingStream<WatchRoomsResponse> implements As
       after: [...this.received].map(([roomId, cursor]) => ({ roomId, cursor })),
       unnamedFromJoining: this.fromJoining,
     });
-    return this.transport.stream("watchRooms", request, signal);
+    return this.transport.stream("watchRooms", request, signal, this.requestId);
   }
 
   protected take(response: WatchRoomsResponse): void {

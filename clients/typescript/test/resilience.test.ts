@@ -13,6 +13,7 @@ import {
   ConnectionFailed,
   connect,
   InvalidArgument,
+  QuayutecError,
   RoomEventKind,
   setRetryListener,
   Unavailable,
@@ -128,6 +129,7 @@ test("close() ends a watch and a call waiting to retry with Closed; a signal and
     const closed = await pending;
     assert.ok(closed instanceof Closed, String(closed));
     assert.equal(closed.code, Code.Canceled);
+    assert.match(closed.requestId, /^[0-9a-f]{32}$/, "the call's (or the watch's) x-request-id");
   }
   assert.ok((await rejection(c.whoAmI())) instanceof Closed);
 });
@@ -147,6 +149,7 @@ test("TLS and protocol mismatches are reported at once, naming TLS", async () =>
     const took = performance.now() - started;
     assert.ok(failed instanceof ConnectionFailed, `${what}: ${String(failed)}`);
     assert.ok(failed instanceof Unavailable);
+    assert.match(failed.requestId, /^[0-9a-f]{32}$/);
     assert.match(failed.message, /TLS/, what);
     assert.ok(took <= 5000, `${what}: reported after ${took} ms`);
     const watched = await rejection(c.watch(acme.company_id).ready());
@@ -211,6 +214,9 @@ test("mistakes are refused before the wire with the Gateway's messages; wrong ty
     assert.equal(refused.rawMessage, says);
     assert.equal(refused.attempts, 0);
   }
+  const missing = await rejection(c.getTask(r, "00000000-0000-4000-8000-000000000000"));
+  assert.ok(missing instanceof QuayutecError && missing.code === Code.NotFound, String(missing));
+  assert.match(missing.requestId, /^[0-9a-f]{32}$/);
   assert.throws(() => c.watch(r, { after: -1 }), /after must be a cursor \(0 or more\)/);
   assert.throws(() => c.watchRooms({ after: { [r]: -5 } }), /after\[0\]\.cursor must be 0 or more, got -5/);
   const types: (() => Promise<unknown>)[] = [

@@ -8,6 +8,7 @@ import enum
 import logging
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -207,9 +208,10 @@ class Transport:
         self.channel  # noqa: B018 - makes the channel and the callables on first use
         return self._streams[name] if RPCS[name].server_streaming else self._unary[name]
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The API key, and the caller's current trace context when OpenTelemetry is installed."""
-        auth = (self._key.bearer(),)
+    def metadata(self, request_id: str = "") -> tuple[tuple[str, str], ...]:
+        """The API key, the call's request id, and the caller's current trace context when OpenTelemetry
+        is installed."""
+        auth = (self._key.bearer(),) + ((("x-request-id", request_id),) if request_id else ())
         if _propagate is None:
             return auth
         carrier: dict[str, str] = {}
@@ -276,6 +278,23 @@ class Transport:
         check_request(name, request)
         policy = policy.within(timeout)
         call = self._callable(name)
+        request_id = uuid.uuid4().hex
+        metadata = self.metadata(request_id)
+        try:
+            return await self._send(name, rpc, call, request, policy, metadata)
+        except QuayutecError as error:
+            identified(error, request_id, metadata)
+            raise
+
+    async def _send(
+        self,
+        name: str,
+        rpc: Rpc,
+        call: Any,
+        request: Message,
+        policy: RetryPolicy,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> Any:
         started = self.clock()
         sent = tries = closed_early = 0
         while True:
@@ -284,9 +303,7 @@ class Transport:
             tries += 1
             left = policy.total_timeout - (self.clock() - started)
             try:
-                return await call(
-                    request, timeout=max(0.001, min(policy.attempt_timeout, left)), metadata=self.metadata()
-                )
+                return await call(request, timeout=max(0.001, min(policy.attempt_timeout, left)), metadata=metadata)
             except grpc.aio.AioRpcError as exc:
                 if self.closed:
                     raise self.closed_error(name, sent) from exc
@@ -303,11 +320,11 @@ class Transport:
                 raise
             await self.pause(wait, name, sent)
 
-    def stream(self, name: str, request: Message) -> grpc.aio.UnaryStreamCall:
+    def stream(self, name: str, request: Message, request_id: str = "") -> grpc.aio.UnaryStreamCall:
         """Open server stream ``name`` (no deadline)."""
         if self.closed:
             raise self.closed_error(name, 0)
-        return self._callable(name)(request, metadata=self.metadata())
+        return self._callable(name)(request, metadata=self.metadata(request_id))
 
     def retry_wait(
         self,
@@ -340,6 +357,14 @@ class Transport:
             f" (the Gateway advised {advised:.3f} s)" if advised is not None else "",
         )
         return wait
+
+
+def identified(error: QuayutecError, request_id: str, metadata: tuple[tuple[str, str], ...]) -> QuayutecError:
+    """``error`` with the request id and the trace id (of the ``traceparent`` sent) of its call."""
+    error.request_id = request_id
+    traceparent = dict(metadata).get("traceparent", "").split("-")
+    error.trace_id = traceparent[1] if len(traceparent) == 4 else ""
+    return error
 
 
 def _being_cancelled() -> bool:

@@ -17,7 +17,14 @@ NEWEST_CURSOR = "quayutec-newest-cursor"
 
 class QuayutecError(Exception):
     """A Gateway call that failed: ``code`` is the gRPC status code, ``message`` the Gateway's text,
-    ``method`` the RPC, ``attempts`` how many times it was tried (retries included)."""
+    ``method`` the RPC, ``attempts`` how many times it was tried (retries included), ``request_id`` and
+    ``trace_id`` what identifies the call."""
+
+    # The id the client sent as ``x-request-id`` on every attempt of the call (or every stream of the
+    # watch), and the trace id of the ``traceparent`` it sent ("" when OpenTelemetry sent none): quote
+    # them when you ask about a call.
+    request_id: str = ""
+    trace_id: str = ""
 
     def __init__(self, code: grpc.StatusCode, message: str, *, method: str = "", attempts: int = 1) -> None:
         super().__init__(f"{method + ': ' if method else ''}{code.name}: {message}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
@@ -16,7 +17,7 @@ from typing import Any, Self
 import grpc
 
 from quayutec_client._proto import common_pb2, gateway_pb2
-from quayutec_client._transport import Transport
+from quayutec_client._transport import Transport, identified
 from quayutec_client.errors import QuayutecError, Unavailable, connection_failure
 from quayutec_client.retry import RetryPolicy
 
@@ -34,6 +35,8 @@ class _ResumingStream:
         if idle_timeout <= 0:
             raise ValueError("idle_timeout must be positive")
         self.reconnects = 0
+        # Sent as x-request-id on every stream of this watch, and in its errors.
+        self.request_id = uuid.uuid4().hex
         self._transport = transport
         self._policy = policy
         self._idle_timeout = idle_timeout
@@ -57,8 +60,15 @@ class _ResumingStream:
         while not self._pending:
             if self._closed:
                 raise StopAsyncIteration
-            await self._receive()
+            await self._identified_receive()
         return self._pending.popleft()
+
+    async def _identified_receive(self) -> None:
+        try:
+            await self._receive()
+        except QuayutecError as error:
+            identified(error, self.request_id, self._transport.metadata())
+            raise
 
     async def close(self) -> None:
         """Stop watching; the iteration ends."""
@@ -69,7 +79,7 @@ class _ResumingStream:
         """Opens the stream and waits for its first answer, so that a watch from now sees everything
         that happens once the block has begun."""
         if self._call is None and not self._pending:
-            await self._receive()
+            await self._identified_receive()
         return self
 
     async def __aexit__(
@@ -176,7 +186,7 @@ class RoomWatch(_ResumingStream):
         request = gateway_pb2.WatchRoomRequest(room_id=self.room_id)
         if self.cursor is not None:
             request.after = self.cursor
-        return self._transport.stream("WatchRoom", request)
+        return self._transport.stream("WatchRoom", request, self.request_id)
 
     def _resumes_after(self) -> str:
         return f"of room {self.room_id} after cursor {self.cursor}"
@@ -261,7 +271,7 @@ class RoomsWatch(_ResumingStream):
             after=[gateway_pb2.RoomCursor(room_id=room, cursor=cursor) for room, cursor in self._received.items()],
             unnamed_from_joining=self._from_joining,
         )
-        return self._transport.stream("WatchRooms", request)
+        return self._transport.stream("WatchRooms", request, self.request_id)
 
     def _resumes_after(self) -> str:
         return f"after the cursors of {len(self._received)} rooms"
