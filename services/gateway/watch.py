@@ -656,6 +656,11 @@ class _RoomsStream:
     async def _now(self, follow: _Follow) -> int:
         return int((await self._hub.read(follow.room_id, self._company_id, 0, from_now=True)).last_cursor)
 
+    async def _checked(self, follow: _Follow) -> int:
+        """The follow's cursor, once a read after it has found it in range (else OutOfRange)."""
+        await follow._read()
+        return follow.cursor
+
     async def _joined(self, follow: _Follow) -> int:
         return await self._hub.join_start(follow.room_id, self._company_id)
 
@@ -675,6 +680,9 @@ class _RoomsStream:
         for follow in named:
             follow.cursor = after[follow.room_id]
         unnamed = [f for f in follows if f.room_id not in after]
+        # Every named cursor is checked before any event is sent: one out of range (older than the
+        # events kept, or past its room's newest) ends the stream with OUT_OF_RANGE and nothing else.
+        await self._start(named, self._checked)
         await self._start(unnamed, self._joined if unnamed_from_joining else self._now)
         await self._replay(follows)
         self.sink.append(self._heartbeat())

@@ -279,12 +279,16 @@ async def test_every_typed_error(stack: SdkStack, acme: CompanyKey, bolt: Compan
     assert (expired.value.room_id, expired.value.newest_cursor) == (room.room_id, None)
     assert errors.CursorExpired is errors.CursorOutOfRange  # the first releases' name
 
-    # DEADLINE_EXCEEDED and UNAVAILABLE after the policy's attempts: nothing listens at the first
-    # address; the Gateway at the second cannot reach its Room.
-    quick = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02, attempt_timeout=0.3, total_timeout=5)
+    # UNAVAILABLE: nothing listens at the first address, so no try was sent and none used up the
+    # policy's three attempts, only its total time; the Gateway at the second cannot reach its Room.
+    quick = RetryPolicy(max_attempts=3, initial_backoff=0.01, max_backoff=0.02, attempt_timeout=0.3, total_timeout=2)
     nowhere = connect(acme, addr="127.0.0.1:9", retry=quick)
-    late = await expect(errors.DeadlineExceeded, grpc.StatusCode.DEADLINE_EXCEEDED, nowhere.who_am_i(), "")
-    assert late.attempts == 3
+    refused = await expect(errors.Unavailable, grpc.StatusCode.UNAVAILABLE, nowhere.who_am_i(), "Connection refused")
+    assert refused.attempts > 3
+    bounded = await expect(errors.Unavailable, grpc.StatusCode.UNAVAILABLE, nowhere.who_am_i(timeout=0.5), "refused")
+    assert 1 < bounded.attempts < refused.attempts  # the call's timeout, not the policy's total time
+    sent_once = connect(acme, addr="127.0.0.1:9", retry=NO_RETRY)
+    assert (await expect(errors.Unavailable, grpc.StatusCode.UNAVAILABLE, sent_once.who_am_i(), "")).attempts == 1
     async with running_gateway(
         stack.database_url, "127.0.0.1:9", "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false"
     ) as cut_off:

@@ -193,6 +193,16 @@ async def test_watch_rooms_resumes_from_kept_cursors_and_follows_a_room_joined_m
     assert past.value.code == grpc.StatusCode.OUT_OF_RANGE and past.value.attempts == 1
     assert (past.value.room_id, past.value.newest_cursor) == (mine.room_id, newest)
 
+    # Every cursor is checked before anything streams: one bad cursor among good ones (whose rooms have
+    # events to replay) is CursorOutOfRange before any event.
+    theirs_newest = again.cursors[theirs.room_id]
+    with pytest.raises(errors.CursorOutOfRange) as one_bad:
+        await anext(a.watch_rooms(after={mine.room_id: 0, theirs.room_id: theirs_newest + 100}))
+    assert one_bad.value.room_id == theirs.room_id
+    with pytest.raises(errors.CursorOutOfRange) as other_bad:
+        await anext(a.watch_rooms(after={mine.room_id: newest + 100, theirs.room_id: 0}))
+    assert other_bad.value.room_id == mine.room_id
+
 
 async def test_a_revoked_session_keys_watch_ends_unauthenticated_without_a_retry(
     stack: SdkStack, acme: CompanyKey, connect: ClientFactory

@@ -37,10 +37,12 @@ import type {
   PostMessageResponse,
   SendTaskResponse,
 } from "./gen/quayutec/v1/gateway_pb.js";
+import { checkRequest, invalid } from "./checks.js";
 import { Unauthenticated } from "./errors.js";
 import { retryPolicy, type RetryPolicy } from "./retry.js";
-import { Transport, type RequestOf, type ResponseOf, type RpcKey, type TlsOptions, type UnaryKey } from "./transport.js";
+import { Transport, type PerCall, type RequestOf, type ResponseOf, type RpcKey, type TlsOptions, type UnaryKey } from "./transport.js";
 import { RoomsWatch, RoomWatch, type RoomCursors } from "./watch.js";
+import { WatchRoomRequestSchema } from "./gen/quayutec/v1/gateway_pb.js";
 
 /** An enum value, or its short name in lower case ("anthropic" for Provider.ANTHROPIC). */
 export type EnumInput<E extends Record<string, string | number>> = E[keyof E] | Lowercase<Extract<keyof E, string>>;
@@ -66,10 +68,10 @@ export function newIdempotencyKey(): string {
 }
 
 export interface ConnectOptions {
-  /** The Gateway, "host:port". */
-  address: string;
-  /** Your company's API key (qyk_...). */
-  apiKey: string;
+  /** The Gateway, "host:port" (default: the QUAYUTEC_GATEWAY environment variable, else QUAYUTEC_GATEWAY_ADDR). */
+  address?: string;
+  /** Your company's API key, qyk_... (default: the QUAYUTEC_API_KEY environment variable). */
+  apiKey?: string;
   /** TLS is on by default, with Node's roots; name others here. */
   tls?: TlsOptions;
   /** Turn TLS off (a Gateway on your own machine). */
@@ -78,12 +80,43 @@ export interface ConnectOptions {
   retry?: Partial<RetryPolicy>;
 }
 
+/** Where connect() looks when it is not given the address or the key. */
+export const GATEWAY_ENV = "QUAYUTEC_GATEWAY";
+export const API_KEY_ENV = "QUAYUTEC_API_KEY";
+
+/** `address` when it is "host:port" (or "[::1]:port"); else a TypeError saying what is wrong. */
+export function checkAddress(address: unknown): string {
+  if (typeof address !== "string") {
+    throw new TypeError(`address must be a string (host:port), not ${typeof address}`);
+  }
+  const trimmed = address.trim();
+  if (!trimmed) {
+    throw new TypeError(`address is empty: pass the Gateway as "host:port" (or set ${GATEWAY_ENV})`);
+  }
+  const url = /^(https?|grpcs?):\/\/(.*?)\/*$/.exec(trimmed);
+  if (url) {
+    const hint = url[1] === "http" || url[1] === "grpc" ? "and plaintext: true " : "";
+    throw new TypeError(`address ${JSON.stringify(trimmed)} is a URL: pass "host:port" (${JSON.stringify(url[2])}) ${hint}instead`);
+  }
+  const port = /^(.+):(\d+)$/.exec(trimmed);
+  if (!port || !(Number(port[2]) > 0 && Number(port[2]) < 65536)) {
+    throw new TypeError(`address ${JSON.stringify(trimmed)} is not "host:port" with a port from 1 to 65535`);
+  }
+  return trimmed;
+}
+
 /** A client of the Gateway at `address`, calling as the company of `apiKey`. Close it with `close()`. */
-export function connect(options: ConnectOptions): Client {
+export function connect(options: ConnectOptions = {}): Client {
   if (options.plaintext && options.tls) {
     throw new TypeError("plaintext: true and tls options contradict each other: choose one");
   }
-  const transport = new Transport(options.address, options.apiKey, options.plaintext ?? false, options.tls ?? {});
+  // QUAYUTEC_GATEWAY_ADDR is what `quayutec up` exports for the CLI.
+  const address = checkAddress(options.address ?? (process.env[GATEWAY_ENV] || process.env.QUAYUTEC_GATEWAY_ADDR || ""));
+  const apiKey = options.apiKey ?? process.env[API_KEY_ENV];
+  if (apiKey === undefined || apiKey === "") {
+    throw new TypeError(`no apiKey given and ${API_KEY_ENV} is not set`);
+  }
+  const transport = new Transport(address, apiKey, options.plaintext ?? false, options.tls ?? {});
   return new Client(transport, retryPolicy(options.retry));
 }
 
@@ -102,7 +135,8 @@ export class Client {
     return new Client(this.transport, retryPolicy({ ...this.retryPolicy, ...policy }));
   }
 
-  /** Close the connection (of this client and those made from it with withRetry). */
+  /** Close the connection (of this client and those made from it with withRetry): every call and
+   * watch under way, or waiting to retry, rejects with Closed, and so does any later one. */
   close(): void {
     this.transport.close();
   }
@@ -115,17 +149,20 @@ export class Client {
     return { address: this.transport.address, retryPolicy: this.retryPolicy };
   }
 
-  private unary<K extends UnaryKey>(key: K, request: RequestOf<K>): Promise<ResponseOf<K>> {
-    return this.transport.unary(key, request, this.retryPolicy);
+  private unary<K extends UnaryKey>(call: PerCall, key: K, request: RequestOf<K>): Promise<ResponseOf<K>> {
+    return this.transport.unary(key, request, this.retryPolicy, call);
   }
 
+  /** Every item of every page, each page fetched (and retried, within `call.timeoutMs` each) when the
+   * previous one is used up. */
   private async *paged<K extends UnaryKey, T>(
+    call: PerCall,
     key: K,
     request: RequestOf<K>,
     items: (page: ResponseOf<K>) => T[],
   ): AsyncGenerator<T, void, undefined> {
     for (;;) {
-      const page = await this.unary(key, request);
+      const page = await this.unary(call, key, request);
       yield* items(page);
       const token = (page as { nextPageToken?: string }).nextPageToken;
       if (!token) {
@@ -138,45 +175,49 @@ export class Client {
   // Identity and rooms.
 
   /** The company the API key names. */
-  async whoAmI(): Promise<Company> {
-    return required((await this.unary("whoAmI", {})).company);
+  async whoAmI(call: PerCall = {}): Promise<Company> {
+    return required((await this.unary(call, "whoAmI", {})).company);
   }
 
   /** A new room; your company is its first member. */
-  async createRoom(name: string): Promise<Room> {
-    return required((await this.unary("createRoom", { name })).room);
+  async createRoom(name: string, call: PerCall = {}): Promise<Room> {
+    return required((await this.unary(call, "createRoom", { name })).room);
   }
 
   /** The rooms your company is a member of. */
-  rooms(options: { pageSize?: number } = {}): AsyncGenerator<Room, void, undefined> {
-    return this.paged("listRooms", { ...options }, (p) => p.rooms);
+  rooms(options: { pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<Room, void, undefined> {
+    return this.paged(call, "listRooms", { ...options }, (p) => p.rooms);
   }
 
   /** The member companies of a room. */
-  members(roomId: string, options: { pageSize?: number } = {}): AsyncGenerator<RoomMember, void, undefined> {
-    return this.paged("listMembers", { roomId, ...options }, (p) => p.members);
+  members(roomId: string, options: { pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<RoomMember, void, undefined> {
+    return this.paged(call, "listMembers", { roomId, ...options }, (p) => p.members);
   }
 
   // Invitations and membership.
 
   /** Invite a company into a room; it becomes a member when it accepts. */
-  async inviteCompany(roomId: string, companyId: string): Promise<Invitation> {
-    return required((await this.unary("inviteCompany", { roomId, companyId })).invitation);
+  async inviteCompany(roomId: string, companyId: string, call: PerCall = {}): Promise<Invitation> {
+    return required((await this.unary(call, "inviteCompany", { roomId, companyId })).invitation);
   }
 
   /** Invitations to your company, oldest first: pending ones unless `status` says otherwise. */
-  invitations(options: { status?: EnumInput<typeof InvitationStatus>; pageSize?: number } = {}): AsyncGenerator<Invitation, void, undefined> {
-    return this.paged("listInvitations", { status: enumValue(InvitationStatus, options.status), pageSize: options.pageSize }, (p) => p.invitations);
+  invitations(
+    options: { status?: EnumInput<typeof InvitationStatus>; sent?: boolean; pageSize?: number } = {},
+    call: PerCall = {},
+  ): AsyncGenerator<Invitation, void, undefined> {
+    const request = { status: enumValue(InvitationStatus, options.status), sent: options.sent, pageSize: options.pageSize };
+    return this.paged(call, "listInvitations", request, (p) => p.invitations);
   }
 
   /** Become a member of the invitation's room (accepting again answers the same). */
-  async acceptInvitation(invitationId: string): Promise<AcceptInvitationResponse> {
-    return this.unary("acceptInvitation", { invitationId });
+  async acceptInvitation(invitationId: string, call: PerCall = {}): Promise<AcceptInvitationResponse> {
+    return this.unary(call, "acceptInvitation", { invitationId });
   }
 
   /** Refuse an invitation (declining again changes nothing). */
-  async declineInvitation(invitationId: string): Promise<Invitation> {
-    return required((await this.unary("declineInvitation", { invitationId })).invitation);
+  async declineInvitation(invitationId: string, call: PerCall = {}): Promise<Invitation> {
+    return required((await this.unary(call, "declineInvitation", { invitationId })).invitation);
   }
 
   /** Every invitation into a room your company created, oldest first: pending ones unless `status` says otherwise. */
@@ -190,13 +231,13 @@ export class Client {
   }
 
   /** End your company's membership at once. */
-  async leaveRoom(roomId: string): Promise<void> {
-    await this.unary("leaveRoom", { roomId });
+  async leaveRoom(roomId: string, call: PerCall = {}): Promise<void> {
+    await this.unary(call, "leaveRoom", { roomId });
   }
 
   /** End another company's membership (the room's creator only). */
-  async removeMember(roomId: string, companyId: string): Promise<void> {
-    await this.unary("removeMember", { roomId, companyId });
+  async removeMember(roomId: string, companyId: string, call: PerCall = {}): Promise<void> {
+    await this.unary(call, "removeMember", { roomId, companyId });
   }
 
   // Agents.
@@ -209,14 +250,14 @@ export class Client {
     providerKey?: string;
     baseUrl?: string;
     systemPrompt?: string;
-  }): Promise<Agent> {
+  }, call: PerCall = {}): Promise<Agent> {
     const request = { ...agent, provider: enumValue(Provider, agent.provider) };
-    return required((await this.unary("registerAgent", request)).agent);
+    return required((await this.unary(call, "registerAgent", request)).agent);
   }
 
   /** Your company's agents. */
-  agents(options: { pageSize?: number } = {}): AsyncGenerator<Agent, void, undefined> {
-    return this.paged("listAgents", { ...options }, (p) => p.agents);
+  agents(options: { roomId?: string; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<Agent, void, undefined> {
+    return this.paged(call, "listAgents", { ...options }, (p) => p.agents);
   }
 
   // Messages and tasks.
@@ -230,8 +271,12 @@ export class Client {
     roomId: string,
     body: string,
     options: { person: string; mentions?: string[]; idempotencyKey?: string },
+    call: PerCall = {},
   ): Promise<PostMessageResponse> {
-    return this.unary("postMessage", {
+    if (options.mentions !== undefined && !Array.isArray(options.mentions)) {
+      throw new TypeError(`mentions must be an array of agent ids, not ${typeof options.mentions}`);
+    }
+    return this.unary(call, "postMessage", {
       roomId,
       body,
       person: options.person,
@@ -241,16 +286,17 @@ export class Client {
   }
 
   /** A room's messages, oldest first unless `newestFirst`. */
-  messages(roomId: string, options: { newestFirst?: boolean; pageSize?: number } = {}): AsyncGenerator<Message, void, undefined> {
-    return this.paged("listMessages", { roomId, ...options }, (p) => p.messages);
+  messages(roomId: string, options: { newestFirst?: boolean; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<Message, void, undefined> {
+    return this.paged(call, "listMessages", { roomId, ...options }, (p) => p.messages);
   }
 
   /** Send a task from `person` to an agent in the room, waking it once (safe to retry, as postMessage). */
   async sendTask(
     roomId: string,
     task: { toAgentId: string; title: string; person: string; body?: string; idempotencyKey?: string },
+    call: PerCall = {},
   ): Promise<SendTaskResponse> {
-    return this.unary("sendTask", { roomId, ...task, idempotencyKey: task.idempotencyKey ?? newIdempotencyKey() });
+    return this.unary(call, "sendTask", { roomId, ...task, idempotencyKey: task.idempotencyKey ?? newIdempotencyKey() });
   }
 
   /** Add a note to a task; `status` "done" or "cancelled" closes it (safe to retry). */
@@ -258,6 +304,7 @@ export class Client {
     roomId: string,
     taskId: string,
     update: { person: string; note?: string; status?: EnumInput<typeof TaskStatus>; idempotencyKey?: string },
+    call: PerCall = {},
   ): Promise<Task> {
     const request = {
       roomId,
@@ -267,27 +314,28 @@ export class Client {
       status: enumValue(TaskStatus, update.status),
       idempotencyKey: update.idempotencyKey ?? newIdempotencyKey(),
     };
-    return required((await this.unary("updateTask", request)).task);
+    return required((await this.unary(call, "updateTask", request)).task);
   }
 
   /** A room's tasks, optionally those of one agent or in one status. */
   tasks(
     roomId: string,
     options: { toAgentId?: string; status?: EnumInput<typeof TaskStatus>; pageSize?: number } = {},
+    call: PerCall = {},
   ): AsyncGenerator<Task, void, undefined> {
-    return this.paged("listTasks", { roomId, toAgentId: options.toAgentId, status: enumValue(TaskStatus, options.status), pageSize: options.pageSize }, (p) => p.tasks);
+    return this.paged(call, "listTasks", { roomId, toAgentId: options.toAgentId, status: enumValue(TaskStatus, options.status), pageSize: options.pageSize }, (p) => p.tasks);
   }
 
   /** One task with its updates. */
-  async getTask(roomId: string, taskId: string): Promise<Task> {
-    return required((await this.unary("getTask", { roomId, taskId })).task);
+  async getTask(roomId: string, taskId: string, call: PerCall = {}): Promise<Task> {
+    return required((await this.unary(call, "getTask", { roomId, taskId })).task);
   }
 
   // Memory and files.
 
   /** Memory lines your company may read (room-wide and its own), optionally searched. */
-  memory(roomId: string, options: { query?: string; pageSize?: number } = {}): AsyncGenerator<MemoryLine, void, undefined> {
-    return this.paged("listMemory", { roomId, ...options }, (p) => p.lines);
+  memory(roomId: string, options: { query?: string; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<MemoryLine, void, undefined> {
+    return this.paged(call, "listMemory", { roomId, ...options }, (p) => p.lines);
   }
 
   /** Upload UTF-8 text (at most 10 MiB) into a room, searchable by passage. */
@@ -296,20 +344,21 @@ export class Client {
     name: string,
     content: string | Uint8Array,
     options: { person: string; contentType?: string },
+    call: PerCall = {},
   ): Promise<File> {
     const bytes = typeof content === "string" ? new TextEncoder().encode(content) : content;
     const request = { roomId, name, content: bytes, person: options.person, contentType: options.contentType ?? "text/plain" };
-    return required((await this.unary("uploadFile", request)).file);
+    return required((await this.unary(call, "uploadFile", request)).file);
   }
 
   /** A room's files (without their content). */
-  files(roomId: string, options: { pageSize?: number } = {}): AsyncGenerator<File, void, undefined> {
-    return this.paged("listFiles", { roomId, ...options }, (p) => p.files);
+  files(roomId: string, options: { pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<File, void, undefined> {
+    return this.paged(call, "listFiles", { roomId, ...options }, (p) => p.files);
   }
 
   /** The passages of a room's files that best match `query`. */
-  async searchPassages(roomId: string, query: string, options: { limit?: number } = {}): Promise<Passage[]> {
-    return (await this.unary("searchPassages", { roomId, query, ...options })).passages;
+  async searchPassages(roomId: string, query: string, options: { limit?: number } = {}, call: PerCall = {}): Promise<Passage[]> {
+    return (await this.unary(call, "searchPassages", { roomId, query, ...options })).passages;
   }
 
   // Runs, rights and approvals.
@@ -320,17 +369,20 @@ export class Client {
     options: {
       agentId?: string;
       roomId?: string;
-      status?: RunStatus;
+      status?: EnumInput<typeof RunStatus>;
       startedAfter?: Date;
       startedBefore?: Date;
       pageSize?: number;
     } = {},
+    call: PerCall = {},
   ): AsyncGenerator<Run, void, undefined> {
-    const { startedAfter, startedBefore, ...rest } = options;
+    const { startedAfter, startedBefore, status, ...rest } = options;
     return this.paged(
+      call,
       "listRuns",
       {
         ...rest,
+        status: enumValue(RunStatus, status),
         startedAfter: startedAfter === undefined ? undefined : timestampFromDate(startedAfter),
         startedBefore: startedBefore === undefined ? undefined : timestampFromDate(startedBefore),
       },
@@ -339,31 +391,31 @@ export class Client {
   }
 
   /** One message of a room (an agent's reply carries the `runId` of the run that posted it). */
-  async getMessage(roomId: string, messageId: string): Promise<Message> {
-    return required((await this.unary("getMessage", { roomId, messageId })).message);
+  async getMessage(roomId: string, messageId: string, call: PerCall = {}): Promise<Message> {
+    return required((await this.unary(call, "getMessage", { roomId, messageId })).message);
   }
 
   // Your company's API keys.
 
   /** A new API key of your company (call with a company key: a session key may not). Its `secret`
    * is in this answer only; keep it. */
-  async createApiKey(options: { label?: string } = {}): Promise<CreateApiKeyResponse> {
-    return this.unary("createApiKey", { label: options.label ?? "" });
+  async createApiKey(options: { label?: string } = {}, call: PerCall = {}): Promise<CreateApiKeyResponse> {
+    return this.unary(call, "createApiKey", { label: options.label ?? "" });
   }
 
   /** Your company's keys, oldest first (never a secret); its session keys too when asked. */
-  apiKeys(options: { includeSessions?: boolean; pageSize?: number } = {}): AsyncGenerator<ApiKey, void, undefined> {
-    return this.paged("listApiKeys", { ...options }, (p) => p.keys);
+  apiKeys(options: { includeSessions?: boolean; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<ApiKey, void, undefined> {
+    return this.paged(call, "listApiKeys", { ...options }, (p) => p.keys);
   }
 
   /** Revoke one of your company's keys at once (its session keys with it). */
-  async revokeApiKey(keyId: string): Promise<ApiKey> {
-    return required((await this.unary("revokeApiKey", { keyId })).key);
+  async revokeApiKey(keyId: string, call: PerCall = {}): Promise<ApiKey> {
+    return required((await this.unary(call, "revokeApiKey", { keyId })).key);
   }
 
   /** One run's ledger row: what it posted and wrote, each model request, its trace id. */
-  async getRun(runId: string): Promise<Run> {
-    return required((await this.unary("getRun", { runId })).run);
+  async getRun(runId: string, call: PerCall = {}): Promise<Run> {
+    return required((await this.unary(call, "getRun", { runId })).run);
   }
 
   /**
@@ -381,6 +433,7 @@ export class Client {
       crossCompanyTask?: EnumInput<typeof ActionRight>;
       replace?: boolean;
     },
+    call: PerCall = {},
   ): Promise<AgentRights> {
     const fields = { remember: "remember", createTask: "create_task", updateTask: "update_task", closeTask: "close_task", crossCompanyTask: "cross_company_task" } as const;
     const given = (Object.keys(fields) as (keyof typeof fields)[]).filter((k) => rights[k] !== undefined);
@@ -392,22 +445,22 @@ export class Client {
       ...Object.fromEntries(given.map((k) => [k, enumValue(ActionRight, rights[k])])),
       updateMask: rights.replace ? undefined : { paths: given.map((k) => fields[k]) },
     };
-    return required((await this.unary("setAgentRights", request)).rights);
+    return required((await this.unary(call, "setAgentRights", request)).rights);
   }
 
   /** Stored and effective rights of your default (`agentId` empty) or of one agent. */
-  async getAgentRights(agentId = ""): Promise<GetAgentRightsResponse> {
-    return this.unary("getAgentRights", { agentId });
+  async getAgentRights(agentId = "", call: PerCall = {}): Promise<GetAgentRightsResponse> {
+    return this.unary(call, "getAgentRights", { agentId });
   }
 
   /** Your parked runs whose held actions await your decision (pending unless `status`). */
-  approvals(options: { status?: EnumInput<typeof WaitpointStatus>; pageSize?: number } = {}): AsyncGenerator<Waitpoint, void, undefined> {
-    return this.paged("listApprovals", { status: enumValue(WaitpointStatus, options.status), pageSize: options.pageSize }, (p) => p.waitpoints);
+  approvals(options: { status?: EnumInput<typeof WaitpointStatus>; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<Waitpoint, void, undefined> {
+    return this.paged(call, "listApprovals", { status: enumValue(WaitpointStatus, options.status), pageSize: options.pageSize }, (p) => p.waitpoints);
   }
 
   /** Approve or deny one held action; the decision that completes a waitpoint continues its run once. */
-  async decideApproval(token: string, index: number, decision: { person: string; approve: boolean }): Promise<DecideApprovalResponse> {
-    return this.unary("decideApproval", { token, index, ...decision });
+  async decideApproval(token: string, index: number, decision: { person: string; approve: boolean }, call: PerCall = {}): Promise<DecideApprovalResponse> {
+    return this.unary(call, "decideApproval", { token, index, ...decision });
   }
 
   // Following a room.
@@ -417,6 +470,10 @@ export class Client {
    * live; without `after`, from now. See RoomWatch.
    */
   watch(roomId: string, options: { after?: bigint | number | string; idleTimeoutMs?: number } = {}): RoomWatch {
+    checkRequest("WatchRoom", WatchRoomRequestSchema, { roomId });
+    if (options.after !== undefined && cursorOf(options.after, "after") < 0n) {
+      throw invalid("WatchRoom", `after must be a cursor (0 or more) or unset (from now), got ${options.after}`);
+    }
     return new RoomWatch(this.transport, this.retryPolicy, roomId, options.after, options.idleTimeoutMs ?? 60_000);
   }
 
@@ -426,6 +483,20 @@ export class Client {
    * `watch.cursors` is the map to keep. See RoomsWatch.
    */
   watchRooms(options: { after?: RoomCursors; idleTimeoutMs?: number } = {}): RoomsWatch {
+    const after = options.after;
+    if (after !== undefined) {
+      if (typeof after !== "object" || after === null || Array.isArray(after)) {
+        throw new TypeError("after must be a Map or an object of room id to cursor");
+      }
+      [...(after instanceof Map ? after : Object.entries(after))].forEach(([roomId, cursor]: [unknown, unknown], index) => {
+        if (typeof roomId !== "string" || !roomId) {
+          throw invalid("WatchRooms", `after[${index}].room_id must be a room id (uuid), got ${JSON.stringify(roomId)}`);
+        }
+        if (cursorOf(cursor, `after[${index}].cursor`) < 0n) {
+          throw invalid("WatchRooms", `after[${index}].cursor must be 0 or more, got ${String(cursor)}`);
+        }
+      });
+    }
     return new RoomsWatch(this.transport, this.retryPolicy, options.after, options.idleTimeoutMs ?? 60_000);
   }
 
@@ -437,8 +508,8 @@ export class Client {
    * key. A repeat would make a second key, so after UNAVAILABLE or a deadline it is not sent again
    * (only when refused before acting, or never sent).
    */
-  async createSessionKey(ttlSeconds: number, options: { label?: string } = {}): Promise<CreateSessionKeyResponse> {
-    return this.unary("createSessionKey", { ttlSeconds: BigInt(ttlSeconds), label: options.label ?? "" });
+  async createSessionKey(ttlSeconds: number, options: { label?: string } = {}, call: PerCall = {}): Promise<CreateSessionKeyResponse> {
+    return this.unary(call, "createSessionKey", { ttlSeconds: BigInt(ttlSeconds), label: options.label ?? "" });
   }
 
   /**
@@ -447,9 +518,9 @@ export class Client {
    * UNAUTHENTICATED, an earlier attempt ended the session, and the call resolves as done.
    * FailedPrecondition when this client's key is a company key (revoke those with `quayutec keys revoke`).
    */
-  async endSession(): Promise<string> {
+  async endSession(call: PerCall = {}): Promise<string> {
     try {
-      return (await this.unary("endSession", {})).keyId;
+      return (await this.unary(call, "endSession", {})).keyId;
     } catch (error) {
       if (error instanceof Unauthenticated && error.attempts > 1 && this.transport.keyId) {
         return this.transport.keyId; // the session was ended by an attempt whose answer was lost
@@ -457,6 +528,17 @@ export class Client {
       throw error;
     }
   }
+}
+
+/** A cursor as a bigint (from a bigint, a whole number or a string of digits); TypeError otherwise. */
+function cursorOf(value: unknown, name: string): bigint {
+  if (typeof value === "bigint") {
+    return value;
+  }
+  if ((typeof value === "number" && Number.isSafeInteger(value)) || (typeof value === "string" && /^-?\d+$/.test(value))) {
+    return BigInt(value);
+  }
+  throw new TypeError(`${name} must be a cursor (a bigint, a whole number or a string of digits), not ${JSON.stringify(String(value))}`);
 }
 
 function required<T>(value: T | undefined): T {

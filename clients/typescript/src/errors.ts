@@ -21,6 +21,11 @@ export function codeName(code: Code): string {
 export class QuayutecError extends Error {
   override name = "QuayutecError";
   readonly codeName: string;
+  /** The id the client sent as `x-request-id` on every attempt of the call (or every stream of the
+   * watch), and the trace id of the `traceparent` it sent ("" when none): quote them when you ask
+   * about a call. */
+  requestId = "";
+  traceId = "";
   constructor(
     readonly code: Code,
     readonly rawMessage: string,
@@ -106,9 +111,22 @@ export class Unavailable extends QuayutecError {
 export class DeadlineExceeded extends QuayutecError {
   override name = "DeadlineExceeded";
 }
-/** The call was cancelled. */
+/** The call was cancelled (its `signal` aborted). */
 export class Cancelled extends QuayutecError {
   override name = "Cancelled";
+}
+/** The client was closed (`client.close()`) while the call or watch was under way, or before it began. */
+export class Closed extends Cancelled {
+  override name = "Closed";
+}
+/**
+ * The Gateway was reached but no gRPC connection could be made with it, so retrying cannot help: a TLS
+ * handshake that failed (TLS to a plaintext port, an untrusted certificate, a certificate that does not
+ * name the address), or a Gateway that drops every connection before answering (often plaintext to a
+ * TLS port). The message says which and what to check.
+ */
+export class ConnectionFailed extends Unavailable {
+  override name = "ConnectionFailed";
 }
 /** The Gateway failed; the message says no more, by design. */
 export class Internal extends QuayutecError {

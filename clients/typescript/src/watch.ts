@@ -13,8 +13,9 @@ import {
   type WatchRoomsResponse,
 } from "./gen/quayutec/v1/gateway_pb.js";
 import { Unavailable, type QuayutecError } from "./errors.js";
-import { callError, Code, sleep, type Transport } from "./transport.js";
-import type { RetryPolicy } from "./retry.js";
+import { randomUUID } from "node:crypto";
+import { Code, identified, type Transport } from "./transport.js";
+import { RETRYABLE, type RetryPolicy } from "./retry.js";
 
 /**
  * One server stream opened again, as the policy allows, whenever it fails with UNAVAILABLE,
@@ -23,6 +24,8 @@ import type { RetryPolicy } from "./retry.js";
  */
 abstract class ResumingStream<Response> {
   reconnects = 0;
+  /** Sent as x-request-id on every stream of this watch, and in its errors. */
+  readonly requestId = randomUUID().replaceAll("-", "");
   /** Received, not yet handed out. */
   protected readonly pending: (RoomEvent | WatchRoomsHeartbeat)[] = [];
   private stream: AsyncIterator<Response> | undefined;
@@ -49,15 +52,23 @@ abstract class ResumingStream<Response> {
       if (this.closed) {
         return undefined;
       }
-      await this.receive();
+      await this.identifiedReceive();
     }
     return this.pending.shift();
+  }
+
+  private async identifiedReceive(): Promise<void> {
+    try {
+      await this.receive();
+    } catch (error) {
+      throw identified(error, this.requestId, this.transport.headers());
+    }
   }
 
   /** Open the stream and wait for its first answer. */
   async ready(): Promise<this> {
     if (this.stream === undefined && this.pending.length === 0) {
-      await this.receive();
+      await this.identifiedReceive();
     }
     return this;
   }
@@ -74,15 +85,24 @@ abstract class ResumingStream<Response> {
     this.stream = undefined;
   }
 
-  /** Read the next answer into the pending items, reconnecting as the policy allows. */
+  /** Read the next answer into the pending items, reconnecting as the policy allows; Closed when the
+   * client is closed under it. */
   protected async receive(): Promise<void> {
     const started = performance.now();
-    for (let failures = 1; !this.closed; failures++) {
+    let failures = 0;
+    let closedEarly = 0;
+    for (let tries = 1; !this.closed; tries++) {
+      const stop = this.transport.stopped(this.method, tries - 1);
+      if (stop) {
+        throw stop;
+      }
       if (this.stream === undefined) {
+        await this.transport.ready;
         this.abort = new AbortController();
         this.stream = this.open(this.abort.signal)[Symbol.asyncIterator]();
       }
       let error: QuayutecError;
+      let sent = true;
       let timer: NodeJS.Timeout | undefined;
       try {
         const idle = new Promise<"idle">((resolve) => {
@@ -91,11 +111,12 @@ abstract class ResumingStream<Response> {
         const next = await Promise.race([this.stream.next(), idle]);
         if (next === "idle") {
           this.drop();
-          error = new Unavailable(Code.Unavailable, `nothing, not even a heartbeat, for ${this.idleTimeoutMs} ms`, this.method, failures);
+          error = new Unavailable(Code.Unavailable, `nothing, not even a heartbeat, for ${this.idleTimeoutMs} ms`, this.method, tries);
         } else if (next.done) {
           this.stream = undefined; // ended without an error: the Gateway went away
-          error = new Unavailable(Code.Unavailable, "the stream ended", this.method, failures);
+          error = new Unavailable(Code.Unavailable, "the stream ended", this.method, tries);
         } else {
+          this.transport.markAnswered();
           this.take(next.value);
           return;
         }
@@ -104,16 +125,22 @@ abstract class ResumingStream<Response> {
         if (this.closed) {
           return;
         }
-        error = callError(reason, this.method, failures, false);
+        const stop = this.transport.stopped(this.method, tries);
+        if (stop) {
+          throw stop;
+        }
+        const failed = this.transport.failure(reason, this.method, tries, closedEarly);
+        ({ error, sent, closedEarly } = failed);
       } finally {
         clearTimeout(timer);
       }
-      const wait = this.transport.retryWaitMs(this.policy, error, failures, started);
+      failures += sent ? 1 : 0;
+      const wait = this.transport.retryWaitMs(this.policy, error, sent ? failures : 0, started, RETRYABLE.has(error.code), tries);
       if (wait === undefined) {
         throw error;
       }
       this.reconnects++;
-      await sleep(wait, this.transport.signal);
+      await this.transport.pause(wait, this.method, tries);
     }
   }
 }
@@ -153,7 +180,7 @@ export class RoomWatch extends ResumingStream<WatchRoomResponse> implements Asyn
   }
 
   protected open(signal: AbortSignal): AsyncIterable<WatchRoomResponse> {
-    return this.transport.stream("watchRoom", create(WatchRoomRequestSchema, { roomId: this.roomId, after: this.cursor }), signal);
+    return this.transport.stream("watchRoom", create(WatchRoomRequestSchema, { roomId: this.roomId, after: this.cursor }), signal, this.requestId);
   }
 
   protected take(response: WatchRoomResponse): void {
@@ -248,7 +275,7 @@ export class RoomsWatch extends ResumingStream<WatchRoomsResponse> implements As
       after: [...this.received].map(([roomId, cursor]) => ({ roomId, cursor })),
       unnamedFromJoining: this.fromJoining,
     });
-    return this.transport.stream("watchRooms", request, signal);
+    return this.transport.stream("watchRooms", request, signal, this.requestId);
   }
 
   protected take(response: WatchRoomsResponse): void {

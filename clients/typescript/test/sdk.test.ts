@@ -306,7 +306,8 @@ test("every typed error", async () => {
   assert.ok(retries.some((r) => r.codeName === "RESOURCE_EXHAUSTED" && r.advisedMs !== undefined), JSON.stringify(retries));
   assert.deepEqual((await collect(a.messages(limitedRoom.roomId))).map((m) => m.body), ["first", "third", "fourth"]);
 
-  // DEADLINE_EXCEEDED (the Room's answers held) and UNAVAILABLE (nothing listens) after the policy's attempts.
+  // DEADLINE_EXCEEDED (the Room's answers held) after the policy's attempts; UNAVAILABLE (nothing
+  // listens) after its total time, as tries that found no connection were never sent.
   const quick = { maxAttempts: 3, initialBackoffMs: 10, maxBackoffMs: 20, attemptTimeoutMs: 300, totalTimeoutMs: 5000 };
   await stack.post("/room/hold-replies");
   try {
@@ -316,12 +317,12 @@ test("every typed error", async () => {
     await stack.post("/room/release-replies");
   }
   const down = await expect(client(acme, { address: "127.0.0.1:9", retry: quick }).whoAmI(), Unavailable, "UNAVAILABLE");
-  assert.equal(down.attempts, 3);
+  assert.ok(down.attempts > 3, String(down.attempts));
 });
 
 test("the API key is never shown", async () => {
   const acme = await stack.company();
-  const c = client(acme, { address: "127.0.0.1:9", retry: { maxAttempts: 2, initialBackoffMs: 10, maxBackoffMs: 20 } });
+  const c = client(acme, { address: "127.0.0.1:9", retry: { maxAttempts: 2, initialBackoffMs: 10, maxBackoffMs: 20, totalTimeoutMs: 1000 } });
   retries.length = 0;
   const failed = await c.whoAmI().catch((e: unknown) => e as Error);
   const shown = [inspect(c, { depth: 10, showHidden: true }), JSON.stringify(c), String(failed), inspect(failed, { depth: 10 }), JSON.stringify(retries)];

@@ -8,6 +8,8 @@ import { test } from "node:test";
 import { fileURLToPath } from "node:url";
 import { Client, Code, codeName, DEFAULT_RETRY, errorFor, GatewayService, RateLimited, retryPolicy, SAFETY, waitBeforeMs, WRAPS } from "../src/index.js";
 import { ConnectError } from "@connectrpc/connect";
+import { Aborted, Unavailable } from "../src/errors.js";
+import { callError, neverSent } from "../src/transport.js";
 
 test("every Gateway RPC has a client method and a retry class", () => {
   const rpcs = GatewayService.methods.map((m) => m.localName).sort();
@@ -59,4 +61,25 @@ test("the generated code is current (else: npm run generate)", () => {
   } finally {
     rmSync(scratch, { recursive: true, force: true });
   }
+});
+
+test("a reset connection is UNAVAILABLE (retried as the retry table says); the Gateway's own ABORTED is not", () => {
+  const reset = Object.assign(new Error("read ECONNRESET"), { code: "ECONNRESET" });
+  const lost = callError(new ConnectError("read ECONNRESET", Code.Aborted, undefined, undefined, reset), "PostMessage", 1, false);
+  assert.ok(lost instanceof Unavailable && lost.code === Code.Unavailable, String(lost));
+  assert.match(lost.message, /connection to the Gateway was lost/);
+  const conflict = callError(new ConnectError("a concurrent change", Code.Aborted), "UpdateTask", 1, false);
+  assert.ok(conflict instanceof Aborted, String(conflict));
+  const refused = Object.assign(new Error("connect ECONNREFUSED"), { code: "ECONNREFUSED" });
+  assert.ok(neverSent(new ConnectError("connect ECONNREFUSED", Code.Unavailable, undefined, undefined, refused)));
+  assert.ok(!neverSent(new ConnectError("read ECONNRESET", Code.Aborted, undefined, undefined, reset)));
+});
+
+test("the package loads with require() (CommonJS) and with import (ESM), by its name", () => {
+  const pkg = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "..", "..");
+  const check = "typeof q.connect === 'function' && typeof q.Closed === 'function' && q.DEFAULT_RETRY.maxAttempts === 6";
+  const cjs = execFileSync(process.execPath, ["-e", `const q = require("@quayutec/client"); console.log(${check})`], { cwd: pkg, encoding: "utf8" });
+  assert.equal(cjs.trim(), "true");
+  const esm = execFileSync(process.execPath, ["--input-type=module", "-e", `import * as q from "@quayutec/client"; console.log(${check})`], { cwd: pkg, encoding: "utf8" });
+  assert.equal(esm.trim(), "true");
 });

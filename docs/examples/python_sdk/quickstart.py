@@ -1,5 +1,5 @@
 """Quayutec rooms from Python with quayutec-client: connect, post a message that wakes an agent,
-follow the room until the agent answers, and read an error.
+follow the room until the agent's run ends (two minutes at most), and read an error.
 
 Needs `pip install ./clients/python` (it brings grpcio and protobuf, nothing else). The Gateway's
 address comes from QUAYUTEC_GATEWAY_ADDR, your API key from QUAYUTEC_API_KEY and the agent's model
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 
 import quayutec_client
 from quayutec_client import errors
-from quayutec_client.types import RoomEventKind
+from quayutec_client.types import RoomEventKind, RunStatus
 
 
 async def main() -> None:
@@ -36,10 +37,15 @@ async def main() -> None:
                 room.room_id, "@writer draft the launch note", person="ana", mentions=[writer.agent_id]
             )
             print(f"posted #{posted.message.seq}, waking {len(posted.wake_ids)} agent")
-            async for event in events:
-                if event.kind == RoomEventKind.ROOM_EVENT_KIND_MESSAGE_POSTED and event.message.author.agent_id:
-                    print(f"the writer answered (run {event.message.run_id})")
-                    break
+            # Follow the room until the run of that wake ends (its RUN_ENDED event), whatever the
+            # outcome: a run that fails ends too, and so does this program, within two minutes.
+            async with asyncio.timeout(120):
+                async for event in events:
+                    if event.kind == RoomEventKind.ROOM_EVENT_KIND_RUN_ENDED and event.run.wake_id in posted.wake_ids:
+                        break
+            if event.run.status != RunStatus.RUN_STATUS_SUCCEEDED:
+                sys.exit(f"the writer's run ended {RunStatus.Name(event.run.status)}: {event.run.error}")
+            print(f"the writer answered (run {event.run.run_id})")
 
         try:
             await client.post_message(room.room_id, "", person="ana")

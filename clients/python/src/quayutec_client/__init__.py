@@ -13,6 +13,8 @@ from quayutec_client import errors, types
 from quayutec_client.client import Client, Tls, connect, new_idempotency_key
 from quayutec_client.errors import (
     AlreadyExists,
+    Closed,
+    ConnectionFailed,
     CursorExpired,
     CursorOutOfRange,
     DeadlineExceeded,
@@ -32,6 +34,8 @@ __all__ = [
     "NO_RETRY",
     "AlreadyExists",
     "Client",
+    "Closed",
+    "ConnectionFailed",
     "CursorExpired",
     "CursorOutOfRange",
     "DeadlineExceeded",

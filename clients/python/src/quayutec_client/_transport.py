@@ -3,10 +3,12 @@ channel and its metadata (API key, trace context), and the retry loop."""
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
@@ -16,8 +18,16 @@ import grpc
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
+from quayutec_client._checks import check_request
 from quayutec_client._proto import gateway_pb2
-from quayutec_client.errors import QuayutecError, RateLimited, error_for
+from quayutec_client.errors import (
+    Closed,
+    ConnectionFailed,
+    QuayutecError,
+    RateLimited,
+    connection_failure,
+    error_for,
+)
 from quayutec_client.retry import REFUSED_BEFORE_ACTING, RETRYABLE, RetryPolicy
 
 _propagate: ModuleType | None
@@ -27,6 +37,10 @@ except ImportError:  # pragma: no cover - depends on the environment
     _propagate = None
 
 _log = logging.getLogger("quayutec_client")
+
+# A Gateway that closes this many new connections in a row before gRPC begins is taken to speak
+# something else (TLS, when the client has it off).
+CLOSED_EARLY_LIMIT = 4
 
 SERVICE = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"]
 
@@ -155,7 +169,7 @@ class Transport:
 
     def __init__(
         self,
-        channel: grpc.aio.Channel,
+        channel: Callable[[], grpc.aio.Channel],
         key: ApiKey,
         address: str,
         *,
@@ -163,62 +177,156 @@ class Transport:
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
-        self.channel = channel
+        # The channel is made at the first call, in the event loop that makes it (gRPC binds a channel
+        # to the loop it is made in): a client made at import time works under a later asyncio.run.
+        self._make_channel = channel
+        self._channel: grpc.aio.Channel | None = None
         self.address = address
         self.sleep = sleep
         self.clock = clock
         self.rng = rng or random.Random()
+        self._closed = asyncio.Event()
         self._key = key  # the metadata is made per call, so no attribute of this object holds the key
         self.key_id = key.key_id
         self._unary: dict[str, Any] = {}
         self._streams: dict[str, Any] = {}
-        for rpc in RPCS.values():
-            make = channel.unary_stream if rpc.server_streaming else channel.unary_unary
-            callables = self._streams if rpc.server_streaming else self._unary
-            callables[rpc.name] = make(
-                rpc.path,
-                request_serializer=rpc.request.SerializeToString,
-                response_deserializer=rpc.response.FromString,
-            )
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
-        """The API key, and the caller's current trace context when OpenTelemetry is installed (the
-        Gateway links its own trace to it; it does not decide the Gateway's sampling)."""
-        auth = (self._key.bearer(),)
+    @property
+    def channel(self) -> grpc.aio.Channel:
+        """The channel (made, with a callable per RPC, on first use)."""
+        if self._channel is None:
+            channel = self._channel = self._make_channel()
+            for rpc in RPCS.values():
+                make = channel.unary_stream if rpc.server_streaming else channel.unary_unary
+                callables = self._streams if rpc.server_streaming else self._unary
+                callables[rpc.name] = make(
+                    rpc.path,
+                    request_serializer=rpc.request.SerializeToString,
+                    response_deserializer=rpc.response.FromString,
+                )
+        return self._channel
+
+    def _callable(self, name: str) -> Any:
+        self.channel  # noqa: B018 - makes the channel and the callables on first use
+        return self._streams[name] if RPCS[name].server_streaming else self._unary[name]
+
+    def metadata(self, request_id: str = "") -> tuple[tuple[str, str], ...]:
+        """The API key, the call's request id, and the caller's current trace context when OpenTelemetry
+        is installed (the Gateway links its own trace to it; it does not decide the Gateway's sampling)."""
+        auth = (self._key.bearer(),) + ((("x-request-id", request_id),) if request_id else ())
         if _propagate is None:
             return auth
         carrier: dict[str, str] = {}
         _propagate.inject(carrier)
         return auth + tuple(carrier.items()) if carrier else auth
 
-    async def unary(self, name: str, request: Message, policy: RetryPolicy) -> Any:
-        """Send ``request`` to RPC ``name``, retried as its safety and ``policy`` allow."""
+    @property
+    def closed(self) -> bool:
+        return self._closed.is_set()
+
+    async def close(self) -> None:
+        """Close the channel: every call and watch under way, or waiting to retry, ends with Closed."""
+        self._closed.set()
+        if self._channel is not None:
+            await self._channel.close()
+
+    def closed_error(self, method: str, attempts: int) -> Closed:
+        return Closed(grpc.StatusCode.CANCELLED, "the client was closed", method=method, attempts=attempts)
+
+    async def pause(self, seconds: float, method: str, attempts: int) -> None:
+        """Wait ``seconds`` before a retry; Closed at once if the client is closed meanwhile."""
+        closing = asyncio.ensure_future(self._closed.wait())
+        waiting = asyncio.ensure_future(self.sleep(seconds))
+        try:
+            await asyncio.wait((closing, waiting), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            closing.cancel()
+            waiting.cancel()
+        if self.closed:
+            raise self.closed_error(method, attempts)
+
+    def failure(
+        self, exc: grpc.aio.AioRpcError, method: str, attempts: int, closed_early: int
+    ) -> tuple[QuayutecError, bool]:
+        """The typed error of a failed attempt, and whether the attempt was sent (a call that found no
+        connection was not). A TLS failure, or a connection closed before gRPC began ``CLOSED_EARLY_LIMIT``
+        times in a row, raises ConnectionFailed: retrying cannot mend either."""
+        why = connection_failure(exc)
+        if why == "tls":
+            raise ConnectionFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the TLS handshake with the Gateway at {self.address} failed ({exc.details()}): check that the "
+                "Gateway serves TLS, that its certificate is trusted (Tls(root_certificates=...)) and names this "
+                "address (Tls(server_name=...)); a Gateway without TLS needs plaintext=True",
+                method=method,
+                attempts=attempts,
+            )
+        if why == "closed" and closed_early + 1 >= CLOSED_EARLY_LIMIT:
+            raise ConnectionFailed(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the Gateway at {self.address} closed the connection before speaking gRPC, "
+                f"{CLOSED_EARLY_LIMIT} times in a row: if it serves TLS, connect without plaintext=True",
+                method=method,
+                attempts=attempts,
+            )
+        return error_for(exc, method=method, attempts=attempts), why is None
+
+    async def unary(self, name: str, request: Message, policy: RetryPolicy, timeout: float | None = None) -> Any:
+        """Send ``request`` to RPC ``name``, retried as its safety and ``policy`` allow; ``timeout``
+        (seconds) bounds the whole call, retries included, instead of the policy's total time."""
         rpc = RPCS[name]
         if type(request) is not rpc.request:
             raise TypeError(f"{name} takes {rpc.request.__name__}, not {type(request).__name__}")
-        call = self._unary[name]
+        check_request(name, request)
+        policy = policy.within(timeout)
+        call = self._callable(name)
+        request_id = uuid.uuid4().hex
+        metadata = self.metadata(request_id)
+        try:
+            return await self._send(name, rpc, call, request, policy, metadata)
+        except QuayutecError as error:
+            identified(error, request_id, metadata)
+            raise
+
+    async def _send(
+        self,
+        name: str,
+        rpc: Rpc,
+        call: Any,
+        request: Message,
+        policy: RetryPolicy,
+        metadata: tuple[tuple[str, str], ...],
+    ) -> Any:
         started = self.clock()
-        attempt = 0
+        sent = tries = closed_early = 0
         while True:
-            attempt += 1
+            if self.closed:
+                raise self.closed_error(name, sent)
+            tries += 1
             left = policy.total_timeout - (self.clock() - started)
             try:
-                return await call(
-                    request,
-                    timeout=max(0.001, min(policy.attempt_timeout, left)),
-                    metadata=self.metadata(),
-                    wait_for_ready=True,
-                )
+                return await call(request, timeout=max(0.001, min(policy.attempt_timeout, left)), metadata=metadata)
             except grpc.aio.AioRpcError as exc:
-                error = error_for(exc, method=name, attempts=attempt)
-                wait = self.retry_wait(policy, error, attempt, started, rpc.safety.retry_codes)
+                if self.closed:
+                    raise self.closed_error(name, sent) from exc
+                error, was_sent = self.failure(exc, name, tries, closed_early)
+                closed_early = 0 if was_sent or connection_failure(exc) != "closed" else closed_early + 1
+                sent += was_sent
+                codes = rpc.safety.retry_codes if was_sent else RETRYABLE
+                wait = self.retry_wait(policy, error, sent if was_sent else 0, started, codes, retry=tries)
                 if wait is None:
                     raise error from exc
-            await self.sleep(wait)
+            except asyncio.CancelledError:
+                if self.closed and not _being_cancelled():
+                    raise self.closed_error(name, sent) from None
+                raise
+            await self.pause(wait, name, sent)
 
-    def stream(self, name: str, request: Message) -> grpc.aio.UnaryStreamCall:
-        """Open server stream ``name`` (no deadline, waiting for the Gateway when it is not up)."""
-        return self._streams[name](request, metadata=self.metadata(), wait_for_ready=True)
+    def stream(self, name: str, request: Message, request_id: str = "") -> grpc.aio.UnaryStreamCall:
+        """Open server stream ``name`` (no deadline)."""
+        if self.closed:
+            raise self.closed_error(name, 0)
+        return self._callable(name)(request, metadata=self.metadata(request_id))
 
     def retry_wait(
         self,
@@ -227,25 +335,44 @@ class Transport:
         attempt: int,
         started: float,
         codes: frozenset[grpc.StatusCode] = RETRYABLE,
+        *,
+        retry: int | None = None,
     ) -> float | None:
-        """How long to wait before attempt ``attempt + 1`` after ``error``; None to give up."""
-        if error.code not in codes or attempt >= policy.max_attempts:
+        """How long to wait before trying again after ``error``, the ``attempt``-th attempt that reached
+        the Gateway (0: none did, so the policy's attempts are not used up, only its total time, unless
+        it allows one attempt only); ``retry`` counts every try, for the backoff. None to give up."""
+        if error.code not in codes or attempt >= policy.max_attempts or policy.max_attempts == 1:
             return None
         advised = error.retry_after if isinstance(error, RateLimited) else None
         if advised is not None and advised > policy.max_advised_wait:
             return None
-        wait = policy.wait_before(attempt, advised, self.rng)
+        wait = policy.wait_before(retry or attempt, advised, self.rng)
         if self.clock() - started + wait >= policy.total_timeout:
             return None
         _log.info(
-            "%s: %s after attempt %d; retrying in %.2f s%s",
+            "%s: %s after attempt %d%s; retrying in %.2f s%s",
             error.method,
             error.code.name,
-            attempt,
+            retry or attempt,
+            "" if attempt else " (not sent: no connection)",
             wait,
             f" (the Gateway advised {advised:.3f} s)" if advised is not None else "",
         )
         return wait
+
+
+def identified(error: QuayutecError, request_id: str, metadata: tuple[tuple[str, str], ...]) -> QuayutecError:
+    """``error`` with the request id and the trace id (of the ``traceparent`` sent) of its call."""
+    error.request_id = request_id
+    traceparent = dict(metadata).get("traceparent", "").split("-")
+    error.trace_id = traceparent[1] if len(traceparent) == 4 else ""
+    return error
+
+
+def _being_cancelled() -> bool:
+    """Whether the current task is being cancelled (rather than its call cut by a closed channel)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def channel_for(

@@ -8,6 +8,7 @@ calls ``self._unary`` (or ``self._paged`` for a list). tests/clients fails while
 from __future__ import annotations
 
 import asyncio
+import os
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -15,8 +16,10 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
+import grpc
 from google.protobuf.message import Message as _ProtoMessage
 
+from quayutec_client._checks import check_request, sequence_of_str, watch_cursor, watch_cursors
 from quayutec_client._proto import common_pb2, gateway_pb2
 from quayutec_client._transport import ApiKey, Transport, channel_for
 from quayutec_client.errors import Unauthenticated
@@ -104,33 +107,73 @@ def _enum(wrapper: _EnumType, prefix: str, value: int | str) -> Any:
         raise ValueError(f"{value!r} is not one of {names}") from None
 
 
+# Where connect() looks when it is not given the address or the key.
+GATEWAY_ENV = "QUAYUTEC_GATEWAY"
+GATEWAY_ADDR_ENV = "QUAYUTEC_GATEWAY_ADDR"
+API_KEY_ENV = "QUAYUTEC_API_KEY"
+
+
+def check_address(address: str) -> str:
+    """``address`` when it is a gRPC target the client can dial ("host:port", "[::1]:port",
+    "unix:/path", "dns:///host:port"); else ValueError saying what is wrong."""
+    if not isinstance(address, str):
+        raise TypeError(f"address must be a str (host:port), not {type(address).__name__}")
+    address = address.strip()
+    if not address:
+        raise ValueError(f'address is empty: pass the Gateway as "host:port" (or set {GATEWAY_ENV})')
+    scheme, sep, rest = address.partition("://")
+    if sep and scheme in ("http", "https", "grpc", "grpcs"):
+        hint = "and plaintext=True " if scheme in ("http", "grpc") else ""
+        raise ValueError(f'address {address!r} is a URL: pass "host:port" ({rest.rstrip("/")!r}) {hint}instead')
+    if address.startswith(("unix:", "unix-abstract:", "dns:", "ipv4:", "ipv6:")):
+        return address
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f'address {address!r} is not "host:port" with a port from 1 to 65535')
+    return address
+
+
 def connect(
-    address: str,
-    api_key: str,
+    address: str | None = None,
+    api_key: str | None = None,
     *,
     tls: Tls | None = None,
     plaintext: bool = False,
     retry: RetryPolicy | None = None,
     channel_options: Sequence[tuple[str, Any]] = (),
 ) -> Client:
-    """A client of the Gateway at ``address`` ("host:port") calling as the company of ``api_key``.
+    """A client of the Gateway at ``address`` ("host:port") calling as the company of ``api_key``
+    (when not given, from the environment variables QUAYUTEC_GATEWAY, else QUAYUTEC_GATEWAY_ADDR, and
+    QUAYUTEC_API_KEY).
 
     TLS is on, with the system's roots unless ``tls`` names others; ``plaintext=True`` turns it off
     (a Gateway on your own machine). ``retry`` is the policy of every call (``RetryPolicy()`` by
-    default). Call it from async code; close the client with ``await client.close()`` or
+    default). Call it anywhere (the channel is made at the first call, in that call's event
+    loop); close the client with ``await client.close()`` or
     ``async with connect(...) as client``.
     """
     if plaintext and tls is not None:
         raise ValueError("plaintext=True and tls options contradict each other: choose one")
+    if address is None:  # QUAYUTEC_GATEWAY_ADDR is what `quayutec up` exports for the CLI
+        address = os.environ.get(GATEWAY_ENV) or os.environ.get(GATEWAY_ADDR_ENV, "")
+    address = check_address(address)
+    if api_key is None:
+        api_key = os.environ.get(API_KEY_ENV, "")
+        if not api_key:
+            raise ValueError(f"no api_key given and {API_KEY_ENV} is not set")
     key = ApiKey(api_key)
     tls = tls or Tls()
-    channel = channel_for(
-        address,
-        plaintext=plaintext,
-        root_certificates=tls.root_certificates,
-        server_name=tls.server_name,
-        options=(*DEFAULT_CHANNEL_OPTIONS, *channel_options),
-    )
+    options = (*DEFAULT_CHANNEL_OPTIONS, *channel_options)
+
+    def channel() -> grpc.aio.Channel:
+        return channel_for(
+            address,
+            plaintext=plaintext,
+            root_certificates=tls.root_certificates,
+            server_name=tls.server_name,
+            options=options,
+        )
+
     return Client(Transport(channel, key, address, sleep=asyncio.sleep), retry or RetryPolicy())
 
 
@@ -150,8 +193,9 @@ class Client:
         return Client(self._transport, policy)
 
     async def close(self) -> None:
-        """Close the channel (of this client and those made from it with ``with_retry``)."""
-        await self._transport.channel.close()
+        """Close the channel (of this client and those made from it with ``with_retry``): every call
+        and watch under way, or waiting to retry, ends with ``errors.Closed``, and so does any later one."""
+        await self._transport.close()
 
     async def __aenter__(self) -> Client:
         return self
@@ -161,13 +205,16 @@ class Client:
     ) -> None:
         await self.close()
 
-    def _unary(self, name: str, request: _ProtoMessage) -> Awaitable[Any]:
-        return self._transport.unary(name, request, self.retry_policy)
+    def _unary(self, timeout: float | None, name: str, request: _ProtoMessage) -> Awaitable[Any]:
+        return self._transport.unary(name, request, self.retry_policy, timeout)
 
-    async def _paged(self, name: str, request: Any, items: Callable[[Any], Iterable[T]]) -> AsyncIterator[T]:
-        """Every item of every page, each page fetched (and retried) when the previous one is used up."""
+    async def _paged(
+        self, timeout: float | None, name: str, request: Any, items: Callable[[Any], Iterable[T]]
+    ) -> AsyncIterator[T]:
+        """Every item of every page, each page fetched (and retried, within ``timeout`` each) when the
+        previous one is used up."""
         while True:
-            page = await self._unary(name, request)
+            page = await self._unary(timeout, name, request)
             for item in items(page):
                 yield item
             if not page.next_page_token:
@@ -177,62 +224,62 @@ class Client:
     # Identity and rooms.
 
     @rpc("WhoAmI")
-    async def who_am_i(self) -> Company:
+    async def who_am_i(self, *, timeout: float | None = None) -> Company:
         """The company the API key names."""
-        response: gateway_pb2.WhoAmIResponse = await self._unary("WhoAmI", gateway_pb2.WhoAmIRequest())
+        response: gateway_pb2.WhoAmIResponse = await self._unary(timeout, "WhoAmI", gateway_pb2.WhoAmIRequest())
         return response.company
 
     @rpc("CreateRoom")
-    async def create_room(self, name: str) -> Room:
+    async def create_room(self, name: str, *, timeout: float | None = None) -> Room:
         """A new room; your company is its first member."""
         response: gateway_pb2.CreateRoomResponse = await self._unary(
-            "CreateRoom", gateway_pb2.CreateRoomRequest(name=name)
+            timeout, "CreateRoom", gateway_pb2.CreateRoomRequest(name=name)
         )
         return response.room
 
     @rpc("ListRooms")
-    def rooms(self, *, page_size: int = 0) -> AsyncIterator[Room]:
+    def rooms(self, *, page_size: int = 0, timeout: float | None = None) -> AsyncIterator[Room]:
         """The rooms your company is a member of."""
-        return self._paged("ListRooms", gateway_pb2.ListRoomsRequest(page_size=page_size), lambda p: p.rooms)
+        return self._paged(timeout, "ListRooms", gateway_pb2.ListRoomsRequest(page_size=page_size), lambda p: p.rooms)
 
     @rpc("ListMembers")
-    def members(self, room_id: str, *, page_size: int = 0) -> AsyncIterator[RoomMember]:
+    def members(self, room_id: str, *, page_size: int = 0, timeout: float | None = None) -> AsyncIterator[RoomMember]:
         """The member companies of a room."""
         request = gateway_pb2.ListMembersRequest(room_id=room_id, page_size=page_size)
-        return self._paged("ListMembers", request, lambda p: p.members)
+        return self._paged(timeout, "ListMembers", request, lambda p: p.members)
 
     # Invitations and membership.
 
     @rpc("InviteCompany")
-    async def invite_company(self, room_id: str, company_id: str) -> Invitation:
+    async def invite_company(self, room_id: str, company_id: str, *, timeout: float | None = None) -> Invitation:
         """Invite a company into a room; it becomes a member when it accepts."""
         request = gateway_pb2.InviteCompanyRequest(room_id=room_id, company_id=company_id)
-        response: gateway_pb2.InviteCompanyResponse = await self._unary("InviteCompany", request)
+        response: gateway_pb2.InviteCompanyResponse = await self._unary(timeout, "InviteCompany", request)
         return response.invitation
 
     @rpc("ListInvitations")
     def invitations(
-        self, *, status: int | str = 0, sent: bool = False, page_size: int = 0
+        self, *, status: int | str = 0, sent: bool = False, page_size: int = 0, timeout: float | None = None
     ) -> AsyncIterator[Invitation]:
         """Invitations to your company (or, ``sent``, those it sent), oldest first: pending ones unless
         ``status`` says otherwise."""
         request = gateway_pb2.ListInvitationsRequest(
             status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status), sent=sent, page_size=page_size
         )
-        return self._paged("ListInvitations", request, lambda p: p.invitations)
+        return self._paged(timeout, "ListInvitations", request, lambda p: p.invitations)
 
     @rpc("AcceptInvitation")
-    async def accept_invitation(self, invitation_id: str) -> AcceptedInvitation:
+    async def accept_invitation(self, invitation_id: str, *, timeout: float | None = None) -> AcceptedInvitation:
         """Become a member of the invitation's room (accepting again answers the same)."""
         request = gateway_pb2.AcceptInvitationRequest(invitation_id=invitation_id)
-        response: AcceptedInvitation = await self._unary("AcceptInvitation", request)
+        response: AcceptedInvitation = await self._unary(timeout, "AcceptInvitation", request)
         return response
 
     @rpc("DeclineInvitation")
-    async def decline_invitation(self, invitation_id: str) -> Invitation:
+    async def decline_invitation(self, invitation_id: str, *, timeout: float | None = None) -> Invitation:
         """Refuse an invitation (declining again changes nothing)."""
         request = gateway_pb2.DeclineInvitationRequest(invitation_id=invitation_id)
-        response: gateway_pb2.DeclineInvitationResponse = await self._unary("DeclineInvitation", request)
+        response: gateway_pb2.DeclineInvitationResponse = await self._unary(timeout, "DeclineInvitation", request)
         return response.invitation
 
     @rpc("ListRoomInvitations")
@@ -254,14 +301,16 @@ class Client:
         return response.invitation
 
     @rpc("LeaveRoom")
-    async def leave_room(self, room_id: str) -> None:
+    async def leave_room(self, room_id: str, *, timeout: float | None = None) -> None:
         """End your company's membership at once."""
-        await self._unary("LeaveRoom", gateway_pb2.LeaveRoomRequest(room_id=room_id))
+        await self._unary(timeout, "LeaveRoom", gateway_pb2.LeaveRoomRequest(room_id=room_id))
 
     @rpc("RemoveMember")
-    async def remove_member(self, room_id: str, company_id: str) -> None:
+    async def remove_member(self, room_id: str, company_id: str, *, timeout: float | None = None) -> None:
         """End another company's membership (the room's creator only)."""
-        await self._unary("RemoveMember", gateway_pb2.RemoveMemberRequest(room_id=room_id, company_id=company_id))
+        await self._unary(
+            timeout, "RemoveMember", gateway_pb2.RemoveMemberRequest(room_id=room_id, company_id=company_id)
+        )
 
     # Agents.
 
@@ -275,6 +324,7 @@ class Client:
         provider_key: str = "",
         base_url: str = "",
         system_prompt: str = "",
+        timeout: float | None = None,
     ) -> Agent:
         """An always-on agent of your company; ``provider`` is "anthropic", "openai" or
         "openai_compatible" (with ``base_url``). The provider key is stored encrypted, never returned."""
@@ -286,15 +336,15 @@ class Client:
             base_url=base_url,
             system_prompt=system_prompt,
         )
-        response: gateway_pb2.RegisterAgentResponse = await self._unary("RegisterAgent", request)
+        response: gateway_pb2.RegisterAgentResponse = await self._unary(timeout, "RegisterAgent", request)
         return response.agent
 
     @rpc("ListAgents")
-    def agents(self, *, room_id: str = "", page_size: int = 0) -> AsyncIterator[Agent]:
+    def agents(self, *, room_id: str = "", page_size: int = 0, timeout: float | None = None) -> AsyncIterator[Agent]:
         """Your company's agents; with ``room_id``, the agents in that room (every member company's, another
         company's by id, name and company only)."""
         request = gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=page_size)
-        return self._paged("ListAgents", request, lambda p: p.agents)
+        return self._paged(timeout, "ListAgents", request, lambda p: p.agents)
 
     # Messages and tasks.
 
@@ -305,8 +355,9 @@ class Client:
         body: str,
         *,
         person: str,
-        mentions: Sequence[str] = (),
+        mentions: list[str] | tuple[str, ...] = (),
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> PostedMessage:
         """Post as ``person`` of your company, waking each agent in ``mentions`` (agent ids) once.
 
@@ -316,17 +367,19 @@ class Client:
             room_id=room_id,
             person=person,
             body=body,
-            mention_agent_ids=mentions,
+            mention_agent_ids=sequence_of_str(mentions, "mentions"),
             idempotency_key=idempotency_key or new_idempotency_key(),
         )
-        response: PostedMessage = await self._unary("PostMessage", request)
+        response: PostedMessage = await self._unary(timeout, "PostMessage", request)
         return response
 
     @rpc("ListMessages")
-    def messages(self, room_id: str, *, newest_first: bool = False, page_size: int = 0) -> AsyncIterator[Message]:
+    def messages(
+        self, room_id: str, *, newest_first: bool = False, page_size: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[Message]:
         """A room's messages, oldest first unless ``newest_first``."""
         request = gateway_pb2.ListMessagesRequest(room_id=room_id, newest_first=newest_first, page_size=page_size)
-        return self._paged("ListMessages", request, lambda p: p.messages)
+        return self._paged(timeout, "ListMessages", request, lambda p: p.messages)
 
     @rpc("SendTask")
     async def send_task(
@@ -338,6 +391,7 @@ class Client:
         person: str,
         body: str = "",
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> SentTask:
         """Send a task from ``person`` to an agent in the room, waking it once (safe to retry, as
         ``post_message``)."""
@@ -349,7 +403,7 @@ class Client:
             body=body,
             idempotency_key=idempotency_key or new_idempotency_key(),
         )
-        response: SentTask = await self._unary("SendTask", request)
+        response: SentTask = await self._unary(timeout, "SendTask", request)
         return response
 
     @rpc("UpdateTask")
@@ -362,6 +416,7 @@ class Client:
         note: str = "",
         status: int | str = 0,
         idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> Task:
         """Add a note to a task; ``status`` "done" or "cancelled" closes it (safe to retry)."""
         request = gateway_pb2.UpdateTaskRequest(
@@ -372,12 +427,18 @@ class Client:
             status=_enum(common_pb2.TaskStatus, "TASK_STATUS_", status),
             idempotency_key=idempotency_key or new_idempotency_key(),
         )
-        response: gateway_pb2.UpdateTaskResponse = await self._unary("UpdateTask", request)
+        response: gateway_pb2.UpdateTaskResponse = await self._unary(timeout, "UpdateTask", request)
         return response.task
 
     @rpc("ListTasks")
     def tasks(
-        self, room_id: str, *, to_agent_id: str = "", status: int | str = 0, page_size: int = 0
+        self,
+        room_id: str,
+        *,
+        to_agent_id: str = "",
+        status: int | str = 0,
+        page_size: int = 0,
+        timeout: float | None = None,
     ) -> AsyncIterator[Task]:
         """A room's tasks, optionally those of one agent or in one status."""
         request = gateway_pb2.ListTasksRequest(
@@ -386,46 +447,57 @@ class Client:
             status=_enum(common_pb2.TaskStatus, "TASK_STATUS_", status),
             page_size=page_size,
         )
-        return self._paged("ListTasks", request, lambda p: p.tasks)
+        return self._paged(timeout, "ListTasks", request, lambda p: p.tasks)
 
     @rpc("GetTask")
-    async def get_task(self, room_id: str, task_id: str) -> Task:
+    async def get_task(self, room_id: str, task_id: str, *, timeout: float | None = None) -> Task:
         """One task with its updates."""
         request = gateway_pb2.GetTaskRequest(room_id=room_id, task_id=task_id)
-        response: gateway_pb2.GetTaskResponse = await self._unary("GetTask", request)
+        response: gateway_pb2.GetTaskResponse = await self._unary(timeout, "GetTask", request)
         return response.task
 
     # Memory and files.
 
     @rpc("ListMemory")
-    def memory(self, room_id: str, *, query: str = "", page_size: int = 0) -> AsyncIterator[MemoryLine]:
+    def memory(
+        self, room_id: str, *, query: str = "", page_size: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[MemoryLine]:
         """Memory lines your company may read (room-wide and its own), optionally searched."""
         request = gateway_pb2.ListMemoryRequest(room_id=room_id, query=query, page_size=page_size)
-        return self._paged("ListMemory", request, lambda p: p.lines)
+        return self._paged(timeout, "ListMemory", request, lambda p: p.lines)
 
     @rpc("UploadFile")
     async def upload_file(
-        self, room_id: str, name: str, content: bytes | str, *, person: str, content_type: str = "text/plain"
+        self,
+        room_id: str,
+        name: str,
+        content: bytes | str,
+        *,
+        person: str,
+        content_type: str = "text/plain",
+        timeout: float | None = None,
     ) -> File:
         """Upload UTF-8 text (at most 10 MiB) into a room, searchable by passage."""
         data = content.encode("utf-8") if isinstance(content, str) else content
         request = gateway_pb2.UploadFileRequest(
             room_id=room_id, person=person, name=name, content_type=content_type, content=data
         )
-        response: gateway_pb2.UploadFileResponse = await self._unary("UploadFile", request)
+        response: gateway_pb2.UploadFileResponse = await self._unary(timeout, "UploadFile", request)
         return response.file
 
     @rpc("ListFiles")
-    def files(self, room_id: str, *, page_size: int = 0) -> AsyncIterator[File]:
+    def files(self, room_id: str, *, page_size: int = 0, timeout: float | None = None) -> AsyncIterator[File]:
         """A room's files (without their content)."""
         request = gateway_pb2.ListFilesRequest(room_id=room_id, page_size=page_size)
-        return self._paged("ListFiles", request, lambda p: p.files)
+        return self._paged(timeout, "ListFiles", request, lambda p: p.files)
 
     @rpc("SearchPassages")
-    async def search_passages(self, room_id: str, query: str, *, limit: int = 0) -> list[Passage]:
+    async def search_passages(
+        self, room_id: str, query: str, *, limit: int = 0, timeout: float | None = None
+    ) -> list[Passage]:
         """The passages of a room's files that best match ``query``."""
         request = gateway_pb2.SearchPassagesRequest(room_id=room_id, query=query, limit=limit)
-        response: gateway_pb2.SearchPassagesResponse = await self._unary("SearchPassages", request)
+        response: gateway_pb2.SearchPassagesResponse = await self._unary(timeout, "SearchPassages", request)
         return list(response.passages)
 
     # Runs, rights and approvals.
@@ -440,6 +512,7 @@ class Client:
         started_after: datetime | None = None,
         started_before: datetime | None = None,
         page_size: int = 0,
+        timeout: float | None = None,
     ) -> AsyncIterator[Run]:
         """Your agents' runs (or one agent's), newest first; optionally in one room, with one status
         ("failed"...), started at or after ``started_after`` and before ``started_before``."""
@@ -453,41 +526,45 @@ class Client:
             request.started_after.FromDatetime(started_after)
         if started_before is not None:
             request.started_before.FromDatetime(started_before)
-        return self._paged("ListRuns", request, lambda p: p.runs)
+        return self._paged(timeout, "ListRuns", request, lambda p: p.runs)
 
     @rpc("GetRun")
-    async def get_run(self, run_id: str) -> Run:
+    async def get_run(self, run_id: str, *, timeout: float | None = None) -> Run:
         """One run's ledger row: what it posted and wrote, each model request, its trace id."""
-        response: gateway_pb2.GetRunResponse = await self._unary("GetRun", gateway_pb2.GetRunRequest(run_id=run_id))
+        response: gateway_pb2.GetRunResponse = await self._unary(
+            timeout, "GetRun", gateway_pb2.GetRunRequest(run_id=run_id)
+        )
         return response.run
 
     @rpc("GetMessage")
-    async def get_message(self, room_id: str, message_id: str) -> Message:
+    async def get_message(self, room_id: str, message_id: str, *, timeout: float | None = None) -> Message:
         """One message of a room (an agent's reply carries the ``run_id`` that posted it)."""
         request = gateway_pb2.GetMessageRequest(room_id=room_id, message_id=message_id)
-        response: gateway_pb2.GetMessageResponse = await self._unary("GetMessage", request)
+        response: gateway_pb2.GetMessageResponse = await self._unary(timeout, "GetMessage", request)
         return response.message
 
     # Your company's API keys.
 
     @rpc("CreateApiKey")
-    async def create_api_key(self, label: str = "") -> MadeKey:
+    async def create_api_key(self, label: str = "", *, timeout: float | None = None) -> MadeKey:
         """A new API key of your company (call with a company key: a session key may not). Its
         ``secret`` is in this answer only; keep it."""
-        response: MadeKey = await self._unary("CreateApiKey", gateway_pb2.CreateApiKeyRequest(label=label))
+        response: MadeKey = await self._unary(timeout, "CreateApiKey", gateway_pb2.CreateApiKeyRequest(label=label))
         return response
 
     @rpc("ListApiKeys")
-    def api_keys(self, *, include_sessions: bool = False, page_size: int = 0) -> AsyncIterator[KeyInfo]:
+    def api_keys(
+        self, *, include_sessions: bool = False, page_size: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[KeyInfo]:
         """Your company's keys, oldest first (never a secret); its session keys too when asked."""
         request = gateway_pb2.ListApiKeysRequest(include_sessions=include_sessions, page_size=page_size)
-        return self._paged("ListApiKeys", request, lambda p: p.keys)
+        return self._paged(timeout, "ListApiKeys", request, lambda p: p.keys)
 
     @rpc("RevokeApiKey")
-    async def revoke_api_key(self, key_id: str) -> KeyInfo:
+    async def revoke_api_key(self, key_id: str, *, timeout: float | None = None) -> KeyInfo:
         """Revoke one of your company's keys at once (its session keys with it)."""
         request = gateway_pb2.RevokeApiKeyRequest(key_id=key_id)
-        response: gateway_pb2.RevokeApiKeyResponse = await self._unary("RevokeApiKey", request)
+        response: gateway_pb2.RevokeApiKeyResponse = await self._unary(timeout, "RevokeApiKey", request)
         return response.key
 
     @rpc("SetAgentRights")
@@ -501,6 +578,7 @@ class Client:
         close_task: int | str | None = None,
         cross_company_task: int | str | None = None,
         replace: bool = False,
+        timeout: float | None = None,
     ) -> AgentRights:
         """Set "auto", "hold" or "deny" per action for one agent, or for all (``agent_id`` empty).
 
@@ -519,31 +597,35 @@ class Client:
             if not given:
                 raise ValueError("name at least one right to set (or replace=True to clear them all)")
             request.update_mask.paths.extend(given)
-        response: gateway_pb2.SetAgentRightsResponse = await self._unary("SetAgentRights", request)
+        response: gateway_pb2.SetAgentRightsResponse = await self._unary(timeout, "SetAgentRights", request)
         return response.rights
 
     @rpc("GetAgentRights")
-    async def get_agent_rights(self, agent_id: str = "") -> RightsOfAgent:
+    async def get_agent_rights(self, agent_id: str = "", *, timeout: float | None = None) -> RightsOfAgent:
         """Stored and effective rights of your default (``agent_id`` empty) or of one agent."""
         response: RightsOfAgent = await self._unary(
-            "GetAgentRights", gateway_pb2.GetAgentRightsRequest(agent_id=agent_id)
+            timeout, "GetAgentRights", gateway_pb2.GetAgentRightsRequest(agent_id=agent_id)
         )
         return response
 
     @rpc("ListApprovals")
-    def approvals(self, *, status: int | str = 0, page_size: int = 0) -> AsyncIterator[Waitpoint]:
+    def approvals(
+        self, *, status: int | str = 0, page_size: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[Waitpoint]:
         """Your parked runs whose held actions await your decision (pending unless ``status``)."""
         request = gateway_pb2.ListApprovalsRequest(
             status=_enum(common_pb2.WaitpointStatus, "WAITPOINT_STATUS_", status), page_size=page_size
         )
-        return self._paged("ListApprovals", request, lambda p: p.waitpoints)
+        return self._paged(timeout, "ListApprovals", request, lambda p: p.waitpoints)
 
     @rpc("DecideApproval")
-    async def decide_approval(self, token: str, index: int, *, person: str, approve: bool) -> ApprovalDecision:
+    async def decide_approval(
+        self, token: str, index: int, *, person: str, approve: bool, timeout: float | None = None
+    ) -> ApprovalDecision:
         """Approve or deny one held action; the decision that completes a waitpoint continues its run
         once (deciding again the same way answers ``already_decided``)."""
         request = gateway_pb2.DecideApprovalRequest(token=token, index=index, person=person, approve=approve)
-        response: ApprovalDecision = await self._unary("DecideApproval", request)
+        response: ApprovalDecision = await self._unary(timeout, "DecideApproval", request)
         return response
 
     # Following a room.
@@ -552,6 +634,8 @@ class Client:
     def watch(self, room_id: str, *, after: int | None = None, idle_timeout: float = 60.0) -> RoomWatch:
         """A room's events, replayed after ``after`` (a cursor you kept; 0: from the oldest kept) and
         then live, as they happen; without ``after``, from now. See ``RoomWatch``."""
+        check_request("WatchRoom", gateway_pb2.WatchRoomRequest(room_id=room_id))
+        after = watch_cursor(after)
         return RoomWatch(self._transport, self.retry_policy, room_id, after=after, idle_timeout=idle_timeout)
 
     @rpc("WatchRooms")
@@ -559,29 +643,33 @@ class Client:
         """Every room of your company in one stream: the rooms ``after`` names (room id -> a cursor you
         kept) resumed after their cursors and the others from their joining; without ``after``, from now.
         ``watch.cursors`` is the map to keep. See ``RoomsWatch``."""
-        return RoomsWatch(self._transport, self.retry_policy, after=after, idle_timeout=idle_timeout)
+        return RoomsWatch(self._transport, self.retry_policy, after=watch_cursors(after), idle_timeout=idle_timeout)
 
     # Session keys.
 
     @rpc("CreateSessionKey")
-    async def create_session_key(self, ttl_seconds: int, *, label: str = "") -> SessionKey:
+    async def create_session_key(
+        self, ttl_seconds: int, *, label: str = "", timeout: float | None = None
+    ) -> SessionKey:
         """A short-lived key of your company (``ttl_seconds``: 60 to 604800) that works like this one
         until it expires or is ended (``end_session`` called with it); ``.secret`` is shown once. Call
         it with a company key. A repeat would make a second key, so after UNAVAILABLE or a deadline it
         is not sent again (only when refused before acting)."""
         request = gateway_pb2.CreateSessionKeyRequest(ttl_seconds=ttl_seconds, label=label)
-        response: SessionKey = await self._unary("CreateSessionKey", request)
+        response: SessionKey = await self._unary(timeout, "CreateSessionKey", request)
         return response
 
     @rpc("EndSession")
-    async def end_session(self) -> str:
+    async def end_session(self, *, timeout: float | None = None) -> str:
         """Revoke the session key this client calls with, at once (its open watches end with
         Unauthenticated); returns its key id. Retried like a read: when a retry is answered
         UNAUTHENTICATED, an earlier attempt ended the session, and the call returns as done.
         FailedPrecondition when this client's key is a company key (revoke those with ``quayutec keys
         revoke``)."""
         try:
-            response: gateway_pb2.EndSessionResponse = await self._unary("EndSession", gateway_pb2.EndSessionRequest())
+            response: gateway_pb2.EndSessionResponse = await self._unary(
+                timeout, "EndSession", gateway_pb2.EndSessionRequest()
+            )
         except Unauthenticated as exc:
             if exc.attempts > 1 and self._transport.key_id:
                 return self._transport.key_id  # the session was ended by an attempt whose answer was lost

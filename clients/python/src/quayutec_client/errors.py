@@ -17,7 +17,14 @@ NEWEST_CURSOR = "quayutec-newest-cursor"
 
 class QuayutecError(Exception):
     """A Gateway call that failed: ``code`` is the gRPC status code, ``message`` the Gateway's text,
-    ``method`` the RPC, ``attempts`` how many times it was sent (retries included)."""
+    ``method`` the RPC, ``attempts`` how many times it was tried (retries included), ``request_id`` and
+    ``trace_id`` what identifies the call."""
+
+    # The id the client sent as ``x-request-id`` on every attempt of the call (or every stream of the
+    # watch), and the trace id of the ``traceparent`` it sent ("" when OpenTelemetry sent none): quote
+    # them when you ask about a call.
+    request_id: str = ""
+    trace_id: str = ""
 
     def __init__(self, code: grpc.StatusCode, message: str, *, method: str = "", attempts: int = 1) -> None:
         super().__init__(f"{method + ': ' if method else ''}{code.name}: {message}")
@@ -109,6 +116,18 @@ class Cancelled(QuayutecError):
     """The call was cancelled."""
 
 
+class Closed(Cancelled):
+    """The client was closed (``await client.close()``) while the call or watch was under way, or
+    before it began: nothing more is sent on it."""
+
+
+class ConnectionFailed(Unavailable):
+    """The Gateway was reached but no gRPC connection could be made with it, so retrying cannot help:
+    a TLS handshake that failed (TLS to a plaintext port, an untrusted certificate, a certificate that
+    does not name the address), or a Gateway that closes every connection before speaking gRPC (often
+    plaintext to a TLS port). The message says which and what to check."""
+
+
 class Internal(QuayutecError):
     """The Gateway failed; the message says no more, by design."""
 
@@ -151,6 +170,26 @@ def advised_wait(trailing_metadata: Iterable[tuple[str, Any]] | None) -> float |
     whole number of milliseconds."""
     ms = _whole_number(_trailer(trailing_metadata, RETRY_AFTER_MS))
     return None if ms is None else ms / 1000.0
+
+
+# The start of a gRPC status that says the call never reached a Gateway: no connection could be made.
+_NOT_CONNECTED = "failed to connect to all addresses"
+_TLS_SIGNS = ("tls handshake", "ssl", "certificate", "hostname verification")
+
+
+def connection_failure(exc: grpc.aio.AioRpcError) -> str | None:
+    """Why a call was never sent, from its status: "tls" (a TLS handshake failed), "closed" (the
+    connection closed before gRPC began), "unreachable" (refused, unroutable, no such host); None when
+    it may have been sent."""
+    details = exc.details() or ""
+    if exc.code() != grpc.StatusCode.UNAVAILABLE or not details.startswith(_NOT_CONNECTED):
+        return None
+    lowered = details.lower()
+    if any(sign in lowered for sign in _TLS_SIGNS):
+        return "tls"
+    if lowered.endswith("socket closed"):
+        return "closed"
+    return "unreachable"
 
 
 def error_for(exc: grpc.aio.AioRpcError, *, method: str, attempts: int) -> QuayutecError:

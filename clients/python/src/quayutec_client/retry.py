@@ -4,7 +4,7 @@ exponential backoff and jitter, honouring the wait the Gateway advises."""
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -27,6 +27,11 @@ class RetryPolicy:
     ``min(max_backoff, initial_backoff * multiplier ** (n - 1))``, or the Gateway's advised wait
     (``retry-after-ms``) plus up to a fifth of it when that is longer. An advised wait longer than
     ``max_advised_wait``, or than the time left, is not waited for: the call fails with RateLimited.
+
+    An attempt that found no connection to the Gateway (it is down, restarting, unreachable) was never
+    sent: it does not use up ``max_attempts``, only ``total_timeout``, so by default a call or a watch
+    rides out a minute of Gateway downtime (once the Gateway is back, the next try comes within
+    ``max_backoff``). With ``max_attempts=1`` nothing is tried again.
     """
 
     max_attempts: int = 6
@@ -47,6 +52,14 @@ class RetryPolicy:
             raise ValueError("multiplier must be at least 1")
         if self.initial_backoff > self.max_backoff:
             raise ValueError("initial_backoff must not exceed max_backoff")
+
+    def within(self, timeout: float | None) -> RetryPolicy:
+        """This policy bounded by one call's ``timeout`` (seconds) instead of ``total_timeout``."""
+        if timeout is None:
+            return self
+        if not timeout > 0:
+            raise ValueError("timeout must be positive (seconds)")
+        return replace(self, total_timeout=timeout, attempt_timeout=min(self.attempt_timeout, timeout))
 
     def wait_before(self, retry: int, advised: float | None, rng: random.Random) -> float:
         """Seconds to wait before retry number ``retry`` (1 for the first retry)."""

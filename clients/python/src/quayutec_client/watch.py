@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
@@ -16,8 +17,8 @@ from typing import Any, Self
 import grpc
 
 from quayutec_client._proto import common_pb2, gateway_pb2
-from quayutec_client._transport import Transport
-from quayutec_client.errors import QuayutecError, Unavailable, error_for
+from quayutec_client._transport import Transport, identified
+from quayutec_client.errors import QuayutecError, Unavailable, connection_failure
 from quayutec_client.retry import RetryPolicy
 
 _log = logging.getLogger("quayutec_client")
@@ -34,6 +35,8 @@ class _ResumingStream:
         if idle_timeout <= 0:
             raise ValueError("idle_timeout must be positive")
         self.reconnects = 0
+        # Sent as x-request-id on every stream of this watch, and in its errors.
+        self.request_id = uuid.uuid4().hex
         self._transport = transport
         self._policy = policy
         self._idle_timeout = idle_timeout
@@ -57,8 +60,15 @@ class _ResumingStream:
         while not self._pending:
             if self._closed:
                 raise StopAsyncIteration
-            await self._receive()
+            await self._identified_receive()
         return self._pending.popleft()
+
+    async def _identified_receive(self) -> None:
+        try:
+            await self._receive()
+        except QuayutecError as error:
+            identified(error, self.request_id, self._transport.metadata())
+            raise
 
     async def close(self) -> None:
         """Stop watching; the iteration ends."""
@@ -69,7 +79,7 @@ class _ResumingStream:
         """Opens the stream and waits for its first answer, so that a watch from now sees everything
         that happens once the block has begun."""
         if self._call is None and not self._pending:
-            await self._receive()
+            await self._identified_receive()
         return self
 
     async def __aexit__(
@@ -83,44 +93,59 @@ class _ResumingStream:
             self._call = None
 
     async def _receive(self) -> None:
-        """Read the next answer into the pending items, reconnecting as the policy allows."""
-        started = self._transport.clock()
-        failures = 0
+        """Read the next answer into the pending items, reconnecting as the policy allows. Closed when
+        the client is closed under it."""
+        transport = self._transport
+        started = transport.clock()
+        failures = tries = closed_early = 0
         while not self._closed:
+            if transport.closed:
+                raise transport.closed_error(self._method, failures)
             if self._call is None:
                 self._call = self._open()
             error: QuayutecError
+            tries += 1
+            was_sent = True
             try:
                 response: Any = await asyncio.wait_for(self._call.read(), self._idle_timeout)
             except grpc.aio.AioRpcError as exc:
                 self._call = None
-                failures += 1
-                error = error_for(exc, method=self._method, attempts=failures)
+                if transport.closed:
+                    raise transport.closed_error(self._method, failures) from exc
+                error, was_sent = transport.failure(exc, self._method, tries, closed_early)
+                closed_early = 0 if was_sent or connection_failure(exc) != "closed" else closed_early + 1
             except TimeoutError:
                 self._drop()
-                failures += 1
                 error = Unavailable(
                     grpc.StatusCode.UNAVAILABLE,
                     f"nothing, not even a heartbeat, for {self._idle_timeout:g} s",
                     method=self._method,
-                    attempts=failures,
+                    attempts=tries,
                 )
+            except asyncio.CancelledError:
+                self._call = None
+                task = asyncio.current_task()
+                if transport.closed and not (task is not None and task.cancelling()):
+                    raise transport.closed_error(self._method, failures) from None
+                raise
             else:
                 if response is grpc.aio.EOF:  # ended without a status: the Gateway went away
                     self._call = None
-                    failures += 1
+                    if transport.closed:
+                        raise transport.closed_error(self._method, failures)
                     error = Unavailable(
-                        grpc.StatusCode.UNAVAILABLE, "the stream ended", method=self._method, attempts=failures
+                        grpc.StatusCode.UNAVAILABLE, "the stream ended", method=self._method, attempts=tries
                     )
                 else:
                     self._take(response)
                     return
-            wait = self._transport.retry_wait(self._policy, error, failures, started)
+            failures += was_sent
+            wait = transport.retry_wait(self._policy, error, failures if was_sent else 0, started, retry=tries)
             if wait is None:
                 raise error
             self.reconnects += 1
             _log.info("%s resumes %s", self._method, self._resumes_after())
-            await self._transport.sleep(wait)
+            await transport.pause(wait, self._method, failures)
 
 
 class RoomWatch(_ResumingStream):
@@ -161,7 +186,7 @@ class RoomWatch(_ResumingStream):
         request = gateway_pb2.WatchRoomRequest(room_id=self.room_id)
         if self.cursor is not None:
             request.after = self.cursor
-        return self._transport.stream("WatchRoom", request)
+        return self._transport.stream("WatchRoom", request, self.request_id)
 
     def _resumes_after(self) -> str:
         return f"of room {self.room_id} after cursor {self.cursor}"
@@ -246,7 +271,7 @@ class RoomsWatch(_ResumingStream):
             after=[gateway_pb2.RoomCursor(room_id=room, cursor=cursor) for room, cursor in self._received.items()],
             unnamed_from_joining=self._from_joining,
         )
-        return self._transport.stream("WatchRooms", request)
+        return self._transport.stream("WatchRooms", request, self.request_id)
 
     def _resumes_after(self) -> str:
         return f"after the cursors of {len(self._received)} rooms"
