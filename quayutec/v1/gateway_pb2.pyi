@@ -1937,3 +1937,168 @@ class RevokeApiKeyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeApiKeyResponse: _TypeAlias = RevokeApiKeyResponse  # noqa: Y015
+
+@_typing.final
+class SignInProvider(_message.Message):
+    """SignInProvider is a company's OpenID Connect provider as listed: never its client secret."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ISSUER_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    EMAIL_DOMAINS_FIELD_NUMBER: _builtins.int
+    ALLOW_API_KEY_SIGN_IN_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    issuer: _builtins.str
+    """The issuer URL exactly as its ID tokens name it (e.g. https://login.acme.example/realms/acme)."""
+    client_id: _builtins.str
+    """The console's client id at the provider."""
+    allow_api_key_sign_in: _builtins.bool
+    """The console's sign-in with an API key stays on for this company (for development)."""
+    @_builtins.property
+    def email_domains(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """People may sign in only with an email of these domains (none: any email the provider vouches for)."""
+
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        issuer: _builtins.str = ...,
+        client_id: _builtins.str = ...,
+        email_domains: _abc.Iterable[_builtins.str] | None = ...,
+        allow_api_key_sign_in: _builtins.bool = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_api_key_sign_in", b"allow_api_key_sign_in", "client_id", b"client_id", "email_domains", b"email_domains", "issuer", b"issuer", "updated_at", b"updated_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignInProvider: _TypeAlias = SignInProvider  # noqa: Y015
+
+@_typing.final
+class SetSignInProviderRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ISSUER_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_SECRET_FIELD_NUMBER: _builtins.int
+    EMAIL_DOMAINS_FIELD_NUMBER: _builtins.int
+    ALLOW_API_KEY_SIGN_IN_FIELD_NUMBER: _builtins.int
+    issuer: _builtins.str
+    client_id: _builtins.str
+    client_secret: _builtins.str
+    """Kept encrypted at rest, used only to redeem sign-in codes at the issuer; never returned."""
+    allow_api_key_sign_in: _builtins.bool
+    @_builtins.property
+    def email_domains(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        issuer: _builtins.str = ...,
+        client_id: _builtins.str = ...,
+        client_secret: _builtins.str = ...,
+        email_domains: _abc.Iterable[_builtins.str] | None = ...,
+        allow_api_key_sign_in: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_api_key_sign_in", b"allow_api_key_sign_in", "client_id", b"client_id", "client_secret", b"client_secret", "email_domains", b"email_domains", "issuer", b"issuer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetSignInProviderRequest: _TypeAlias = SetSignInProviderRequest  # noqa: Y015
+
+@_typing.final
+class SetSignInProviderResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROVIDER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def provider(self) -> Global___SignInProvider: ...
+    def __init__(
+        self,
+        *,
+        provider: Global___SignInProvider | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provider", b"provider"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["provider", b"provider"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetSignInProviderResponse: _TypeAlias = SetSignInProviderResponse  # noqa: Y015
+
+@_typing.final
+class GetSignInProviderRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSignInProviderRequest: _TypeAlias = GetSignInProviderRequest  # noqa: Y015
+
+@_typing.final
+class GetSignInProviderResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    PROVIDER_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    @_builtins.property
+    def provider(self) -> Global___SignInProvider: ...
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        provider: Global___SignInProvider | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provider", b"provider"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "provider", b"provider"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSignInProviderResponse: _TypeAlias = GetSignInProviderResponse  # noqa: Y015
+
+@_typing.final
+class RemoveSignInProviderRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveSignInProviderRequest: _TypeAlias = RemoveSignInProviderRequest  # noqa: Y015
+
+@_typing.final
+class RemoveSignInProviderResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMOVED_FIELD_NUMBER: _builtins.int
+    removed: _builtins.bool
+    def __init__(
+        self,
+        *,
+        removed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["removed", b"removed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveSignInProviderResponse: _TypeAlias = RemoveSignInProviderResponse  # noqa: Y015

@@ -18,13 +18,16 @@ from urllib.parse import urlsplit
 
 import grpc
 
+from quayutec.crypto import MultiFernet
 from quayutec.errors import InvalidArgument, NotFound, status_for, trailers_of
 from quayutec.ratelog import RateLimitedLog
 from quayutec.telemetry import annotate
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
 from services.gateway.auth import CallerContext
 from services.gateway.keys import KeyRpcs
+from services.gateway.oidc import OidcClient
 from services.gateway.ratelimit import PostRateLimiter
+from services.gateway.signin import SignInProviderRpcs
 from services.gateway.store import ApiKeyStore
 from services.gateway.watch import RoomEventHub
 
@@ -115,7 +118,7 @@ def _check_enum(enum: Any, value: int, field: str) -> None:
         raise InvalidArgument(f"{field} has unknown value {value}")
 
 
-class GatewayServicer(KeyRpcs):
+class GatewayServicer(KeyRpcs, SignInProviderRpcs):
     """The public API over the Room, scoped to the calling company."""
 
     def __init__(
@@ -129,8 +132,12 @@ class GatewayServicer(KeyRpcs):
         keys: ApiKeyStore | None = None,
         max_session_keys: int = 1000,
         max_api_keys: int = 100,
+        cipher: MultiFernet | None = None,
+        oidc: OidcClient | None = None,
     ) -> None:
         self._room = room
+        self._cipher = cipher
+        self._oidc = oidc
         self._caller = caller
         self._limiter = limiter
         self._timeout = room_timeout_seconds
