@@ -581,7 +581,10 @@ class PostMessageRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     person: _builtins.str
-    """The person of the caller's company who writes."""
+    """The person of the caller's company who writes. With a session key of a sign-in through the
+    company's provider, the verified person writes: leave it empty or send that name (another name is
+    PERMISSION_DENIED). With a company API key, the name is recorded as stated by the company's service.
+    """
     body: _builtins.str
     idempotency_key: _builtins.str
     """Optional; a retried call with the same key posts once."""
@@ -1438,7 +1441,9 @@ class DecideApprovalRequest(_message.Message):
     token: _builtins.str
     index: _builtins.int
     person: _builtins.str
-    """The person of the caller's company who decides."""
+    """The person of the caller's company who decides (as for PostMessageRequest.person: a verified
+    sign-in decides only as its own person).
+    """
     approve: _builtins.bool
     def __init__(
         self,

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import grpc
 
 from quayutec.crypto import MultiFernet
-from quayutec.errors import InvalidArgument, NotFound, status_for, trailers_of
+from quayutec.errors import InvalidArgument, NotFound, PermissionDenied, status_for, trailers_of
 from quayutec.ratelog import RateLimitedLog
 from quayutec.telemetry import annotate
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
@@ -152,8 +152,24 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
 
     def _person(self, company_id: str, person: str) -> common_pb2.Author:
         """The caller's person as an author; a company acts only through its own people."""
-        name = _required_text(person, "person", MAX_NAME_BYTES).strip()
-        return common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=company_id, person=name)
+        name, verified_by = self._person_name(person)
+        return common_pb2.Author(
+            kind=common_pb2.AUTHOR_KIND_PERSON, company_id=company_id, person=name, verified_by=verified_by
+        )
+
+    def _person_name(self, person: str) -> tuple[str, str]:
+        """Who acts, and the issuer that verified them ("" when the calling company's service states the
+        name). A sign-in through the company's provider acts only as the person it verified."""
+        verified = self._caller.caller().person
+        if verified is None:
+            return _required_text(person, "person", MAX_NAME_BYTES).strip(), ""
+        stated = person.strip()
+        if stated and stated != verified.name:
+            raise PermissionDenied(
+                f"this sign-in is {verified.name}'s, verified by {verified.issuer}: it cannot act as "
+                f"{stated[:100]!r} (leave person empty, or send {verified.name!r})"
+            )
+        return verified.name, verified.issuer
 
     @staticmethod
     def _room_not_found(room_id: str) -> NotFound:
@@ -850,7 +866,7 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
             raise InvalidArgument("token is required")
         if request.index < 0:
             raise InvalidArgument(f"index must be 0 or more, got {request.index}")
-        person = _required_text(request.person, "person", MAX_NAME_BYTES).strip()
+        person, verified_by = self._person_name(request.person)
         not_found = NotFound(f"approval {request.token[:64]!r} (index {request.index}) not found")
         if not _is_uuid(request.token):
             raise not_found
@@ -861,6 +877,7 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
                     index=request.index,
                     company_id=company_id,
                     decided_by=person,
+                    decided_by_verified_by=verified_by,
                     approve=request.approve,
                 ),
                 timeout=self._timeout,

@@ -4,6 +4,7 @@ loopback, the Gateway redeeming its codes and checking its ID tokens, and each w
 from __future__ import annotations
 
 import secrets
+import uuid
 from collections.abc import AsyncIterator
 from urllib.parse import parse_qs, urlencode, urlsplit
 
@@ -13,7 +14,7 @@ from authlib.oauth2.rfc7636 import create_s256_code_challenge
 
 from quayutec.v1 import gateway_pb2, signin_pb2, signin_pb2_grpc
 from tests.gateway.conftest import NOWHERE
-from tests.gateway.helpers import GatewayStub, expect_error
+from tests.gateway.helpers import GatewayStub, create_room, expect_error
 from tests.harness.gateway import CompanyKey, authed_gateway, running_gateway
 from tests.harness.oidc import RunningProvider, authorize, running_provider
 
@@ -178,3 +179,36 @@ async def test_a_faulty_provider_is_refused(
         await set_provider(acme_gw, provider)
         code, kept = await code_for(signin, "Acme", "ana@acme.test")
         await expect_error(DENIED, complete(signin, code, kept), says)
+
+
+async def test_a_verified_person_acts_only_as_themselves(
+    gateway_addr: str, signin: signin_pb2_grpc.SignInServiceStub, acme_gw: GatewayStub
+) -> None:
+    room = await create_room(acme_gw, "verified")
+    async with running_provider([REDIRECT], names={"ana@acme.test": "Ana Lima"}) as provider:
+        await set_provider(acme_gw, provider, "acme.test")
+        code, kept = await code_for(signin, "ana@acme.test", "ana@acme.test")
+        done = await complete(signin, code, kept)
+    async with authed_gateway(gateway_addr, done.secret) as ana:
+        # Another name is refused, for a post, a task and a decision alike.
+        post = gateway_pb2.PostMessageRequest(room_id=room.room_id, person="Bob", body="as Bob")
+        await expect_error(DENIED, ana.PostMessage(post, timeout=10), "this sign-in is Ana Lima's")
+        decide = gateway_pb2.DecideApprovalRequest(token=str(uuid.uuid4()), index=0, person="Bob", approve=True)
+        await expect_error(DENIED, ana.DecideApproval(decide, timeout=10), "cannot act as 'Bob'")
+        # No name, or the verified one: recorded as Ana, verified by the provider.
+        for person in ("", "Ana Lima"):
+            sent = await ana.PostMessage(
+                gateway_pb2.PostMessageRequest(room_id=room.room_id, person=person, body="hello"), timeout=10
+            )
+            assert (sent.message.author.person, sent.message.author.verified_by) == ("Ana Lima", provider.issuer)
+    # The company's service names whom it likes: recorded as stated (no verifier).
+    stated = await acme_gw.PostMessage(
+        gateway_pb2.PostMessageRequest(room_id=room.room_id, person="Bob", body="from the service"), timeout=10
+    )
+    assert (stated.message.author.person, stated.message.author.verified_by) == ("Bob", "")
+    listed = await acme_gw.ListMessages(gateway_pb2.ListMessagesRequest(room_id=room.room_id), timeout=10)
+    assert [(m.author.person, m.author.verified_by) for m in listed.messages] == [
+        ("Ana Lima", provider.issuer),
+        ("Ana Lima", provider.issuer),
+        ("Bob", ""),
+    ]
