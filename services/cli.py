@@ -557,6 +557,51 @@ async def cmd_agent_register(opts: argparse.Namespace) -> int:
     return 0
 
 
+CLIENT_SECRET_ENV = "QUAYUTEC_SIGNIN_CLIENT_SECRET"
+
+
+def _format_provider(provider: gateway_pb2.SignInProvider) -> str:
+    domains = ", ".join(provider.email_domains) or "any (the provider decides)"
+    api_keys = "on (development)" if provider.allow_api_key_sign_in else "off"
+    return (
+        f"issuer {provider.issuer}\nclient id {provider.client_id}\nemail domains {domains}\nAPI-key sign-in {api_keys}"
+    )
+
+
+async def cmd_signin_set(opts: argparse.Namespace) -> int:
+    secret = os.environ.get(CLIENT_SECRET_ENV, "").strip()
+    if not secret:
+        raise SystemExit(
+            f"set {CLIENT_SECRET_ENV} to the console's client secret at the provider (kept off the command line)"
+        )
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).SetSignInProvider(
+            gateway_pb2.SetSignInProviderRequest(
+                issuer=opts.issuer,
+                client_id=opts.client_id,
+                client_secret=secret,
+                email_domains=opts.domain or [],
+                allow_api_key_sign_in=opts.allow_api_key_sign_in,
+            )
+        )
+    print(_format_provider(got.provider))
+    return 0
+
+
+async def cmd_signin_show(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).GetSignInProvider(gateway_pb2.GetSignInProviderRequest())
+    print(_format_provider(got.provider) if got.found else "no sign-in provider: people sign in with an API key")
+    return 0
+
+
+async def cmd_signin_remove(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).RemoveSignInProvider(gateway_pb2.RemoveSignInProviderRequest())
+    print("removed; its sign-ins are ended" if got.removed else "there was no sign-in provider")
+    return 0
+
+
 async def cmd_messages(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         got = await _client(channel).ListMessages(
@@ -931,6 +976,23 @@ def parser() -> argparse.ArgumentParser:
     )
     rg.add_argument("--agent", metavar="AGENT_ID", help="this agent's effective rights")
     rg.set_defaults(handler=cmd_rights_show)
+    si = sub.add_parser(
+        "sign-in", help="the OpenID Connect provider your people sign in to the console with"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    ss = si.add_parser(
+        "set", help=f"register or replace it (client secret from {CLIENT_SECRET_ENV}); API-key sign-in goes off"
+    )
+    ss.add_argument("--issuer", required=True, help="the issuer URL exactly as its ID tokens name it")
+    ss.add_argument("--client-id", required=True, help="the console's client id at the provider")
+    ss.add_argument("--domain", action="append", help="an email domain whose people may sign in (repeat it; none: any)")
+    ss.add_argument(
+        "--allow-api-key-sign-in", action="store_true", help="keep the console's API-key sign-in on (development)"
+    )
+    ss.set_defaults(handler=cmd_signin_set)
+    si.add_parser("show", help="the provider now set (never its secret)").set_defaults(handler=cmd_signin_show)
+    si.add_parser("remove", help="remove it: its sign-ins end, API-key sign-in is on again").set_defaults(
+        handler=cmd_signin_remove
+    )
     ap = sub.add_parser("approvals", help="held actions waiting for your decision")
     _limit(ap, 50)
     _json(ap)

@@ -17,6 +17,7 @@ from tests.gateway.conftest import NOWHERE
 from tests.gateway.helpers import GatewayStub, create_room, expect_error
 from tests.harness.gateway import CompanyKey, authed_gateway, running_gateway
 from tests.harness.oidc import RunningProvider, authorize, running_provider
+from tests.test_cli import client_env, quayutec, succeeding
 
 # The provider sends the browser back here; nothing is dialled (the test reads the redirect).
 REDIRECT = "http://127.0.0.1:9/signin/callback"
@@ -212,3 +213,31 @@ async def test_a_verified_person_acts_only_as_themselves(
         ("Ana Lima", provider.issuer),
         ("Bob", ""),
     ]
+
+
+async def test_the_provider_is_set_from_the_command_line(
+    database_url: str, room_addr: str, gateway_addr: str, acme: CompanyKey
+) -> None:
+    env = {**client_env(database_url, room_addr, gateway_addr), "QUAYUTEC_API_KEY": acme.secret}
+    async with running_provider([REDIRECT]) as provider:
+        args = ("sign-in", "set", "--issuer", provider.issuer, "--client-id", provider.client_id)
+        no_secret = await quayutec(*args, env=env)
+        assert no_secret.returncode != 0 and "QUAYUTEC_SIGNIN_CLIENT_SECRET" in no_secret.stderr
+        ok = succeeding({**env, "QUAYUTEC_SIGNIN_CLIENT_SECRET": provider.client_secret})
+        said = await ok(*args, "--domain", "acme.test", "--domain", "@Acme.example")
+        assert said.splitlines() == [
+            f"issuer {provider.issuer}",
+            f"client id {provider.client_id}",
+            "email domains acme.test, acme.example",
+            "API-key sign-in off",
+        ]
+        assert (await ok("sign-in", "show")) == said
+        assert provider.client_secret not in said
+        unreadable = await quayutec(
+            "sign-in", "set", "--issuer", "http://127.0.0.1:9", "--client-id", "x",
+            env={**env, "QUAYUTEC_SIGNIN_CLIENT_SECRET": "s"},
+        )  # fmt: skip
+        assert unreadable.returncode != 0
+        assert "FAILED_PRECONDITION" in unreadable.stderr, unreadable.stderr
+        assert (await ok("sign-in", "remove")).strip() == "removed; its sign-ins are ended"
+        assert "no sign-in provider" in await ok("sign-in", "show")
