@@ -157,7 +157,8 @@ class GatewayConfig:
     a2a_url: str = ""
     # Longest wait of a blocking A2A SendMessage.
     a2a_block_seconds: float = 30.0
-    # The cipher of sign-in providers' client secrets (the one of agents' provider keys: quayutec.crypto).
+    # The cipher of sign-in providers' client secrets: Fernet, as agents' provider keys in the Room
+    # (quayutec.crypto), under a key of the Gateway's own, so the public door never holds the Room's.
     cipher: MultiFernet = field(default_factory=lambda: MultiFernet([Fernet(Fernet.generate_key())]), repr=False)
     # Where calls to companies' OpenID providers may go (the Runtime's allow-list, QUAYUTEC_RUNTIME_EGRESS_ALLOW).
     egress: EgressPolicy = field(default_factory=EgressPolicy)
@@ -241,6 +242,8 @@ class GatewayConfig:
             max_api_keys=env_int(env, setting(f"{p}MAX_API_KEYS"), minimum=1),
             a2a_url=env_str(env, setting(f"{p}A2A_URL")).strip(),
             a2a_block_seconds=env_float(env, setting(f"{p}A2A_BLOCK_SECONDS"), minimum=0.0),
-            cipher=load_fernet(env, database.data_dir),
+            cipher=load_fernet(
+                env, database.data_dir, variable=setting(f"{p}ENCRYPTION_KEY").name, file_name="gateway-encryption.key"
+            ),
             egress=EgressPolicy.from_env(env),
         )

@@ -107,7 +107,7 @@ async def test_a_person_signs_in_posts_approves_and_signs_out(
             await use_provider(s, provider, "acme.test")
             page = await (await s.browser.new_context()).new_page()
             await page.goto(f"{s.base}/signin")
-            await shots.take(page, "signin")
+            await shots.both(page, "console-signin-provider")
             await start(page, s.base, ANA, provider)
             await at_provider(page, ANA)
             await expect(page).to_have_url(f"{s.base}/rooms")
@@ -142,7 +142,7 @@ async def test_a_person_signs_in_posts_approves_and_signs_out(
             first = page.locator("ol.held > li").nth(0)
             await expect(first).to_contain_text("approved by Ana Lima")
             await expect(first).to_contain_text("verified by 127.0.0.1")
-            await shots.take(page, "approval-verified")
+            await shots.both(page, "console-decision-verified")
             await page.locator("ol.held > li").nth(1).get_by_role("button", name="Deny").click()
             await expect(page.locator("p.notice")).to_contain_text("The run continues")
 
