@@ -29,6 +29,7 @@ from quayutec.errors import (
 from quayutec.v1 import gateway_pb2, gateway_pb2_grpc, room_pb2, signin_pb2, signin_pb2_grpc
 from services.gateway.auth import SESSION_TTL_SECONDS, CallerContext, hash_secret, new_secret
 from services.gateway.oidc import IssuerUnreachable, OidcClient, SignInRefused, issuer_host
+from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.store import ApiKeyStore, ProviderRow
 
 MAX_FIELD_BYTES = 1000
@@ -146,11 +147,22 @@ class SignInProviderRpcs(gateway_pb2_grpc.GatewayServiceServicer):
 class SignInServicer(signin_pb2_grpc.SignInServiceServicer):
     """FindSignInProvider and CompleteSignIn: served without an API key."""
 
-    def __init__(self, keys: ApiKeyStore, cipher: MultiFernet, oidc: OidcClient, *, max_session_keys: int) -> None:
+    def __init__(
+        self,
+        keys: ApiKeyStore,
+        cipher: MultiFernet,
+        oidc: OidcClient,
+        *,
+        max_session_keys: int,
+        limiter: PostRateLimiter | None = None,
+    ) -> None:
         self._keys = keys
         self._cipher = cipher
         self._oidc = oidc
         self._most = max_session_keys
+        # Anyone may call CompleteSignIn, and each call reaches the company's provider: the company's
+        # rate limit (the one of its posts) bounds how often.
+        self._limiter = limiter
 
     async def FindSignInProvider(
         self, request: signin_pb2.FindSignInProviderRequest, context: Any
@@ -196,6 +208,8 @@ class SignInServicer(signin_pb2_grpc.SignInServiceServicer):
         row = await self._keys.sign_in_provider(company)
         if row is None:
             raise NotFound("this company has no sign-in provider (it was removed): sign in again")
+        if self._limiter is not None:
+            self._limiter.take(row.company_id)
         try:
             secret = self._cipher.decrypt(row.client_secret_sealed).decode("utf-8")
         except InvalidToken:
