@@ -85,7 +85,13 @@ async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path)
     assert "the killed run stays running at its last step; nothing posted, not redone" in out
     assert "task 'Write launch copy': TASK_STATUS_DONE" in out
     assert "memory Acme can read: ['Launch is on Friday']" in out
-    assert "planner replies: 2 for 3 wakes" in out
+    assert "planner replies: 3 for 4 wakes" in out
+    # A held action, decided by a person; the run continued once and wrote it.
+    assert re.search(r"action #0 remember .*Venue: the harbour hall.* waits for Acme", out), out
+    assert "approved by ana (as stated by Acme's service" in out
+    memory = next(line for line in out.splitlines() if "memory Acme can read now:" in line)
+    assert "'Launch is on Friday'" in memory and "'Venue: the harbour hall'" in memory
+    assert re.search(r"#\d+ planner \(Acme-\w+\): Noting the venue", out), out
     assert "sk-ant-demo" not in out and "sk-openai-demo" not in out
     # The console's address and the demo's keys, for a person to look.
     assert re.search(r"console  http://127\.0\.0\.1:\d+", out), out
