@@ -136,6 +136,12 @@ async def run(request: Request) -> Response:
         got = await s.call("GetRun", gateway_pb2.GetRunRequest(run_id=run_id))
     r: common_pb2.Run = got.run
     approval = got.approval if got.HasField("approval") else None
+    reply = ""
+    if r.posted_message_id:  # the reply's own words, not only a link to them
+        posted = await s.call(
+            "GetMessage", gateway_pb2.GetMessageRequest(room_id=r.room_id, message_id=r.posted_message_id)
+        )
+        reply = posted.message.body
     return page(
         request,
         "run.html",
@@ -153,6 +159,7 @@ async def run(request: Request) -> Response:
             "wake_message": r.wake_source_id if r.wake_kind == common_pb2.WAKE_KIND_MESSAGE else "",
             "trace_links": trace_links(request.app.state.config.jaeger_url, r),
             "cursor": cursor,
+            "reply": reply,
         },
     )
 

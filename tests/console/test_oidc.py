@@ -148,6 +148,7 @@ async def test_a_person_signs_in_posts_approves_and_signs_out(
             runs = await s.acme.ListRuns(gateway_pb2.ListRunsRequest(agent_id=planner.agent_id), timeout=10)
             await page.goto(f"{s.base}/runs/{runs.runs[0].run_id}")
             await expect(page.locator("main")).to_contain_text("approved by Ana Lima, verified by 127.0.0.1")
+            await expect(page.locator("#reply-text")).to_have_text("Plan noted.")  # the reply's words
 
             # The record, read from the API with the company key: the verified person, and by whom.
             listed = await s.acme.ListMessages(gateway_pb2.ListMessagesRequest(room_id=room.room_id), timeout=10)
