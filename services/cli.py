@@ -96,16 +96,27 @@ async def _run_up(stack: Any, with_standin: bool) -> int:
         print(stack.exports(), flush=True)
         print(_first_steps(same_database=config.url is not None), flush=True)
         await stop.wait()
-        print("\nstopping ...", flush=True)
+        _say_while_stopping("\nstopping ...")
     finally:
         stack.stop_all()
         if standin is not None:
             standin.stop()
         if stack.started_pgdata is not None:
-            print("stopping the embedded PostgreSQL of this stack ...", flush=True)
+            _say_while_stopping("stopping the embedded PostgreSQL of this stack ...")
             await asyncio.to_thread(stack.stop_database)
-    print("stopped", flush=True)
+    _say_while_stopping("stopped")
     return 0
+
+
+def _say_while_stopping(text: str) -> None:
+    """A line of the stop, which goes on whether or not anyone still reads: with `quayutec up | tee log`,
+    Ctrl-C ends tee too, and a print that failed there must not skip stopping PostgreSQL."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _first_steps(*, same_database: bool) -> str:
