@@ -36,6 +36,7 @@ import type {
   GetAgentRightsResponse,
   PostMessageResponse,
   SendTaskResponse,
+  SignInProvider,
 } from "./gen/quayutec/v1/gateway_pb.js";
 import { Unauthenticated } from "./errors.js";
 import { retryPolicy, type RetryPolicy } from "./retry.js";
@@ -351,6 +352,29 @@ export class Client {
     return required((await this.unary("revokeApiKey", { keyId })).key);
   }
 
+  /** Register (or replace) the OpenID Connect provider your people sign in to the console with (call
+   * with a company key); the secret is stored encrypted and never returned. */
+  async setSignInProvider(options: {
+    issuer: string;
+    clientId: string;
+    clientSecret: string;
+    emailDomains?: string[];
+    allowApiKeySignIn?: boolean;
+  }): Promise<SignInProvider> {
+    return required((await this.unary("setSignInProvider", { ...options })).provider);
+  }
+
+  /** Your company's sign-in provider (never its secret), or undefined when none is set. */
+  async signInProvider(): Promise<SignInProvider | undefined> {
+    const got = await this.unary("getSignInProvider", {});
+    return got.found ? got.provider : undefined;
+  }
+
+  /** Remove your company's sign-in provider (its sign-ins end); false when none was set. */
+  async removeSignInProvider(): Promise<boolean> {
+    return (await this.unary("removeSignInProvider", {})).removed;
+  }
+
   /** One run's ledger row: what it posted and wrote, each model request, its trace id. */
   async getRun(runId: string): Promise<Run> {
     return required((await this.unary("getRun", { runId })).run);
@@ -494,4 +518,7 @@ export const WRAPS: { readonly [K in RpcKey]: keyof Client } = {
   watchRooms: "watchRooms",
   createSessionKey: "createSessionKey",
   endSession: "endSession",
+  setSignInProvider: "setSignInProvider",
+  getSignInProvider: "signInProvider",
+  removeSignInProvider: "removeSignInProvider",
 };

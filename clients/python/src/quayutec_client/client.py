@@ -472,6 +472,42 @@ class Client:
         response: gateway_pb2.RevokeApiKeyResponse = await self._unary("RevokeApiKey", request)
         return response.key
 
+    @rpc("SetSignInProvider")
+    async def set_sign_in_provider(
+        self,
+        issuer: str,
+        client_id: str,
+        client_secret: str,
+        *,
+        email_domains: Sequence[str] = (),
+        allow_api_key_sign_in: bool = False,
+    ) -> gateway_pb2.SignInProvider:
+        """Register (or replace) the OpenID Connect provider your people sign in to the console with
+        (call with a company key). The secret is stored encrypted and never returned."""
+        request = gateway_pb2.SetSignInProviderRequest(
+            issuer=issuer,
+            client_id=client_id,
+            client_secret=client_secret,
+            email_domains=list(email_domains),
+            allow_api_key_sign_in=allow_api_key_sign_in,
+        )
+        response: gateway_pb2.SetSignInProviderResponse = await self._unary("SetSignInProvider", request)
+        return response.provider
+
+    @rpc("GetSignInProvider")
+    async def sign_in_provider(self) -> gateway_pb2.SignInProvider | None:
+        """Your company's sign-in provider (never its secret), or None when none is set."""
+        request = gateway_pb2.GetSignInProviderRequest()
+        response: gateway_pb2.GetSignInProviderResponse = await self._unary("GetSignInProvider", request)
+        return response.provider if response.found else None
+
+    @rpc("RemoveSignInProvider")
+    async def remove_sign_in_provider(self) -> bool:
+        """Remove your company's sign-in provider (its sign-ins end); False when none was set."""
+        request = gateway_pb2.RemoveSignInProviderRequest()
+        response: gateway_pb2.RemoveSignInProviderResponse = await self._unary("RemoveSignInProvider", request)
+        return response.removed
+
     @rpc("SetAgentRights")
     async def set_agent_rights(
         self,
