@@ -78,6 +78,10 @@ def runs_request(chosen: dict[str, str]) -> gateway_pb2.ListRunsRequest:
 async def runs(request: Request) -> Response:
     s = Session(request)
     chosen = {k: request.query_params.get(k, "").strip()[: MAX_TOKEN_CHARS + 1] for k in (*FILTERS, "page")}
+    part = request.query_params.get("part") == "list"
+    # The newest page follows runs as they start, park and end (the approvals page's stream): the
+    # rooms' cursors first, then the list, so a change between the two reaches the page.
+    cursors = await first_cursors(s) if not part and not chosen["page"] else None
     names_task = asyncio.ensure_future(company_names(s))
     error = ""
     listed: list[common_pb2.Run] = []
@@ -104,8 +108,10 @@ async def runs(request: Request) -> Response:
         "newest_url": "/runs" + (f"?{urlencode(filters)}" if filters else ""),
         "older_url": f"/runs?{urlencode({**filters, 'page': next_token})}" if next_token else "",
         "error": error,
+        "events": f"/approvals/events?after={encode_cursors(cursors)}" if cursors is not None and not error else "",
+        "refresh": f"/runs?{urlencode({**filters, 'part': 'list'})}",
     }
-    return page(request, "runs.html", context, 400 if error else 200)
+    return page(request, "runs_list.html" if part else "runs.html", context, 400 if error else 200)
 
 
 def trace_links(jaeger_url: str, run: common_pb2.Run) -> list[dict[str, str]]:

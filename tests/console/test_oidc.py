@@ -113,6 +113,11 @@ async def test_a_person_signs_in_posts_approves_and_signs_out(
             await expect(page).to_have_url(f"{s.base}/rooms")
             await expect(page.locator("#me-person")).to_have_text("Ana Lima")
 
+            # The run history, open in another tab, follows the run without a reload.
+            history = await page.context.new_page()
+            await history.goto(f"{s.base}/runs")
+            await expect(history.locator("#live-state")).to_have_text("Live")
+            await history.evaluate("window.notReloaded = true")
             await page.goto(f"{s.base}/rooms/{room.room_id}")
             await expect(page.locator("#m-as")).to_contain_text("Posting as Ana Lima, verified by 127.0.0.1")
             s.standin.enqueue_reply(
@@ -134,6 +139,8 @@ async def test_a_person_signs_in_posts_approves_and_signs_out(
             await expect(mine).to_contain_text("verified by 127.0.0.1")
             await expect(page.locator("#messages")).to_contain_text("Plan noted", timeout=WAIT_MS)
 
+            await expect(history.locator("#run-table")).to_contain_text("parked")
+            assert await history.evaluate("window.notReloaded") is True
             await page.goto(f"{s.base}/approvals")
             held = page.locator("ol.held > li")
             await expect(held.nth(0)).to_contain_text("as Ana Lima, verified by")
@@ -146,6 +153,7 @@ async def test_a_person_signs_in_posts_approves_and_signs_out(
             await page.locator("ol.held > li").nth(1).get_by_role("button", name="Deny").click()
             await expect(page.locator("p.notice")).to_contain_text("The run continues")
             runs = await s.acme.ListRuns(gateway_pb2.ListRunsRequest(agent_id=planner.agent_id), timeout=10)
+            await expect(history.locator("#run-table")).to_contain_text("succeeded")  # live, again
             await page.goto(f"{s.base}/runs/{runs.runs[0].run_id}")
             await expect(page.locator("main")).to_contain_text("approved by Ana Lima, verified by 127.0.0.1")
             await expect(page.locator("#reply-text")).to_have_text("Plan noted.")  # the reply's words
