@@ -296,7 +296,7 @@ def test_the_demo_runs_beside_a_stack_of_the_same_checkout(tmp_path: Path) -> No
             assert demo.returncode == 0, said[-3000:] + demo.stderr[-3000:]
             assert f"{folder} is in use by `quayutec up` (pid {up.pid}" in said
             [temporary] = re.findall(r"a temporary folder of its own, (\S+)", said)
-            assert "planner replies: 2 for 3 wakes" in said
+            assert "planner replies: 3 for 4 wakes" in said
             assert not Path(temporary).exists()  # removed, its PostgreSQL stopped
             # The stack's database, services and data folder are as they were.
             assert embedded_pid(embedded_pgdata(folder)) == pid
