@@ -14,6 +14,9 @@ NODE_STAMP := $(NODE_EXAMPLES)/node_modules/.installed
 # The TypeScript client SDK: its packages from its lock file (tests/clients runs `npm test` against the stack).
 TS_CLIENT := clients/typescript
 TS_STAMP := $(TS_CLIENT)/node_modules/.installed
+# The OpenID provider the console's sign-in tests run on loopback (tests/oidc/provider.mjs).
+OIDC_PROVIDER := tests/oidc
+OIDC_STAMP := $(OIDC_PROVIDER)/node_modules/.installed
 # The Python client SDK and what it installs, downloaded once, so that tests/clients installs it into a
 # fresh venv without reaching any index.
 WHEELHOUSE := $(VENV)/wheelhouse
@@ -70,12 +73,16 @@ $(TS_STAMP): $(TS_CLIENT)/package-lock.json
 	cd $(TS_CLIENT) && npm ci --no-audit --no-fund
 	touch $(TS_STAMP)
 
+$(OIDC_STAMP): $(OIDC_PROVIDER)/package-lock.json
+	cd $(OIDC_PROVIDER) && npm ci --no-audit --no-fund
+	touch $(OIDC_STAMP)
+
 $(WHEELHOUSE)/.complete: $(STAMP) clients/python/pyproject.toml
 	rm -rf $(WHEELHOUSE)
 	$(BIN)/pip download --quiet -d $(WHEELHOUSE) setuptools==80.9.0 ./clients/python
 	touch $@
 
-pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(WHEELHOUSE)/.complete
+pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(OIDC_STAMP) $(WHEELHOUSE)/.complete
 	$(BIN)/pytest
 
 # The flake check: the console, delivery and held-action tests N times (default 20) under one
@@ -120,4 +127,4 @@ bench: $(STAMP)
 clean:
 	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
 	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules \
-		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist
+		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist $(OIDC_PROVIDER)/node_modules

@@ -130,6 +130,7 @@ class RunSteps:
                 [],
                 str(message_id),
                 "",  # no traceparent: the anchors are not traced
+                None,  # an agent's reply: no verified person
             )
             return str(row["message_id"])
 

@@ -313,6 +313,7 @@ async def post_five(conn: asyncpg.Connection, q: Queries, room_id: str, company_
         row = await conn.fetchrow(
             q["insert_message_with_wakes"],
             room_id, message_id, "person", company_id, "bench", None, body, [], None, None, [], str(message_id), "",
+            None,
         )  # fmt: skip
         detail = _event_detail(room_id, company_id, str(message_id), body, row["seq"])
         await conn.execute(q["append_room_events"], room_id, ["message_posted"], [detail], [None])

@@ -188,7 +188,9 @@ async def explain(pool: asyncpg.Pool, world: World) -> None:
     room_id, agent_id, company_id = (uuid.UUID(x) for x in (world.room_id, world.agent_id, world.company_id))
     message_id = uuid.uuid4()
     author = ("person", company_id, "bench", None)
-    insert_args = (room_id, message_id, *author, "explained", [agent_id], None, None, [agent_id], str(message_id), "")
+    insert_args = (
+        room_id, message_id, *author, "explained", [agent_id], None, None, [agent_id], str(message_id), "", None
+    )  # fmt: skip
     run_context_args = (
         agent_id,
         room_id,

@@ -24,20 +24,23 @@ _log = logging.getLogger("quayutec.crypto")
 KEY_FILE_NAME = "encryption.key"
 
 
-def load_fernet(env: Mapping[str, str], data_dir: Path) -> MultiFernet:
-    """The cipher for provider keys; raises ConfigError naming the variable or file to fix."""
-    raw = env.get(ENCRYPTION_KEY_ENV, "").strip()
+def load_fernet(
+    env: Mapping[str, str], data_dir: Path, *, variable: str = ENCRYPTION_KEY_ENV, file_name: str = KEY_FILE_NAME
+) -> MultiFernet:
+    """The cipher for provider keys (or, with ``variable`` and ``file_name``, another service's own
+    secrets: the Gateway's sign-in providers); raises ConfigError naming the variable or file to fix."""
+    raw = env.get(variable, "").strip()
     if raw:
         keys = [part.strip() for part in raw.split(",") if part.strip()]
-        return MultiFernet([_parse_key(key, f"{ENCRYPTION_KEY_ENV} (key {i + 1})") for i, key in enumerate(keys)])
+        return MultiFernet([_parse_key(key, f"{variable} (key {i + 1})") for i, key in enumerate(keys)])
     if env.get(DATABASE_URL_ENV, "").strip():
         _log.warning(
             "%s is not set: using the local key file in %s; replicas that do not share it cannot read each "
-            "other's provider keys",
-            ENCRYPTION_KEY_ENV,
+            "other's secrets",
+            variable,
             data_dir,
         )
-    return MultiFernet([_parse_key(_read_or_create_key_file(data_dir / KEY_FILE_NAME), str(data_dir / KEY_FILE_NAME))])
+    return MultiFernet([_parse_key(_read_or_create_key_file(data_dir / file_name), str(data_dir / file_name))])
 
 
 def _parse_key(key: str, where: str) -> Fernet:

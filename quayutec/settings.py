@@ -261,6 +261,13 @@ _DECLARED: list[Setting] = [
     _g("QUAYUTEC_DB_POOL_MAX", 10, "most open database connections of the admin commands", ["cli"]),
     _g("QUAYUTEC_API_KEY", "", "your company's API key, for the client commands", ["cli"], secret=True),
     _g("QUAYUTEC_PROVIDER_KEY", "", "the model provider key `agent register` sends", ["cli"], secret=True),
+    _g(
+        "QUAYUTEC_SIGNIN_CLIENT_SECRET",
+        "",
+        "the console's client secret at your OpenID provider, which `sign-in set` sends",
+        ["cli"],
+        secret=True,
+    ),
     # Room
     _g(
         "QUAYUTEC_ROOM_DELIVERED_WAKES_KEEP_SECONDS",
@@ -354,8 +361,8 @@ _DECLARED: list[Setting] = [
         "",
         "comma list of CIDRs and host names an agent owner's base_url may reach besides public https "
         "addresses (plain http only to these); Room checks it at registration, Runtime at each connection: "
-        "set it on both",
-        ["room", "runtime"],
+        "set it on both; the Gateway's calls to companies' OpenID providers follow it too",
+        ["room", "runtime", "gateway"],
     ),
     _g(
         "QUAYUTEC_RUNTIME_FAILPOINTS",
@@ -582,6 +589,15 @@ _DECLARED: list[Setting] = [
         "live company API keys of one company that CreateApiKey may reach (the admin's `quayutec keys create` is "
         "not limited)",
         ["gateway"],
+    ),
+    _g(
+        "QUAYUTEC_GATEWAY_ENCRYPTION_KEY",
+        "",
+        "Fernet key(s), comma-separated, newest first, encrypting the client secrets of companies' sign-in "
+        "providers at rest (the Gateway's own: never the Room's QUAYUTEC_ENCRYPTION_KEY)",
+        ["gateway"],
+        shown="(dev: gateway-encryption.key in the data dir)",
+        secret=True,
     ),
     _g(
         "QUAYUTEC_GATEWAY_A2A_URL",

@@ -33,6 +33,9 @@ from services.client import (
     GatewayClient,
     format_run,
     resolve_mentions,
+    resolve_own_agent,
+    resolve_room,
+    room_names,
 )
 
 Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
@@ -93,16 +96,27 @@ async def _run_up(stack: Any, with_standin: bool) -> int:
         print(stack.exports(), flush=True)
         print(_first_steps(same_database=config.url is not None), flush=True)
         await stop.wait()
-        print("\nstopping ...", flush=True)
+        _say_while_stopping("\nstopping ...")
     finally:
         stack.stop_all()
         if standin is not None:
             standin.stop()
         if stack.started_pgdata is not None:
-            print("stopping the embedded PostgreSQL of this stack ...", flush=True)
+            _say_while_stopping("stopping the embedded PostgreSQL of this stack ...")
             await asyncio.to_thread(stack.stop_database)
-    print("stopped", flush=True)
+    _say_while_stopping("stopped")
     return 0
+
+
+def _say_while_stopping(text: str) -> None:
+    """A line of the stop, which goes on whether or not anyone still reads: with `quayutec up | tee log`,
+    Ctrl-C ends tee too, and a print that failed there must not skip stopping PostgreSQL."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _first_steps(*, same_database: bool) -> str:
@@ -379,10 +393,11 @@ def _client(channel: grpc.aio.Channel) -> GatewayClient:
 async def cmd_post(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
-        mentions = await resolve_mentions(client, opts.room, opts.mention or [])
+        room_id = await resolve_room(client, opts.room)
+        mentions = await resolve_mentions(client, room_id, opts.mention or [])
         posted = await client.PostMessage(
             gateway_pb2.PostMessageRequest(
-                room_id=opts.room, person=opts.person, body=opts.body, mention_agent_ids=mentions
+                room_id=room_id, person=opts.person, body=opts.body, mention_agent_ids=mentions
             )
         )
     print(f"message {posted.message.message_id} #{posted.message.seq}; wakes {list(posted.wake_ids)}")
@@ -408,17 +423,19 @@ async def cmd_room_list(opts: argparse.Namespace) -> int:
 async def cmd_agent_list(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
-        me = (await client.WhoAmI(gateway_pb2.WhoAmIRequest())).company.company_id if opts.room else ""
-        got = await client.ListAgents(gateway_pb2.ListAgentsRequest(room_id=opts.room or "", page_size=opts.limit))
+        room_id = await resolve_room(client, opts.room) if opts.room else ""
+        me = (await client.WhoAmI(gateway_pb2.WhoAmIRequest())).company.company_id if room_id else ""
+        got = await client.ListAgents(gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=opts.limit))
     provider_names = {v: k for k, v in PROVIDERS.items()}
     rows = [
         {
             "agent_id": a.agent_id,
             "name": a.name,
-            "company_id": a.company_id + (" (yours)" if a.company_id == me else ""),
+            "company": (a.company_name or a.company_id) + (" (yours)" if a.company_id == me else ""),
             "provider": provider_names.get(a.provider, ""),
             "model": a.model,
         }
+        | ({"company_id": a.company_id} if opts.json else {})
         for a in got.agents
     ]
     _print_rows(rows, opts.json, empty="no agents" + (" in this room" if opts.room else ": `agent register` adds one"))
@@ -427,17 +444,21 @@ async def cmd_agent_list(opts: argparse.Namespace) -> int:
 
 async def cmd_runs(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        runs = await _client(channel).ListRuns(
-            gateway_pb2.ListRunsRequest(agent_id=opts.agent or "", page_size=opts.limit)
-        )
+        client = _client(channel)
+        agent_id = await resolve_own_agent(client, opts.agent) if opts.agent else ""
+        runs = await client.ListRuns(gateway_pb2.ListRunsRequest(agent_id=agent_id, page_size=opts.limit))
+        agents = {
+            a.agent_id: a.name for a in (await client.ListAgents(gateway_pb2.ListAgentsRequest(page_size=500))).agents
+        }
     rows = [
         {
             "run_id": run.run_id,
-            "agent_id": run.agent_id,
+            "agent": agents.get(run.agent_id, run.agent_id),
             "status": STATUS_NAMES[run.status],
             "last_step": STEP_NAMES[run.step],
             "trace": run.trace_id or NOT_TRACED,
         }
+        | ({"agent_id": run.agent_id} if opts.json else {})
         for run in runs.runs
     ]
     _print_rows(rows, opts.json, empty="no runs")
@@ -575,17 +596,70 @@ async def cmd_agent_register(opts: argparse.Namespace) -> int:
     return 0
 
 
+CLIENT_SECRET_ENV = "QUAYUTEC_SIGNIN_CLIENT_SECRET"
+
+
+def _format_provider(provider: gateway_pb2.SignInProvider) -> str:
+    domains = ", ".join(provider.email_domains) or "any (the provider decides)"
+    api_keys = "on (development)" if provider.allow_api_key_sign_in else "off"
+    return (
+        f"issuer {provider.issuer}\nclient id {provider.client_id}\nemail domains {domains}\nAPI-key sign-in {api_keys}"
+    )
+
+
+async def cmd_signin_set(opts: argparse.Namespace) -> int:
+    secret = os.environ.get(CLIENT_SECRET_ENV, "").strip()
+    if not secret:
+        raise SystemExit(
+            f"set {CLIENT_SECRET_ENV} to the console's client secret at the provider (kept off the command line)"
+        )
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).SetSignInProvider(
+            gateway_pb2.SetSignInProviderRequest(
+                issuer=opts.issuer,
+                client_id=opts.client_id,
+                client_secret=secret,
+                email_domains=opts.domain or [],
+                allow_api_key_sign_in=opts.allow_api_key_sign_in,
+            )
+        )
+    print(_format_provider(got.provider))
+    return 0
+
+
+async def cmd_signin_show(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).GetSignInProvider(gateway_pb2.GetSignInProviderRequest())
+    print(_format_provider(got.provider) if got.found else "no sign-in provider: people sign in with an API key")
+    return 0
+
+
+async def cmd_signin_remove(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        got = await _client(channel).RemoveSignInProvider(gateway_pb2.RemoveSignInProviderRequest())
+    print("removed; its sign-ins are ended" if got.removed else "there was no sign-in provider")
+    return 0
+
+
+def _author_name(author: common_pb2.Author, companies: dict[str, str], agents: dict[str, str]) -> str:
+    """ "Ana (Acme, verified)", "Bob (Acme, as stated)" or "planner (Globex's agent)"."""
+    company = companies.get(author.company_id, author.company_id)
+    if author.agent_id:
+        return f"{agents.get(author.agent_id, 'agent ' + author.agent_id)} ({company}'s agent)"
+    return f"{author.person} ({company}, {'verified' if author.verified_by else 'as stated'})"
+
+
 async def cmd_messages(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).ListMessages(
-            gateway_pb2.ListMessagesRequest(room_id=opts.room, page_size=opts.limit, newest_first=True)
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        got = await client.ListMessages(
+            gateway_pb2.ListMessagesRequest(room_id=room_id, page_size=opts.limit, newest_first=True)
         )
+        companies, agents = await room_names(client, room_id)
     rows = [
-        {
-            "seq": m.seq,
-            "author": f"{m.author.person} ({m.author.company_id})" if m.author.person else f"agent {m.author.agent_id}",
-            "body": m.body,
-        }
+        {"seq": m.seq, "author": _author_name(m.author, companies, agents), "body": m.body}
+        | ({"author_company_id": m.author.company_id, "author_agent_id": m.author.agent_id} if opts.json else {})
         for m in reversed(got.messages)
     ]
     _print_rows(rows, opts.json, empty="no messages")
@@ -633,8 +707,9 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
     after: int | None = opts.after
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
         while True:
-            request = gateway_pb2.WatchRoomRequest(room_id=opts.room)
+            request = gateway_pb2.WatchRoomRequest(room_id=room_id)
             if after is not None:
                 request.after = after
             try:
@@ -691,19 +766,24 @@ async def cmd_rights_set(opts: argparse.Namespace) -> int:
     chosen = {f: RIGHTS[getattr(opts, f)] for f in RIGHT_FIELDS if getattr(opts, f)}
     if not chosen:
         raise SystemExit("name at least one right to set, e.g. --create-task hold (see --help)")
-    request = gateway_pb2.SetAgentRightsRequest(agent_id=opts.agent or "")
-    for field, right in chosen.items():
-        setattr(request, field, right)
-    request.update_mask.paths.extend(chosen)  # only these change; the others stay as they are
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).SetAgentRights(request)
+        client = _client(channel)
+        request = gateway_pb2.SetAgentRightsRequest(
+            agent_id=await resolve_own_agent(client, opts.agent) if opts.agent else ""
+        )
+        for field, right in chosen.items():
+            setattr(request, field, right)
+        request.update_mask.paths.extend(chosen)  # only these change; the others stay as they are
+        got = await client.SetAgentRights(request)
     print(_format_rights(got.rights))
     return 0
 
 
 async def cmd_rights_show(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).GetAgentRights(gateway_pb2.GetAgentRightsRequest(agent_id=opts.agent or ""))
+        client = _client(channel)
+        agent_id = await resolve_own_agent(client, opts.agent) if opts.agent else ""
+        got = await client.GetAgentRights(gateway_pb2.GetAgentRightsRequest(agent_id=agent_id))
     own = got.agent if opts.agent else got.company_default
     for field in RIGHT_FIELDS:
         print(f"{field}={_right_name(getattr(got.effective, field))} ({_right_source(got, own, field)})")
@@ -729,18 +809,25 @@ def _format_rights(rights: common_pb2.AgentRights) -> str:
 
 async def cmd_approvals(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).ListApprovals(gateway_pb2.ListApprovalsRequest(page_size=opts.limit))
+        client = _client(channel)
+        got = await client.ListApprovals(gateway_pb2.ListApprovalsRequest(page_size=opts.limit))
+        agents = {
+            a.agent_id: a.name for a in (await client.ListAgents(gateway_pb2.ListAgentsRequest(page_size=500))).agents
+        }
+        rooms = {r.room_id: r.name for r in (await client.ListRooms(gateway_pb2.ListRoomsRequest(page_size=500))).rooms}
     rows = [
         {
             "token": wp.token,
             "index": held.index,
             "action": common_pb2.ActionKind.Name(held.kind).removeprefix("ACTION_KIND_").lower(),
             "decision": common_pb2.Decision.Name(held.decision).removeprefix("DECISION_").lower(),
-            "agent_id": wp.agent_id,
+            "agent": agents.get(wp.agent_id, wp.agent_id),
+            "room": rooms.get(wp.room_id, wp.room_id),
             "run_id": wp.run_id,
             "expires": wp.expires_at.ToJsonString(),
             "arguments": held.arguments_json,
         }
+        | ({"agent_id": wp.agent_id, "room_id": wp.room_id} if opts.json else {})
         for wp in got.waitpoints
         for held in wp.held
     ]
@@ -760,7 +847,7 @@ async def cmd_decide(opts: argparse.Namespace) -> int:
     return 0
 
 
-ROOM_ID = "a room id (as `room create` prints)"
+ROOM_ID = "a room's name or id (as `room create` prints)"
 COMPANY_ID = "a company id (as `company create` prints)"
 AS_JSON = "print JSON (an array of objects) instead of a table"
 
@@ -854,7 +941,7 @@ def parser() -> argparse.ArgumentParser:
     post.add_argument("body", help="the message text")
     post.set_defaults(handler=cmd_post)
     runs = sub.add_parser("runs", help="your agents' runs, newest first, with trace ids")
-    runs.add_argument("--agent", metavar="AGENT_ID", help="only this agent's runs")
+    runs.add_argument("--agent", metavar="AGENT", help="only this agent's runs (its name or id)")
     _limit(runs, 20)
     _json(runs)
     runs.set_defaults(handler=cmd_runs)
@@ -913,7 +1000,7 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
     al = agent.add_parser("list", help="your company's agents, or with --room every agent in that room")
-    al.add_argument("--room", metavar="ROOM_ID", help="the agents in this room, of every member company")
+    al.add_argument("--room", metavar="ROOM", help="the agents in this room (its name or id), of every member company")
     _limit(al, 50)
     _json(al)
     al.set_defaults(handler=cmd_agent_list)
@@ -924,7 +1011,7 @@ def parser() -> argparse.ArgumentParser:
     ms.set_defaults(handler=cmd_messages)
     wt = sub.add_parser("watch", help="print a room's events, or every room's, as they happen (like tail -f)")
     which = wt.add_mutually_exclusive_group(required=True)
-    which.add_argument("--room", metavar="ROOM_ID", help="the room to follow (you must be a member)")
+    which.add_argument("--room", metavar="ROOM", help="the room to follow, by name or id (you must be a member)")
     which.add_argument(
         "--all", action="store_true", help="every room of your company, in one stream (rooms joined while watching too)"
     )
@@ -939,7 +1026,9 @@ def parser() -> argparse.ArgumentParser:
         "set",
         help="set rights of the default for all your agents, or of --agent; only the rights named change",
     )
-    rs.add_argument("--agent", metavar="AGENT_ID", help="set this agent's own rights instead of the default")
+    rs.add_argument(
+        "--agent", metavar="AGENT", help="set this agent's own rights (its name or id) instead of the default"
+    )
     for field in RIGHT_FIELDS:
         rs.add_argument(
             f"--{field.replace('_', '-')}",
@@ -951,8 +1040,25 @@ def parser() -> argparse.ArgumentParser:
     rg = rights.add_parser(
         "show", help="effective rights of the default or --agent, each with where it comes from (set here or inherited)"
     )
-    rg.add_argument("--agent", metavar="AGENT_ID", help="this agent's effective rights")
+    rg.add_argument("--agent", metavar="AGENT", help="this agent's effective rights (its name or id)")
     rg.set_defaults(handler=cmd_rights_show)
+    si = sub.add_parser(
+        "sign-in", help="the OpenID Connect provider your people sign in to the console with"
+    ).add_subparsers(dest="action", required=True, metavar="ACTION")
+    ss = si.add_parser(
+        "set", help=f"register or replace it (client secret from {CLIENT_SECRET_ENV}); API-key sign-in goes off"
+    )
+    ss.add_argument("--issuer", required=True, help="the issuer URL exactly as its ID tokens name it")
+    ss.add_argument("--client-id", required=True, help="the console's client id at the provider")
+    ss.add_argument("--domain", action="append", help="an email domain whose people may sign in (repeat it; none: any)")
+    ss.add_argument(
+        "--allow-api-key-sign-in", action="store_true", help="keep the console's API-key sign-in on (development)"
+    )
+    ss.set_defaults(handler=cmd_signin_set)
+    si.add_parser("show", help="the provider now set (never its secret)").set_defaults(handler=cmd_signin_show)
+    si.add_parser("remove", help="remove it: its sign-ins end, API-key sign-in is on again").set_defaults(
+        handler=cmd_signin_remove
+    )
     ap = sub.add_parser("approvals", help="held actions waiting for your decision")
     _limit(ap, 50)
     _json(ap)
@@ -983,7 +1089,14 @@ def _run(argv: list[str] | None) -> int:
     try:
         code: int = asyncio.run(handler(opts))
     except grpc.aio.AioRpcError as exc:
-        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() == grpc.StatusCode.UNAVAILABLE:
+            print(
+                f"error: the Gateway at {service_addr(GATEWAY)} cannot be reached ({exc.details()}); is the stack "
+                "running (`quayutec up`), and is QUAYUTEC_GATEWAY_ADDR right?",
+                file=sys.stderr,
+            )
+        else:
+            print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         code = 2
     except (CommandError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -114,3 +114,53 @@ def _is_uuid(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+async def resolve_room(client: GatewayClient, room: str) -> str:
+    """The room id for a ``--room`` value: an id is taken as it is; a name is looked up among the rooms
+    of the caller's company, and must name exactly one of them."""
+    if _is_uuid(room):
+        return room
+    rooms: list[common_pb2.Room] = []
+    token = ""
+    while True:
+        page = await client.ListRooms(gateway_pb2.ListRoomsRequest(page_size=500, page_token=token))
+        rooms.extend(page.rooms)
+        token = page.next_page_token
+        if not token:
+            break
+    matches = [r for r in rooms if r.name.casefold() == room.strip().casefold()]
+    if len(matches) == 1:
+        return str(matches[0].room_id)
+    if matches:
+        listed = "; ".join(f"{r.name} (room {r.room_id})" for r in matches)
+        raise CommandError(f"{len(matches)} of your rooms are named {room!r}: {listed}; give one by its id")
+    names = ", ".join(sorted(r.name for r in rooms)[:20])
+    raise CommandError(
+        f"your company is in no room named {room!r}; " + (f"its rooms: {names}" if rooms else "it is in no room yet")
+    )
+
+
+async def resolve_own_agent(client: GatewayClient, agent: str) -> str:
+    """The agent id for an ``--agent`` value: an id as it is, or the name of one of the company's agents."""
+    if _is_uuid(agent):
+        return agent
+    own: gateway_pb2.ListAgentsResponse = await client.ListAgents(gateway_pb2.ListAgentsRequest(page_size=500))
+    matches = [a for a in own.agents if a.name.casefold() == agent.strip().casefold()]
+    if len(matches) == 1:
+        return str(matches[0].agent_id)
+    if matches:
+        raise CommandError(f"{len(matches)} of your agents are named {agent!r}: {_agent_choices(matches)}; use its id")
+    names = ", ".join(sorted(a.name for a in own.agents)[:20])
+    raise CommandError(
+        f"your company has no agent named {agent!r}; "
+        + (f"its agents: {names}" if own.agents else "`quayutec agent register` adds one")
+    )
+
+
+async def room_names(client: GatewayClient, room_id: str) -> tuple[dict[str, str], dict[str, str]]:
+    """Company names (id -> name) of the room's members, and agent names (id -> name) of its agents."""
+    members = await client.ListMembers(gateway_pb2.ListMembersRequest(room_id=room_id, page_size=500))
+    companies = {m.company_id: m.company_name for m in members.members}
+    agents = {a.agent_id: a.name for a in await _room_agents(client, room_id)}
+    return companies, agents

@@ -56,6 +56,11 @@ def _prompt(body: Mapping[str, Any]) -> str:
 def planner_script(writer_id: str) -> Callable[[Mapping[str, Any]], ScriptedReply]:
     def respond(body: Mapping[str, Any]) -> ScriptedReply:
         prompt = _prompt(body)
+        if "venue" in prompt:
+            return ScriptedReply(
+                "Noting the venue for everyone in the room.",
+                ({"name": "remember", "arguments": {"text": "Venue: the harbour hall", "private": False}},),
+            )
         if "pick up" in prompt:
             seen = "I see Bolt's copy in the room" if "Copy:" in prompt else "no copy yet"
             return ScriptedReply(f"Picking up where the last run stopped: {seen}; the launch stays on Friday.")
@@ -266,15 +271,45 @@ async def demo(stack: LocalStack, standin: StandinProvider) -> None:
         )
         run3 = await ended_run(a, run_id_for(planner.agent_id, posted.wake_ids[0]))
         say(format_run(run3))
-        messages = (await a.ListMessages(gateway_pb2.ListMessagesRequest(room_id=r.room_id, page_size=100))).messages
-        say("\n== The room")
-        for m in messages:
-            who = (
-                f"{m.author.person}@{m.author.company_id[:8]}" if m.author.person else f"agent {m.author.agent_id[:8]}"
+        say("\n== 6. Acme holds its planner's memory writes for a person's decision; Ana approves one")
+        hold = gateway_pb2.SetAgentRightsRequest(agent_id=planner.agent_id, remember=common_pb2.ACTION_RIGHT_HOLD)
+        hold.update_mask.paths.append("remember")
+        await a.SetAgentRights(hold)
+        posted = await a.PostMessage(
+            gateway_pb2.PostMessageRequest(
+                room_id=r.room_id, person="ana", body="@planner note the venue", mention_agent_ids=[planner.agent_id]
             )
-            say(f"   #{m.seq} {who}: {m.body}")
+        )
+
+        async def held() -> common_pb2.Waitpoint | None:
+            waiting = (await a.ListApprovals(gateway_pb2.ListApprovalsRequest())).waitpoints
+            return waiting[0] if waiting else None
+
+        waitpoint: common_pb2.Waitpoint = await wait_for(held, "the planner's held action")
+        for h in waitpoint.held:
+            action = common_pb2.ActionKind.Name(h.kind).removeprefix("ACTION_KIND_").lower()
+            say(f"   the planner's run is parked: action #{h.index} {action} {h.arguments_json} waits for Acme")
+        decided = await a.DecideApproval(
+            gateway_pb2.DecideApprovalRequest(token=waitpoint.token, index=0, person="ana", approve=True)
+        )
+        who = decided.waitpoint.held[0]
+        say(f"   approved by {who.decided_by} (as stated by Acme's service; in the console, a person signed in")
+        say("   through Acme's own provider is recorded as verified by it); the run continues once:")
+        run4 = await ended_run(a, run_id_for(planner.agent_id, posted.wake_ids[0]))
+        say(format_run(run4))
+        seen_a = [m.text for m in (await a.ListMemory(gateway_pb2.ListMemoryRequest(room_id=r.room_id))).lines]
+        say(f"   memory Acme can read now: {seen_a}")
+
+        messages = (await a.ListMessages(gateway_pb2.ListMessagesRequest(room_id=r.room_id, page_size=100))).messages
+        companies = {acme.company_id: acme.name, bolt.company_id: bolt.name}
+        agents = {planner.agent_id: "planner", writer.agent_id: "writer"}
+        say(f"\n== The room {r.name}")
+        for m in messages:
+            company = companies.get(m.author.company_id, m.author.company_id)
+            who_wrote = m.author.person if m.author.person else f"{agents.get(m.author.agent_id, m.author.agent_id)}"
+            say(f"   #{m.seq} {who_wrote} ({company}): {m.body}")
         planner_replies = [m for m in messages if m.author.agent_id == planner.agent_id]
-        say(f"\n   planner replies: {len(planner_replies)} for 3 wakes, one of which died mid-run (never twice)")
+        say(f"\n   planner replies: {len(planner_replies)} for 4 wakes, one of which died mid-run (never twice)")
 
 
 async def run_demo() -> int:

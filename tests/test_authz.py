@@ -36,11 +36,14 @@ GATEWAY, RUNTIME, ADMIN = "gateway", "runtime", "admin"
 # short-lived session key made with one (what a console sign-in holds).
 COMPANY_KEY = "a company's API key"
 SESSION_KEY = "a session key"
+# SignInService: how a person signs in, before there is any key (tests/gateway/test_signin.py calls it so).
+ANYONE = "anyone, without a key"
 
 ROOM_SERVICE = "quayutec.v1.RoomService"
 CLAIMS_SERVICE = "quayutec.v1.ClaimsService"
 RUNTIME_SERVICE = "quayutec.v1.RuntimeService"
 GATEWAY_SERVICE = "quayutec.v1.GatewayService"
+SIGNIN_SERVICE = "quayutec.v1.SignInService"
 
 _G, _R, _A, _GR = frozenset({GATEWAY}), frozenset({RUNTIME}), frozenset({ADMIN}), frozenset({GATEWAY, RUNTIME})
 _KEY = frozenset({COMPANY_KEY, SESSION_KEY})
@@ -146,6 +149,14 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
         "CreateApiKey": frozenset({COMPANY_KEY}),
         "ListApiKeys": _KEY,
         "RevokeApiKey": _KEY,  # revoking grants nothing, so a session may stop a leaked key
+        # Who signs the company's people in is the company's to say, never a signed-in person's.
+        "SetSignInProvider": frozenset({COMPANY_KEY}),
+        "GetSignInProvider": _KEY,
+        "RemoveSignInProvider": frozenset({COMPANY_KEY}),
+    },
+    SIGNIN_SERVICE: {
+        "FindSignInProvider": frozenset({ANYONE}),
+        "CompleteSignIn": frozenset({ANYONE}),  # the provider's signed word, checked by the Gateway, is the key
     },
 }
 INTERNAL_SERVICES = (ROOM_SERVICE, CLAIMS_SERVICE, RUNTIME_SERVICE)
@@ -223,7 +234,7 @@ def test_every_rpc_has_a_row_in_the_specification_and_every_row_an_rpc() -> None
     for service, rows in SPEC.items():
         for method, callers in rows.items():
             assert callers, f"{service}/{method}: a row names at least one caller"
-            known = set(IDENTITIES) if service in INTERNAL_SERVICES else GATEWAY_CALLERS
+            known = set(IDENTITIES) if service in INTERNAL_SERVICES else GATEWAY_CALLERS | {ANYONE}
             assert callers <= known, f"{service}/{method}: unknown callers {sorted(callers - known)}"
 
 

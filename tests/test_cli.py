@@ -85,7 +85,13 @@ async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path)
     assert "the killed run stays running at its last step; nothing posted, not redone" in out
     assert "task 'Write launch copy': TASK_STATUS_DONE" in out
     assert "memory Acme can read: ['Launch is on Friday']" in out
-    assert "planner replies: 2 for 3 wakes" in out
+    assert "planner replies: 3 for 4 wakes" in out
+    # A held action, decided by a person; the run continued once and wrote it.
+    assert re.search(r"action #0 remember .*Venue: the harbour hall.* waits for Acme", out), out
+    assert "approved by ana (as stated by Acme's service" in out
+    memory = next(line for line in out.splitlines() if "memory Acme can read now:" in line)
+    assert "'Launch is on Friday'" in memory and "'Venue: the harbour hall'" in memory
+    assert re.search(r"#\d+ planner \(Acme-\w+\): Noting the venue", out), out
     assert "sk-ant-demo" not in out and "sk-openai-demo" not in out
     # The console's address and the demo's keys, for a person to look.
     assert re.search(r"console  http://127\.0\.0\.1:\d+", out), out
@@ -130,6 +136,14 @@ async def test_pki_init_makes_the_dev_pki_and_shows_its_folders(tmp_path: Path) 
     assert f"{tmp_path / 'pki' / 'ca'}/  ca.crt ca.key" in done.stdout
     assert f"{tmp_path / 'pki' / 'room'}/  ca.crt tls.crt tls.key" in done.stdout
     assert (tmp_path / "pki" / "ca" / "ca.key").exists() and (tmp_path / "pki" / "room" / "tls.key").exists()
+
+
+async def test_a_gateway_that_is_down_is_said_in_words() -> None:
+    down = await quayutec(
+        "room", "list", env={"QUAYUTEC_API_KEY": f"{KEY_PREFIX}x_y", "QUAYUTEC_GATEWAY_ADDR": "127.0.0.1:9"}
+    )
+    assert down.returncode == 2 and "Traceback" not in down.stderr
+    assert "the Gateway at 127.0.0.1:9 cannot be reached" in down.stderr, down.stderr
 
 
 async def test_client_commands_need_an_api_key(tmp_path: Path) -> None:
@@ -183,12 +197,19 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
             run_id = listed[0]["run_id"]
             table = await ok("runs", "--agent", agent_id)
             header, row = table.splitlines()
-            assert header.split() == ["RUN_ID", "AGENT_ID", "STATUS", "LAST_STEP", "TRACE"]
-            assert row.startswith(run_id) and "(not traced)" in row
+            assert header.split() == ["RUN_ID", "AGENT", "STATUS", "LAST_STEP", "TRACE"]
+            assert row.startswith(run_id) and "(not traced)" in row and " planner " in row
+            assert (await ok("runs", "--agent", "Planner")) == table  # by name too
+            nobody = await quayutec("runs", "--agent", "nobody", env=env)
+            assert nobody.returncode == 1 and "no agent named 'nobody'; its agents: planner" in nobody.stderr
             record = await ok("run", run_id)
             assert "model request 1: 200 ok" in record and "posted: " in record
             messages = await ok("messages", "--room", room_id)
-            assert "ana (" in messages and 'Noted, you asked "plan it"' in messages
+            assert "ana (Acme, as stated)" in messages and 'Noted, you asked "plan it"' in messages
+            assert "planner (Acme's agent)" in messages
+            assert (await ok("messages", "--room", "Launch")) == messages  # a room by its name
+            unknown_room = await quayutec("messages", "--room", "nowhere", env=env)
+            assert unknown_room.returncode == 1 and "no room named 'nowhere'; its rooms: launch" in unknown_room.stderr
             assert "sk-ant-cli-secret" not in record + messages + runs
             rights = await ok("rights", "set", "--create-task", "hold")
             assert "create_task=hold" in rights
@@ -401,10 +422,10 @@ async def test_agents_rooms_and_companies_are_listed_and_agents_mentioned_by_nam
             (acme_writer, "writer", "m"),
         ]
         in_room = json.loads(await ok(globex, "agent", "list", "--room", room_id, "--json"))
-        assert [(a["agent_id"], a["company_id"], a["model"]) for a in in_room] == [
-            (planner, acme_id, ""),
-            (acme_writer, acme_id, ""),
-            (globex_writer, f"{globex_id} (yours)", "m"),
+        assert [(a["agent_id"], a["company"], a["company_id"], a["model"]) for a in in_room] == [
+            (planner, "Acme", acme_id, ""),
+            (acme_writer, "Acme", acme_id, ""),
+            (globex_writer, "Globex (yours)", globex_id, "m"),
         ]
 
         pool = await asyncpg.create_pool(database_url, min_size=1, max_size=1)

@@ -47,6 +47,9 @@ APP_UID = 10001
 NEEDS_DATABASE = {"gateway", "room", "claims", "migrate"}
 # Only Room decrypts provider keys; Runtime gets a run's key from Room and never holds the key of keys.
 NEEDS_ENCRYPTION_KEY = {"room"}
+# The Gateway seals sign-in providers' client secrets under a key of its own, never the Room's.
+GATEWAY_ENCRYPTION_KEY_ENV = "QUAYUTEC_GATEWAY_ENCRYPTION_KEY"
+NEEDS_GATEWAY_ENCRYPTION_KEY = {"gateway"}
 DIALS = {"gateway": {"room", "runtime"}, "runtime": {"claims", "room"}, "room": set(), "claims": set()}
 SPECS = {spec.name: spec for spec in SERVICES}
 # (workload, port) pairs that may be reached from outside the app. Nothing else.
@@ -343,7 +346,11 @@ def test_secret_wiring(rendered: Rendered, overlay: str) -> None:
     present = rendered.secret_names()
     for name, container in workloads.items():
         env = effective_env(rendered, container)
-        for var, needers in ((DATABASE_URL_ENV, NEEDS_DATABASE), (ENCRYPTION_KEY_ENV, NEEDS_ENCRYPTION_KEY)):
+        for var, needers in (
+            (DATABASE_URL_ENV, NEEDS_DATABASE),
+            (ENCRYPTION_KEY_ENV, NEEDS_ENCRYPTION_KEY),
+            (GATEWAY_ENCRYPTION_KEY_ENV, NEEDS_GATEWAY_ENCRYPTION_KEY),
+        ):
             if name not in needers:
                 assert var not in env, f"{name} must not receive {var}"
                 continue
@@ -377,6 +384,7 @@ def test_dev_secrets_point_at_dev_postgres() -> None:
     (pg,) = r.pod_spec(r.get("StatefulSet", "postgres"))["containers"]
     assert pg["image"].startswith("postgres:16.")
     assert len(base64.urlsafe_b64decode(data[ENCRYPTION_KEY_ENV])) == 32, "not a Fernet key"
+    assert len(base64.urlsafe_b64decode(data[GATEWAY_ENCRYPTION_KEY_ENV])) == 32, "not a Fernet key"
 
 
 # ---------------------------------------------------------------- pod security

@@ -56,7 +56,7 @@ DISTRIBUTED: dict[str, str] = {
 }
 REFERENCE = ("companies", "agents", "agent_rights")
 STATEMENTS = (SelectStmt, UpdateStmt, DeleteStmt, InsertStmt)
-OWN_SERVER = ("agent_run_locks", "api_keys")
+OWN_SERVER = ("agent_run_locks", "api_keys", "sign_in_providers", "sign_in_domains")
 
 # The hot path of one wake (docs/architecture.md, "The path of one wake"), statement by statement:
 # True where the plan says it touches one room, False where it does not (docs/scaling.md says why and

@@ -296,7 +296,7 @@ def test_the_demo_runs_beside_a_stack_of_the_same_checkout(tmp_path: Path) -> No
             assert demo.returncode == 0, said[-3000:] + demo.stderr[-3000:]
             assert f"{folder} is in use by `quayutec up` (pid {up.pid}" in said
             [temporary] = re.findall(r"a temporary folder of its own, (\S+)", said)
-            assert "planner replies: 2 for 3 wakes" in said
+            assert "planner replies: 3 for 4 wakes" in said
             assert not Path(temporary).exists()  # removed, its PostgreSQL stopped
             # The stack's database, services and data folder are as they were.
             assert embedded_pid(embedded_pgdata(folder)) == pid
@@ -338,3 +338,32 @@ def test_ups_hints_work_as_printed(data_dir: Path) -> None:
             [sys.executable, "-m", "services.cli", "room", "list"], cwd=REPO, env=shell, capture_output=True, text=True
         )
         assert who.returncode == 0 and "no rooms" in who.stdout, who.stderr
+
+
+def test_up_piped_to_a_reader_that_ctrl_c_ended_still_stops_postgresql(data_dir: Path) -> None:
+    """`quayutec up | tee log`, then Ctrl-C: tee ends with it, and `up` must stop PostgreSQL all the same."""
+    env = _env(QUAYUTEC_DATA_DIR=str(data_dir))
+    up = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "up", "--base-port", str(_base_port())],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        for line in up.stdout:
+            if "company list" in line:  # the last hint: everything runs
+                break
+        pid = embedded_pid(embedded_pgdata(data_dir))
+        assert pid is not None
+        up.stdout.close()  # the reader is gone, as tee is after Ctrl-C
+        up.send_signal(signal.SIGINT)
+        assert up.wait(timeout=60) == 0
+        assert embedded_pid(embedded_pgdata(data_dir)) is None
+        assert not _alive(pid)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.wait()

@@ -672,7 +672,10 @@ class PostMessageRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     person: _builtins.str
-    """The person of the caller's company who writes."""
+    """The person of the caller's company who writes. With a session key of a sign-in through the
+    company's provider, the verified person writes: leave it empty or send that name (another name is
+    PERMISSION_DENIED). With a company API key, the name is recorded as stated by the company's service.
+    """
     body: _builtins.str
     idempotency_key: _builtins.str
     """Optional; a retried call with the same key posts once."""
@@ -1529,7 +1532,9 @@ class DecideApprovalRequest(_message.Message):
     token: _builtins.str
     index: _builtins.int
     person: _builtins.str
-    """The person of the caller's company who decides."""
+    """The person of the caller's company who decides (as for PostMessageRequest.person: a verified
+    sign-in decides only as its own person).
+    """
     approve: _builtins.bool
     def __init__(
         self,
@@ -2028,3 +2033,168 @@ class RevokeApiKeyResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RevokeApiKeyResponse: _TypeAlias = RevokeApiKeyResponse  # noqa: Y015
+
+@_typing.final
+class SignInProvider(_message.Message):
+    """SignInProvider is a company's OpenID Connect provider as listed: never its client secret."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ISSUER_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    EMAIL_DOMAINS_FIELD_NUMBER: _builtins.int
+    ALLOW_API_KEY_SIGN_IN_FIELD_NUMBER: _builtins.int
+    UPDATED_AT_FIELD_NUMBER: _builtins.int
+    issuer: _builtins.str
+    """The issuer URL exactly as its ID tokens name it (e.g. https://login.acme.example/realms/acme)."""
+    client_id: _builtins.str
+    """The console's client id at the provider."""
+    allow_api_key_sign_in: _builtins.bool
+    """The console's sign-in with an API key stays on for this company (for development)."""
+    @_builtins.property
+    def email_domains(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """People may sign in only with an email of these domains (none: any email the provider vouches for)."""
+
+    @_builtins.property
+    def updated_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        issuer: _builtins.str = ...,
+        client_id: _builtins.str = ...,
+        email_domains: _abc.Iterable[_builtins.str] | None = ...,
+        allow_api_key_sign_in: _builtins.bool = ...,
+        updated_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["updated_at", b"updated_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_api_key_sign_in", b"allow_api_key_sign_in", "client_id", b"client_id", "email_domains", b"email_domains", "issuer", b"issuer", "updated_at", b"updated_at"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SignInProvider: _TypeAlias = SignInProvider  # noqa: Y015
+
+@_typing.final
+class SetSignInProviderRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ISSUER_FIELD_NUMBER: _builtins.int
+    CLIENT_ID_FIELD_NUMBER: _builtins.int
+    CLIENT_SECRET_FIELD_NUMBER: _builtins.int
+    EMAIL_DOMAINS_FIELD_NUMBER: _builtins.int
+    ALLOW_API_KEY_SIGN_IN_FIELD_NUMBER: _builtins.int
+    issuer: _builtins.str
+    client_id: _builtins.str
+    client_secret: _builtins.str
+    """Kept encrypted at rest, used only to redeem sign-in codes at the issuer; never returned."""
+    allow_api_key_sign_in: _builtins.bool
+    @_builtins.property
+    def email_domains(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        issuer: _builtins.str = ...,
+        client_id: _builtins.str = ...,
+        client_secret: _builtins.str = ...,
+        email_domains: _abc.Iterable[_builtins.str] | None = ...,
+        allow_api_key_sign_in: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allow_api_key_sign_in", b"allow_api_key_sign_in", "client_id", b"client_id", "client_secret", b"client_secret", "email_domains", b"email_domains", "issuer", b"issuer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetSignInProviderRequest: _TypeAlias = SetSignInProviderRequest  # noqa: Y015
+
+@_typing.final
+class SetSignInProviderResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROVIDER_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def provider(self) -> Global___SignInProvider: ...
+    def __init__(
+        self,
+        *,
+        provider: Global___SignInProvider | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provider", b"provider"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["provider", b"provider"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SetSignInProviderResponse: _TypeAlias = SetSignInProviderResponse  # noqa: Y015
+
+@_typing.final
+class GetSignInProviderRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSignInProviderRequest: _TypeAlias = GetSignInProviderRequest  # noqa: Y015
+
+@_typing.final
+class GetSignInProviderResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FOUND_FIELD_NUMBER: _builtins.int
+    PROVIDER_FIELD_NUMBER: _builtins.int
+    found: _builtins.bool
+    @_builtins.property
+    def provider(self) -> Global___SignInProvider: ...
+    def __init__(
+        self,
+        *,
+        found: _builtins.bool = ...,
+        provider: Global___SignInProvider | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["provider", b"provider"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["found", b"found", "provider", b"provider"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetSignInProviderResponse: _TypeAlias = GetSignInProviderResponse  # noqa: Y015
+
+@_typing.final
+class RemoveSignInProviderRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveSignInProviderRequest: _TypeAlias = RemoveSignInProviderRequest  # noqa: Y015
+
+@_typing.final
+class RemoveSignInProviderResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REMOVED_FIELD_NUMBER: _builtins.int
+    removed: _builtins.bool
+    def __init__(
+        self,
+        *,
+        removed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["removed", b"removed"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveSignInProviderResponse: _TypeAlias = RemoveSignInProviderResponse  # noqa: Y015

@@ -232,6 +232,21 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyResponse.FromString,
                 _registered_method=True)
+        self.SetSignInProvider = channel.unary_unary(
+                '/quayutec.v1.GatewayService/SetSignInProvider',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.SetSignInProviderRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.SetSignInProviderResponse.FromString,
+                _registered_method=True)
+        self.GetSignInProvider = channel.unary_unary(
+                '/quayutec.v1.GatewayService/GetSignInProvider',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.GetSignInProviderRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.GetSignInProviderResponse.FromString,
+                _registered_method=True)
+        self.RemoveSignInProvider = channel.unary_unary(
+                '/quayutec.v1.GatewayService/RemoveSignInProvider',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.RemoveSignInProviderRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.RemoveSignInProviderResponse.FromString,
+                _registered_method=True)
 
 
 class GatewayServiceServicer:
@@ -613,6 +628,37 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetSignInProvider(self, request, context):
+        """SetSignInProvider registers (or replaces) the OpenID Connect provider the company's people sign in
+        to the console with: its issuer, the console's client id and secret there (the secret is kept
+        encrypted and never returned), and the email domains whose people may sign in (none: any). The
+        Gateway reads the issuer's discovery document through its egress guard before saving. Once set,
+        the console's API-key sign-in is off for the company unless allow_api_key_sign_in. Replacing or
+        removing the provider ends every sign-in made through it.
+        Errors: INVALID_ARGUMENT (issuer not an https URL, empty client id or secret, malformed domain),
+        PERMISSION_DENIED (called with a session key), ALREADY_EXISTS (an email domain is another
+        company's), FAILED_PRECONDITION (the issuer's discovery document cannot be read or names another
+        issuer; the message says which).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSignInProvider(self, request, context):
+        """GetSignInProvider answers the company's provider (never its client secret); found is false when none is set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveSignInProvider(self, request, context):
+        """RemoveSignInProvider removes the company's provider and ends the sign-ins made through it; API-key
+        sign-in is on again. Errors: PERMISSION_DENIED (called with a session key).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GatewayServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -805,6 +851,21 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.RevokeApiKey,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyResponse.SerializeToString,
+            ),
+            'SetSignInProvider': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSignInProvider,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.SetSignInProviderRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.SetSignInProviderResponse.SerializeToString,
+            ),
+            'GetSignInProvider': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSignInProvider,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.GetSignInProviderRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.GetSignInProviderResponse.SerializeToString,
+            ),
+            'RemoveSignInProvider': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveSignInProvider,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.RemoveSignInProviderRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.RemoveSignInProviderResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1841,6 +1902,87 @@ class GatewayService:
             '/quayutec.v1.GatewayService/RevokeApiKey',
             quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.RevokeApiKeyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSignInProvider(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/SetSignInProvider',
+            quayutec_dot_v1_dot_gateway__pb2.SetSignInProviderRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.SetSignInProviderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSignInProvider(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/GetSignInProvider',
+            quayutec_dot_v1_dot_gateway__pb2.GetSignInProviderRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.GetSignInProviderResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveSignInProvider(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/RemoveSignInProvider',
+            quayutec_dot_v1_dot_gateway__pb2.RemoveSignInProviderRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.RemoveSignInProviderResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -247,6 +247,24 @@ class GatewayServiceStub:
     Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
     answers exactly as an unknown one).
     """
+    SetSignInProvider: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.SetSignInProviderRequest, _gateway_pb2.SetSignInProviderResponse]
+    """SetSignInProvider registers (or replaces) the OpenID Connect provider the company's people sign in
+    to the console with: its issuer, the console's client id and secret there (the secret is kept
+    encrypted and never returned), and the email domains whose people may sign in (none: any). The
+    Gateway reads the issuer's discovery document through its egress guard before saving. Once set,
+    the console's API-key sign-in is off for the company unless allow_api_key_sign_in. Replacing or
+    removing the provider ends every sign-in made through it.
+    Errors: INVALID_ARGUMENT (issuer not an https URL, empty client id or secret, malformed domain),
+    PERMISSION_DENIED (called with a session key), ALREADY_EXISTS (an email domain is another
+    company's), FAILED_PRECONDITION (the issuer's discovery document cannot be read or names another
+    issuer; the message says which).
+    """
+    GetSignInProvider: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.GetSignInProviderRequest, _gateway_pb2.GetSignInProviderResponse]
+    """GetSignInProvider answers the company's provider (never its client secret); found is false when none is set."""
+    RemoveSignInProvider: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RemoveSignInProviderRequest, _gateway_pb2.RemoveSignInProviderResponse]
+    """RemoveSignInProvider removes the company's provider and ends the sign-ins made through it; API-key
+    sign-in is on again. Errors: PERMISSION_DENIED (called with a session key).
+    """
 
 @_typing.type_check_only
 class GatewayServiceAsyncStub(GatewayServiceStub):
@@ -466,6 +484,24 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     the company key of the calling session key, ends the caller's own access too.
     Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
     answers exactly as an unknown one).
+    """
+    SetSignInProvider: _aio.UnaryUnaryMultiCallable[_gateway_pb2.SetSignInProviderRequest, _gateway_pb2.SetSignInProviderResponse]  # type: ignore[assignment]
+    """SetSignInProvider registers (or replaces) the OpenID Connect provider the company's people sign in
+    to the console with: its issuer, the console's client id and secret there (the secret is kept
+    encrypted and never returned), and the email domains whose people may sign in (none: any). The
+    Gateway reads the issuer's discovery document through its egress guard before saving. Once set,
+    the console's API-key sign-in is off for the company unless allow_api_key_sign_in. Replacing or
+    removing the provider ends every sign-in made through it.
+    Errors: INVALID_ARGUMENT (issuer not an https URL, empty client id or secret, malformed domain),
+    PERMISSION_DENIED (called with a session key), ALREADY_EXISTS (an email domain is another
+    company's), FAILED_PRECONDITION (the issuer's discovery document cannot be read or names another
+    issuer; the message says which).
+    """
+    GetSignInProvider: _aio.UnaryUnaryMultiCallable[_gateway_pb2.GetSignInProviderRequest, _gateway_pb2.GetSignInProviderResponse]  # type: ignore[assignment]
+    """GetSignInProvider answers the company's provider (never its client secret); found is false when none is set."""
+    RemoveSignInProvider: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RemoveSignInProviderRequest, _gateway_pb2.RemoveSignInProviderResponse]  # type: ignore[assignment]
+    """RemoveSignInProvider removes the company's provider and ends the sign-ins made through it; API-key
+    sign-in is on again. Errors: PERMISSION_DENIED (called with a session key).
     """
 
 class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -911,6 +947,42 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         the company key of the calling session key, ends the caller's own access too.
         Errors: INVALID_ARGUMENT, NOT_FOUND (no such key among the company's: another company's key id
         answers exactly as an unknown one).
+        """
+
+    @_abc_1.abstractmethod
+    def SetSignInProvider(
+        self,
+        request: _gateway_pb2.SetSignInProviderRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.SetSignInProviderResponse, _abc.Awaitable[_gateway_pb2.SetSignInProviderResponse]]:
+        """SetSignInProvider registers (or replaces) the OpenID Connect provider the company's people sign in
+        to the console with: its issuer, the console's client id and secret there (the secret is kept
+        encrypted and never returned), and the email domains whose people may sign in (none: any). The
+        Gateway reads the issuer's discovery document through its egress guard before saving. Once set,
+        the console's API-key sign-in is off for the company unless allow_api_key_sign_in. Replacing or
+        removing the provider ends every sign-in made through it.
+        Errors: INVALID_ARGUMENT (issuer not an https URL, empty client id or secret, malformed domain),
+        PERMISSION_DENIED (called with a session key), ALREADY_EXISTS (an email domain is another
+        company's), FAILED_PRECONDITION (the issuer's discovery document cannot be read or names another
+        issuer; the message says which).
+        """
+
+    @_abc_1.abstractmethod
+    def GetSignInProvider(
+        self,
+        request: _gateway_pb2.GetSignInProviderRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.GetSignInProviderResponse, _abc.Awaitable[_gateway_pb2.GetSignInProviderResponse]]:
+        """GetSignInProvider answers the company's provider (never its client secret); found is false when none is set."""
+
+    @_abc_1.abstractmethod
+    def RemoveSignInProvider(
+        self,
+        request: _gateway_pb2.RemoveSignInProviderRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RemoveSignInProviderResponse, _abc.Awaitable[_gateway_pb2.RemoveSignInProviderResponse]]:
+        """RemoveSignInProvider removes the company's provider and ends the sign-ins made through it; API-key
+        sign-in is on again. Errors: PERMISSION_DENIED (called with a session key).
         """
 
 def add_GatewayServiceServicer_to_server(servicer: GatewayServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

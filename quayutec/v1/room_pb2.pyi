@@ -2295,6 +2295,7 @@ class RoomServiceDecideHeldActionRequest(_message.Message):
     COMPANY_ID_FIELD_NUMBER: _builtins.int
     DECIDED_BY_FIELD_NUMBER: _builtins.int
     APPROVE_FIELD_NUMBER: _builtins.int
+    DECIDED_BY_VERIFIED_BY_FIELD_NUMBER: _builtins.int
     token: _builtins.str
     index: _builtins.int
     company_id: _builtins.str
@@ -2302,6 +2303,8 @@ class RoomServiceDecideHeldActionRequest(_message.Message):
     decided_by: _builtins.str
     """Who decided (a person's name)."""
     approve: _builtins.bool
+    decided_by_verified_by: _builtins.str
+    """The issuer that verified decided_by at sign-in; empty when the company's service stated the name."""
     def __init__(
         self,
         *,
@@ -2310,10 +2313,11 @@ class RoomServiceDecideHeldActionRequest(_message.Message):
         company_id: _builtins.str = ...,
         decided_by: _builtins.str = ...,
         approve: _builtins.bool = ...,
+        decided_by_verified_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["approve", b"approve", "company_id", b"company_id", "decided_by", b"decided_by", "index", b"index", "token", b"token"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["approve", b"approve", "company_id", b"company_id", "decided_by", b"decided_by", "decided_by_verified_by", b"decided_by_verified_by", "index", b"index", "token", b"token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

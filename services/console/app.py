@@ -36,9 +36,10 @@ from quayutec.config import ConfigError
 from quayutec.httpserve import HttpLimits, server_config
 from quayutec.throttle import AuthThrottle
 from services.client import ACTION_NAMES, STATUS_NAMES
-from services.console import company, rooms, runs
+from services.console import company, oidc, rooms, runs
 from services.console.config import ConsoleConfig
 from services.console.live import StreamSlots, approval_events, room_events
+from services.console.names import vouched
 from services.console.session import SIGNIN_SETTINGS, SignedOut, SignInRefused, form_of, sign_in, sign_out
 from services.console.timeline import arguments, error_class, shown, summary
 from services.console.web import FormError, duration, error_page, field, page, when, words
@@ -202,6 +203,7 @@ def create_app(config: ConsoleConfig, *, channel: grpc.aio.Channel | None = None
         shown=shown,
         error_class=error_class,
         summary=summary,
+        vouched=vouched,
     )
 
     routes = [
@@ -209,6 +211,8 @@ def create_app(config: ConsoleConfig, *, channel: grpc.aio.Channel | None = None
         Route("/healthz", healthz),
         Route("/signin", signin_form, methods=["GET"]),
         Route("/signin", signin, methods=["POST"]),
+        Route("/signin/provider", oidc.signin_provider, methods=["POST"]),
+        Route("/signin/callback", oidc.signin_callback, methods=["GET"], name="signin_callback"),
         Route("/signout", signout, methods=["POST"]),
         Route("/favicon.ico", favicon),
         Route("/rooms", rooms.rooms, methods=["GET", "POST"]),

@@ -336,7 +336,7 @@ async def room_events(request: Request) -> Response:
 
 
 async def approval_events(request: Request) -> Response:
-    """One stream for the approvals page (WatchRooms: every room of the company): a "changed" event
+    """One stream for the approvals and runs pages (WatchRooms: every room of the company): a "changed" event
     whenever a run of the company is parked, continues or ends, or the company joins or leaves a room,
     so the page re-reads its list. Every message carries the room cursors to resume after as its id."""
     s = Session(request)

@@ -17,9 +17,15 @@ import grpc
 
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.console.session import Session
+from services.gateway.oidc import issuer_host
 
 # Most agents and members a page names at once (the Gateway's largest page).
 MOST = 500
+
+
+def vouched(verified_by: str, company: str) -> str:
+    """Whether a person's name was verified at sign-in by the company's provider, or stated by its service."""
+    return f"verified by {issuer_host(verified_by)}" if verified_by else f"as stated by {company}'s service"
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,8 @@ class Who:
     id: str
     kind: str  # "agent", "person" or "company"
     known: bool = True
+    # For a person: "verified by <provider>" or "as stated by <company>'s service".
+    vouch: str = ""
 
 
 @dataclass
@@ -54,7 +62,8 @@ class Names:
     def author(self, a: common_pb2.Author) -> Who:
         if a.kind == common_pb2.AUTHOR_KIND_AGENT:
             return self.agent(a.agent_id)
-        return Who(a.person or "someone", self.company(a.company_id), a.company_id, "person")
+        company = self.company(a.company_id)
+        return Who(a.person or "someone", company, a.company_id, "person", vouch=vouched(a.verified_by, company))
 
     def room(self, room_id: str) -> str:
         return self.rooms.get(room_id) or f"room {room_id[:8]}"

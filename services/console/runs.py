@@ -78,6 +78,10 @@ def runs_request(chosen: dict[str, str]) -> gateway_pb2.ListRunsRequest:
 async def runs(request: Request) -> Response:
     s = Session(request)
     chosen = {k: request.query_params.get(k, "").strip()[: MAX_TOKEN_CHARS + 1] for k in (*FILTERS, "page")}
+    part = request.query_params.get("part") == "list"
+    # The newest page follows runs as they start, park and end (the approvals page's stream): the
+    # rooms' cursors first, then the list, so a change between the two reaches the page.
+    cursors = await first_cursors(s) if not part and not chosen["page"] else None
     names_task = asyncio.ensure_future(company_names(s))
     error = ""
     listed: list[common_pb2.Run] = []
@@ -104,8 +108,10 @@ async def runs(request: Request) -> Response:
         "newest_url": "/runs" + (f"?{urlencode(filters)}" if filters else ""),
         "older_url": f"/runs?{urlencode({**filters, 'page': next_token})}" if next_token else "",
         "error": error,
+        "events": f"/approvals/events?after={encode_cursors(cursors)}" if cursors is not None and not error else "",
+        "refresh": f"/runs?{urlencode({**filters, 'part': 'list'})}",
     }
-    return page(request, "runs.html", context, 400 if error else 200)
+    return page(request, "runs_list.html" if part else "runs.html", context, 400 if error else 200)
 
 
 def trace_links(jaeger_url: str, run: common_pb2.Run) -> list[dict[str, str]]:
@@ -136,6 +142,12 @@ async def run(request: Request) -> Response:
         got = await s.call("GetRun", gateway_pb2.GetRunRequest(run_id=run_id))
     r: common_pb2.Run = got.run
     approval = got.approval if got.HasField("approval") else None
+    reply = ""
+    if r.posted_message_id:  # the reply's own words, not only a link to them
+        posted = await s.call(
+            "GetMessage", gateway_pb2.GetMessageRequest(room_id=r.room_id, message_id=r.posted_message_id)
+        )
+        reply = posted.message.body
     return page(
         request,
         "run.html",
@@ -153,6 +165,7 @@ async def run(request: Request) -> Response:
             "wake_message": r.wake_source_id if r.wake_kind == common_pb2.WAKE_KIND_MESSAGE else "",
             "trace_links": trace_links(request.app.state.config.jaeger_url, r),
             "cursor": cursor,
+            "reply": reply,
         },
     )
 

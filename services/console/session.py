@@ -204,6 +204,8 @@ async def sign_in(request: Request, key: str) -> None:
             wait = trailer.get("retry-after-ms")
             seconds = math.ceil(int(wait) / 1000) if isinstance(wait, str) and wait.isdigit() else None
             raise SignInRefused(429, f"The Gateway refused the sign-in for now: {exc.details()}", seconds) from None
+        if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # the company signs in through its provider
+            raise SignInRefused(403, f"API-key sign-in is off: {exc.details()}. Sign in above.") from None
         raise
     request.session.clear()  # a new session: a fresh CSRF token, nothing of the one before
     request.session["key"] = request.app.state.box.encrypt(made.secret.encode()).decode()

@@ -19,6 +19,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from quayutec.v1 import common_pb2
 from services.client import ACTION_NAMES, OUTCOME_NAMES, STATUS_NAMES
 from services.console.web import duration, when
+from services.gateway.oidc import issuer_host
 
 ENDED = {common_pb2.RUN_STATUS_SUCCEEDED, common_pb2.RUN_STATUS_FAILED, common_pb2.RUN_STATUS_TIMED_OUT}
 # The width of the time axis, in the SVG's own units.
@@ -191,6 +192,8 @@ def timeline(run: common_pb2.Run, approval: common_pb2.Waitpoint | None, now: da
             took = ms(decided) - start if decided is not None else line.parked_ms
             verdict = {common_pb2.DECISION_APPROVED: "approved", common_pb2.DECISION_DENIED: "denied"}.get(h.decision)
             detail = f"{verdict} by {h.decided_by}" if verdict else "not decided"
+            if verdict and h.decided_by_verified_by:
+                detail += f", verified by {issuer_host(h.decided_by_verified_by)}"
             bars.append(Bar(f"held: #{h.index} {ACTION_NAMES[h.kind]}", detail, start, took, "wait"))
         if decided_at is not None and run.status in ENDED and end > decided_at:
             bars.append(Bar("continued", "the decided actions", ms(decided_at), ms(end) - ms(decided_at), "idle"))

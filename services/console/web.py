@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.templating import Jinja2Templates
 
 from services.console.session import SignInRefused, csrf_token
+from services.gateway.oidc import issuer_host
 
 # Most items one page lists (the Gateway pages further; the console shows the newest).
 PAGE = 50
@@ -134,7 +135,8 @@ class Refusal:
 
 
 def remember_person(request: Request, person: str) -> None:
-    request.session["person"] = person
+    if not request.session.get("verified_by"):  # a verified person's name is the provider's, never typed
+        request.session["person"] = person
 
 
 # -- pages ---------------------------------------------------------------------------------------------
@@ -146,6 +148,8 @@ def page(request: Request, name: str, context: Mapping[str, Any], status: int = 
         "company_name": request.session.get("company_name", ""),
         "company_id": request.session.get("company_id", ""),
         "person": request.session.get("person", ""),
+        # The provider that verified the signed-in person ("" for an API-key sign-in: names are typed).
+        "verified_by": issuer_host(verified) if (verified := request.session.get("verified_by")) else "",
         "signed_in": "key" in request.session,
         "path": request.url.path,
     }

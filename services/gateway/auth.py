@@ -41,7 +41,7 @@ from quayutec.errors import (
 )
 from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
 from services.gateway.keycache import KeyCache
-from services.gateway.store import ApiKey, ApiKeyStore, StoredKeyHash
+from services.gateway.store import ApiKey, ApiKeyStore, StoredKeyHash, VerifiedPerson
 from services.gateway.streams import OpenStream, OpenStreams
 
 _log = logging.getLogger("quayutec.gateway.auth")
@@ -52,7 +52,8 @@ MAX_LABEL_BYTES = 200
 SESSION_TTL_SECONDS = (60, 7 * 86_400)
 THROTTLE_SETTINGS = "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST / _RATE"
 # Services reachable without a key: health checks and reflection.
-UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+# SignInService too: it is how a person signs in, before there is a key (services/gateway/signin.py).
+UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/quayutec.v1.SignInService/")
 _HOW_TO_AUTH = "send metadata 'authorization: Bearer <api key>' with a key made by `quayutec` for your company"
 
 
@@ -90,6 +91,11 @@ def _label(label: str) -> str:
 def _new_secret() -> tuple[uuid.UUID, str]:
     key_id = uuid.uuid4()
     return key_id, f"{KEY_PREFIX}{key_id}_{secrets.token_urlsafe(32)}"
+
+
+# For the sign-in provider's keys (services/gateway/signin.py).
+hash_secret = _hash_secret
+new_secret = _new_secret
 
 
 async def create_api_key(pool: asyncpg.Pool, company_id: str, label: str) -> tuple[str, str]:
@@ -178,6 +184,8 @@ class Caller:
     expires_at: datetime | None = None
     # A session key's company key (the key that made it).
     parent_key_id: str | None = None
+    # The person a sign-in through the company's provider verified (such session keys only).
+    person: VerifiedPerson | None = None
 
 
 class Authenticator:
@@ -234,6 +242,7 @@ class Authenticator:
             session=stored.parent_key_id is not None,
             expires_at=stored.expires_at,
             parent_key_id=stored.parent_key_id,
+            person=stored.person,
         )
 
     async def _lookup(self, key_id: uuid.UUID) -> StoredKeyHash | None:

@@ -20,6 +20,8 @@ from quayutec.config import (
     env_str,
     service_addr,
 )
+from quayutec.crypto import Fernet, MultiFernet, load_fernet
+from quayutec.egress import EgressPolicy
 from quayutec.settings import setting
 from quayutec.throttle import ThrottleConfig
 
@@ -155,6 +157,11 @@ class GatewayConfig:
     a2a_url: str = ""
     # Longest wait of a blocking A2A SendMessage.
     a2a_block_seconds: float = 30.0
+    # The cipher of sign-in providers' client secrets: Fernet, as agents' provider keys in the Room
+    # (quayutec.crypto), under a key of the Gateway's own, so the public door never holds the Room's.
+    cipher: MultiFernet = field(default_factory=lambda: MultiFernet([Fernet(Fernet.generate_key())]), repr=False)
+    # Where calls to companies' OpenID providers may go (the Runtime's allow-list, QUAYUTEC_RUNTIME_EGRESS_ALLOW).
+    egress: EgressPolicy = field(default_factory=EgressPolicy)
 
     @property
     def tls_enabled(self) -> bool:
@@ -214,9 +221,10 @@ class GatewayConfig:
             burst=env_int(env, setting(f"{p}AUTH_FAILURE_BURST"), minimum=1),
             max_subjects=env_int(env, setting(f"{p}AUTH_TRACKED"), minimum=1),
         )
+        database = DatabaseConfig.from_env(env, prefix=p)
         return cls(
             server=ServerConfig.from_env(GATEWAY, env),
-            database=DatabaseConfig.from_env(env, prefix=p),
+            database=database,
             room_addr=service_addr(ROOM, env),
             runtime_addr=service_addr(RUNTIME, env),
             migrate_on_start=env_bool(env, setting(f"{p}MIGRATE_ON_START")),
@@ -234,4 +242,8 @@ class GatewayConfig:
             max_api_keys=env_int(env, setting(f"{p}MAX_API_KEYS"), minimum=1),
             a2a_url=env_str(env, setting(f"{p}A2A_URL")).strip(),
             a2a_block_seconds=env_float(env, setting(f"{p}A2A_BLOCK_SECONDS"), minimum=0.0),
+            cipher=load_fernet(
+                env, database.data_dir, variable=setting(f"{p}ENCRYPTION_KEY").name, file_name="gateway-encryption.key"
+            ),
+            egress=EgressPolicy.from_env(env),
         )

@@ -21,9 +21,10 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
-from quayutec.errors import InvalidArgument, NotFound
+from quayutec.errors import FailedPrecondition, InvalidArgument, NotFound
 from quayutec.v1 import gateway_pb2, gateway_pb2_grpc
 from services.gateway.auth import Caller, CallerContext, create_company_key, create_session_key, end_session
+from services.gateway.oidc import issuer_host
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.store import ApiKey, ApiKeyStore
 
@@ -88,6 +89,12 @@ class KeyRpcs(gateway_pb2_grpc.GatewayServiceServicer):
         caller = self._caller.caller()
         keys = self._key_store("session keys")
         self._limiter.take(caller.company_id)
+        provider = await keys.sign_in_provider(uuid.UUID(caller.company_id)) if not caller.session else None
+        if provider is not None and not provider.allow_api_key_sign_in:
+            raise FailedPrecondition(
+                f"your company signs its people in through {issuer_host(provider.issuer)}, so sign-in with an API "
+                "key is off (SetSignInProvider's allow_api_key_sign_in turns it back on, for development)"
+            )
         made, secret = await create_session_key(
             keys, caller, request.ttl_seconds, request.label, most=self._max_session_keys
         )

@@ -12,7 +12,7 @@ from quayutec.migrate import GATEWAY as GATEWAY_COMPONENT
 from quayutec.migrate import service_pool
 from quayutec.server import GrpcServer
 from quayutec.tls import Identity, load_identity
-from quayutec.v1 import gateway_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc
+from quayutec.v1 import gateway_pb2_grpc, room_pb2_grpc, runtime_pb2_grpc, signin_pb2_grpc
 from services.gateway.a2a import SERVICE_NAME as A2A_SERVICE
 from services.gateway.a2a import A2AGrpcHandler, RoomAgentHandler
 from services.gateway.auth import Authenticator, AuthInterceptor, CallerContext
@@ -20,8 +20,10 @@ from services.gateway.config import GatewayConfig
 from services.gateway.delivery import WakeDelivery
 from services.gateway.keycache import KeyCache
 from services.gateway.notify import COMPANY_ROOMS_CHANNEL, ROOM_EVENTS_CHANNEL, Listener, WakeListener
+from services.gateway.oidc import OidcClient
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.servicer import GatewayServicer
+from services.gateway.signin import SignInServicer
 from services.gateway.store import ApiKeyStore
 from services.gateway.streams import KEYS_REVOKED_CHANNEL, OpenStreams
 from services.gateway.watch import RoomEventHub
@@ -102,6 +104,9 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
     events_listener = Listener(pool, channels, listening)
     # One per-company rate limit for the Gateway's own API and the A2A door.
     limiter = PostRateLimiter(config.rate_limit)
+    # Calls to companies' OpenID providers go through the egress guard (services/gateway/oidc.py).
+    oidc = OidcClient(config.egress)
+    sign_in = SignInServicer(keys, config.cipher, oidc, max_session_keys=config.max_session_keys, limiter=limiter)
     servicer = GatewayServicer(
         room,
         caller,
@@ -111,6 +116,8 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         keys=keys,
         max_session_keys=config.max_session_keys,
         max_api_keys=config.max_api_keys,
+        cipher=config.cipher,
+        oidc=oidc,
     )
 
     def card_url() -> str:
@@ -138,6 +145,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
 
     def register(server: grpc.aio.Server) -> None:
         gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, server)
+        signin_pb2_grpc.add_SignInServiceServicer_to_server(sign_in, server)
         a2a_pb2_grpc.add_A2AServiceServicer_to_server(a2a, server)  # type: ignore[no-untyped-call]
         events_listener.start()
         streams.start()
@@ -154,6 +162,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
             await delivery.stop()
             await room_channel.close()
             await runtime_channel.close()
+            await oidc.aclose()
         finally:
             await held.close()
 

@@ -18,13 +18,16 @@ from urllib.parse import urlsplit
 
 import grpc
 
-from quayutec.errors import InvalidArgument, NotFound, status_for, trailers_of
+from quayutec.crypto import MultiFernet
+from quayutec.errors import InvalidArgument, NotFound, PermissionDenied, status_for, trailers_of
 from quayutec.ratelog import RateLimitedLog
 from quayutec.telemetry import annotate
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
 from services.gateway.auth import CallerContext
 from services.gateway.keys import KeyRpcs
+from services.gateway.oidc import OidcClient
 from services.gateway.ratelimit import PostRateLimiter
+from services.gateway.signin import SignInProviderRpcs
 from services.gateway.store import ApiKeyStore
 from services.gateway.watch import RoomEventHub
 
@@ -115,7 +118,7 @@ def _check_enum(enum: Any, value: int, field: str) -> None:
         raise InvalidArgument(f"{field} has unknown value {value}")
 
 
-class GatewayServicer(KeyRpcs):
+class GatewayServicer(KeyRpcs, SignInProviderRpcs):
     """The public API over the Room, scoped to the calling company."""
 
     def __init__(
@@ -129,8 +132,12 @@ class GatewayServicer(KeyRpcs):
         keys: ApiKeyStore | None = None,
         max_session_keys: int = 1000,
         max_api_keys: int = 100,
+        cipher: MultiFernet | None = None,
+        oidc: OidcClient | None = None,
     ) -> None:
         self._room = room
+        self._cipher = cipher
+        self._oidc = oidc
         self._caller = caller
         self._limiter = limiter
         self._timeout = room_timeout_seconds
@@ -145,8 +152,24 @@ class GatewayServicer(KeyRpcs):
 
     def _person(self, company_id: str, person: str) -> common_pb2.Author:
         """The caller's person as an author; a company acts only through its own people."""
-        name = _required_text(person, "person", MAX_NAME_BYTES).strip()
-        return common_pb2.Author(kind=common_pb2.AUTHOR_KIND_PERSON, company_id=company_id, person=name)
+        name, verified_by = self._person_name(person)
+        return common_pb2.Author(
+            kind=common_pb2.AUTHOR_KIND_PERSON, company_id=company_id, person=name, verified_by=verified_by
+        )
+
+    def _person_name(self, person: str) -> tuple[str, str]:
+        """Who acts, and the issuer that verified them ("" when the calling company's service states the
+        name). A sign-in through the company's provider acts only as the person it verified."""
+        verified = self._caller.caller().person
+        if verified is None:
+            return _required_text(person, "person", MAX_NAME_BYTES).strip(), ""
+        stated = person.strip()
+        if stated and stated != verified.name:
+            raise PermissionDenied(
+                f"this sign-in is {verified.name}'s, verified by {verified.issuer}: it cannot act as "
+                f"{stated[:100]!r} (leave person empty, or send {verified.name!r})"
+            )
+        return verified.name, verified.issuer
 
     @staticmethod
     def _room_not_found(room_id: str) -> NotFound:
@@ -874,7 +897,7 @@ class GatewayServicer(KeyRpcs):
             raise InvalidArgument("token is required")
         if request.index < 0:
             raise InvalidArgument(f"index must be 0 or more, got {request.index}")
-        person = _required_text(request.person, "person", MAX_NAME_BYTES).strip()
+        person, verified_by = self._person_name(request.person)
         not_found = NotFound(f"approval {request.token[:64]!r} (index {request.index}) not found")
         if not _is_uuid(request.token):
             raise not_found
@@ -885,6 +908,7 @@ class GatewayServicer(KeyRpcs):
                     index=request.index,
                     company_id=company_id,
                     decided_by=person,
+                    decided_by_verified_by=verified_by,
                     approve=request.approve,
                 ),
                 timeout=self._timeout,

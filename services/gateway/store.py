@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,16 @@ class ApiKey:
 
 
 @dataclass(frozen=True)
+class VerifiedPerson:
+    """A person as the company's OpenID provider vouched for them at sign-in (a session key carries it)."""
+
+    issuer: str
+    subject: str
+    name: str
+    email: str = ""
+
+
+@dataclass(frozen=True)
 class StoredKeyHash:
     """What authentication needs of one key."""
 
@@ -46,6 +56,36 @@ class StoredKeyHash:
     expired: bool = False
     parent_key_id: str | None = None
     expires_at: datetime | None = None
+    person: VerifiedPerson | None = None
+
+
+@dataclass(frozen=True)
+class ProviderRow:
+    """A company's OpenID provider as stored (the client secret still sealed)."""
+
+    company_id: str
+    company_name: str
+    issuer: str
+    client_id: str
+    client_secret_sealed: bytes = field(repr=False)
+    email_domains: tuple[str, ...]
+    allow_api_key_sign_in: bool
+    key_id: str
+    updated_at: datetime
+
+
+def _provider(row: Any) -> ProviderRow:
+    return ProviderRow(
+        company_id=str(row["company_id"]),
+        company_name=row["company_name"],
+        issuer=row["issuer"],
+        client_id=row["client_id"],
+        client_secret_sealed=bytes(row["client_secret_sealed"]),
+        email_domains=tuple(row["email_domains"]),
+        allow_api_key_sign_in=bool(row["allow_api_key_sign_in"]),
+        key_id=str(row["key_id"]),
+        updated_at=row["updated_at"],
+    )
 
 
 def _api_key(row: Any) -> ApiKey:
@@ -92,6 +132,14 @@ class ApiKeyStore:
         if row is None:
             return None
         parent = row["parent_key_id"]
+        person = None
+        if row["person_subject"] is not None:
+            person = VerifiedPerson(
+                issuer=row["person_issuer"],
+                subject=row["person_subject"],
+                name=row["person_name"] or "",
+                email=row["person_email"] or "",
+            )
         return StoredKeyHash(
             company_id=str(row["company_id"]),
             key_hash=bytes(row["key_hash"]),
@@ -99,6 +147,7 @@ class ApiKeyStore:
             expired=bool(row["expired"]),
             parent_key_id=str(parent) if parent is not None else None,
             expires_at=row["expires_at"],
+            person=person,
         )
 
     async def revoke_key(self, key_id: uuid.UUID) -> bool:
@@ -151,3 +200,89 @@ class ApiKeyStore:
 
     async def notify_company_rooms(self, company_id: str) -> None:
         await self._pool.execute(self._q["notify_company_rooms"], company_id)
+
+    # -- sign-in providers (services/gateway/signin.py) ------------------------------------------------
+
+    async def insert_person_session_key(
+        self,
+        key_id: uuid.UUID,
+        key_hash: bytes,
+        label: str,
+        parent: uuid.UUID,
+        ttl_seconds: int,
+        most: int,
+        person: VerifiedPerson,
+    ) -> ApiKey | None:
+        """A session key of a provider sign-in, carrying ``person``; None when the provider's key is
+        revoked or has ``most`` live session keys."""
+        row = await self._pool.fetchrow(
+            self._q["insert_person_session_key"],
+            key_id,
+            key_hash,
+            label,
+            parent,
+            float(ttl_seconds),
+            most,
+            person.issuer,
+            person.subject,
+            person.name,
+            person.email,
+        )
+        return _api_key(row) if row is not None else None
+
+    async def sign_in_provider(self, company_id: uuid.UUID) -> ProviderRow | None:
+        row = await self._pool.fetchrow(self._q["get_sign_in_provider"], company_id)
+        return _provider(row) if row is not None else None
+
+    async def find_sign_in_provider(self, *, company_name: str = "", domain: str = "") -> ProviderRow | None:
+        """The provider of the company named ``company_name`` (any case), or serving email ``domain``."""
+        if company_name:
+            row = await self._pool.fetchrow(self._q["find_sign_in_provider_by_name"], company_name)
+        else:
+            row = await self._pool.fetchrow(self._q["find_sign_in_provider_by_domain"], domain)
+        return _provider(row) if row is not None else None
+
+    async def set_sign_in_provider(
+        self, provider: ProviderRow, key_hash: bytes, label: str
+    ) -> tuple[ProviderRow | None, list[str]]:
+        """Saves the company's provider under a new company key (the one before, if any, is revoked: its
+        sign-ins end). Returns it, or (None, the domains another company's provider already serves)."""
+        company = uuid.UUID(provider.company_id)
+        domains = list(provider.email_domains)
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._q["lock_sign_in_provider"], provider.company_id)
+            taken = [r["domain"] for r in await conn.fetch(self._q["domains_of_others"], company, domains)]
+            if taken:
+                return None, taken
+            before = await conn.fetchrow(self._q["get_sign_in_provider"], company)
+            await conn.execute(self._q["insert_api_key"], uuid.UUID(provider.key_id), company, key_hash, label)
+            row = await conn.fetchrow(
+                self._q["upsert_sign_in_provider"],
+                company,
+                provider.company_name,
+                provider.issuer,
+                provider.client_id,
+                provider.client_secret_sealed,
+                domains,
+                provider.allow_api_key_sign_in,
+                uuid.UUID(provider.key_id),
+            )
+            await conn.execute(self._q["clear_sign_in_domains"], company)
+            await conn.execute(self._q["insert_sign_in_domains"], company, domains)
+            if before is not None:
+                await conn.fetchval(self._q["revoke_api_key"], before["key_id"])
+        if before is not None:
+            self._revoked(before["key_id"])
+        return _provider(row), []
+
+    async def remove_sign_in_provider(self, company_id: uuid.UUID) -> bool:
+        """Removes the company's provider and revokes its key (its sign-ins end); False when none was set."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await conn.execute(self._q["lock_sign_in_provider"], str(company_id))
+            key_id = await conn.fetchval(self._q["delete_sign_in_provider"], company_id)
+            if key_id is not None:
+                await conn.fetchval(self._q["revoke_api_key"], key_id)
+        if key_id is None:
+            return False
+        self._revoked(key_id)
+        return True

@@ -61,6 +61,8 @@ def author(row: Row, prefix: str = "author_") -> common_pb2.Author:
         company_id=_s(row[f"{prefix}company_id"]),
         person=_s(row[f"{prefix}person"]),
         agent_id=_s(row[f"{prefix}agent_id"]),
+        # Kept for persons' messages and tasks only (other rows have no such column).
+        verified_by=_s(row.get(f"{prefix}verified_by")),
     )
 
 
@@ -274,6 +276,7 @@ def held_action(row: Row) -> common_pb2.HeldAction:
         arguments_json=row["arguments_json"],
         decision=text_to_enum(common_pb2.Decision, row["decision"], DECISION_PREFIX),
         decided_by=_s(row["decided_by"]),
+        decided_by_verified_by=_s(row.get("decided_by_verified_by")),
         decided_at=timestamp(row["decided_at"]),
     )
 

@@ -742,7 +742,10 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         index = v.in_range(request.index, "index", 0, 2**31 - 1)
         company_id = v.required_id(request.company_id, "company_id")
         decided_by = v.text(request.decided_by, "decided_by", v.MAX_NAME_BYTES)
-        decided = await self._store.decide_held_action(token, index, company_id, decided_by, approve=request.approve)
+        verified_by = v.text(request.decided_by_verified_by, "decided_by_verified_by", v.MAX_URL_BYTES, required=False)
+        decided = await self._store.decide_held_action(
+            token, index, company_id, decided_by, approve=request.approve, verified_by=verified_by or None
+        )
         wp = decided.rows.waitpoint
         annotate(company_id=company_id, room_id=str(wp["room_id"]), run_id=wp["run_id"])
         return room_pb2.RoomServiceDecideHeldActionResponse(

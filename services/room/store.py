@@ -80,6 +80,8 @@ class AuthorRef:
     company_id: str
     person: str | None = None
     agent_id: str | None = None
+    # The issuer that verified the person at sign-in (None: the company's service stated the name).
+    verified_by: str | None = None
 
     def columns(self) -> tuple[str, str, str | None, str | None]:
         return self.kind, self.company_id, self.person, self.agent_id
@@ -581,6 +583,7 @@ class RoomStore:
                 woken,
                 str(message_id),
                 current_traceparent(),
+                author.verified_by,
             )
             if between_writes is not None:
                 await between_writes(conn)
@@ -639,7 +642,15 @@ class RoomStore:
             facts = Facts(author.company_id, assignee_id=to_agent_id, assignee_in_room=in_room)
             author = await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts)
             row = await conn.fetchrow(
-                self._q["insert_task"], room_id, *author.columns(), to_agent_id, title, body, run_id, dedupe_key
+                self._q["insert_task"],
+                room_id,
+                *author.columns(),
+                to_agent_id,
+                title,
+                body,
+                run_id,
+                dedupe_key,
+                author.verified_by,
             )
             if row is None:  # a concurrent create with the same dedupe_key committed first
                 earlier = await self._earlier_task(conn, room_id, dedupe_key)
@@ -1213,7 +1224,7 @@ class RoomStore:
         return page, held
 
     async def decide_held_action(
-        self, token: str, index: int, company_id: str, decided_by: str, *, approve: bool
+        self, token: str, index: int, company_id: str, decided_by: str, *, approve: bool, verified_by: str | None = None
     ) -> Decided:
         """Records the owning company's decision; the one that leaves nothing pending completes the token
         and records its DECISION wake. The token's row lock makes concurrent decisions take turns."""
@@ -1229,13 +1240,19 @@ class RoomStore:
                     await self._record_decision_wake(conn, wp)
                     decided = None  # committed below, then refused
                 else:
-                    decided = await self._decide(conn, wp, index, decided_by, approve)
+                    decided = await self._decide(conn, wp, index, decided_by, approve, verified_by)
             if decided is None:
                 raise FailedPrecondition(f"waitpoint {token} has expired")
             return decided
 
     async def _decide(
-        self, conn: asyncpg.Connection, wp: Record, index: int, decided_by: str, approve: bool
+        self,
+        conn: asyncpg.Connection,
+        wp: Record,
+        index: int,
+        decided_by: str,
+        approve: bool,
+        verified_by: str | None = None,
     ) -> Decided:
         token = wp["token"]
         rows = await self._waitpoint_rows(conn, wp)
@@ -1247,7 +1264,7 @@ class RoomStore:
             return Decided(rows, completed=False, already_decided=True)
         if action["decision"] != "pending":
             raise FailedPrecondition(f"action {index} of waitpoint {token} was already {action['decision']}")
-        await conn.execute(self._q["decide_held_action"], token, index, wanted, decided_by)
+        await conn.execute(self._q["decide_held_action"], token, index, wanted, decided_by, verified_by)
         completed = await conn.fetchval(self._q["complete_waitpoint_if_decided"], token) is not None
         if completed:
             await self._record_decision_wake(conn, wp)

@@ -74,6 +74,7 @@ def author(value: common_pb2.Author, field: str = "author") -> AuthorRef:
             kind="person",
             company_id=required_id(value.company_id, f"{field}.company_id"),
             person=text(value.person, f"{field}.person", MAX_NAME_BYTES),
+            verified_by=text(value.verified_by, f"{field}.verified_by", MAX_URL_BYTES, required=False) or None,
         )
     if value.kind == common_pb2.AUTHOR_KIND_AGENT:
         company = optional_id(value.company_id, f"{field}.company_id")

@@ -159,7 +159,7 @@ async def test_names_a_failed_post_held_actions_at_390_px_and_the_timeline(datab
         await g.get_by_label("Message", exact=True).fill("Hello from Globex")
         await g.get_by_role("button", name="Post").click()
         gus = a.locator("#messages li", has_text="Hello from Globex")
-        await expect(gus.locator(".who")).to_have_text("Gus Globex id", timeout=WAIT_MS)
+        await expect(gus.locator(".who")).to_have_text("Gus Globex as stated by Globex's service id", timeout=WAIT_MS)
         assert (
             await copied(a, "#messages li:has-text('Hello from Globex') button.copy")
             == stack.companies["Globex"].company_id

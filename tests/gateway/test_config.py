@@ -9,6 +9,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from quayutec.config import ConfigError
+from quayutec.crypto import Fernet, InvalidToken
 from quayutec.v1 import gateway_pb2
 from services.gateway.config import DeliveryConfig, GatewayConfig
 from tests.harness.gateway import authed_gateway, running_gateway, self_signed_tls
@@ -98,3 +99,19 @@ async def test_unreadable_tls_files_are_a_config_error(database_url: str, tmp_pa
             QUAYUTEC_GATEWAY_TLS_KEY=str(tmp_path / "missing.key"),
         ):
             pass
+
+
+def test_sign_in_secrets_are_sealed_with_the_gateways_own_key(tmp_path: Path) -> None:
+    own, rooms = Fernet.generate_key().decode(), Fernet.generate_key().decode()
+    env = {"QUAYUTEC_GATEWAY_ENCRYPTION_KEY": own, "QUAYUTEC_ENCRYPTION_KEY": rooms, "QUAYUTEC_DATA_DIR": str(tmp_path)}
+    sealed = GatewayConfig.from_env(env).cipher.encrypt(b"client secret")
+    assert Fernet(own.encode()).decrypt(sealed) == b"client secret"
+    with pytest.raises(InvalidToken):
+        Fernet(rooms.encode()).decrypt(sealed)
+    # Without it (development), a key file of the Gateway's own in the data folder, kept across starts.
+    dev = {"QUAYUTEC_DATA_DIR": str(tmp_path)}
+    sealed = GatewayConfig.from_env(dev).cipher.encrypt(b"client secret")
+    assert GatewayConfig.from_env(dev).cipher.decrypt(sealed) == b"client secret"
+    assert (tmp_path / "gateway-encryption.key").is_file() and not (tmp_path / "encryption.key").exists()
+    with pytest.raises(ConfigError, match="QUAYUTEC_GATEWAY_ENCRYPTION_KEY"):
+        GatewayConfig.from_env({**dev, "QUAYUTEC_GATEWAY_ENCRYPTION_KEY": "not a key"})

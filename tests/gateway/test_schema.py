@@ -38,11 +38,15 @@ async def test_schema_matches_migrations(template_ready: str) -> None:
             await conn.close()
         pool = await create_pool(from_migrations, min_size=1, max_size=1)
         try:
-            assert [m.name for m in await migrate(pool, (GATEWAY,))] == ["init", "session_keys_revocation"]
+            assert [m.name for m in await migrate(pool, (GATEWAY,))] == [
+                "init",
+                "session_keys_revocation",
+                "sign_in_providers",
+            ]
         finally:
             await pool.close()
         columns, indexes = await _shape(from_schema)
-        assert {c[0] for c in columns} == {"api_keys"}
+        assert {c[0] for c in columns} == {"api_keys", "sign_in_providers", "sign_in_domains"}
         assert (columns, indexes) == await _shape(from_migrations)
     finally:
         await drop_test_database(template_ready, from_schema)

@@ -36,6 +36,7 @@ import type {
   GetAgentRightsResponse,
   PostMessageResponse,
   SendTaskResponse,
+  SignInProvider,
 } from "./gen/quayutec/v1/gateway_pb.js";
 import { checkRequest, invalid } from "./checks.js";
 import { Unauthenticated } from "./errors.js";
@@ -221,13 +222,17 @@ export class Client {
   }
 
   /** Every invitation into a room your company created, oldest first: pending ones unless `status` says otherwise. */
-  roomInvitations(roomId: string, options: { status?: EnumInput<typeof InvitationStatus>; pageSize?: number } = {}): AsyncGenerator<Invitation, void, undefined> {
-    return this.paged("listRoomInvitations", { roomId, status: enumValue(InvitationStatus, options.status), pageSize: options.pageSize }, (p) => p.invitations);
+  roomInvitations(
+    roomId: string,
+    options: { status?: EnumInput<typeof InvitationStatus>; pageSize?: number } = {},
+    call: PerCall = {},
+  ): AsyncGenerator<Invitation, void, undefined> {
+    return this.paged(call, "listRoomInvitations", { roomId, status: enumValue(InvitationStatus, options.status), pageSize: options.pageSize }, (p) => p.invitations);
   }
 
   /** Withdraw a pending invitation (the room's creator, or its sender); withdrawing again changes nothing. */
-  async withdrawInvitation(invitationId: string): Promise<Invitation> {
-    return required((await this.unary("withdrawInvitation", { invitationId })).invitation);
+  async withdrawInvitation(invitationId: string, call: PerCall = {}): Promise<Invitation> {
+    return required((await this.unary(call, "withdrawInvitation", { invitationId })).invitation);
   }
 
   /** End your company's membership at once. */
@@ -413,6 +418,29 @@ export class Client {
     return required((await this.unary(call, "revokeApiKey", { keyId })).key);
   }
 
+  /** Register (or replace) the OpenID Connect provider your people sign in to the console with (call
+   * with a company key); the secret is stored encrypted and never returned. */
+  async setSignInProvider(options: {
+    issuer: string;
+    clientId: string;
+    clientSecret: string;
+    emailDomains?: string[];
+    allowApiKeySignIn?: boolean;
+  }, call: PerCall = {}): Promise<SignInProvider> {
+    return required((await this.unary(call, "setSignInProvider", { ...options })).provider);
+  }
+
+  /** Your company's sign-in provider (never its secret), or undefined when none is set. */
+  async signInProvider(call: PerCall = {}): Promise<SignInProvider | undefined> {
+    const got = await this.unary(call, "getSignInProvider", {});
+    return got.found ? got.provider : undefined;
+  }
+
+  /** Remove your company's sign-in provider (its sign-ins end); false when none was set. */
+  async removeSignInProvider(call: PerCall = {}): Promise<boolean> {
+    return (await this.unary(call, "removeSignInProvider", {})).removed;
+  }
+
   /** One run's ledger row: what it posted and wrote, each model request, its trace id. */
   async getRun(runId: string, call: PerCall = {}): Promise<Run> {
     return required((await this.unary(call, "getRun", { runId })).run);
@@ -588,4 +616,7 @@ export const WRAPS: { readonly [K in RpcKey]: keyof Client } = {
   watchRooms: "watchRooms",
   createSessionKey: "createSessionKey",
   endSession: "endSession",
+  setSignInProvider: "setSignInProvider",
+  getSignInProvider: "signInProvider",
+  removeSignInProvider: "removeSignInProvider",
 };

@@ -85,6 +85,10 @@ export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   listApiKeys: Safety.Read,
   // Revoking a revoked key leaves it revoked.
   revokeApiKey: Safety.IdempotentWrite,
+  // Setting the same provider again leaves it set; removing a removed one leaves it removed.
+  setSignInProvider: Safety.IdempotentWrite,
+  getSignInProvider: Safety.Read,
+  removeSignInProvider: Safety.IdempotentWrite,
 };
 
 /** TLS to the Gateway: `ca` (PEM) to trust instead of Node's roots; `serverName` when the

@@ -65,6 +65,6 @@
   source.addEventListener("changed", async () => {
     if (!refresh) return;
     const got = await fetch(refresh, { credentials: "same-origin" });
-    if (got.ok) document.getElementById("approvals").innerHTML = await got.text();
+    if (got.ok) document.getElementById(live.dataset.target || "approvals").innerHTML = await got.text();
   });
 })();

@@ -13,6 +13,11 @@ CREATE TABLE api_keys (
     revoked_at timestamptz,
     parent_key_id uuid REFERENCES api_keys (key_id),
     expires_at timestamptz,
+    -- The person a sign-in through the company's OpenID provider verified (session keys of such sign-ins).
+    person_issuer text,
+    person_subject text,
+    person_name text,
+    person_email text,
     CONSTRAINT api_keys_session_expires_check CHECK ((parent_key_id IS NULL) = (expires_at IS NULL))
 );
 
@@ -33,3 +38,26 @@ CREATE TRIGGER api_keys_revoked
     AFTER UPDATE OF revoked_at ON api_keys
     FOR EACH ROW WHEN (OLD.revoked_at IS NULL AND NEW.revoked_at IS NOT NULL)
     EXECUTE FUNCTION api_key_revoked();
+
+-- The OpenID Connect provider each company's people sign in to the console with. The client secret is
+-- a Fernet token (the cipher of agents' provider keys). Its session keys are made under key_id, a
+-- company key never handed out: revoking it, or replacing the provider, ends those sign-ins.
+CREATE TABLE sign_in_providers (
+    company_id uuid PRIMARY KEY,
+    company_name text NOT NULL,
+    issuer text NOT NULL,
+    client_id text NOT NULL,
+    client_secret_sealed bytea NOT NULL,
+    email_domains text[] NOT NULL DEFAULT '{}',
+    allow_api_key_sign_in boolean NOT NULL DEFAULT false,
+    key_id uuid NOT NULL REFERENCES api_keys (key_id),
+    updated_at timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE UNIQUE INDEX sign_in_providers_name_idx ON sign_in_providers (lower(company_name));
+
+-- Each email domain picks at most one company's provider.
+CREATE TABLE sign_in_domains (
+    domain text PRIMARY KEY,
+    company_id uuid NOT NULL REFERENCES sign_in_providers (company_id) ON DELETE CASCADE
+);

@@ -256,16 +256,16 @@ SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $1) AS room_found,
 
 -- name: insert_message_with_wakes
 -- The message ($2: its id) with the room's next seq, and a wake for each agent in $11 (source id $12, the
--- message id as text; $13 the posting span's traceparent), in one statement. Bumping rooms.last_seq takes the room row's lock (held to
+-- message id as text; $13 the posting span's traceparent; $14 the issuer that verified the person, if any), in one statement. Bumping rooms.last_seq takes the room row's lock (held to
 -- commit, so seq order is commit order): the caller runs it last but for its events and COMMIT.
 WITH next AS (
     UPDATE rooms SET last_seq = last_seq + 1 WHERE room_id = $1 RETURNING last_seq
 ), message AS (
     INSERT INTO messages (message_id, room_id, seq, author_kind, author_company_id, author_person,
-        author_agent_id, body, mention_agent_ids, run_id, dedupe_key)
-    SELECT $2, $1, next.last_seq, $3, $4, $5, $6, $7, $8::uuid[], $9, $10 FROM next
+        author_agent_id, body, mention_agent_ids, run_id, dedupe_key, author_verified_by)
+    SELECT $2, $1, next.last_seq, $3, $4, $5, $6, $7, $8::uuid[], $9, $10, $14 FROM next
     RETURNING message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
-        mention_agent_ids, run_id, created_at
+        mention_agent_ids, run_id, created_at, author_verified_by
 ), woken AS (
     INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent)
     SELECT a.agent_id, $1, 'message', $12, $13 FROM message, unnest($11::uuid[]) AS a (agent_id)
@@ -276,7 +276,7 @@ SELECT message.*, ARRAY(SELECT w FROM woken) AS wakes FROM message;
 
 -- name: list_messages_oldest_first
 SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
-    mention_agent_ids, run_id, created_at
+    mention_agent_ids, run_id, created_at, author_verified_by
 FROM messages
 WHERE room_id = $1 AND seq > $2
 ORDER BY seq
@@ -284,13 +284,13 @@ LIMIT $3;
 
 -- name: get_message
 SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
-    mention_agent_ids, run_id, created_at
+    mention_agent_ids, run_id, created_at, author_verified_by
 FROM messages
 WHERE room_id = $1 AND message_id = $2;
 
 -- name: list_messages_newest_first
 SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
-    mention_agent_ids, run_id, created_at
+    mention_agent_ids, run_id, created_at, author_verified_by
 FROM messages
 WHERE room_id = $1 AND seq < $2
 ORDER BY seq DESC
@@ -311,26 +311,26 @@ ORDER BY created_at, wake_id;
 
 -- name: find_task_by_dedupe
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos
+    status, run_id, created_at, updated_at, pos, from_verified_by
 FROM tasks WHERE room_id = $1 AND dedupe_key = $2;
 
 -- name: insert_task
 INSERT INTO tasks (room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    run_id, dedupe_key)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)
+    run_id, dedupe_key, from_verified_by)
+VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
 ON CONFLICT (room_id, dedupe_key) DO NOTHING
 RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos;
+    status, run_id, created_at, updated_at, pos, from_verified_by;
 
 -- name: get_task
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos
+    status, run_id, created_at, updated_at, pos, from_verified_by
 FROM tasks WHERE task_id = $1;
 
 -- name: lock_task
 -- The task, locked, with its assignee's company (which the room's rule on updating a task looks at).
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos,
+    status, run_id, created_at, updated_at, pos, from_verified_by,
     (SELECT a.company_id FROM agents a WHERE a.agent_id = tasks.to_agent_id) AS assignee_company_id
 FROM tasks WHERE task_id = $1
 FOR NO KEY UPDATE OF tasks;
@@ -338,11 +338,11 @@ FOR NO KEY UPDATE OF tasks;
 -- name: set_task_status
 UPDATE tasks SET status = $2, updated_at = now() WHERE task_id = $1
 RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos;
+    status, run_id, created_at, updated_at, pos, from_verified_by;
 
 -- name: list_tasks
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos
+    status, run_id, created_at, updated_at, pos, from_verified_by
 FROM tasks
 WHERE room_id = $1 AND ($2::uuid IS NULL OR to_agent_id = $2) AND ($3::text IS NULL OR status = $3) AND pos > $4
 ORDER BY pos
@@ -642,13 +642,13 @@ ORDER BY pos
 LIMIT $4;
 
 -- name: held_actions_of
-SELECT token, action_index, kind, arguments_json, decision, decided_by, decided_at
+SELECT token, action_index, kind, arguments_json, decision, decided_by, decided_at, decided_by_verified_by
 FROM held_actions
 WHERE token = ANY ($1::uuid[])
 ORDER BY token, action_index;
 
 -- name: decide_held_action
-UPDATE held_actions SET decision = $3, decided_by = $4, decided_at = now()
+UPDATE held_actions SET decision = $3, decided_by = $4, decided_at = now(), decided_by_verified_by = $5
 WHERE token = $1 AND action_index = $2 AND decision = 'pending';
 
 -- name: complete_waitpoint_if_decided

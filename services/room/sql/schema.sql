@@ -75,6 +75,8 @@ CREATE TABLE messages (
     author_kind text NOT NULL CHECK (author_kind IN ('person', 'agent')),
     author_company_id uuid NOT NULL REFERENCES companies (company_id),
     author_person text,
+    -- The issuer that verified author_person at sign-in (NULL: stated by the company's service).
+    author_verified_by text,
     author_agent_id uuid REFERENCES agents (agent_id),
     body text NOT NULL,
     mention_agent_ids uuid[] NOT NULL DEFAULT '{}',
@@ -93,6 +95,7 @@ CREATE TABLE tasks (
     from_kind text NOT NULL CHECK (from_kind IN ('person', 'agent')),
     from_company_id uuid NOT NULL REFERENCES companies (company_id),
     from_person text,
+    from_verified_by text,
     from_agent_id uuid REFERENCES agents (agent_id),
     to_agent_id uuid NOT NULL REFERENCES agents (agent_id),
     title text NOT NULL,
@@ -285,6 +288,8 @@ CREATE TABLE held_actions (
     decision text NOT NULL DEFAULT 'pending' CHECK (decision IN ('pending', 'approved', 'denied')),
     decided_by text,
     decided_at timestamptz,
+    -- The issuer that verified decided_by at sign-in (NULL: stated by the company's service).
+    decided_by_verified_by text,
     PRIMARY KEY (token, action_index),
     CONSTRAINT held_actions_decided_check CHECK ((decision = 'pending') = (decided_at IS NULL))
 );

@@ -105,6 +105,11 @@ SAFETY: Mapping[str, Safety] = {
     "CreateApiKey": Safety.UNKEYED_WRITE,
     "ListApiKeys": Safety.READ,
     "RevokeApiKey": Safety.IDEMPOTENT_WRITE,
+    # Setting the same provider again leaves it set (a repeat makes its sign-ins end once more).
+    "SetSignInProvider": Safety.IDEMPOTENT_WRITE,
+    "GetSignInProvider": Safety.READ,
+    # Removing a removed provider leaves it removed.
+    "RemoveSignInProvider": Safety.IDEMPOTENT_WRITE,
 }
 
 

@@ -283,7 +283,9 @@ class Client:
         return response.invitation
 
     @rpc("ListRoomInvitations")
-    def room_invitations(self, room_id: str, *, status: int | str = 0, page_size: int = 0) -> AsyncIterator[Invitation]:
+    def room_invitations(
+        self, room_id: str, *, status: int | str = 0, page_size: int = 0, timeout: float | None = None
+    ) -> AsyncIterator[Invitation]:
         """Every invitation into a room your company created, oldest first: pending ones unless ``status``
         says otherwise."""
         request = gateway_pb2.ListRoomInvitationsRequest(
@@ -291,13 +293,13 @@ class Client:
             status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status),
             page_size=page_size,
         )
-        return self._paged("ListRoomInvitations", request, lambda p: p.invitations)
+        return self._paged(timeout, "ListRoomInvitations", request, lambda p: p.invitations)
 
     @rpc("WithdrawInvitation")
-    async def withdraw_invitation(self, invitation_id: str) -> Invitation:
+    async def withdraw_invitation(self, invitation_id: str, *, timeout: float | None = None) -> Invitation:
         """Withdraw a pending invitation (the room's creator, or its sender); withdrawing again changes nothing."""
         request = gateway_pb2.WithdrawInvitationRequest(invitation_id=invitation_id)
-        response: gateway_pb2.WithdrawInvitationResponse = await self._unary("WithdrawInvitation", request)
+        response: gateway_pb2.WithdrawInvitationResponse = await self._unary(timeout, "WithdrawInvitation", request)
         return response.invitation
 
     @rpc("LeaveRoom")
@@ -566,6 +568,43 @@ class Client:
         request = gateway_pb2.RevokeApiKeyRequest(key_id=key_id)
         response: gateway_pb2.RevokeApiKeyResponse = await self._unary(timeout, "RevokeApiKey", request)
         return response.key
+
+    @rpc("SetSignInProvider")
+    async def set_sign_in_provider(
+        self,
+        issuer: str,
+        client_id: str,
+        client_secret: str,
+        *,
+        email_domains: Sequence[str] = (),
+        allow_api_key_sign_in: bool = False,
+        timeout: float | None = None,
+    ) -> gateway_pb2.SignInProvider:
+        """Register (or replace) the OpenID Connect provider your people sign in to the console with
+        (call with a company key). The secret is stored encrypted and never returned."""
+        request = gateway_pb2.SetSignInProviderRequest(
+            issuer=issuer,
+            client_id=client_id,
+            client_secret=client_secret,
+            email_domains=list(email_domains),
+            allow_api_key_sign_in=allow_api_key_sign_in,
+        )
+        response: gateway_pb2.SetSignInProviderResponse = await self._unary(timeout, "SetSignInProvider", request)
+        return response.provider
+
+    @rpc("GetSignInProvider")
+    async def sign_in_provider(self, *, timeout: float | None = None) -> gateway_pb2.SignInProvider | None:
+        """Your company's sign-in provider (never its secret), or None when none is set."""
+        request = gateway_pb2.GetSignInProviderRequest()
+        response: gateway_pb2.GetSignInProviderResponse = await self._unary(timeout, "GetSignInProvider", request)
+        return response.provider if response.found else None
+
+    @rpc("RemoveSignInProvider")
+    async def remove_sign_in_provider(self, *, timeout: float | None = None) -> bool:
+        """Remove your company's sign-in provider (its sign-ins end); False when none was set."""
+        request = gateway_pb2.RemoveSignInProviderRequest()
+        response: gateway_pb2.RemoveSignInProviderResponse = await self._unary(timeout, "RemoveSignInProvider", request)
+        return response.removed
 
     @rpc("SetAgentRights")
     async def set_agent_rights(

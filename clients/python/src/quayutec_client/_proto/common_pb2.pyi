@@ -431,6 +431,7 @@ class Author(_message.Message):
     COMPANY_ID_FIELD_NUMBER: _builtins.int
     PERSON_FIELD_NUMBER: _builtins.int
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    VERIFIED_BY_FIELD_NUMBER: _builtins.int
     kind: Global___AuthorKind.ValueType
     company_id: _builtins.str
     """The company the author belongs to (an agent's owning company)."""
@@ -438,6 +439,10 @@ class Author(_message.Message):
     """A person's display name (AUTHOR_KIND_PERSON)."""
     agent_id: _builtins.str
     """The agent (AUTHOR_KIND_AGENT)."""
+    verified_by: _builtins.str
+    """The issuer of the company's OpenID provider that verified the person at sign-in; empty when the
+    company's service stated the name (a call with a company API key).
+    """
     def __init__(
         self,
         *,
@@ -445,10 +450,11 @@ class Author(_message.Message):
         company_id: _builtins.str = ...,
         person: _builtins.str = ...,
         agent_id: _builtins.str = ...,
+        verified_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id", "kind", b"kind", "person", b"person"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id", "kind", b"kind", "person", b"person", "verified_by", b"verified_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1130,6 +1136,7 @@ class HeldAction(_message.Message):
     DECISION_FIELD_NUMBER: _builtins.int
     DECIDED_BY_FIELD_NUMBER: _builtins.int
     DECIDED_AT_FIELD_NUMBER: _builtins.int
+    DECIDED_BY_VERIFIED_BY_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """The action's index in the run's ledger row."""
     kind: Global___ActionKind.ValueType
@@ -1137,6 +1144,8 @@ class HeldAction(_message.Message):
     decision: Global___Decision.ValueType
     decided_by: _builtins.str
     """Who decided (a person of the owning company)."""
+    decided_by_verified_by: _builtins.str
+    """The issuer that verified decided_by at sign-in; empty when the company's service stated the name."""
     @_builtins.property
     def decided_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -1148,10 +1157,11 @@ class HeldAction(_message.Message):
         decision: Global___Decision.ValueType = ...,
         decided_by: _builtins.str = ...,
         decided_at: _timestamp_pb2.Timestamp | None = ...,
+        decided_by_verified_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["decided_at", b"decided_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "decided_at", b"decided_at", "decided_by", b"decided_by", "decision", b"decision", "index", b"index", "kind", b"kind"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments_json", b"arguments_json", "decided_at", b"decided_at", "decided_by", b"decided_by", "decided_by_verified_by", b"decided_by_verified_by", "decision", b"decision", "index", b"index", "kind", b"kind"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

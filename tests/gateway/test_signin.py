@@ -1,0 +1,243 @@
+"""Sign-in through a company's OpenID provider, from the API: a real provider (npm's oidc-provider) on
+loopback, the Gateway redeeming its codes and checking its ID tokens, and each way a sign-in is refused."""
+
+from __future__ import annotations
+
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+import grpc
+import pytest
+from authlib.oauth2.rfc7636 import create_s256_code_challenge
+
+from quayutec.v1 import gateway_pb2, signin_pb2, signin_pb2_grpc
+from tests.gateway.conftest import NOWHERE
+from tests.gateway.helpers import GatewayStub, create_room, expect_error
+from tests.harness.gateway import CompanyKey, authed_gateway, running_gateway
+from tests.harness.oidc import RunningProvider, authorize, running_provider
+from tests.test_cli import client_env, quayutec, succeeding
+
+# The provider sends the browser back here; nothing is dialled (the test reads the redirect).
+REDIRECT = "http://127.0.0.1:9/signin/callback"
+# The Gateway may call the loopback provider over plain http (the egress guard's allow-list).
+LOOPBACK = {"QUAYUTEC_RUNTIME_EGRESS_ALLOW": "127.0.0.0/8"}
+DENIED = grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.fixture
+async def gateway_addr(database_url: str, room_addr: str) -> AsyncIterator[str]:
+    async with running_gateway(
+        database_url,
+        room_addr,
+        NOWHERE,
+        QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false",
+        QUAYUTEC_GATEWAY_POST_RATE="0",
+        **LOOPBACK,
+    ) as addr:
+        yield addr
+
+
+@pytest.fixture
+async def signin(gateway_addr: str) -> AsyncIterator[signin_pb2_grpc.SignInServiceStub]:
+    async with grpc.aio.insecure_channel(gateway_addr) as channel:
+        yield signin_pb2_grpc.SignInServiceStub(channel)
+
+
+async def set_provider(gw: GatewayStub, provider: RunningProvider, *domains: str, api_keys: bool = False) -> None:
+    await gw.SetSignInProvider(
+        gateway_pb2.SetSignInProviderRequest(
+            issuer=provider.issuer,
+            client_id=provider.client_id,
+            client_secret=provider.client_secret,
+            email_domains=list(domains),
+            allow_api_key_sign_in=api_keys,
+        ),
+        timeout=20,
+    )
+
+
+async def code_for(signin: signin_pb2_grpc.SignInServiceStub, who: str, login: str) -> tuple[str, dict[str, str]]:
+    """Start a sign-in as the console does, go through the provider's pages, and answer the code and
+    what the console kept (verifier, nonce, company)."""
+    by = {"email": who} if "@" in who else {"company_name": who}
+    found = await signin.FindSignInProvider(signin_pb2.FindSignInProviderRequest(**by), timeout=20)
+    kept = {"verifier": secrets.token_urlsafe(48), "nonce": secrets.token_urlsafe(16), "company": found.company_id}
+    state = secrets.token_urlsafe(16)
+    query = {
+        "response_type": "code",
+        "client_id": found.client_id,
+        "redirect_uri": REDIRECT,
+        "scope": "openid email profile",
+        "state": state,
+        "nonce": kept["nonce"],
+        "code_challenge": create_s256_code_challenge(kept["verifier"]),
+        "code_challenge_method": "S256",
+    }
+    back = parse_qs(
+        urlsplit(await authorize(f"{found.authorization_endpoint}?{urlencode(query)}", REDIRECT, login)).query
+    )
+    assert back["state"] == [state]
+    return back["code"][0], kept
+
+
+async def complete(
+    signin: signin_pb2_grpc.SignInServiceStub, code: str, kept: dict[str, str], *, nonce: str | None = None
+) -> signin_pb2.CompleteSignInResponse:
+    done: signin_pb2.CompleteSignInResponse = await signin.CompleteSignIn(
+        signin_pb2.CompleteSignInRequest(
+            company_id=kept["company"],
+            code=code,
+            code_verifier=kept["verifier"],
+            redirect_uri=REDIRECT,
+            nonce=kept["nonce"] if nonce is None else nonce,
+            ttl_seconds=600,
+        ),
+        timeout=20,
+    )
+    return done
+
+
+async def test_a_person_signs_in_through_the_company_provider(
+    gateway_addr: str, signin: signin_pb2_grpc.SignInServiceStub, acme: CompanyKey, acme_gw: GatewayStub
+) -> None:
+    async with running_provider([REDIRECT], names={"ana@acme.test": "Ana Lima"}) as provider:
+        # No provider yet: the API key signs in, and the finder says no company serves the domain.
+        await acme_gw.CreateSessionKey(gateway_pb2.CreateSessionKeyRequest(ttl_seconds=600), timeout=10)
+        await expect_error(
+            grpc.StatusCode.NOT_FOUND,
+            signin.FindSignInProvider(signin_pb2.FindSignInProviderRequest(email="ana@acme.test"), timeout=10),
+            "acme.test",
+        )
+        await set_provider(acme_gw, provider, "acme.test")
+        got = await acme_gw.GetSignInProvider(gateway_pb2.GetSignInProviderRequest(), timeout=10)
+        assert (
+            got.found and got.provider.issuer == provider.issuer and list(got.provider.email_domains) == ["acme.test"]
+        )
+        assert provider.client_secret not in str(got)
+        by_name = await signin.FindSignInProvider(signin_pb2.FindSignInProviderRequest(company_name="acme"), timeout=10)
+        assert by_name.company_id == acme.company_id and by_name.authorization_endpoint.startswith(provider.issuer)
+        # With a provider set, the API-key sign-in is off (unless the company keeps it on).
+        await expect_error(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            acme_gw.CreateSessionKey(gateway_pb2.CreateSessionKeyRequest(ttl_seconds=600), timeout=10),
+            "API key is off",
+        )
+
+        code, kept = await code_for(signin, "ana@acme.test", "ana@acme.test")
+        done = await complete(signin, code, kept)
+        assert (done.person.name, done.person.email, done.person.issuer) == (
+            "Ana Lima",
+            "ana@acme.test",
+            provider.issuer,
+        )
+        assert done.company_name == "Acme"
+        async with authed_gateway(gateway_addr, done.secret) as person_gw:
+            who = await person_gw.WhoAmI(gateway_pb2.WhoAmIRequest(), timeout=10)
+            assert who.company.company_id == acme.company_id
+            # A person's sign-in cannot change the provider.
+            await expect_error(DENIED, set_provider(person_gw, provider), "company API key")
+            # The code was used once: the same code again is refused by the provider, said in words.
+            await expect_error(DENIED, complete(signin, code, kept), "already used")
+            # Removing the provider ends the sign-ins made through it.
+            await acme_gw.RemoveSignInProvider(gateway_pb2.RemoveSignInProviderRequest(), timeout=10)
+            await expect_error(
+                grpc.StatusCode.UNAUTHENTICATED, person_gw.WhoAmI(gateway_pb2.WhoAmIRequest(), timeout=10)
+            )
+        await acme_gw.CreateSessionKey(gateway_pb2.CreateSessionKeyRequest(ttl_seconds=600), timeout=10)
+
+
+async def test_refusals(
+    signin: signin_pb2_grpc.SignInServiceStub, acme_gw: GatewayStub, globex_gw: GatewayStub
+) -> None:
+    async with running_provider([REDIRECT]) as provider:
+        await set_provider(acme_gw, provider, "acme.test", api_keys=True)
+        # Another company cannot claim a domain that is taken.
+        await expect_error(grpc.StatusCode.ALREADY_EXISTS, set_provider(globex_gw, provider, "acme.test"), "acme.test")
+        # The API-key sign-in stays on when the company keeps it on.
+        await acme_gw.CreateSessionKey(gateway_pb2.CreateSessionKeyRequest(ttl_seconds=600), timeout=10)
+        # A nonce other than the sign-in's.
+        code, kept = await code_for(signin, "ana@acme.test", "ana@acme.test")
+        await expect_error(DENIED, complete(signin, code, kept, nonce="another"), "nonce")
+        # An email the provider vouches for, but outside the company's domains.
+        code, kept = await code_for(signin, "ana@acme.test", "eve@elsewhere.test")
+        await expect_error(DENIED, complete(signin, code, kept), "eve@elsewhere.test is not an email of Acme")
+
+
+@pytest.mark.parametrize(
+    ("mode", "says"),
+    [
+        ("bad_signature", "signature does not match"),
+        ("expired_id_token", "expired"),
+        ("wrong_issuer", "/elsewhere', not by your company's provider"),
+    ],
+)
+async def test_a_faulty_provider_is_refused(
+    signin: signin_pb2_grpc.SignInServiceStub, acme_gw: GatewayStub, mode: str, says: str
+) -> None:
+    async with running_provider([REDIRECT], mode=mode) as provider:
+        await set_provider(acme_gw, provider)
+        code, kept = await code_for(signin, "Acme", "ana@acme.test")
+        await expect_error(DENIED, complete(signin, code, kept), says)
+
+
+async def test_a_verified_person_acts_only_as_themselves(
+    gateway_addr: str, signin: signin_pb2_grpc.SignInServiceStub, acme_gw: GatewayStub
+) -> None:
+    room = await create_room(acme_gw, "verified")
+    async with running_provider([REDIRECT], names={"ana@acme.test": "Ana Lima"}) as provider:
+        await set_provider(acme_gw, provider, "acme.test")
+        code, kept = await code_for(signin, "ana@acme.test", "ana@acme.test")
+        done = await complete(signin, code, kept)
+    async with authed_gateway(gateway_addr, done.secret) as ana:
+        # Another name is refused, for a post, a task and a decision alike.
+        post = gateway_pb2.PostMessageRequest(room_id=room.room_id, person="Bob", body="as Bob")
+        await expect_error(DENIED, ana.PostMessage(post, timeout=10), "this sign-in is Ana Lima's")
+        decide = gateway_pb2.DecideApprovalRequest(token=str(uuid.uuid4()), index=0, person="Bob", approve=True)
+        await expect_error(DENIED, ana.DecideApproval(decide, timeout=10), "cannot act as 'Bob'")
+        # No name, or the verified one: recorded as Ana, verified by the provider.
+        for person in ("", "Ana Lima"):
+            sent = await ana.PostMessage(
+                gateway_pb2.PostMessageRequest(room_id=room.room_id, person=person, body="hello"), timeout=10
+            )
+            assert (sent.message.author.person, sent.message.author.verified_by) == ("Ana Lima", provider.issuer)
+    # The company's service names whom it likes: recorded as stated (no verifier).
+    stated = await acme_gw.PostMessage(
+        gateway_pb2.PostMessageRequest(room_id=room.room_id, person="Bob", body="from the service"), timeout=10
+    )
+    assert (stated.message.author.person, stated.message.author.verified_by) == ("Bob", "")
+    listed = await acme_gw.ListMessages(gateway_pb2.ListMessagesRequest(room_id=room.room_id), timeout=10)
+    assert [(m.author.person, m.author.verified_by) for m in listed.messages] == [
+        ("Ana Lima", provider.issuer),
+        ("Ana Lima", provider.issuer),
+        ("Bob", ""),
+    ]
+
+
+async def test_the_provider_is_set_from_the_command_line(
+    database_url: str, room_addr: str, gateway_addr: str, acme: CompanyKey
+) -> None:
+    env = {**client_env(database_url, room_addr, gateway_addr), "QUAYUTEC_API_KEY": acme.secret}
+    async with running_provider([REDIRECT]) as provider:
+        args = ("sign-in", "set", "--issuer", provider.issuer, "--client-id", provider.client_id)
+        no_secret = await quayutec(*args, env=env)
+        assert no_secret.returncode != 0 and "QUAYUTEC_SIGNIN_CLIENT_SECRET" in no_secret.stderr
+        ok = succeeding({**env, "QUAYUTEC_SIGNIN_CLIENT_SECRET": provider.client_secret})
+        said = await ok(*args, "--domain", "acme.test", "--domain", "@Acme.example")
+        assert said.splitlines() == [
+            f"issuer {provider.issuer}",
+            f"client id {provider.client_id}",
+            "email domains acme.test, acme.example",
+            "API-key sign-in off",
+        ]
+        assert (await ok("sign-in", "show")) == said
+        assert provider.client_secret not in said
+        unreadable = await quayutec(
+            "sign-in", "set", "--issuer", "http://127.0.0.1:9", "--client-id", "x",
+            env={**env, "QUAYUTEC_SIGNIN_CLIENT_SECRET": "s"},
+        )  # fmt: skip
+        assert unreadable.returncode != 0
+        assert "FAILED_PRECONDITION" in unreadable.stderr, unreadable.stderr
+        assert (await ok("sign-in", "remove")).strip() == "removed; its sign-ins are ended"
+        assert "no sign-in provider" in await ok("sign-in", "show")
