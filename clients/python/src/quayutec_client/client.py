@@ -52,11 +52,18 @@ from quayutec_client.watch import RoomsWatch, RoomWatch
 T = TypeVar("T")
 F = TypeVar("F", bound=Callable[..., Any])
 
-# gRPC reconnects to a Gateway that went away within this (its default ceiling is two minutes).
+# gRPC reconnects to a Gateway that went away within this (its default ceiling is two minutes), and a
+# connection whose peer fell silent (a network cut: no reset ever comes, and bytes sent into it wait on
+# TCP's retransmission backoff, tens of seconds) is found out by a ping unanswered for 5 s and replaced,
+# instead of holding every call made on it until TCP gives up. The Gateway accepts a ping a second.
 DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 )
 
 
