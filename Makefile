@@ -69,8 +69,12 @@ $(NODE_STAMP): $(NODE_EXAMPLES)/package-lock.json
 	cd $(NODE_EXAMPLES) && npm ci --no-audit --no-fund
 	touch $(NODE_STAMP)
 
+# `npm ci` fetches only the lock file's tarballs; `npm cache add` also keeps the client's dependencies'
+# full metadata, which tests/clients/test_typescript.py's offline `npm install` of the packed client
+# needs (without it that install fails ENOTCACHED on a machine whose npm cache is new).
 $(TS_STAMP): $(TS_CLIENT)/package-lock.json
 	cd $(TS_CLIENT) && npm ci --no-audit --no-fund
+	cd $(TS_CLIENT) && npm cache add $$(node -p "Object.entries(require('./package.json').dependencies).map(([n, v]) => n + '@' + v).join(' ')")
 	touch $(TS_STAMP)
 
 $(OIDC_STAMP): $(OIDC_PROVIDER)/package-lock.json

@@ -391,13 +391,17 @@ async def controlled_stack(database_url: str) -> AsyncIterator[tuple[SdkStack, s
             }
 
             async def spans(stack: SdkStack, body: dict[str, Any]) -> dict[str, Any]:
-                """The server spans of one RPC on the in-process Gateways: trace and parent span ids."""
+                """The server spans of one RPC on the in-process Gateways: trace and parent span ids, and links."""
                 await asyncio.to_thread(capture.force_flush)
                 return {
                     "spans": [
                         {
                             "trace_id": f"{s.context.trace_id:032x}",
                             "parent_span_id": f"{s.parent.span_id:016x}" if s.parent else None,
+                            "links": [
+                                {"trace_id": f"{link.context.trace_id:032x}", "span_id": f"{link.context.span_id:016x}"}
+                                for link in s.links
+                            ],
                         }
                         for s in exporter.get_finished_spans()
                         if s.name == f"{GATEWAY_SERVICE}/{body['rpc']}" and s.kind == trace.SpanKind.SERVER
