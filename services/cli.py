@@ -17,6 +17,7 @@ from typing import Any
 
 import asyncpg
 import grpc
+from google.protobuf import json_format
 
 from quayutec.channels import channel_as
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, ConfigError, DatabaseConfig, service_addr
@@ -32,9 +33,11 @@ from services.client import (
     CommandError,
     GatewayClient,
     format_run,
+    resolve_company,
     resolve_mentions,
     resolve_own_agent,
     resolve_room,
+    room_name,
     room_names,
 )
 
@@ -489,11 +492,14 @@ async def cmd_room_create(opts: argparse.Namespace) -> int:
 
 async def cmd_room_invite(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        invited = await _client(channel).InviteCompany(
-            gateway_pb2.InviteCompanyRequest(room_id=opts.room, company_id=opts.company)
-        )
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        company_id, _ = await resolve_company(client, opts.company)
+        invited = (
+            await client.InviteCompany(gateway_pb2.InviteCompanyRequest(room_id=room_id, company_id=company_id))
+        ).invitation
     print(
-        f"invitation {invited.invitation.invitation_id}: company {opts.company} is invited to room {opts.room}; "
+        f"invitation {invited.invitation_id}: {invited.company_name} is invited to room {invited.room_name!r}; "
         "it becomes a member when it accepts (`quayutec invitation accept <id>`)"
     )
     return 0
@@ -501,15 +507,22 @@ async def cmd_room_invite(opts: argparse.Namespace) -> int:
 
 async def cmd_room_leave(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        await _client(channel).LeaveRoom(gateway_pb2.LeaveRoomRequest(room_id=opts.room))
-    print(f"your company left room {opts.room}; rejoining takes a new invitation")
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        name = await room_name(client, room_id)
+        await client.LeaveRoom(gateway_pb2.LeaveRoomRequest(room_id=room_id))
+    print(f"your company left room {name!r}; rejoining takes a new invitation")
     return 0
 
 
 async def cmd_room_remove_member(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        await _client(channel).RemoveMember(gateway_pb2.RemoveMemberRequest(room_id=opts.room, company_id=opts.company))
-    print(f"company {opts.company} removed from room {opts.room}")
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        name = await room_name(client, room_id)
+        company_id, company = await resolve_company(client, opts.company, member_of=room_id)
+        await client.RemoveMember(gateway_pb2.RemoveMemberRequest(room_id=room_id, company_id=company_id))
+    print(f"{company} removed from room {name!r}")
     return 0
 
 
@@ -525,8 +538,11 @@ async def cmd_invitations(opts: argparse.Namespace) -> int:
     status = INVITATION_STATUSES[opts.status]
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         if opts.room:
-            got = await _client(channel).ListRoomInvitations(
-                gateway_pb2.ListRoomInvitationsRequest(room_id=opts.room, status=status, page_size=opts.limit)
+            client = _client(channel)
+            got = await client.ListRoomInvitations(
+                gateway_pb2.ListRoomInvitationsRequest(
+                    room_id=await resolve_room(client, opts.room), status=status, page_size=opts.limit
+                )
             )
         else:
             got = await _client(channel).ListInvitations(
@@ -562,7 +578,7 @@ async def cmd_invitation_accept(opts: argparse.Namespace) -> int:
         got = await _client(channel).AcceptInvitation(
             gateway_pb2.AcceptInvitationRequest(invitation_id=opts.invitation_id)
         )
-    print(f"accepted: your company is a member of room {got.invitation.room_id} {got.invitation.room_name!r}")
+    print(f"accepted: your company is a member of room {got.invitation.room_name!r}")
     return 0
 
 
@@ -667,47 +683,111 @@ async def cmd_messages(opts: argparse.Namespace) -> int:
 
 
 EVENT_NAMES = {v: k.removeprefix("ROOM_EVENT_KIND_").lower() for k, v in common_pb2.RoomEventKind.items()}
+STATUS_OF_TASK = {v: k.removeprefix("TASK_STATUS_").lower() for k, v in common_pb2.TaskStatus.items()}
 # Ends of a watch that resuming from the last cursor cures (`quayutec watch` resumes by itself).
 WATCH_RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 WATCH_RESUME_PAUSE_SECONDS = 1.0
 
 
-def format_event(event: common_pb2.RoomEvent) -> str:
-    """One line per room event: its cursor, kind and what changed."""
+class EventNames:
+    """Names of the rooms, companies and agents that `watch` prints; a room's are looked up again when
+    one of its events names an id not seen yet (a company that joined, an agent registered since)."""
+
+    def __init__(self, client: GatewayClient) -> None:
+        self._client = client
+        self.rooms: dict[str, str] = {}
+        self.companies: dict[str, str] = {}
+        self.agents: dict[str, str] = {}
+
+    async def cover(self, event: common_pb2.RoomEvent) -> None:
+        """Makes sure the event's ids have names, if the caller may still see them."""
+        unknown = [i for i in _event_ids(event) if i and i not in self.companies and i not in self.agents]
+        if event.room_id not in self.rooms or unknown:
+            await self.load(event.room_id)
+
+    async def load(self, room_id: str) -> None:
+        try:
+            if room_id not in self.rooms:
+                listed = await self._client.ListRooms(gateway_pb2.ListRoomsRequest(page_size=500))
+                self.rooms |= {r.room_id: r.name for r in listed.rooms}
+            companies, agents = await room_names(self._client, room_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # the company left the room: its ids stay ids
+                raise
+            return
+        self.companies |= companies
+        self.agents |= agents
+
+    def company(self, company_id: str) -> str:
+        return self.companies.get(company_id, f"company {company_id}")
+
+    def agent(self, agent_id: str) -> str:
+        return self.agents.get(agent_id, f"agent {agent_id}")
+
+    def room(self, room_id: str) -> str:
+        return self.rooms.get(room_id, f"room {room_id}")
+
+
+def _event_ids(event: common_pb2.RoomEvent) -> list[str]:
+    if event.HasField("message"):
+        return [event.message.author.company_id, event.message.author.agent_id]
+    if event.HasField("task"):
+        return [event.task.to_agent_id, getattr(event.task, "from").company_id, getattr(event.task, "from").agent_id]
+    if event.HasField("member"):
+        return [event.member.company_id]
+    if event.HasField("run"):
+        return [event.run.agent_id]
+    if event.HasField("approval"):
+        return [event.approval.agent_id]
+    return []
+
+
+def format_event(event: common_pb2.RoomEvent, names: EventNames) -> str:
+    """One line per room event: its cursor, kind and what changed, naming companies and agents."""
     what = ""
     if event.HasField("message"):
         m = event.message
-        who = m.author.person or f"agent {m.author.agent_id}"
+        who = (
+            f"{names.agent(m.author.agent_id)} ({names.company(m.author.company_id)}'s agent)"
+            if m.author.agent_id
+            else f"{m.author.person} ({names.company(m.author.company_id)})"
+        )
         what = f"#{m.seq} {who}: {m.body}"
     elif event.HasField("task"):
         t = event.task
-        what = f"{t.task_id} {t.title!r} -> agent {t.to_agent_id} ({common_pb2.TaskStatus.Name(t.status)})"
+        what = f"{t.title!r} -> {names.agent(t.to_agent_id)} ({STATUS_OF_TASK.get(t.status, str(t.status))})"
     elif event.HasField("memory"):
         scope = "company only" if event.memory.visibility == common_pb2.MEMORY_VISIBILITY_COMPANY else "room"
         what = f"({scope}) {event.memory.text}"
     elif event.HasField("file"):
         what = f"{event.file.name} ({event.file.size_bytes} bytes)"
     elif event.HasField("member"):
-        what = f"company {event.member.company_id}"
+        what = event.member.company_name or names.company(event.member.company_id)
     elif event.HasField("run"):
-        what = f"run {event.run.run_id} of agent {event.run.agent_id}"
+        what = f"a run of {names.agent(event.run.agent_id)}: {STATUS_NAMES[event.run.status]}"
     elif event.HasField("approval"):
-        what = f"token {event.approval.token}: {len(event.approval.held)} held action(s) of run {event.approval.run_id}"
+        a = event.approval
+        what = f"{len(a.held)} held action(s) of {names.agent(a.agent_id)} ({a.token})"
     return f"[{event.cursor}] {EVENT_NAMES.get(event.kind, str(event.kind))} {what}".rstrip()
+
+
+def _event_json(event: common_pb2.RoomEvent) -> str:
+    return json_format.MessageToJson(event, indent=None, preserving_proto_field_name=True)
 
 
 async def cmd_watch(opts: argparse.Namespace) -> int:
     """Prints the room's events (or, with --all, every room's) as they happen, like `tail -f`; resumes by
-    itself after a drop."""
+    itself after a drop. Lines name rooms, companies and agents; --json prints each event whole, ids and all."""
     if opts.all:
         if opts.after is not None:
             print("--after goes with --room; `watch --all` starts from now", file=sys.stderr)
             return 2
-        return await _watch_all()
+        return await _watch_all(opts.json)
     after: int | None = opts.after
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
         room_id = await resolve_room(client, opts.room)
+        names = EventNames(client)
         while True:
             request = gateway_pb2.WatchRoomRequest(room_id=room_id)
             if after is not None:
@@ -715,7 +795,11 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
             try:
                 async for item in client.WatchRoom(request):
                     for event in item.events:
-                        print(format_event(event), flush=True)
+                        if opts.json:
+                            print(_event_json(event), flush=True)
+                        else:
+                            await names.cover(event)
+                            print(format_event(event, names), flush=True)
                         after = event.cursor
                     if item.HasField("heartbeat"):
                         after = item.heartbeat.cursor
@@ -726,12 +810,13 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
                 await asyncio.sleep(WATCH_RESUME_PAUSE_SECONDS)
 
 
-async def _watch_all() -> int:
+async def _watch_all(as_json: bool) -> int:
     """Every room of the company in one WatchRooms stream: one line per event, prefixed by its room."""
     cursors: dict[str, int] = {}
     resuming = False  # after the first heartbeat: rooms joined meanwhile are followed from their joining
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
+        names = EventNames(client)
         while True:
             request = gateway_pb2.WatchRoomsRequest(
                 after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in cursors.items()],
@@ -740,7 +825,11 @@ async def _watch_all() -> int:
             try:
                 async for item in client.WatchRooms(request):
                     for event in item.events:
-                        print(f"room {event.room_id} {format_event(event)}", flush=True)
+                        if as_json:
+                            print(_event_json(event), flush=True)
+                        else:
+                            await names.cover(event)
+                            print(f"{names.room(event.room_id)}: {format_event(event, names)}", flush=True)
                         cursors[event.room_id] = event.cursor
                     if item.HasField("heartbeat"):
                         cursors = {r.room_id: r.cursor for r in item.heartbeat.rooms}
@@ -849,6 +938,7 @@ async def cmd_decide(opts: argparse.Namespace) -> int:
 
 ROOM_ID = "a room's name or id (as `room create` prints)"
 COMPANY_ID = "a company id (as `company create` prints)"
+COMPANY = "a company's name (one your company shares a room or an invitation with) or id"
 AS_JSON = "print JSON (an array of objects) instead of a table"
 
 
@@ -956,14 +1046,14 @@ def parser() -> argparse.ArgumentParser:
     rc.set_defaults(handler=cmd_room_create)
     ri = room.add_parser("invite", help="invite another company; it becomes a member when it accepts")
     ri.add_argument("room", help=ROOM_ID)
-    ri.add_argument("company", help="the invited " + COMPANY_ID)
+    ri.add_argument("company", help="the company to invite: " + COMPANY)
     ri.set_defaults(handler=cmd_room_invite)
     rl = room.add_parser("leave", help="leave a room (its creator cannot); you lose access at once")
     rl.add_argument("room", help=ROOM_ID)
     rl.set_defaults(handler=cmd_room_leave)
     rr = room.add_parser("remove-member", help="remove a member company (the room's creator only)")
     rr.add_argument("room", help=ROOM_ID)
-    rr.add_argument("company", help="the member's " + COMPANY_ID)
+    rr.add_argument("company", help="the member company's name or id")
     rr.set_defaults(handler=cmd_room_remove_member)
     rls = room.add_parser("list", help="the rooms your company is a member of")
     _limit(rls, 50)
@@ -971,7 +1061,9 @@ def parser() -> argparse.ArgumentParser:
     rls.set_defaults(handler=cmd_room_list)
     iv = sub.add_parser("invitations", help="invitations to your company (pending ones by default)")
     iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending", help="which ones to list")
-    iv.add_argument("--room", default="", help="instead, every invitation into this room your company created")
+    iv.add_argument(
+        "--room", default="", metavar="ROOM", help="instead, the invitations into this room (its name or id) it created"
+    )
     _limit(iv, 50)
     _json(iv)
     iv.set_defaults(handler=cmd_invitations)
@@ -1018,6 +1110,7 @@ def parser() -> argparse.ArgumentParser:
     wt.add_argument(
         "--after", type=int, help="with --room: start after this cursor (0: from the oldest kept); default: from now"
     )
+    wt.add_argument("--json", action="store_true", help="print each event as one line of JSON, with its ids")
     wt.set_defaults(handler=cmd_watch)
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -549,3 +549,80 @@ def test_a_refused_action_reads_with_its_rule() -> None:
         "  action #0 close_task: refused (only the company that sent task t or the company of its assignee may "
         "update or close it) [rule task-sender-or-assignee]"
     ) in format_run(run).splitlines()
+
+
+async def _watch_lines(env: dict[str, str], key: str, *args: str, until: str) -> list[str]:
+    """`quayutec watch ...` run as the company of ``key`` until a line holding ``until`` is printed."""
+    watch = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "watch", *args,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env, "QUAYUTEC_API_KEY": key},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert watch.stdout is not None
+    lines: list[str] = []
+    try:
+        while not any(until in line for line in lines):
+            line = (await asyncio.wait_for(watch.stdout.readline(), 60)).decode()
+            assert line, (lines, (await watch.stderr.read()).decode() if watch.stderr else "")
+            lines.append(line.rstrip("\n"))
+    finally:
+        watch.terminate()
+        await watch.wait()
+    return lines
+
+
+async def test_watch_names_things_and_rooms_and_companies_are_given_by_name(database_url: str) -> None:
+    """Issue 35: `watch` prints rooms, companies and agents by name (ids with --json); `room invite`,
+    `leave`, `remove-member` and `invitations --room` take names; their answers and errors name things."""
+    async with companies_cli(database_url, QUAYUTEC_PROVIDER_KEY="sk-cli-secret") as cli:
+        run, ok, company = cli.run, cli.ok, cli.company
+
+        (acme_id, acme), (globex_id, globex) = await company("Acme"), await company("Globex")
+        room_id = (await ok(acme, "room", "create", "launch")).split()[1]
+        stranger = await run(acme, "room", "invite", "launch", "Globex")  # shares nothing with Acme yet
+        assert stranger.returncode == 1 and "no company named 'Globex' is known to your company" in stranger.stderr
+        invited = await ok(acme, "room", "invite", "Launch", globex_id)
+        assert "Globex is invited to room 'launch'" in invited and globex_id not in invited
+        assert "is a member of room 'launch'" in await ok(globex, "invitation", "accept", invited.split()[1][:-1])
+        await ok(acme, "room", "create", "ops")
+        by_name = await ok(acme, "room", "invite", "ops", "globex")  # known now: a member of launch
+        assert "Globex is invited to room 'ops'" in by_name
+        assert by_name.split()[1][:-1] in await ok(acme, "invitations", "--room", "ops")
+        planner = await ok(acme, "agent", "register", "--name", "planner", "--provider", "openai", "--model", "m")
+        planner_id = planner.split()[1]
+        await ok(globex, "post", "--room", "launch", "--person", "gus", "--mention", "planner", "hello")
+        unknown = await run(globex, "post", "--room", "launch", "--person", "gus", "--mention", "nobody", "x")
+        assert "no agent named 'nobody' in room 'launch'" in unknown.stderr and "Acme's agent" in unknown.stderr
+        assert room_id not in unknown.stderr and acme_id not in unknown.stderr
+
+        watched = await _watch_lines(cli.env, globex, "--room", "launch", "--after", "0", until="hello")
+        text = "\n".join(watched)
+        assert any(line.endswith("member_joined Globex") for line in watched), text
+        assert any(line.endswith("message_posted #1 gus (Globex): hello") for line in watched), text
+        assert not any(i in text for i in (acme_id, globex_id, room_id, planner_id)), text
+        as_json = await _watch_lines(cli.env, globex, "--room", room_id, "--after", "0", "--json", until="hello")
+        [message] = [json.loads(line)["message"] for line in as_json if '"message"' in line]
+        assert message["author"]["company_id"] == globex_id and message["body"] == "hello"
+        assert json.loads(as_json[0])["room_id"] == room_id
+
+        # Every room of the company, each line under its room's name. It starts from now: post until seen.
+        async def post_until_seen() -> None:
+            for _ in range(30):  # bounded
+                await ok(acme, "post", "--room", "launch", "--person", "ana", "again")
+                await asyncio.sleep(1)
+
+        posting = asyncio.create_task(post_until_seen())
+        try:
+            every = await _watch_lines(cli.env, acme, "--all", until="again")
+        finally:
+            posting.cancel()
+        assert re.fullmatch(r"launch: \[\d+\] message_posted #\d+ ana \(Acme\): again", every[-1]), every
+
+        missing = await run(acme, "room", "remove-member", "launch", "Initech")
+        assert missing.returncode == 1 and "no company named 'Initech' is a member of that room" in missing.stderr
+        removed = await ok(acme, "room", "remove-member", "launch", "GLOBEX")
+        assert removed == "Globex removed from room 'launch'\n"
+        ops_invitation = await ok(globex, "invitations", "--json")
+        [pending] = json.loads(ops_invitation)
+        await ok(globex, "invitation", "accept", pending["invitation_id"])
+        assert "your company left room 'ops'" in await ok(globex, "room", "leave", "ops")
