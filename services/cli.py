@@ -93,7 +93,11 @@ async def _run_up(stack: Any, with_standin: bool) -> int:
             print(f"  {name:8s} {stack.addr(name)}", flush=True)
         print(f"  console  {stack.console_url} (sign in with a company's API key: see below)", flush=True)
         if standin is not None:
-            print(f"  standin  {standin.base_url} (stand-in model provider)", flush=True)
+            print(
+                f"  standin  {standin.base_url} (stand-in model provider; scripting its answers: README, "
+                '"See an approval yourself")',
+                flush=True,
+            )
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
         print("in another terminal, point the commands at this stack with:", flush=True)
         print(stack.exports(), flush=True)
@@ -943,7 +947,7 @@ AS_JSON = "print JSON (an array of objects) instead of a table"
 
 
 def _limit(p: argparse.ArgumentParser, default: int) -> None:
-    p.add_argument("--limit", type=int, default=default, help=f"at most this many (default {default})")
+    p.add_argument("--limit", type=int, default=default, metavar="N", help=f"list at most N (default {default})")
 
 
 def _json(p: argparse.ArgumentParser) -> None:
@@ -953,13 +957,18 @@ def _json(p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="quayutec",
-        description="Quayutec rooms: run the stack here, the demo, admin commands, and a client of the Gateway.",
+        description="Quayutec rooms: run the stack or the demo on this machine, administer companies and their "
+        "keys, and act as a company through the Gateway.",
         epilog=f"Client commands authenticate with {API_KEY_ENV}; admin commands use the services' database "
         "(DATABASE_URL, or the embedded PostgreSQL of QUAYUTEC_DATA_DIR). `quayutec config` lists every setting.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    up = sub.add_parser("up", help="embedded PostgreSQL, the four services and the console here; Ctrl-C stops them")
-    up.add_argument("--standin", action="store_true", help="point Runtime at a local stand-in model provider")
+    up = sub.add_parser("up", help="run the embedded PostgreSQL, the four services and the console here until Ctrl-C")
+    up.add_argument(
+        "--standin",
+        action="store_true",
+        help="point Runtime at a local stand-in model provider (its scripted answers: README)",
+    )
     up.add_argument(
         "--base-port",
         type=int,
@@ -971,25 +980,27 @@ def parser() -> argparse.ArgumentParser:
     db = sub.add_parser("db", help="the embedded PostgreSQL in the data folder").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    db.add_parser("status", help="whether it runs, and where").set_defaults(handler=cmd_db_status)
-    db.add_parser("stop", help="stop one left running (Ctrl-C on `up` stops the one it started)").set_defaults(
+    db.add_parser("status", help="say whether it runs, and where").set_defaults(handler=cmd_db_status)
+    db.add_parser("stop", help="stop one left running (Ctrl-C on `up` stops the one `up` started)").set_defaults(
         handler=cmd_db_stop
     )
-    cf = sub.add_parser("config", help="every setting: default, the value in effect here, who reads it")
+    cf = sub.add_parser("config", help="list every setting: its default, the value in effect here, who reads it")
     cf.add_argument(
         "--service",
         choices=["gateway", "room", "claims", "runtime", "console", "cli"],
-        help="only the settings it reads",
+        help="only the settings this one reads",
     )
     _json(cf)
     cf.set_defaults(handler=cmd_config)
-    sub.add_parser("demo", help="the two-company demo, with a Runtime crash").set_defaults(handler=cmd_demo)
+    sub.add_parser("demo", help="run the two-company demo: a Runtime crash, then an approval").set_defaults(
+        handler=cmd_demo
+    )
     sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
     pki = sub.add_parser("pki", help="the development certificates of the data folder (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
     pki.add_parser(
-        "init", help="make the development CA and each identity's certificate if missing, and show where"
+        "init", help="make the development CA and each identity's certificate where missing, and say where they are"
     ).set_defaults(handler=cmd_pki_init)
 
     company = sub.add_parser("company", help="companies (admin)").add_subparsers(
@@ -998,7 +1009,7 @@ def parser() -> argparse.ArgumentParser:
     create = company.add_parser("create", help="create a company")
     create.add_argument("name", help="the company's name (unique)")
     create.set_defaults(handler=cmd_company_create)
-    cl = company.add_parser("list", help="every company and its id, oldest first")
+    cl = company.add_parser("list", help="list every company and its id, oldest first")
     _limit(cl, 100)
     _json(cl)
     cl.set_defaults(handler=cmd_company_list)
@@ -1006,7 +1017,7 @@ def parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="API keys (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    kc = keys.add_parser("create", help="make an API key for a company; the key is printed once")
+    kc = keys.add_parser("create", help="make an API key for a company (the key is printed once)")
     kc.add_argument("--company", required=True, help=COMPANY_ID)
     kc.add_argument("--label", default="", help="a note to tell keys apart (e.g. ci)")
     kc.set_defaults(handler=cmd_keys_create)
@@ -1030,12 +1041,12 @@ def parser() -> argparse.ArgumentParser:
     )
     post.add_argument("body", help="the message text")
     post.set_defaults(handler=cmd_post)
-    runs = sub.add_parser("runs", help="your agents' runs, newest first, with trace ids")
+    runs = sub.add_parser("runs", help="list your agents' runs, newest first, with their trace ids")
     runs.add_argument("--agent", metavar="AGENT", help="only this agent's runs (its name or id)")
     _limit(runs, 20)
     _json(runs)
     runs.set_defaults(handler=cmd_runs)
-    run = sub.add_parser("run", help="one run's full ledger record")
+    run = sub.add_parser("run", help="show one run's full ledger record")
     run.add_argument("run_id", help="a run id (as `runs` prints)")
     run.set_defaults(handler=cmd_run)
     room = sub.add_parser("room", help="rooms (as your company)").add_subparsers(
@@ -1055,14 +1066,17 @@ def parser() -> argparse.ArgumentParser:
     rr.add_argument("room", help=ROOM_ID)
     rr.add_argument("company", help="the member company's name or id")
     rr.set_defaults(handler=cmd_room_remove_member)
-    rls = room.add_parser("list", help="the rooms your company is a member of")
+    rls = room.add_parser("list", help="list the rooms your company is a member of")
     _limit(rls, 50)
     _json(rls)
     rls.set_defaults(handler=cmd_room_list)
-    iv = sub.add_parser("invitations", help="invitations to your company (pending ones by default)")
+    iv = sub.add_parser("invitations", help="list the invitations to your company (pending ones by default)")
     iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending", help="which ones to list")
     iv.add_argument(
-        "--room", default="", metavar="ROOM", help="instead, the invitations into this room (its name or id) it created"
+        "--room",
+        default="",
+        metavar="ROOM",
+        help="instead, the invitations into this room (its name or id) that your company made",
     )
     _limit(iv, 50)
     _json(iv)
@@ -1070,14 +1084,16 @@ def parser() -> argparse.ArgumentParser:
     invitation = sub.add_parser(
         "invitation", help="answer an invitation to your company, or withdraw one"
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
-    ia = invitation.add_parser("accept", help="accept: your company becomes a member of the room")
-    ia.add_argument("invitation_id", help="as `invitations` prints")
+    ia = invitation.add_parser("accept", help="accept it: your company becomes a member of the room")
+    ia.add_argument("invitation_id", help="the invitation's id (as `invitations` prints)")
     ia.set_defaults(handler=cmd_invitation_accept)
-    idc = invitation.add_parser("decline", help="decline: your company does not join the room")
-    idc.add_argument("invitation_id", help="as `invitations` prints")
+    idc = invitation.add_parser("decline", help="decline it: your company stays out of the room")
+    idc.add_argument("invitation_id", help="the invitation's id (as `invitations` prints)")
     idc.set_defaults(handler=cmd_invitation_decline)
-    iw = invitation.add_parser("withdraw", help="withdraw a pending invitation (the room's creator, or its sender)")
-    iw.add_argument("invitation_id", help="as `invitations --room` prints")
+    iw = invitation.add_parser(
+        "withdraw", help="withdraw a pending invitation (as the room's creator or the one who sent it)"
+    )
+    iw.add_argument("invitation_id", help="the invitation's id (as `invitations --room` prints)")
     iw.set_defaults(handler=cmd_invitation_withdraw)
     agent = sub.add_parser("agent", help="your agents").add_subparsers(dest="action", required=True, metavar="ACTION")
     ar = agent.add_parser("register", help=f"register an always-on agent (provider key from {PROVIDER_KEY_ENV})")
@@ -1086,17 +1102,18 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--model", required=True, help="the provider's model name")
     ar.add_argument(
         "--base-url",
+        metavar="URL",
         help="your own model address: https to a public address unless the operator allow-lists it "
         "(one request per call, never retried)",
     )
-    ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
+    ar.add_argument("--system-prompt", default="", metavar="TEXT", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
-    al = agent.add_parser("list", help="your company's agents, or with --room every agent in that room")
+    al = agent.add_parser("list", help="list your company's agents, or with --room every agent in that room")
     al.add_argument("--room", metavar="ROOM", help="the agents in this room (its name or id), of every member company")
     _limit(al, 50)
     _json(al)
     al.set_defaults(handler=cmd_agent_list)
-    ms = sub.add_parser("messages", help="a room's latest messages, oldest of them first")
+    ms = sub.add_parser("messages", help="show a room's latest messages, oldest of them first")
     ms.add_argument("--room", required=True, help=ROOM_ID)
     _limit(ms, 20)
     _json(ms)
@@ -1108,7 +1125,10 @@ def parser() -> argparse.ArgumentParser:
         "--all", action="store_true", help="every room of your company, in one stream (rooms joined while watching too)"
     )
     wt.add_argument(
-        "--after", type=int, help="with --room: start after this cursor (0: from the oldest kept); default: from now"
+        "--after",
+        type=int,
+        metavar="CURSOR",
+        help="with --room: start after this cursor (0: from the oldest kept); default: from now",
     )
     wt.add_argument("--json", action="store_true", help="print each event as one line of JSON, with its ids")
     wt.set_defaults(handler=cmd_watch)
@@ -1117,7 +1137,7 @@ def parser() -> argparse.ArgumentParser:
     )
     rs = rights.add_parser(
         "set",
-        help="set rights of the default for all your agents, or of --agent; only the rights named change",
+        help="set rights, of the default for all your agents or of one (--agent); only the rights named change",
     )
     rs.add_argument(
         "--agent", metavar="AGENT", help="set this agent's own rights (its name or id) instead of the default"
@@ -1131,7 +1151,7 @@ def parser() -> argparse.ArgumentParser:
         )
     rs.set_defaults(handler=cmd_rights_set)
     rg = rights.add_parser(
-        "show", help="effective rights of the default or --agent, each with where it comes from (set here or inherited)"
+        "show", help="show the effective rights of the default or of --agent, and where each comes from"
     )
     rg.add_argument("--agent", metavar="AGENT", help="this agent's effective rights (its name or id)")
     rg.set_defaults(handler=cmd_rights_show)
@@ -1139,20 +1159,24 @@ def parser() -> argparse.ArgumentParser:
         "sign-in", help="the OpenID Connect provider your people sign in to the console with"
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
     ss = si.add_parser(
-        "set", help=f"register or replace it (client secret from {CLIENT_SECRET_ENV}); API-key sign-in goes off"
+        "set",
+        help=f"register or replace it (the client secret is read from {CLIENT_SECRET_ENV}); "
+        "API-key sign-in is turned off unless --allow-api-key-sign-in",
     )
-    ss.add_argument("--issuer", required=True, help="the issuer URL exactly as its ID tokens name it")
-    ss.add_argument("--client-id", required=True, help="the console's client id at the provider")
-    ss.add_argument("--domain", action="append", help="an email domain whose people may sign in (repeat it; none: any)")
+    ss.add_argument("--issuer", required=True, metavar="URL", help="the issuer URL exactly as its ID tokens name it")
+    ss.add_argument("--client-id", required=True, metavar="ID", help="the console's client id at the provider")
+    ss.add_argument(
+        "--domain", action="append", help="an email domain whose people may sign in (repeatable; with none, any domain)"
+    )
     ss.add_argument(
         "--allow-api-key-sign-in", action="store_true", help="keep the console's API-key sign-in on (development)"
     )
     ss.set_defaults(handler=cmd_signin_set)
-    si.add_parser("show", help="the provider now set (never its secret)").set_defaults(handler=cmd_signin_show)
-    si.add_parser("remove", help="remove it: its sign-ins end, API-key sign-in is on again").set_defaults(
+    si.add_parser("show", help="show the provider now set (never its secret)").set_defaults(handler=cmd_signin_show)
+    si.add_parser("remove", help="remove it: its sign-ins end, and API-key sign-in is on again").set_defaults(
         handler=cmd_signin_remove
     )
-    ap = sub.add_parser("approvals", help="held actions waiting for your decision")
+    ap = sub.add_parser("approvals", help="list the held actions waiting for your company's decision")
     _limit(ap, 50)
     _json(ap)
     ap.set_defaults(handler=cmd_approvals)

@@ -626,3 +626,81 @@ async def test_watch_names_things_and_rooms_and_companies_are_given_by_name(data
         [pending] = json.loads(ops_invitation)
         await ok(globex, "invitation", "accept", pending["invitation_id"])
         assert "your company left room 'ops'" in await ok(globex, "room", "leave", "ops")
+
+
+def _readme_block(heading: str) -> list[str]:
+    """The command lines of the first ```sh block after ``heading`` in README.md."""
+    text = (REPO / "README.md").read_text()
+    after = text[text.index(heading) :]
+    block = after[after.index("```sh\n") + len("```sh\n") :]
+    return [line for line in block[: block.index("```")].splitlines() if line.strip()]
+
+
+async def test_an_approval_is_seen_by_following_the_readme_alone(database_url: str) -> None:
+    """Issue 35, the first hour: README's "See an approval yourself", line by line as written (the
+    curl line as the same POST), against real services and the stand-in: the scripted reply's
+    remember is held, listed, approved, and the run then writes it."""
+    import shlex
+
+    import httpx
+
+    from services.runtime.standin import StandinProvider
+    from tests.harness.claims import running_claims
+    from tests.harness.gateway import running_gateway
+    from tests.harness.runtime import running_runtime
+
+    with StandinProvider() as standin:
+        async with (
+            running_claims(database_url) as claims_addr,
+            running_room(database_url) as room_addr,
+            running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
+            running_gateway(
+                database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
+            ) as gateway_addr,
+        ):
+            env = client_env(database_url, room_addr, gateway_addr)
+            ok = succeeding(env)
+            company_id = (await ok("company", "create", "Acme")).split()[1]
+            env["QUAYUTEC_API_KEY"] = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
+            token = ""
+            for line in _readme_block("### See an approval yourself"):
+                words = shlex.split(line, comments=True)
+                extra = {}
+                while "=" in words[0]:
+                    name, _, value = words.pop(0).partition("=")
+                    extra[name] = value
+                if words[0] == "export":
+                    assert words[1].startswith("STANDIN=")
+                    continue
+                if words[0] == "curl":
+                    url = words[words.index("-s") + 1].replace("$STANDIN", standin.base_url)
+                    payload = json.loads(words[words.index("-d") + 1])
+                    async with httpx.AsyncClient() as http:
+                        (await http.post(url, json=payload)).raise_for_status()
+                    continue
+                assert words[0] == ".venv/bin/quayutec", line
+                args = [token if w == "<token>" else w for w in words[1:]]
+                if args == ["approvals"]:
+                    for _ in range(300):  # bounded: the wake is delivered, the run parks
+                        table = (await ok(*args, **extra)).splitlines()
+                        if len(table) > 1:
+                            break
+                        await asyncio.sleep(0.1)
+                    [held] = table[1:]
+                    assert " remember " in held and "venue: Pier 9" in held, table
+                    token = held.split()[0]
+                    continue
+                if args[0] == "runs":
+                    for _ in range(300):  # bounded: the continuation runs
+                        runs = json.loads(await ok(*args, "--json", **extra))
+                        if runs and runs[0]["status"] == "succeeded":
+                            break
+                        await asyncio.sleep(0.1)
+                    assert [r["status"] for r in runs] == ["succeeded"], runs
+                    record = await ok("run", runs[0]["run_id"])
+                    assert "action #0 remember: done" in record, record
+                    continue
+                await ok(*args, **extra)
+            assert token, "the README's steps never showed a held action"
+            [asked] = [r for r in standin.requests("scripted") if r.answer == "reply"]
+            assert "note the venue" in json.dumps(asked.body)
