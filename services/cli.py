@@ -278,8 +278,8 @@ async def cmd_keys_create(opts: argparse.Namespace) -> int:
     from services.gateway.auth import create_api_key
 
     async def act(pool: Any) -> int:
-        await _company_exists(pool, opts.company)
-        key_id, secret = await create_api_key(pool, opts.company, opts.label)
+        company_id = await _company_id(pool, opts.company)
+        key_id, secret = await create_api_key(pool, company_id, opts.label)
         print(f"key {key_id}\n{secret}\n(shown once; store it now — only its hash is kept)")
         return 0
 
@@ -303,8 +303,7 @@ async def cmd_keys_list(opts: argparse.Namespace) -> int:
     from services.gateway.auth import list_api_keys
 
     async def act(pool: Any) -> int:
-        await _company_exists(pool, opts.company)
-        keys = await list_api_keys(pool, opts.company, sessions=opts.sessions)
+        keys = await list_api_keys(pool, await _company_id(pool, opts.company), sessions=opts.sessions)
         rows = [
             {
                 "key_id": k.key_id,
@@ -355,23 +354,32 @@ def _when(at: Any) -> str:
 NO_SCHEMA = "this database has no Quayutec schema: is it the one your services use? (`quayutec migrate` creates it)"
 
 
-async def _company_exists(pool: Any, company_id: str) -> None:
-    """Admin commands act on a company that exists in this database, or say what is wrong."""
+async def _company_id(pool: Any, company: str) -> str:
+    """The id of the company an admin command acts on, given by id or by name (regardless of case): it
+    must exist in this database, or the error says what is wrong."""
     try:
-        company = uuid.UUID(company_id)
+        company_id = uuid.UUID(company)
     except ValueError:
-        raise AdminError(
-            f"--company must be a company id (a UUID, as `company create` prints), got {company_id!r}"
-        ) from None
+        company_id = None
     try:
-        found = await pool.fetchval("SELECT name FROM companies WHERE company_id = $1", company)
+        if company_id is not None:
+            found = await pool.fetch("SELECT company_id, name FROM companies WHERE company_id = $1", company_id)
+        else:
+            found = await pool.fetch(
+                "SELECT company_id, name FROM companies WHERE lower(name) = lower($1) ORDER BY name", company.strip()
+            )
     except asyncpg.UndefinedTableError:
         raise AdminError(NO_SCHEMA) from None
-    if found is None:
-        raise AdminError(
-            f"no company {company_id} in this database: check the id (`company create` prints it) and that "
-            "QUAYUTEC_DATA_DIR or DATABASE_URL is the one your services use"
-        )
+    if len(found) == 1:
+        return str(found[0]["company_id"])
+    if found:
+        listed = "; ".join(f"{r['name']} ({r['company_id']})" for r in found)
+        raise AdminError(f"{len(found)} companies are named {company!r} but for case: {listed}; give one by its id")
+    what = f"company {company}" if company_id is not None else f"company named {company!r}"
+    raise AdminError(
+        f"no {what} in this database: check it (`company list` lists them) and that "
+        "QUAYUTEC_DATA_DIR or DATABASE_URL is the one your services use"
+    )
 
 
 def _print_rows(rows: Sequence[Mapping[str, Any]], as_json: bool, *, empty: str) -> None:
@@ -941,7 +949,7 @@ async def cmd_decide(opts: argparse.Namespace) -> int:
 
 
 ROOM_ID = "a room's name or id (as `room create` prints)"
-COMPANY_ID = "a company id (as `company create` prints)"
+COMPANY_ID = "a company's name or id (as `company create` prints)"
 COMPANY = "a company's name (one your company shares a room or an invitation with) or id"
 AS_JSON = "print JSON (an array of objects) instead of a table"
 

@@ -113,6 +113,10 @@ async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:
     assert listed.stdout.splitlines()[0].split() == ["KEY_ID", "LABEL", "CREATED_AT", "REVOKED_AT"]
     [row] = json.loads((await quayutec("keys", "list", "--company", company.company_id, "--json", env=env)).stdout)
     assert row["key_id"] == key_id and row["label"] == "ci" and row["revoked_at"] == ""
+    # The company by its name, regardless of case, as well as by its id.
+    assert (await quayutec("keys", "list", "--company", "acme", env=env)).stdout == listed.stdout
+    by_name = await quayutec("keys", "create", "--company", "Acme", "--label", "by name", env=env)
+    assert by_name.returncode == 0 and by_name.stdout.startswith("key "), by_name.stderr
     revoked = await quayutec("keys", "revoke", key_id, env=env)
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
     unknown = await quayutec("keys", "revoke", "00000000-0000-0000-0000-000000000000", env=env)
@@ -336,8 +340,8 @@ async def test_admin_commands_refuse_a_company_that_does_not_exist(database_url:
     assert made.returncode == 1 and f"no company {unknown}" in made.stderr and made.stdout == ""
     listed = await quayutec("keys", "list", "--company", unknown, env=env)
     assert listed.returncode == 1 and f"no company {unknown}" in listed.stderr
-    malformed = await quayutec("keys", "create", "--company", "acme", env=env)
-    assert malformed.returncode == 1 and "must be a company id" in malformed.stderr
+    unnamed = await quayutec("keys", "create", "--company", "acme", env=env)
+    assert unnamed.returncode == 1 and "no company named 'acme' in this database" in unnamed.stderr
 
 
 async def test_admin_commands_do_not_start_a_database_in_a_wrong_folder(tmp_path: Path) -> None:
