@@ -3,9 +3,11 @@ loopback, the Gateway redeeming its codes and checking its ID tokens, and each w
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import grpc
@@ -311,3 +313,41 @@ async def test_failed_sign_ins_are_throttled_per_address_and_a_right_code_still_
         code, kept = await code_for(signin, "Acme", "ana@acme.test")
         done = await complete(signin, code, kept)
         assert done.person.email == "ana@acme.test"
+
+        # From another address (127.0.0.2): its own failures are its own, but Acme's are past the burst.
+        async with from_address("127.0.0.2", addr) as other_addr, grpc.aio.insecure_channel(other_addr) as other:
+            elsewhere = signin_pb2_grpc.SignInServiceStub(other)
+            await expect_error(grpc.StatusCode.NOT_FOUND, complete(elsewhere, "a-code", nowhere))
+            acme_company = {**nowhere, "company": acme.company_id}
+            await expect_error(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                complete(elsewhere, "not-a-code", acme_company),
+                "too many failed sign-ins for this company",
+            )
+
+
+@asynccontextmanager
+async def from_address(source: str, target: str) -> AsyncIterator[str]:
+    """A loopback TCP relay whose connections reach ``target`` from the address ``source``: the Gateway
+    sees another caller. Yields the relay's own address."""
+    host, _, port = target.rpartition(":")
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
