@@ -710,12 +710,15 @@ class EventNames:
         self.rooms: dict[str, str] = {}
         self.companies: dict[str, str] = {}
         self.agents: dict[str, str] = {}
+        self._sought: set[str] = set()  # ids looked up once already: a company gone from the room stays an id
 
     async def cover(self, event: common_pb2.RoomEvent) -> None:
         """Makes sure the event's ids have names, if the caller may still see them."""
-        unknown = [i for i in _event_ids(event) if i and i not in self.companies and i not in self.agents]
-        if event.room_id not in self.rooms or unknown:
+        unknown = {i for i in _event_ids(event) if i and i not in self.companies and i not in self.agents}
+        unknown -= self._sought
+        if unknown or (event.room_id not in self.rooms and event.room_id not in self._sought):
             await self.load(event.room_id)
+            self._sought |= unknown | {event.room_id}
 
     async def load(self, room_id: str) -> None:
         try:
