@@ -560,14 +560,15 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST",
         20,
-        "failed authentications allowed at once per source address and per key id; beyond, refused"
-        " RESOURCE_EXHAUSTED until the rate refills",
+        "failed authentications allowed at once per source address and per key id (failed CompleteSignIn"
+        " calls: per source address and per company); beyond, refused RESOURCE_EXHAUSTED until the rate refills",
         ["gateway"],
     ),
     _g(
         "QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE",
         1.0,
-        "failed authentications a second per source address and per key id after the burst (0: no throttle)",
+        "failed authentications (and sign-ins) a second per source address, key id or company after the burst"
+        " (0: no throttle)",
         ["gateway"],
         shown="1",
     ),

@@ -140,7 +140,8 @@ class ThrottleConfig:
 
 
 class AuthThrottle:
-    """Counts failed authentications per subject (``source:<address>``, ``key:<key id>``) and says when
+    """Counts failed authentications per subject (``source:<address>``, ``key:<key id>``,
+    ``company:<id>``) and says when
     a subject is throttled. Memory: at most ``max_subjects`` buckets."""
 
     def __init__(
@@ -174,7 +175,13 @@ class AuthThrottle:
         for subject in subjects:
             wait = self._buckets.wait_ms(subject)
             if wait:
-                where = "with this key id" if subject.startswith("key:") else "from your address"
+                where = (
+                    "with this key id"
+                    if subject.startswith("key:")
+                    else "for this company"
+                    if subject.startswith("company:")
+                    else "from your address"
+                )
                 return wait, (
                     f"too many failed {self._what} {where} (at most {self._buckets.burst:g} at once, then "
                     f"{self._buckets.rate:g} a second: {self._settings}); retry after {wait} ms"

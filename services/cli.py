@@ -17,6 +17,7 @@ from typing import Any
 
 import asyncpg
 import grpc
+from google.protobuf import json_format
 
 from quayutec.channels import channel_as
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, ConfigError, DatabaseConfig, service_addr
@@ -32,9 +33,11 @@ from services.client import (
     CommandError,
     GatewayClient,
     format_run,
+    resolve_company,
     resolve_mentions,
     resolve_own_agent,
     resolve_room,
+    room_name,
     room_names,
 )
 
@@ -90,7 +93,11 @@ async def _run_up(stack: Any, with_standin: bool) -> int:
             print(f"  {name:8s} {stack.addr(name)}", flush=True)
         print(f"  console  {stack.console_url} (sign in with a company's API key: see below)", flush=True)
         if standin is not None:
-            print(f"  standin  {standin.base_url} (stand-in model provider)", flush=True)
+            print(
+                f"  standin  {standin.base_url} (stand-in model provider; scripting its answers: README, "
+                '"See an approval yourself")',
+                flush=True,
+            )
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
         print("in another terminal, point the commands at this stack with:", flush=True)
         print(stack.exports(), flush=True)
@@ -271,8 +278,8 @@ async def cmd_keys_create(opts: argparse.Namespace) -> int:
     from services.gateway.auth import create_api_key
 
     async def act(pool: Any) -> int:
-        await _company_exists(pool, opts.company)
-        key_id, secret = await create_api_key(pool, opts.company, opts.label)
+        company_id = await _company_id(pool, opts.company)
+        key_id, secret = await create_api_key(pool, company_id, opts.label)
         print(f"key {key_id}\n{secret}\n(shown once; store it now — only its hash is kept)")
         return 0
 
@@ -296,8 +303,7 @@ async def cmd_keys_list(opts: argparse.Namespace) -> int:
     from services.gateway.auth import list_api_keys
 
     async def act(pool: Any) -> int:
-        await _company_exists(pool, opts.company)
-        keys = await list_api_keys(pool, opts.company, sessions=opts.sessions)
+        keys = await list_api_keys(pool, await _company_id(pool, opts.company), sessions=opts.sessions)
         rows = [
             {
                 "key_id": k.key_id,
@@ -348,23 +354,32 @@ def _when(at: Any) -> str:
 NO_SCHEMA = "this database has no Quayutec schema: is it the one your services use? (`quayutec migrate` creates it)"
 
 
-async def _company_exists(pool: Any, company_id: str) -> None:
-    """Admin commands act on a company that exists in this database, or say what is wrong."""
+async def _company_id(pool: Any, company: str) -> str:
+    """The id of the company an admin command acts on, given by id or by name (regardless of case): it
+    must exist in this database, or the error says what is wrong."""
     try:
-        company = uuid.UUID(company_id)
+        company_id = uuid.UUID(company)
     except ValueError:
-        raise AdminError(
-            f"--company must be a company id (a UUID, as `company create` prints), got {company_id!r}"
-        ) from None
+        company_id = None
     try:
-        found = await pool.fetchval("SELECT name FROM companies WHERE company_id = $1", company)
+        if company_id is not None:
+            found = await pool.fetch("SELECT company_id, name FROM companies WHERE company_id = $1", company_id)
+        else:
+            found = await pool.fetch(
+                "SELECT company_id, name FROM companies WHERE lower(name) = lower($1) ORDER BY name", company.strip()
+            )
     except asyncpg.UndefinedTableError:
         raise AdminError(NO_SCHEMA) from None
-    if found is None:
-        raise AdminError(
-            f"no company {company_id} in this database: check the id (`company create` prints it) and that "
-            "QUAYUTEC_DATA_DIR or DATABASE_URL is the one your services use"
-        )
+    if len(found) == 1:
+        return str(found[0]["company_id"])
+    if found:
+        listed = "; ".join(f"{r['name']} ({r['company_id']})" for r in found)
+        raise AdminError(f"{len(found)} companies are named {company!r} but for case: {listed}; give one by its id")
+    what = f"company {company}" if company_id is not None else f"company named {company!r}"
+    raise AdminError(
+        f"no {what} in this database: check it (`company list` lists them) and that "
+        "QUAYUTEC_DATA_DIR or DATABASE_URL is the one your services use"
+    )
 
 
 def _print_rows(rows: Sequence[Mapping[str, Any]], as_json: bool, *, empty: str) -> None:
@@ -489,11 +504,14 @@ async def cmd_room_create(opts: argparse.Namespace) -> int:
 
 async def cmd_room_invite(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        invited = await _client(channel).InviteCompany(
-            gateway_pb2.InviteCompanyRequest(room_id=opts.room, company_id=opts.company)
-        )
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        company_id, _ = await resolve_company(client, opts.company)
+        invited = (
+            await client.InviteCompany(gateway_pb2.InviteCompanyRequest(room_id=room_id, company_id=company_id))
+        ).invitation
     print(
-        f"invitation {invited.invitation.invitation_id}: company {opts.company} is invited to room {opts.room}; "
+        f"invitation {invited.invitation_id}: {invited.company_name} is invited to room {invited.room_name!r}; "
         "it becomes a member when it accepts (`quayutec invitation accept <id>`)"
     )
     return 0
@@ -501,15 +519,22 @@ async def cmd_room_invite(opts: argparse.Namespace) -> int:
 
 async def cmd_room_leave(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        await _client(channel).LeaveRoom(gateway_pb2.LeaveRoomRequest(room_id=opts.room))
-    print(f"your company left room {opts.room}; rejoining takes a new invitation")
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        name = await room_name(client, room_id)
+        await client.LeaveRoom(gateway_pb2.LeaveRoomRequest(room_id=room_id))
+    print(f"your company left room {name!r}; rejoining takes a new invitation")
     return 0
 
 
 async def cmd_room_remove_member(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        await _client(channel).RemoveMember(gateway_pb2.RemoveMemberRequest(room_id=opts.room, company_id=opts.company))
-    print(f"company {opts.company} removed from room {opts.room}")
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        name = await room_name(client, room_id)
+        company_id, company = await resolve_company(client, opts.company, member_of=room_id)
+        await client.RemoveMember(gateway_pb2.RemoveMemberRequest(room_id=room_id, company_id=company_id))
+    print(f"{company} removed from room {name!r}")
     return 0
 
 
@@ -525,8 +550,11 @@ async def cmd_invitations(opts: argparse.Namespace) -> int:
     status = INVITATION_STATUSES[opts.status]
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         if opts.room:
-            got = await _client(channel).ListRoomInvitations(
-                gateway_pb2.ListRoomInvitationsRequest(room_id=opts.room, status=status, page_size=opts.limit)
+            client = _client(channel)
+            got = await client.ListRoomInvitations(
+                gateway_pb2.ListRoomInvitationsRequest(
+                    room_id=await resolve_room(client, opts.room), status=status, page_size=opts.limit
+                )
             )
         else:
             got = await _client(channel).ListInvitations(
@@ -562,7 +590,7 @@ async def cmd_invitation_accept(opts: argparse.Namespace) -> int:
         got = await _client(channel).AcceptInvitation(
             gateway_pb2.AcceptInvitationRequest(invitation_id=opts.invitation_id)
         )
-    print(f"accepted: your company is a member of room {got.invitation.room_id} {got.invitation.room_name!r}")
+    print(f"accepted: your company is a member of room {got.invitation.room_name!r}")
     return 0
 
 
@@ -667,47 +695,114 @@ async def cmd_messages(opts: argparse.Namespace) -> int:
 
 
 EVENT_NAMES = {v: k.removeprefix("ROOM_EVENT_KIND_").lower() for k, v in common_pb2.RoomEventKind.items()}
+STATUS_OF_TASK = {v: k.removeprefix("TASK_STATUS_").lower() for k, v in common_pb2.TaskStatus.items()}
 # Ends of a watch that resuming from the last cursor cures (`quayutec watch` resumes by itself).
 WATCH_RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED)
 WATCH_RESUME_PAUSE_SECONDS = 1.0
 
 
-def format_event(event: common_pb2.RoomEvent) -> str:
-    """One line per room event: its cursor, kind and what changed."""
+class EventNames:
+    """Names of the rooms, companies and agents that `watch` prints; a room's are looked up again when
+    one of its events names an id not seen yet (a company that joined, an agent registered since)."""
+
+    def __init__(self, client: GatewayClient) -> None:
+        self._client = client
+        self.rooms: dict[str, str] = {}
+        self.companies: dict[str, str] = {}
+        self.agents: dict[str, str] = {}
+        self._sought: set[str] = set()  # ids looked up once already: a company gone from the room stays an id
+
+    async def cover(self, event: common_pb2.RoomEvent) -> None:
+        """Makes sure the event's ids have names, if the caller may still see them."""
+        unknown = {i for i in _event_ids(event) if i and i not in self.companies and i not in self.agents}
+        unknown -= self._sought
+        if unknown or (event.room_id not in self.rooms and event.room_id not in self._sought):
+            await self.load(event.room_id)
+            self._sought |= unknown | {event.room_id}
+
+    async def load(self, room_id: str) -> None:
+        try:
+            if room_id not in self.rooms:
+                listed = await self._client.ListRooms(gateway_pb2.ListRoomsRequest(page_size=500))
+                self.rooms |= {r.room_id: r.name for r in listed.rooms}
+            companies, agents = await room_names(self._client, room_id)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:  # the company left the room: its ids stay ids
+                raise
+            return
+        self.companies |= companies
+        self.agents |= agents
+
+    def company(self, company_id: str) -> str:
+        return self.companies.get(company_id, f"company {company_id}")
+
+    def agent(self, agent_id: str) -> str:
+        return self.agents.get(agent_id, f"agent {agent_id}")
+
+    def room(self, room_id: str) -> str:
+        return self.rooms.get(room_id, f"room {room_id}")
+
+
+def _event_ids(event: common_pb2.RoomEvent) -> list[str]:
+    if event.HasField("message"):
+        return [event.message.author.company_id, event.message.author.agent_id]
+    if event.HasField("task"):
+        return [event.task.to_agent_id, getattr(event.task, "from").company_id, getattr(event.task, "from").agent_id]
+    if event.HasField("member"):
+        return [event.member.company_id]
+    if event.HasField("run"):
+        return [event.run.agent_id]
+    if event.HasField("approval"):
+        return [event.approval.agent_id]
+    return []
+
+
+def format_event(event: common_pb2.RoomEvent, names: EventNames) -> str:
+    """One line per room event: its cursor, kind and what changed, naming companies and agents."""
     what = ""
     if event.HasField("message"):
         m = event.message
-        who = m.author.person or f"agent {m.author.agent_id}"
+        who = (
+            f"{names.agent(m.author.agent_id)} ({names.company(m.author.company_id)}'s agent)"
+            if m.author.agent_id
+            else f"{m.author.person} ({names.company(m.author.company_id)})"
+        )
         what = f"#{m.seq} {who}: {m.body}"
     elif event.HasField("task"):
         t = event.task
-        what = f"{t.task_id} {t.title!r} -> agent {t.to_agent_id} ({common_pb2.TaskStatus.Name(t.status)})"
+        what = f"{t.title!r} -> {names.agent(t.to_agent_id)} ({STATUS_OF_TASK.get(t.status, str(t.status))})"
     elif event.HasField("memory"):
         scope = "company only" if event.memory.visibility == common_pb2.MEMORY_VISIBILITY_COMPANY else "room"
         what = f"({scope}) {event.memory.text}"
     elif event.HasField("file"):
         what = f"{event.file.name} ({event.file.size_bytes} bytes)"
     elif event.HasField("member"):
-        what = f"company {event.member.company_id}"
+        what = event.member.company_name or names.company(event.member.company_id)
     elif event.HasField("run"):
-        what = f"run {event.run.run_id} of agent {event.run.agent_id}"
+        what = f"a run of {names.agent(event.run.agent_id)}: {STATUS_NAMES[event.run.status]}"
     elif event.HasField("approval"):
-        what = f"token {event.approval.token}: {len(event.approval.held)} held action(s) of run {event.approval.run_id}"
+        a = event.approval
+        what = f"{len(a.held)} held action(s) of {names.agent(a.agent_id)} ({a.token})"
     return f"[{event.cursor}] {EVENT_NAMES.get(event.kind, str(event.kind))} {what}".rstrip()
+
+
+def _event_json(event: common_pb2.RoomEvent) -> str:
+    return json_format.MessageToJson(event, indent=None, preserving_proto_field_name=True)
 
 
 async def cmd_watch(opts: argparse.Namespace) -> int:
     """Prints the room's events (or, with --all, every room's) as they happen, like `tail -f`; resumes by
-    itself after a drop."""
+    itself after a drop. Lines name rooms, companies and agents; --json prints each event whole, ids and all."""
     if opts.all:
         if opts.after is not None:
             print("--after goes with --room; `watch --all` starts from now", file=sys.stderr)
             return 2
-        return await _watch_all()
+        return await _watch_all(opts.json)
     after: int | None = opts.after
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
         room_id = await resolve_room(client, opts.room)
+        names = EventNames(client)
         while True:
             request = gateway_pb2.WatchRoomRequest(room_id=room_id)
             if after is not None:
@@ -715,7 +810,11 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
             try:
                 async for item in client.WatchRoom(request):
                     for event in item.events:
-                        print(format_event(event), flush=True)
+                        if opts.json:
+                            print(_event_json(event), flush=True)
+                        else:
+                            await names.cover(event)
+                            print(format_event(event, names), flush=True)
                         after = event.cursor
                     if item.HasField("heartbeat"):
                         after = item.heartbeat.cursor
@@ -726,12 +825,13 @@ async def cmd_watch(opts: argparse.Namespace) -> int:
                 await asyncio.sleep(WATCH_RESUME_PAUSE_SECONDS)
 
 
-async def _watch_all() -> int:
+async def _watch_all(as_json: bool) -> int:
     """Every room of the company in one WatchRooms stream: one line per event, prefixed by its room."""
     cursors: dict[str, int] = {}
     resuming = False  # after the first heartbeat: rooms joined meanwhile are followed from their joining
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
+        names = EventNames(client)
         while True:
             request = gateway_pb2.WatchRoomsRequest(
                 after=[gateway_pb2.RoomCursor(room_id=r, cursor=c) for r, c in cursors.items()],
@@ -740,7 +840,11 @@ async def _watch_all() -> int:
             try:
                 async for item in client.WatchRooms(request):
                     for event in item.events:
-                        print(f"room {event.room_id} {format_event(event)}", flush=True)
+                        if as_json:
+                            print(_event_json(event), flush=True)
+                        else:
+                            await names.cover(event)
+                            print(f"{names.room(event.room_id)}: {format_event(event, names)}", flush=True)
                         cursors[event.room_id] = event.cursor
                     if item.HasField("heartbeat"):
                         cursors = {r.room_id: r.cursor for r in item.heartbeat.rooms}
@@ -848,12 +952,13 @@ async def cmd_decide(opts: argparse.Namespace) -> int:
 
 
 ROOM_ID = "a room's name or id (as `room create` prints)"
-COMPANY_ID = "a company id (as `company create` prints)"
+COMPANY_ID = "a company's name or id (as `company create` prints)"
+COMPANY = "a company's name (one your company shares a room or an invitation with) or id"
 AS_JSON = "print JSON (an array of objects) instead of a table"
 
 
 def _limit(p: argparse.ArgumentParser, default: int) -> None:
-    p.add_argument("--limit", type=int, default=default, help=f"at most this many (default {default})")
+    p.add_argument("--limit", type=int, default=default, metavar="N", help=f"list at most N (default {default})")
 
 
 def _json(p: argparse.ArgumentParser) -> None:
@@ -863,13 +968,18 @@ def _json(p: argparse.ArgumentParser) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="quayutec",
-        description="Quayutec rooms: run the stack here, the demo, admin commands, and a client of the Gateway.",
+        description="Quayutec rooms: run the stack or the demo on this machine, administer companies and their "
+        "keys, and act as a company through the Gateway.",
         epilog=f"Client commands authenticate with {API_KEY_ENV}; admin commands use the services' database "
         "(DATABASE_URL, or the embedded PostgreSQL of QUAYUTEC_DATA_DIR). `quayutec config` lists every setting.",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    up = sub.add_parser("up", help="embedded PostgreSQL, the four services and the console here; Ctrl-C stops them")
-    up.add_argument("--standin", action="store_true", help="point Runtime at a local stand-in model provider")
+    up = sub.add_parser("up", help="run the embedded PostgreSQL, the four services and the console here until Ctrl-C")
+    up.add_argument(
+        "--standin",
+        action="store_true",
+        help="point Runtime at a local stand-in model provider (its scripted answers: README)",
+    )
     up.add_argument(
         "--base-port",
         type=int,
@@ -881,25 +991,27 @@ def parser() -> argparse.ArgumentParser:
     db = sub.add_parser("db", help="the embedded PostgreSQL in the data folder").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    db.add_parser("status", help="whether it runs, and where").set_defaults(handler=cmd_db_status)
-    db.add_parser("stop", help="stop one left running (Ctrl-C on `up` stops the one it started)").set_defaults(
+    db.add_parser("status", help="say whether it runs, and where").set_defaults(handler=cmd_db_status)
+    db.add_parser("stop", help="stop one left running (Ctrl-C on `up` stops the one `up` started)").set_defaults(
         handler=cmd_db_stop
     )
-    cf = sub.add_parser("config", help="every setting: default, the value in effect here, who reads it")
+    cf = sub.add_parser("config", help="list every setting: its default, the value in effect here, who reads it")
     cf.add_argument(
         "--service",
         choices=["gateway", "room", "claims", "runtime", "console", "cli"],
-        help="only the settings it reads",
+        help="only the settings this one reads",
     )
     _json(cf)
     cf.set_defaults(handler=cmd_config)
-    sub.add_parser("demo", help="the two-company demo, with a Runtime crash").set_defaults(handler=cmd_demo)
+    sub.add_parser("demo", help="run the two-company demo: a Runtime crash, then an approval").set_defaults(
+        handler=cmd_demo
+    )
     sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
     pki = sub.add_parser("pki", help="the development certificates of the data folder (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
     pki.add_parser(
-        "init", help="make the development CA and each identity's certificate if missing, and show where"
+        "init", help="make the development CA and each identity's certificate where missing, and say where they are"
     ).set_defaults(handler=cmd_pki_init)
 
     company = sub.add_parser("company", help="companies (admin)").add_subparsers(
@@ -908,7 +1020,7 @@ def parser() -> argparse.ArgumentParser:
     create = company.add_parser("create", help="create a company")
     create.add_argument("name", help="the company's name (unique)")
     create.set_defaults(handler=cmd_company_create)
-    cl = company.add_parser("list", help="every company and its id, oldest first")
+    cl = company.add_parser("list", help="list every company and its id, oldest first")
     _limit(cl, 100)
     _json(cl)
     cl.set_defaults(handler=cmd_company_list)
@@ -916,7 +1028,7 @@ def parser() -> argparse.ArgumentParser:
     keys = sub.add_parser("keys", help="API keys (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
-    kc = keys.add_parser("create", help="make an API key for a company; the key is printed once")
+    kc = keys.add_parser("create", help="make an API key for a company (the key is printed once)")
     kc.add_argument("--company", required=True, help=COMPANY_ID)
     kc.add_argument("--label", default="", help="a note to tell keys apart (e.g. ci)")
     kc.set_defaults(handler=cmd_keys_create)
@@ -940,12 +1052,12 @@ def parser() -> argparse.ArgumentParser:
     )
     post.add_argument("body", help="the message text")
     post.set_defaults(handler=cmd_post)
-    runs = sub.add_parser("runs", help="your agents' runs, newest first, with trace ids")
+    runs = sub.add_parser("runs", help="list your agents' runs, newest first, with their trace ids")
     runs.add_argument("--agent", metavar="AGENT", help="only this agent's runs (its name or id)")
     _limit(runs, 20)
     _json(runs)
     runs.set_defaults(handler=cmd_runs)
-    run = sub.add_parser("run", help="one run's full ledger record")
+    run = sub.add_parser("run", help="show one run's full ledger record")
     run.add_argument("run_id", help="a run id (as `runs` prints)")
     run.set_defaults(handler=cmd_run)
     room = sub.add_parser("room", help="rooms (as your company)").add_subparsers(
@@ -956,36 +1068,43 @@ def parser() -> argparse.ArgumentParser:
     rc.set_defaults(handler=cmd_room_create)
     ri = room.add_parser("invite", help="invite another company; it becomes a member when it accepts")
     ri.add_argument("room", help=ROOM_ID)
-    ri.add_argument("company", help="the invited " + COMPANY_ID)
+    ri.add_argument("company", help="the company to invite: " + COMPANY)
     ri.set_defaults(handler=cmd_room_invite)
     rl = room.add_parser("leave", help="leave a room (its creator cannot); you lose access at once")
     rl.add_argument("room", help=ROOM_ID)
     rl.set_defaults(handler=cmd_room_leave)
     rr = room.add_parser("remove-member", help="remove a member company (the room's creator only)")
     rr.add_argument("room", help=ROOM_ID)
-    rr.add_argument("company", help="the member's " + COMPANY_ID)
+    rr.add_argument("company", help="the member company's name or id")
     rr.set_defaults(handler=cmd_room_remove_member)
-    rls = room.add_parser("list", help="the rooms your company is a member of")
+    rls = room.add_parser("list", help="list the rooms your company is a member of")
     _limit(rls, 50)
     _json(rls)
     rls.set_defaults(handler=cmd_room_list)
-    iv = sub.add_parser("invitations", help="invitations to your company (pending ones by default)")
+    iv = sub.add_parser("invitations", help="list the invitations to your company (pending ones by default)")
     iv.add_argument("--status", choices=list(INVITATION_STATUSES), default="pending", help="which ones to list")
-    iv.add_argument("--room", default="", help="instead, every invitation into this room your company created")
+    iv.add_argument(
+        "--room",
+        default="",
+        metavar="ROOM",
+        help="instead, the invitations into this room (its name or id) that your company made",
+    )
     _limit(iv, 50)
     _json(iv)
     iv.set_defaults(handler=cmd_invitations)
     invitation = sub.add_parser(
         "invitation", help="answer an invitation to your company, or withdraw one"
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
-    ia = invitation.add_parser("accept", help="accept: your company becomes a member of the room")
-    ia.add_argument("invitation_id", help="as `invitations` prints")
+    ia = invitation.add_parser("accept", help="accept it: your company becomes a member of the room")
+    ia.add_argument("invitation_id", help="the invitation's id (as `invitations` prints)")
     ia.set_defaults(handler=cmd_invitation_accept)
-    idc = invitation.add_parser("decline", help="decline: your company does not join the room")
-    idc.add_argument("invitation_id", help="as `invitations` prints")
+    idc = invitation.add_parser("decline", help="decline it: your company stays out of the room")
+    idc.add_argument("invitation_id", help="the invitation's id (as `invitations` prints)")
     idc.set_defaults(handler=cmd_invitation_decline)
-    iw = invitation.add_parser("withdraw", help="withdraw a pending invitation (the room's creator, or its sender)")
-    iw.add_argument("invitation_id", help="as `invitations --room` prints")
+    iw = invitation.add_parser(
+        "withdraw", help="withdraw a pending invitation (as the room's creator or the one who sent it)"
+    )
+    iw.add_argument("invitation_id", help="the invitation's id (as `invitations --room` prints)")
     iw.set_defaults(handler=cmd_invitation_withdraw)
     agent = sub.add_parser("agent", help="your agents").add_subparsers(dest="action", required=True, metavar="ACTION")
     ar = agent.add_parser("register", help=f"register an always-on agent (provider key from {PROVIDER_KEY_ENV})")
@@ -994,17 +1113,18 @@ def parser() -> argparse.ArgumentParser:
     ar.add_argument("--model", required=True, help="the provider's model name")
     ar.add_argument(
         "--base-url",
+        metavar="URL",
         help="your own model address: https to a public address unless the operator allow-lists it "
         "(one request per call, never retried)",
     )
-    ar.add_argument("--system-prompt", default="", help="the agent's standing instructions")
+    ar.add_argument("--system-prompt", default="", metavar="TEXT", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
-    al = agent.add_parser("list", help="your company's agents, or with --room every agent in that room")
+    al = agent.add_parser("list", help="list your company's agents, or with --room every agent in that room")
     al.add_argument("--room", metavar="ROOM", help="the agents in this room (its name or id), of every member company")
     _limit(al, 50)
     _json(al)
     al.set_defaults(handler=cmd_agent_list)
-    ms = sub.add_parser("messages", help="a room's latest messages, oldest of them first")
+    ms = sub.add_parser("messages", help="show a room's latest messages, oldest of them first")
     ms.add_argument("--room", required=True, help=ROOM_ID)
     _limit(ms, 20)
     _json(ms)
@@ -1016,15 +1136,19 @@ def parser() -> argparse.ArgumentParser:
         "--all", action="store_true", help="every room of your company, in one stream (rooms joined while watching too)"
     )
     wt.add_argument(
-        "--after", type=int, help="with --room: start after this cursor (0: from the oldest kept); default: from now"
+        "--after",
+        type=int,
+        metavar="CURSOR",
+        help="with --room: start after this cursor (0: from the oldest kept); default: from now",
     )
+    wt.add_argument("--json", action="store_true", help="print each event as one line of JSON, with its ids")
     wt.set_defaults(handler=cmd_watch)
     rights = sub.add_parser("rights", help="your agents' rights (auto, hold, deny)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
     )
     rs = rights.add_parser(
         "set",
-        help="set rights of the default for all your agents, or of --agent; only the rights named change",
+        help="set rights, of the default for all your agents or of one (--agent); only the rights named change",
     )
     rs.add_argument(
         "--agent", metavar="AGENT", help="set this agent's own rights (its name or id) instead of the default"
@@ -1038,7 +1162,7 @@ def parser() -> argparse.ArgumentParser:
         )
     rs.set_defaults(handler=cmd_rights_set)
     rg = rights.add_parser(
-        "show", help="effective rights of the default or --agent, each with where it comes from (set here or inherited)"
+        "show", help="show the effective rights of the default or of --agent, and where each comes from"
     )
     rg.add_argument("--agent", metavar="AGENT", help="this agent's effective rights (its name or id)")
     rg.set_defaults(handler=cmd_rights_show)
@@ -1046,20 +1170,24 @@ def parser() -> argparse.ArgumentParser:
         "sign-in", help="the OpenID Connect provider your people sign in to the console with"
     ).add_subparsers(dest="action", required=True, metavar="ACTION")
     ss = si.add_parser(
-        "set", help=f"register or replace it (client secret from {CLIENT_SECRET_ENV}); API-key sign-in goes off"
+        "set",
+        help=f"register or replace it (the client secret is read from {CLIENT_SECRET_ENV}); "
+        "API-key sign-in is turned off unless --allow-api-key-sign-in",
     )
-    ss.add_argument("--issuer", required=True, help="the issuer URL exactly as its ID tokens name it")
-    ss.add_argument("--client-id", required=True, help="the console's client id at the provider")
-    ss.add_argument("--domain", action="append", help="an email domain whose people may sign in (repeat it; none: any)")
+    ss.add_argument("--issuer", required=True, metavar="URL", help="the issuer URL exactly as its ID tokens name it")
+    ss.add_argument("--client-id", required=True, metavar="ID", help="the console's client id at the provider")
+    ss.add_argument(
+        "--domain", action="append", help="an email domain whose people may sign in (repeatable; with none, any domain)"
+    )
     ss.add_argument(
         "--allow-api-key-sign-in", action="store_true", help="keep the console's API-key sign-in on (development)"
     )
     ss.set_defaults(handler=cmd_signin_set)
-    si.add_parser("show", help="the provider now set (never its secret)").set_defaults(handler=cmd_signin_show)
-    si.add_parser("remove", help="remove it: its sign-ins end, API-key sign-in is on again").set_defaults(
+    si.add_parser("show", help="show the provider now set (never its secret)").set_defaults(handler=cmd_signin_show)
+    si.add_parser("remove", help="remove it: its sign-ins end, and API-key sign-in is on again").set_defaults(
         handler=cmd_signin_remove
     )
-    ap = sub.add_parser("approvals", help="held actions waiting for your decision")
+    ap = sub.add_parser("approvals", help="list the held actions waiting for your company's decision")
     _limit(ap, 50)
     _json(ap)
     ap.set_defaults(handler=cmd_approvals)

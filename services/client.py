@@ -71,6 +71,7 @@ async def resolve_mentions(client: GatewayClient, room_id: str, mentions: Sequen
     if not names:
         return list(mentions)
     agents = await _room_agents(client, room_id)
+    room = await room_name(client, room_id)
     resolved = []
     for mention in mentions:
         if _is_uuid(mention):
@@ -83,10 +84,10 @@ async def resolve_mentions(client: GatewayClient, room_id: str, mentions: Sequen
         listed = _agent_choices(matches or agents)
         if matches:
             raise CommandError(
-                f"{len(matches)} agents in room {room_id} are named {mention!r}: {listed}; mention one by its id"
+                f"{len(matches)} agents in room {room!r} are named {mention!r}: {listed}; mention one by its id"
             )
         raise CommandError(
-            f"no agent named {mention!r} in room {room_id}; "
+            f"no agent named {mention!r} in room {room!r}; "
             + (f"the agents there: {listed}" if agents else "no company in it has an agent yet")
         )
     return resolved
@@ -105,7 +106,7 @@ async def _room_agents(client: GatewayClient, room_id: str) -> list[common_pb2.A
 
 
 def _agent_choices(agents: Sequence[common_pb2.Agent]) -> str:
-    return "; ".join(f"{a.name} (agent {a.agent_id}, company {a.company_id})" for a in agents)
+    return "; ".join(f"{a.name} ({a.company_name or a.company_id}'s agent {a.agent_id})" for a in agents)
 
 
 def _is_uuid(text: str) -> bool:
@@ -164,3 +165,65 @@ async def room_names(client: GatewayClient, room_id: str) -> tuple[dict[str, str
     companies = {m.company_id: m.company_name for m in members.members}
     agents = {a.agent_id: a.name for a in await _room_agents(client, room_id)}
     return companies, agents
+
+
+async def _own_rooms(client: GatewayClient) -> list[common_pb2.Room]:
+    rooms: list[common_pb2.Room] = []
+    token = ""
+    while True:
+        page = await client.ListRooms(gateway_pb2.ListRoomsRequest(page_size=500, page_token=token))
+        rooms.extend(page.rooms)
+        token = page.next_page_token
+        if not token:
+            return rooms
+
+
+async def known_companies(client: GatewayClient, room_id: str = "") -> dict[str, str]:
+    """Company names (id -> name) the caller can see: the members of ``room_id`` alone when given, else
+    the members of each of its rooms and the companies of every invitation it sent or received."""
+    if room_id:
+        members = await client.ListMembers(gateway_pb2.ListMembersRequest(room_id=room_id, page_size=500))
+        return {m.company_id: m.company_name for m in members.members}
+    known: dict[str, str] = {}
+    for room in await _own_rooms(client):
+        members = await client.ListMembers(gateway_pb2.ListMembersRequest(room_id=room.room_id, page_size=500))
+        known |= {m.company_id: m.company_name for m in members.members}
+    for status in (
+        common_pb2.INVITATION_STATUS_PENDING,
+        common_pb2.INVITATION_STATUS_ACCEPTED,
+        common_pb2.INVITATION_STATUS_DECLINED,
+        common_pb2.INVITATION_STATUS_WITHDRAWN,
+    ):
+        for sent in (False, True):
+            got = await client.ListInvitations(
+                gateway_pb2.ListInvitationsRequest(status=status, sent=sent, page_size=500)
+            )
+            for inv in got.invitations:
+                known[inv.company_id] = inv.company_name
+                known[inv.invited_by_company_id] = inv.invited_by_company_name
+    return known
+
+
+async def resolve_company(client: GatewayClient, company: str, *, member_of: str = "") -> tuple[str, str]:
+    """The (id, name) of a company given by name or id: a name is looked up among the members of
+    ``member_of`` when given, else among the companies the caller knows (see ``known_companies``)."""
+    if _is_uuid(company):
+        known = await known_companies(client, member_of) if member_of else {}
+        return company, known.get(company, f"company {company}")
+    known = await known_companies(client, member_of)
+    matches = [(i, n) for i, n in known.items() if n.casefold() == company.strip().casefold()]
+    if len(matches) == 1:
+        return matches[0]
+    where = "a member of that room" if member_of else "known to your company (a member of one of its rooms, or invited)"
+    if matches:
+        listed = "; ".join(f"{n} (company {i})" for i, n in matches)
+        raise CommandError(f"{len(matches)} companies {where} are named {company!r}: {listed}; give one by its id")
+    raise CommandError(
+        f"no company named {company!r} is {where}; give its id instead (the other company's admin sees it "
+        "in `quayutec company list`)"
+    )
+
+
+async def room_name(client: GatewayClient, room_id: str) -> str:
+    """The room's name, or ``room <id>`` when the caller's company cannot see it."""
+    return next((r.name for r in await _own_rooms(client) if r.room_id == room_id), f"room {room_id}")

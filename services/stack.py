@@ -62,9 +62,25 @@ def port_of(addr: str, name: str) -> int | None:
 
 
 def free_port() -> int:
+    """A port free now, but free to anyone until used: a stack reserves its ports instead (``reserve_port``)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def reserve_port() -> socket.socket:
+    """A loopback port held for a service we start: bound, never listening, with ``SO_REUSEPORT``.
+    No other program can take it meanwhile (binding beside it takes ``SO_REUSEPORT`` and the same
+    user); the service binds it beside the reservation (gRPC servers ask for ``SO_REUSEPORT``, and so
+    does the console) and alone listens, so alone receives connections."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.bind(("127.0.0.1", 0))
+    except BaseException:
+        s.close()
+        raise
+    return s
 
 
 async def wait_serving(
@@ -123,6 +139,9 @@ class LocalStack:
     # environment's. With ``folder`` this stack owns it (quayutec.datadir) and stops what runs there.
     data_dir: Path | None = None
     folder: DataDirLock | None = None
+    # Ephemeral ports held for the services until ``stop_all`` (``reserve_port``): no race for them,
+    # not even while a service restarts.
+    reserved: list[socket.socket] = field(default_factory=list)
 
     @classmethod
     def with_ports(
@@ -144,9 +163,15 @@ class LocalStack:
         ports: dict[str, int] = {}
         listens: dict[str, str] = {}
         addrs: dict[str, str] = {}
+        reserved: list[socket.socket] = []
+
+        def reserved_port() -> int:
+            reserved.append(reserve_port())
+            return int(reserved[-1].getsockname()[1])
+
         for s in SERVICES:
             if ephemeral:
-                ports[s.name] = free_port()
+                ports[s.name] = reserved_port()
             elif base_port is not None:
                 ports[s.name] = base_port + (s.port - GATEWAY.port)
             else:
@@ -158,7 +183,7 @@ class LocalStack:
                 if addr:
                     addrs[s.name] = addr
         if ephemeral:
-            console = f"127.0.0.1:{free_port()}"
+            console = f"127.0.0.1:{reserved_port()}"
         elif base_port is not None:
             console = f"127.0.0.1:{base_port + 4}"
         else:
@@ -181,6 +206,7 @@ class LocalStack:
             addrs=addrs,
             console_listen=console,
             data_dir=folder,
+            reserved=reserved,
         )
 
     def addr(self, name: str) -> str:
@@ -335,7 +361,8 @@ class LocalStack:
             proc.wait()
 
     def stop_all(self) -> None:
-        """SIGTERM to every service, SIGKILL to any still running after ``STOP_SECONDS``; safe twice."""
+        """SIGTERM to every service, SIGKILL to any still running after ``STOP_SECONDS``, then the ports'
+        reservations go; safe twice."""
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -347,6 +374,9 @@ class LocalStack:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
+        for reservation in self.reserved:
+            reservation.close()
+        self.reserved.clear()
 
     def stop_database(self) -> None:
         """Stop the embedded PostgreSQL if this stack started it (one already running is left alone)."""

@@ -113,6 +113,10 @@ async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:
     assert listed.stdout.splitlines()[0].split() == ["KEY_ID", "LABEL", "CREATED_AT", "REVOKED_AT"]
     [row] = json.loads((await quayutec("keys", "list", "--company", company.company_id, "--json", env=env)).stdout)
     assert row["key_id"] == key_id and row["label"] == "ci" and row["revoked_at"] == ""
+    # The company by its name, regardless of case, as well as by its id.
+    assert (await quayutec("keys", "list", "--company", "acme", env=env)).stdout == listed.stdout
+    by_name = await quayutec("keys", "create", "--company", "Acme", "--label", "by name", env=env)
+    assert by_name.returncode == 0 and by_name.stdout.startswith("key "), by_name.stderr
     revoked = await quayutec("keys", "revoke", key_id, env=env)
     assert revoked.returncode == 0 and "revoked" in revoked.stdout
     unknown = await quayutec("keys", "revoke", "00000000-0000-0000-0000-000000000000", env=env)
@@ -336,8 +340,8 @@ async def test_admin_commands_refuse_a_company_that_does_not_exist(database_url:
     assert made.returncode == 1 and f"no company {unknown}" in made.stderr and made.stdout == ""
     listed = await quayutec("keys", "list", "--company", unknown, env=env)
     assert listed.returncode == 1 and f"no company {unknown}" in listed.stderr
-    malformed = await quayutec("keys", "create", "--company", "acme", env=env)
-    assert malformed.returncode == 1 and "must be a company id" in malformed.stderr
+    unnamed = await quayutec("keys", "create", "--company", "acme", env=env)
+    assert unnamed.returncode == 1 and "no company named 'acme' in this database" in unnamed.stderr
 
 
 async def test_admin_commands_do_not_start_a_database_in_a_wrong_folder(tmp_path: Path) -> None:
@@ -549,3 +553,158 @@ def test_a_refused_action_reads_with_its_rule() -> None:
         "  action #0 close_task: refused (only the company that sent task t or the company of its assignee may "
         "update or close it) [rule task-sender-or-assignee]"
     ) in format_run(run).splitlines()
+
+
+async def _watch_lines(env: dict[str, str], key: str, *args: str, until: str) -> list[str]:
+    """`quayutec watch ...` run as the company of ``key`` until a line holding ``until`` is printed."""
+    watch = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "services.cli", "watch", *args,
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO), **env, "QUAYUTEC_API_KEY": key},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert watch.stdout is not None
+    lines: list[str] = []
+    try:
+        while not any(until in line for line in lines):
+            line = (await asyncio.wait_for(watch.stdout.readline(), 60)).decode()
+            assert line, (lines, (await watch.stderr.read()).decode() if watch.stderr else "")
+            lines.append(line.rstrip("\n"))
+    finally:
+        watch.terminate()
+        await watch.wait()
+    return lines
+
+
+async def test_watch_names_things_and_rooms_and_companies_are_given_by_name(database_url: str) -> None:
+    """Issue 35: `watch` prints rooms, companies and agents by name (ids with --json); `room invite`,
+    `leave`, `remove-member` and `invitations --room` take names; their answers and errors name things."""
+    async with companies_cli(database_url, QUAYUTEC_PROVIDER_KEY="sk-cli-secret") as cli:
+        run, ok, company = cli.run, cli.ok, cli.company
+
+        (acme_id, acme), (globex_id, globex) = await company("Acme"), await company("Globex")
+        room_id = (await ok(acme, "room", "create", "launch")).split()[1]
+        stranger = await run(acme, "room", "invite", "launch", "Globex")  # shares nothing with Acme yet
+        assert stranger.returncode == 1 and "no company named 'Globex' is known to your company" in stranger.stderr
+        invited = await ok(acme, "room", "invite", "Launch", globex_id)
+        assert "Globex is invited to room 'launch'" in invited and globex_id not in invited
+        assert "is a member of room 'launch'" in await ok(globex, "invitation", "accept", invited.split()[1][:-1])
+        await ok(acme, "room", "create", "ops")
+        by_name = await ok(acme, "room", "invite", "ops", "globex")  # known now: a member of launch
+        assert "Globex is invited to room 'ops'" in by_name
+        assert by_name.split()[1][:-1] in await ok(acme, "invitations", "--room", "ops")
+        planner = await ok(acme, "agent", "register", "--name", "planner", "--provider", "openai", "--model", "m")
+        planner_id = planner.split()[1]
+        await ok(globex, "post", "--room", "launch", "--person", "gus", "--mention", "planner", "hello")
+        unknown = await run(globex, "post", "--room", "launch", "--person", "gus", "--mention", "nobody", "x")
+        assert "no agent named 'nobody' in room 'launch'" in unknown.stderr and "Acme's agent" in unknown.stderr
+        assert room_id not in unknown.stderr and acme_id not in unknown.stderr
+
+        watched = await _watch_lines(cli.env, globex, "--room", "launch", "--after", "0", until="hello")
+        text = "\n".join(watched)
+        assert any(line.endswith("member_joined Globex") for line in watched), text
+        assert any(line.endswith("message_posted #1 gus (Globex): hello") for line in watched), text
+        assert not any(i in text for i in (acme_id, globex_id, room_id, planner_id)), text
+        as_json = await _watch_lines(cli.env, globex, "--room", room_id, "--after", "0", "--json", until="hello")
+        [message] = [json.loads(line)["message"] for line in as_json if '"message"' in line]
+        assert message["author"]["company_id"] == globex_id and message["body"] == "hello"
+        assert json.loads(as_json[0])["room_id"] == room_id
+
+        # Every room of the company, each line under its room's name. It starts from now: post until seen.
+        async def post_until_seen() -> None:
+            for _ in range(30):  # bounded
+                await ok(acme, "post", "--room", "launch", "--person", "ana", "again")
+                await asyncio.sleep(1)
+
+        posting = asyncio.create_task(post_until_seen())
+        try:
+            every = await _watch_lines(cli.env, acme, "--all", until="again")
+        finally:
+            posting.cancel()
+        assert re.fullmatch(r"launch: \[\d+\] message_posted #\d+ ana \(Acme\): again", every[-1]), every
+
+        missing = await run(acme, "room", "remove-member", "launch", "Initech")
+        assert missing.returncode == 1 and "no company named 'Initech' is a member of that room" in missing.stderr
+        removed = await ok(acme, "room", "remove-member", "launch", "GLOBEX")
+        assert removed == "Globex removed from room 'launch'\n"
+        ops_invitation = await ok(globex, "invitations", "--json")
+        [pending] = json.loads(ops_invitation)
+        await ok(globex, "invitation", "accept", pending["invitation_id"])
+        assert "your company left room 'ops'" in await ok(globex, "room", "leave", "ops")
+
+
+def _readme_block(heading: str) -> list[str]:
+    """The command lines of the first ```sh block after ``heading`` in README.md."""
+    text = (REPO / "README.md").read_text()
+    after = text[text.index(heading) :]
+    block = after[after.index("```sh\n") + len("```sh\n") :]
+    return [line for line in block[: block.index("```")].splitlines() if line.strip()]
+
+
+async def test_an_approval_is_seen_by_following_the_readme_alone(database_url: str) -> None:
+    """Issue 35, the first hour: README's "See an approval yourself", line by line as written (the
+    curl line as the same POST), against real services and the stand-in: the scripted reply's
+    remember is held, listed, approved, and the run then writes it."""
+    import shlex
+
+    import httpx
+
+    from services.runtime.standin import StandinProvider
+    from tests.harness.claims import running_claims
+    from tests.harness.gateway import running_gateway
+    from tests.harness.runtime import running_runtime
+
+    with StandinProvider() as standin:
+        async with (
+            running_claims(database_url) as claims_addr,
+            running_room(database_url) as room_addr,
+            running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
+            running_gateway(
+                database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
+            ) as gateway_addr,
+        ):
+            env = client_env(database_url, room_addr, gateway_addr)
+            ok = succeeding(env)
+            company_id = (await ok("company", "create", "Acme")).split()[1]
+            env["QUAYUTEC_API_KEY"] = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
+            token = ""
+            for line in _readme_block("### See an approval yourself"):
+                words = shlex.split(line, comments=True)
+                extra = {}
+                while "=" in words[0]:
+                    name, _, value = words.pop(0).partition("=")
+                    extra[name] = value
+                if words[0] == "export":
+                    assert words[1].startswith("STANDIN=")
+                    continue
+                if words[0] == "curl":
+                    url = words[words.index("-s") + 1].replace("$STANDIN", standin.base_url)
+                    payload = json.loads(words[words.index("-d") + 1])
+                    async with httpx.AsyncClient() as http:
+                        (await http.post(url, json=payload)).raise_for_status()
+                    continue
+                assert words[0] == ".venv/bin/quayutec", line
+                args = [token if w == "<token>" else w for w in words[1:]]
+                if args == ["approvals"]:
+                    for _ in range(300):  # bounded: the wake is delivered, the run parks
+                        table = (await ok(*args, **extra)).splitlines()
+                        if len(table) > 1:
+                            break
+                        await asyncio.sleep(0.1)
+                    [held] = table[1:]
+                    assert " remember " in held and "venue: Pier 9" in held, table
+                    token = held.split()[0]
+                    continue
+                if args[0] == "runs":
+                    for _ in range(300):  # bounded: the continuation runs
+                        runs = json.loads(await ok(*args, "--json", **extra))
+                        if runs and runs[0]["status"] == "succeeded":
+                            break
+                        await asyncio.sleep(0.1)
+                    assert [r["status"] for r in runs] == ["succeeded"], runs
+                    record = await ok("run", runs[0]["run_id"])
+                    assert "action #0 remember: done" in record, record
+                    continue
+                await ok(*args, **extra)
+            assert token, "the README's steps never showed a held action"
+            [asked] = [r for r in standin.requests("scripted") if r.answer == "reply"]
+            assert "note the venue" in json.dumps(asked.body)

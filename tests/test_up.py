@@ -367,3 +367,26 @@ def test_up_piped_to_a_reader_that_ctrl_c_ended_still_stops_postgresql(data_dir:
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+async def test_the_demos_ports_are_held_for_its_services_until_they_stop(database_url: str, tmp_path: Path) -> None:
+    """Issue 35: the demo's stack does not pick ports and let them go before its services bind them.
+    Each is held from the moment it is chosen: no other program can bind it meanwhile (nor while a
+    service restarts), the services and the console serve on exactly it, and stopping frees it."""
+    from quayutec.config import CLAIMS
+
+    stack = LocalStack.with_ports(ephemeral=True, data_dir=tmp_path / "d")
+    stack.database_url = database_url
+    console_port = int(str(stack.console_listen).rpartition(":")[2])
+    ports = [*stack.ports.values(), console_port]
+    assert len(set(ports)) == 5
+    try:
+        assert not any(port_is_free(p) for p in ports)  # held before anything of ours listens
+        await stack.start_services([CLAIMS.name])
+        await stack.start_console()
+        stack.kill(CLAIMS.name)  # a crash, as in the demo: its port stays held for the restart
+        assert not port_is_free(stack.ports[CLAIMS.name])
+        await stack.start_services([CLAIMS.name])  # SERVING on the very port it was given
+    finally:
+        stack.stop_all()
+    assert all(port_is_free(p) for p in ports)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import logging
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -283,5 +284,25 @@ def main() -> int:
             timeout_graceful_shutdown=5,
         )
     )
-    server.run()
+    try:
+        sock = listening_socket(host, port)
+    except OSError as exc:
+        print(f"console: cannot listen on {config.listen}: {exc.strerror}", flush=True)
+        return 2
+    server.run(sockets=[sock])
     return 0
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The console's socket, bound with ``SO_REUSEPORT`` as gRPC servers bind theirs: a local stack
+    holds the port for it until then (services/stack.py ``reserve_port``), so nothing else takes it."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host.strip("[]"), port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock

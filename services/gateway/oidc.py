@@ -259,10 +259,13 @@ def _json_of(response: httpx.Response, what: str, *, errors_too: bool = False) -
 
 
 def _person(issuer: str, claims: dict[str, Any]) -> VerifiedPerson:
-    email = claims.get("email")
-    email = email if isinstance(email, str) and claims.get("email_verified") is not False else ""
+    named = claims.get("email")
+    unverified = isinstance(named, str) and bool(named) and claims.get("email_verified") is False
+    email = named if isinstance(named, str) and not unverified else ""
     name = next(
         (str(claims[c]) for c in ("name", "preferred_username") if isinstance(claims.get(c), str) and claims[c]),
         email or str(claims["sub"]),
     )
-    return VerifiedPerson(issuer=issuer, subject=str(claims["sub"]), name=name[:200], email=email[:320])
+    return VerifiedPerson(
+        issuer=issuer, subject=str(claims["sub"]), name=name[:200], email=email[:320], email_unverified=unverified
+    )

@@ -106,7 +106,14 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
     limiter = PostRateLimiter(config.rate_limit)
     # Calls to companies' OpenID providers go through the egress guard (services/gateway/oidc.py).
     oidc = OidcClient(config.egress)
-    sign_in = SignInServicer(keys, config.cipher, oidc, max_session_keys=config.max_session_keys, limiter=limiter)
+    sign_in = SignInServicer(
+        keys,
+        config.cipher,
+        oidc,
+        max_session_keys=config.max_session_keys,
+        limiter=limiter,
+        throttle=config.auth_throttle,
+    )
     servicer = GatewayServicer(
         room,
         caller,

@@ -11,10 +11,11 @@ checked the provider's signed word for it.
 
 from __future__ import annotations
 
+import logging
 import re
 import uuid
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, NoReturn
 
 from quayutec.crypto import InvalidToken, MultiFernet
 from quayutec.errors import (
@@ -26,11 +27,14 @@ from quayutec.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
 from quayutec.v1 import gateway_pb2, gateway_pb2_grpc, room_pb2, signin_pb2, signin_pb2_grpc
-from services.gateway.auth import SESSION_TTL_SECONDS, CallerContext, hash_secret, new_secret
+from services.gateway.auth import SESSION_TTL_SECONDS, THROTTLE_SETTINGS, CallerContext, hash_secret, new_secret
 from services.gateway.oidc import IssuerUnreachable, OidcClient, SignInRefused, issuer_host
 from services.gateway.ratelimit import PostRateLimiter
-from services.gateway.store import ApiKeyStore, ProviderRow
+from services.gateway.store import ApiKeyStore, ProviderNameTaken, ProviderRow, VerifiedPerson
+
+_log = logging.getLogger("quayutec.gateway")
 
 MAX_FIELD_BYTES = 1000
 MAX_DOMAINS = 50
@@ -116,9 +120,16 @@ class SignInProviderRpcs(gateway_pb2_grpc.GatewayServiceServicer):
             key_id=str(key_id),
             updated_at=datetime.now(UTC),
         )
-        saved, taken = await keys.set_sign_in_provider(
-            row, hash_secret(key_secret), f"sign-ins through {issuer_host(issuer)}"[:200]
-        )
+        try:
+            saved, taken = await keys.set_sign_in_provider(
+                row, hash_secret(key_secret), f"sign-ins through {issuer_host(issuer)}"[:200]
+            )
+        except ProviderNameTaken:
+            raise AlreadyExists(
+                f"another company's name differs from {row.company_name!r} only in case, and it already signs its "
+                "people in through a provider; people find their company's provider by its name, so only one "
+                "of the two can have one: ask the operator to rename one of them"
+            ) from None
         if saved is None:
             raise AlreadyExists(f"another company's provider already serves {', '.join(taken)}")
         return gateway_pb2.SetSignInProviderResponse(provider=provider_proto(saved))
@@ -155,6 +166,7 @@ class SignInServicer(signin_pb2_grpc.SignInServiceServicer):
         *,
         max_session_keys: int,
         limiter: PostRateLimiter | None = None,
+        throttle: ThrottleConfig | None = None,
     ) -> None:
         self._keys = keys
         self._cipher = cipher
@@ -163,6 +175,10 @@ class SignInServicer(signin_pb2_grpc.SignInServiceServicer):
         # Anyone may call CompleteSignIn, and each call reaches the company's provider: the company's
         # rate limit (the one of its posts) bounds how often.
         self._limiter = limiter
+        # Failed sign-ins are counted per source address and per company, as failed authentications
+        # are (services/gateway/auth.py): every attempt is still checked, so a right code always signs
+        # in; past the burst a failure is answered RESOURCE_EXHAUSTED (back off) instead of refused.
+        self._throttle = AuthThrottle(throttle or ThrottleConfig(), _log, what="sign-ins", settings=THROTTLE_SETTINGS)
 
     async def FindSignInProvider(
         self, request: signin_pb2.FindSignInProviderRequest, context: Any
@@ -205,40 +221,18 @@ class SignInServicer(signin_pb2_grpc.SignInServiceServicer):
             company = uuid.UUID(request.company_id)
         except ValueError:
             raise InvalidArgument("company_id must be an id (uuid)") from None
+        source = f"source:{source_of(context.peer())}"
         row = await self._keys.sign_in_provider(company)
         if row is None:
-            raise NotFound("this company has no sign-in provider (it was removed): sign in again")
+            self._counted_failure(
+                [source], NotFound("this company has no sign-in provider (it was removed): sign in again")
+            )
         if self._limiter is not None:
             self._limiter.take(row.company_id)
         try:
-            secret = self._cipher.decrypt(row.client_secret_sealed).decode("utf-8")
-        except InvalidToken:
-            raise FailedPrecondition(
-                "the provider's client secret cannot be decrypted with this Gateway's encryption key "
-                "(QUAYUTEC_ENCRYPTION_KEY): set the provider again"
-            ) from None
-        try:
-            person = await self._oidc.redeem(
-                row.issuer,
-                row.client_id,
-                secret,
-                code=request.code,
-                code_verifier=request.code_verifier,
-                redirect_uri=request.redirect_uri,
-                nonce=request.nonce,
-            )
-        except SignInRefused as exc:
-            raise PermissionDenied(str(exc)) from None
-        except IssuerUnreachable as exc:
-            raise Unavailable(f"your provider could not be reached: {exc}") from None
-        if row.email_domains:
-            domain = person.email.rpartition("@")[2].lower() if person.email else ""
-            if domain not in row.email_domains:
-                shown = person.email or "no verified email"
-                raise PermissionDenied(
-                    f"{shown} is not an email of {row.company_name} ({', '.join(row.email_domains)}): your "
-                    "provider vouched for you, but your company lets only those domains sign in here"
-                )
+            person = await self._verified_person(row, request)
+        except PermissionDenied as exc:
+            self._counted_failure([source, f"company:{row.company_id}"], exc)
         key_id, key_secret = new_secret()
         made = await self._keys.insert_person_session_key(
             key_id,
@@ -265,3 +259,55 @@ class SignInServicer(signin_pb2_grpc.SignInServiceServicer):
         if made.expires_at is not None:
             response.expires_at.FromDatetime(made.expires_at)
         return response
+
+    def _counted_failure(self, subjects: list[str], exc: Exception) -> NoReturn:
+        """Counts a failed sign-in against ``subjects`` and raises ``exc``, or RESOURCE_EXHAUSTED once a
+        subject is past its burst of failures."""
+        refused = self._throttle.failed(subjects)
+        if refused is None:
+            raise exc
+        wait_ms, sentence = refused
+        raise ResourceExhausted(sentence, retry_after_ms=wait_ms) from None
+
+    async def _verified_person(self, row: ProviderRow, request: signin_pb2.CompleteSignInRequest) -> VerifiedPerson:
+        """The person the provider vouches for with the code, if the company admits them; PERMISSION_DENIED
+        saying why when not."""
+        try:
+            secret = self._cipher.decrypt(row.client_secret_sealed).decode("utf-8")
+        except InvalidToken:
+            raise FailedPrecondition(
+                "the provider's client secret cannot be decrypted with this Gateway's encryption key "
+                "(QUAYUTEC_ENCRYPTION_KEY): set the provider again"
+            ) from None
+        try:
+            person = await self._oidc.redeem(
+                row.issuer,
+                row.client_id,
+                secret,
+                code=request.code,
+                code_verifier=request.code_verifier,
+                redirect_uri=request.redirect_uri,
+                nonce=request.nonce,
+            )
+        except SignInRefused as exc:
+            raise PermissionDenied(str(exc)) from None
+        except IssuerUnreachable as exc:
+            raise Unavailable(f"your provider could not be reached: {exc}") from None
+        if row.email_domains:
+            domains = ", ".join(row.email_domains)
+            if person.email_unverified:
+                raise PermissionDenied(
+                    f"your provider says your email address is not verified, and {row.company_name} lets only "
+                    f"people of {domains} sign in here: verify your address with your provider, then sign in again"
+                )
+            if not person.email:
+                raise PermissionDenied(
+                    f"your provider sent no email address, and {row.company_name} lets only people of {domains} "
+                    "sign in here"
+                )
+            if person.email.rpartition("@")[2].lower() not in row.email_domains:
+                raise PermissionDenied(
+                    f"{person.email} is not an email of {row.company_name} ({domains}): your provider vouched "
+                    "for you, but your company lets only those domains sign in here"
+                )
+        return person

@@ -44,6 +44,17 @@ class VerifiedPerson:
     subject: str
     name: str
     email: str = ""
+    # The ID token named an email but said it is not verified (email_verified false): ``email`` is
+    # empty then, and a company that admits only some email domains refuses the sign-in.
+    email_unverified: bool = False
+
+
+# Providers are found by company name without regard to case: one name, one provider.
+PROVIDER_NAME_INDEX = "sign_in_providers_name_idx"
+
+
+class ProviderNameTaken(Exception):
+    """Another company whose name differs from this one's only in case has a sign-in provider."""
 
 
 @dataclass(frozen=True)
@@ -249,28 +260,35 @@ class ApiKeyStore:
         sign-ins end). Returns it, or (None, the domains another company's provider already serves)."""
         company = uuid.UUID(provider.company_id)
         domains = list(provider.email_domains)
-        async with self._pool.acquire() as conn, conn.transaction():
-            await conn.execute(self._q["lock_sign_in_provider"], provider.company_id)
-            taken = [r["domain"] for r in await conn.fetch(self._q["domains_of_others"], company, domains)]
-            if taken:
-                return None, taken
-            before = await conn.fetchrow(self._q["get_sign_in_provider"], company)
-            await conn.execute(self._q["insert_api_key"], uuid.UUID(provider.key_id), company, key_hash, label)
-            row = await conn.fetchrow(
-                self._q["upsert_sign_in_provider"],
-                company,
-                provider.company_name,
-                provider.issuer,
-                provider.client_id,
-                provider.client_secret_sealed,
-                domains,
-                provider.allow_api_key_sign_in,
-                uuid.UUID(provider.key_id),
-            )
-            await conn.execute(self._q["clear_sign_in_domains"], company)
-            await conn.execute(self._q["insert_sign_in_domains"], company, domains)
-            if before is not None:
-                await conn.fetchval(self._q["revoke_api_key"], before["key_id"])
+        try:
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute(self._q["lock_sign_in_provider"], provider.company_id)
+                taken = [r["domain"] for r in await conn.fetch(self._q["domains_of_others"], company, domains)]
+                if taken:
+                    return None, taken
+                before = await conn.fetchrow(self._q["get_sign_in_provider"], company)
+                await conn.execute(self._q["insert_api_key"], uuid.UUID(provider.key_id), company, key_hash, label)
+                row = await conn.fetchrow(
+                    self._q["upsert_sign_in_provider"],
+                    company,
+                    provider.company_name,
+                    provider.issuer,
+                    provider.client_id,
+                    provider.client_secret_sealed,
+                    domains,
+                    provider.allow_api_key_sign_in,
+                    uuid.UUID(provider.key_id),
+                )
+                await conn.execute(self._q["clear_sign_in_domains"], company)
+                await conn.execute(self._q["insert_sign_in_domains"], company, domains)
+                if before is not None:
+                    await conn.fetchval(self._q["revoke_api_key"], before["key_id"])
+        except asyncpg.UniqueViolationError as exc:
+            if exc.constraint_name == PROVIDER_NAME_INDEX:
+                raise ProviderNameTaken(provider.company_name) from None
+            # Another company's provider took one of these domains at the same moment.
+            taken = [r["domain"] for r in await self._pool.fetch(self._q["domains_of_others"], company, domains)]
+            return None, taken or domains
         if before is not None:
             self._revoked(before["key_id"])
         return _provider(row), []

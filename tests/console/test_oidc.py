@@ -177,7 +177,7 @@ async def test_a_person_signs_in_posts_approves_and_signs_out(
 async def test_each_refusal_is_a_page_in_words(database_url: str, generous_expect: None) -> None:
     async with stack(database_url) as s:
         callback = f"{s.base}/signin/callback"
-        async with running_provider([callback]) as provider:
+        async with running_provider([callback], unverified=["una@acme.test"]) as provider:
             await use_provider(s, provider, "acme.test")
             context = await s.browser.new_context()
             page = await context.new_page()
@@ -199,6 +199,12 @@ async def test_each_refusal_is_a_page_in_words(database_url: str, generous_expec
             await start(page, s.base, "Acme", provider)
             await at_provider(page, "eve@elsewhere.test")
             await expect(page.get_by_role("alert")).to_contain_text("eve@elsewhere.test is not an email of Acme")
+            # An email of Acme's domain that the provider says is not verified (a browser of its own: the
+            # provider remembers eve in this one).
+            unverified = await (await s.browser.new_context()).new_page()
+            await start(unverified, s.base, "Acme", provider)
+            await at_provider(unverified, "una@acme.test")
+            await expect(unverified.get_by_role("alert")).to_contain_text("your email address is not verified")
 
             # A code used once already, sent back with a later sign-in's own state.
             fresh = await (await s.browser.new_context()).new_page()

@@ -3,9 +3,11 @@ loopback, the Gateway redeeming its codes and checking its ID tokens, and each w
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from urllib.parse import parse_qs, urlencode, urlsplit
 
 import grpc
@@ -15,7 +17,7 @@ from authlib.oauth2.rfc7636 import create_s256_code_challenge
 from quayutec.v1 import gateway_pb2, signin_pb2, signin_pb2_grpc
 from tests.gateway.conftest import NOWHERE
 from tests.gateway.helpers import GatewayStub, create_room, expect_error
-from tests.harness.gateway import CompanyKey, authed_gateway, running_gateway
+from tests.harness.gateway import CompanyKey, authed_gateway, make_company, running_gateway
 from tests.harness.oidc import RunningProvider, authorize, running_provider
 from tests.test_cli import client_env, quayutec, succeeding
 
@@ -241,3 +243,111 @@ async def test_the_provider_is_set_from_the_command_line(
         assert "FAILED_PRECONDITION" in unreadable.stderr, unreadable.stderr
         assert (await ok("sign-in", "remove")).strip() == "removed; its sign-ins are ended"
         assert "no sign-in provider" in await ok("sign-in", "show")
+
+
+async def test_an_unverified_email_is_refused_where_the_company_admits_only_its_domains(
+    signin: signin_pb2_grpc.SignInServiceStub, acme_gw: GatewayStub
+) -> None:
+    """Issue 35: an ID token saying email_verified false does not pass an email-domain rule; with no
+    such rule the person signs in, and the unverified address is not kept as theirs."""
+    async with running_provider([REDIRECT], unverified=["ana@acme.test"]) as provider:
+        await set_provider(acme_gw, provider, "acme.test")
+        code, kept = await code_for(signin, "Acme", "ana@acme.test")
+        await expect_error(DENIED, complete(signin, code, kept), "your email address is not verified")
+        await set_provider(acme_gw, provider)
+        code, kept = await code_for(signin, "Acme", "ana@acme.test")
+        done = await complete(signin, code, kept)
+        assert (done.person.name, done.person.email) == ("ana@acme.test", "")
+
+
+async def test_companies_whose_names_differ_only_in_case_cannot_both_have_a_provider(
+    database_url: str, room_addr: str, gateway_addr: str, signin: signin_pb2_grpc.SignInServiceStub, acme: CompanyKey
+) -> None:
+    """People find a provider by company name without regard to case: a second "ACME" is told so
+    (ALREADY_EXISTS), and Acme's provider stays as it was."""
+    shouting = await make_company(database_url, room_addr, "ACME")
+    async with (
+        running_provider([REDIRECT]) as provider,
+        authed_gateway(gateway_addr, acme.secret) as acme_gw,
+        authed_gateway(gateway_addr, shouting.secret) as shouting_gw,
+    ):
+        await set_provider(acme_gw, provider)
+        await expect_error(grpc.StatusCode.ALREADY_EXISTS, set_provider(shouting_gw, provider), "only in case")
+        got = await shouting_gw.GetSignInProvider(gateway_pb2.GetSignInProviderRequest(), timeout=10)
+        assert not got.found
+        found = await signin.FindSignInProvider(signin_pb2.FindSignInProviderRequest(company_name="acme"), timeout=20)
+        assert found.company_id == acme.company_id
+
+
+async def test_failed_sign_ins_are_throttled_per_address_and_a_right_code_still_signs_in(
+    database_url: str, room_addr: str, acme: CompanyKey
+) -> None:
+    """Issue 35: CompleteSignIn failures count against the caller's address and the company (burst 2
+    here); past the burst a failure is answered RESOURCE_EXHAUSTED with when to retry, yet every
+    attempt is still checked, so a right code signs in."""
+    async with (
+        running_gateway(
+            database_url, room_addr, NOWHERE,
+            QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false", QUAYUTEC_GATEWAY_POST_RATE="0",
+            QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST="2", QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE="0.001", **LOOPBACK,
+        ) as addr,
+        grpc.aio.insecure_channel(addr) as channel,
+        authed_gateway(addr, acme.secret) as acme_gw,
+        running_provider([REDIRECT]) as provider,
+    ):  # fmt: skip
+        signin = signin_pb2_grpc.SignInServiceStub(channel)
+        await set_provider(acme_gw, provider)
+        nowhere = {"company": str(uuid.uuid4()), "verifier": "v" * 43, "nonce": "n"}
+        await expect_error(grpc.StatusCode.NOT_FOUND, complete(signin, "a-code", nowhere), "no sign-in provider")
+        code, kept = await code_for(signin, "Acme", "ana@acme.test")
+        await expect_error(DENIED, complete(signin, code, kept, nonce="another"), "nonce")
+        # Two failures from this address: the third is answered "too many", with a retry-after.
+        code, kept = await code_for(signin, "Acme", "ana@acme.test")
+        with pytest.raises(grpc.aio.AioRpcError) as third:
+            await complete(signin, code, kept, nonce="another")
+        assert third.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "too many failed sign-ins from your address" in str(third.value.details())
+        trailers = dict(third.value.trailing_metadata() or ())
+        assert int(trailers["retry-after-ms"]) > 0, trailers
+        # The right code still signs in.
+        code, kept = await code_for(signin, "Acme", "ana@acme.test")
+        done = await complete(signin, code, kept)
+        assert done.person.email == "ana@acme.test"
+
+        # From another address (127.0.0.2): its own failures are its own, but Acme's are past the burst.
+        async with from_address("127.0.0.2", addr) as other_addr, grpc.aio.insecure_channel(other_addr) as other:
+            elsewhere = signin_pb2_grpc.SignInServiceStub(other)
+            await expect_error(grpc.StatusCode.NOT_FOUND, complete(elsewhere, "a-code", nowhere))
+            acme_company = {**nowhere, "company": acme.company_id}
+            await expect_error(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                complete(elsewhere, "not-a-code", acme_company),
+                "too many failed sign-ins for this company",
+            )
+
+
+@asynccontextmanager
+async def from_address(source: str, target: str) -> AsyncIterator[str]:
+    """A loopback TCP relay whose connections reach ``target`` from the address ``source``: the Gateway
+    sees another caller. Yields the relay's own address."""
+    host, _, port = target.rpartition(":")
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        upstream_reader, upstream_writer = await asyncio.open_connection(host, int(port), local_addr=(source, 0))
+        await asyncio.gather(pipe(reader, upstream_writer), pipe(upstream_reader, writer))
+
+    server = await asyncio.start_server(relay, "127.0.0.1", 0)
+    try:
+        yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()

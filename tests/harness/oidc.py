@@ -37,7 +37,11 @@ class RunningProvider:
 
 @asynccontextmanager
 async def running_provider(
-    redirect_uris: list[str], *, mode: str = "", names: dict[str, str] | None = None
+    redirect_uris: list[str],
+    *,
+    mode: str = "",
+    names: dict[str, str] | None = None,
+    unverified: list[str] | None = None,
 ) -> AsyncIterator[RunningProvider]:
     """Starts the provider (failing, never skipping, when node or its packages are missing) and stops it."""
     node = shutil.which("node")
@@ -49,6 +53,7 @@ async def running_provider(
         "redirect_uris": redirect_uris,
         "names": names or {},
         "mode": mode,
+        "unverified": unverified or [],
     }
     process = await asyncio.create_subprocess_exec(
         node,

@@ -3,7 +3,8 @@
 // node provider.mjs '<json>' listens on 127.0.0.1 (a port the system picks), then prints one line,
 // {"issuer": ..., "port": ...}, and serves until killed. The JSON names the client and how to misbehave:
 //   {"client_id", "client_secret", "redirect_uris": [...], "names": {"<login>": "<display name>"},
-//    "mode": "" | "wrong_issuer" | "bad_signature" | "expired_id_token"}
+//    "mode": "" | "wrong_issuer" | "bad_signature" | "expired_id_token",
+//    "unverified": ["<login>", ...]}  (their ID tokens say email_verified: false)
 // Any login with any password signs in (the library's development login pages); the login is the
 // person's email and subject. The modes are real faults a provider can have: tokens naming another
 // issuer than its discovery document, published keys that do not sign its tokens, ID tokens expired
@@ -15,6 +16,7 @@ import Provider from 'oidc-provider';
 const options = JSON.parse(process.argv[2] || '{}');
 const mode = options.mode || '';
 const names = options.names || {};
+const unverified = options.unverified || [];
 
 function signingKey(kid) {
   const { privateKey } = generateKeyPairSync('rsa', { modulusLength: 2048 });
@@ -55,7 +57,7 @@ server.listen(0, '127.0.0.1', () => {
       return {
         accountId: id,
         async claims() {
-          return { sub: id, email: id, email_verified: true, name: names[id] || id };
+          return { sub: id, email: id, email_verified: !unverified.includes(id), name: names[id] || id };
         },
       };
     },
