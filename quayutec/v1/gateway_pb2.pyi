@@ -61,15 +61,19 @@ class CreateRoomRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NAME_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
+    idempotency_key: _builtins.str
+    """Optional; a retried call with the same key (from the same company) answers the first room."""
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -152,17 +156,21 @@ class InviteCompanyRequest(_message.Message):
 
     ROOM_ID_FIELD_NUMBER: _builtins.int
     COMPANY_ID_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     company_id: _builtins.str
+    idempotency_key: _builtins.str
+    """Optional; a retried call with the same key (from the same company) answers the first invitation."""
     def __init__(
         self,
         *,
         room_id: _builtins.str = ...,
         company_id: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "room_id", b"room_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "idempotency_key", b"idempotency_key", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -558,6 +566,7 @@ class RegisterAgentRequest(_message.Message):
     BASE_URL_FIELD_NUMBER: _builtins.int
     PROVIDER_KEY_FIELD_NUMBER: _builtins.int
     SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     provider: _common_pb2.Provider.ValueType
     model: _builtins.str
@@ -568,6 +577,8 @@ class RegisterAgentRequest(_message.Message):
     provider_key: _builtins.str
     """The company's provider key; stored encrypted, never returned, logged or traced."""
     system_prompt: _builtins.str
+    idempotency_key: _builtins.str
+    """Optional; a retried call with the same key (from the same company) answers the first agent."""
     def __init__(
         self,
         *,
@@ -577,10 +588,11 @@ class RegisterAgentRequest(_message.Message):
         base_url: _builtins.str = ...,
         provider_key: _builtins.str = ...,
         system_prompt: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "model", b"model", "name", b"name", "provider", b"provider", "provider_key", b"provider_key", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "idempotency_key", b"idempotency_key", "model", b"model", "name", b"name", "provider", b"provider", "provider_key", b"provider_key", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1774,19 +1786,23 @@ class CreateSessionKeyRequest(_message.Message):
 
     TTL_SECONDS_FIELD_NUMBER: _builtins.int
     LABEL_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     ttl_seconds: _builtins.int
     """How long the key lives: 60 to 604800 seconds (7 days)."""
     label: _builtins.str
     """A note shown by `quayutec keys list --sessions`; at most 200 bytes."""
+    idempotency_key: _builtins.str
+    """Optional; a retried call with the same key (from the same company) answers the first session key (its secret too)."""
     def __init__(
         self,
         *,
         ttl_seconds: _builtins.int = ...,
         label: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "label", b"label", "ttl_seconds", b"ttl_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1801,7 +1817,9 @@ class CreateSessionKeyResponse(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     key_id: _builtins.str
     secret: _builtins.str
-    """The key itself (qyk_<key id>_<secret>), returned once and never stored."""
+    """The key itself (qyk_<key id>_<secret>), returned once; never stored, but for a call with an
+    idempotency_key, whose repeats answer it: then kept encrypted with the Gateway's cipher.
+    """
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -1907,16 +1925,20 @@ class CreateApiKeyRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LABEL_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     label: _builtins.str
     """A note to tell keys apart (e.g. "ci"); at most 200 bytes."""
+    idempotency_key: _builtins.str
+    """Optional; a retried call with the same key (from the same company) answers the first key (its secret too)."""
     def __init__(
         self,
         *,
         label: _builtins.str = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["label", b"label"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["idempotency_key", b"idempotency_key", "label", b"label"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1929,7 +1951,9 @@ class CreateApiKeyResponse(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     SECRET_FIELD_NUMBER: _builtins.int
     secret: _builtins.str
-    """The key itself (qyk_<key id>_<secret>), returned once and never stored."""
+    """The key itself (qyk_<key id>_<secret>), returned once; never stored, but for a call with an
+    idempotency_key, whose repeats answer it: then kept encrypted with the Gateway's cipher.
+    """
     @_builtins.property
     def key(self) -> Global___ApiKey: ...
     def __init__(

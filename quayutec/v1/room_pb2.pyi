@@ -123,17 +123,21 @@ class RoomServiceCreateRoomRequest(_message.Message):
 
     COMPANY_ID_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
+    DEDUPE_KEY_FIELD_NUMBER: _builtins.int
     company_id: _builtins.str
     name: _builtins.str
+    dedupe_key: _builtins.str
+    """Optional; a repeat from the same company returns the first room."""
     def __init__(
         self,
         *,
         company_id: _builtins.str = ...,
         name: _builtins.str = ...,
+        dedupe_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "dedupe_key", b"dedupe_key", "name", b"name"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -263,21 +267,25 @@ class RoomServiceCreateInvitationRequest(_message.Message):
     ROOM_ID_FIELD_NUMBER: _builtins.int
     COMPANY_ID_FIELD_NUMBER: _builtins.int
     INVITED_BY_COMPANY_ID_FIELD_NUMBER: _builtins.int
+    DEDUPE_KEY_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     company_id: _builtins.str
     """The invited company."""
     invited_by_company_id: _builtins.str
     """The member company that invites."""
+    dedupe_key: _builtins.str
+    """Optional; a repeat from the same company returns the first invitation (after the inviter's right to invite is checked)."""
     def __init__(
         self,
         *,
         room_id: _builtins.str = ...,
         company_id: _builtins.str = ...,
         invited_by_company_id: _builtins.str = ...,
+        dedupe_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "invited_by_company_id", b"invited_by_company_id", "room_id", b"room_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "dedupe_key", b"dedupe_key", "invited_by_company_id", b"invited_by_company_id", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -710,6 +718,7 @@ class RoomServiceRegisterAgentRequest(_message.Message):
     BASE_URL_FIELD_NUMBER: _builtins.int
     PROVIDER_KEY_FIELD_NUMBER: _builtins.int
     SYSTEM_PROMPT_FIELD_NUMBER: _builtins.int
+    DEDUPE_KEY_FIELD_NUMBER: _builtins.int
     company_id: _builtins.str
     name: _builtins.str
     provider: _common_pb2.Provider.ValueType
@@ -721,6 +730,8 @@ class RoomServiceRegisterAgentRequest(_message.Message):
     provider_key: _builtins.str
     """The company's provider key; stored encrypted, never returned."""
     system_prompt: _builtins.str
+    dedupe_key: _builtins.str
+    """Optional; a repeat from the same company returns the first agent."""
     def __init__(
         self,
         *,
@@ -731,10 +742,11 @@ class RoomServiceRegisterAgentRequest(_message.Message):
         base_url: _builtins.str = ...,
         provider_key: _builtins.str = ...,
         system_prompt: _builtins.str = ...,
+        dedupe_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "company_id", b"company_id", "model", b"model", "name", b"name", "provider", b"provider", "provider_key", b"provider_key", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base_url", b"base_url", "company_id", b"company_id", "dedupe_key", b"dedupe_key", "model", b"model", "name", b"name", "provider", b"provider", "provider_key", b"provider_key", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -29,6 +29,7 @@ from typing import Any
 import asyncpg
 import grpc
 
+from quayutec.crypto import MultiFernet
 from quayutec.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -106,19 +107,65 @@ async def create_api_key(pool: asyncpg.Pool, company_id: str, label: str) -> tup
     return str(key_id), secret
 
 
+@dataclass(frozen=True)
+class KeyedCreate:
+    """A key creation's idempotency key (already namespaced by kind and company) and the cipher that
+    seals its secret, so a repeat answers the same secret."""
+
+    dedupe_key: str
+    cipher: MultiFernet
+
+
+async def _earlier_key(store: ApiKeyStore, company_id: str, keyed: KeyedCreate | None) -> tuple[ApiKey, str] | None:
+    """The key an earlier call with the same idempotency key made, with its secret."""
+    if keyed is None:
+        return None
+    found = await store.find_keyed(uuid.UUID(company_id), keyed.dedupe_key)
+    if found is None:
+        return None
+    made, sealed = found
+    return made, keyed.cipher.decrypt(sealed).decode("utf-8")
+
+
+def _sealed(keyed: KeyedCreate | None, secret: str) -> tuple[str, bytes] | None:
+    return (keyed.dedupe_key, keyed.cipher.encrypt(secret.encode("utf-8"))) if keyed is not None else None
+
+
 async def create_session_key(
-    store: ApiKeyStore, caller: Caller, ttl_seconds: int, label: str, *, most: int
+    store: ApiKeyStore,
+    caller: Caller,
+    ttl_seconds: int,
+    label: str,
+    *,
+    most: int,
+    keyed: KeyedCreate | None = None,
 ) -> tuple[ApiKey, str]:
-    """A session key of the caller's company key, living ``ttl_seconds``; returns it and its secret."""
+    """A session key of the caller's company key, living ``ttl_seconds``; returns it and its secret.
+    A repeat of ``keyed`` answers the first key, once the caller may make one."""
     low, high = SESSION_TTL_SECONDS
     if not low <= ttl_seconds <= high:
         raise InvalidArgument(f"ttl_seconds must be between {low} and {high} (7 days), got {ttl_seconds}")
     if caller.session:
         raise PermissionDenied("a session key cannot make another session key: call with your company's API key")
+    earlier = await _earlier_key(store, caller.company_id, keyed)
+    if earlier is not None:
+        return earlier
     key_id, secret = _new_secret()
-    made = await store.insert_session_key(
-        key_id, _hash_secret(secret), _label(label), uuid.UUID(caller.key_id), ttl_seconds, most
-    )
+    try:
+        made = await store.insert_session_key(
+            key_id,
+            _hash_secret(secret),
+            _label(label),
+            uuid.UUID(caller.key_id),
+            ttl_seconds,
+            most,
+            _sealed(keyed, secret),
+        )
+    except asyncpg.UniqueViolationError:  # a concurrent call with the same key committed first
+        earlier = await _earlier_key(store, caller.company_id, keyed)
+        if earlier is None:
+            raise
+        return earlier
     if made is None:
         raise ResourceExhausted(
             f"this API key already has {most} live session keys (QUAYUTEC_GATEWAY_MAX_SESSION_KEYS); end some "
@@ -127,8 +174,11 @@ async def create_session_key(
     return made, secret
 
 
-async def create_company_key(store: ApiKeyStore, caller: Caller, label: str, *, most: int) -> tuple[ApiKey, str]:
+async def create_company_key(
+    store: ApiKeyStore, caller: Caller, label: str, *, most: int, keyed: KeyedCreate | None = None
+) -> tuple[ApiKey, str]:
     """A new company key of the caller's company, made with a company key; returns it and its secret.
+    A repeat of ``keyed`` answers the first key, once the caller may make one.
 
     A session key may not make one: a session is short-lived and ends with its sign-out or its company
     key, and a key it made would outlive both (a copied cookie turned into lasting access)."""
@@ -136,10 +186,19 @@ async def create_company_key(store: ApiKeyStore, caller: Caller, label: str, *, 
         raise PermissionDenied(
             "a session key cannot make an API key: call with a company API key (the console asks for one to confirm)"
         )
+    earlier = await _earlier_key(store, caller.company_id, keyed)
+    if earlier is not None:
+        return earlier
     key_id, secret = _new_secret()
-    made = await store.insert_company_key(
-        key_id, uuid.UUID(caller.company_id), _hash_secret(secret), _label(label), most
-    )
+    try:
+        made = await store.insert_company_key(
+            key_id, uuid.UUID(caller.company_id), _hash_secret(secret), _label(label), most, _sealed(keyed, secret)
+        )
+    except asyncpg.UniqueViolationError:  # a concurrent call with the same key committed first
+        earlier = await _earlier_key(store, caller.company_id, keyed)
+        if earlier is None:
+            raise
+        return earlier
     if made is None:
         raise ResourceExhausted(
             f"your company already has {most} live API keys (QUAYUTEC_GATEWAY_MAX_API_KEYS); revoke one it no "

@@ -21,13 +21,22 @@ import uuid
 from datetime import UTC, datetime
 from typing import Any
 
+from quayutec.crypto import MultiFernet
 from quayutec.errors import FailedPrecondition, InvalidArgument, NotFound
 from quayutec.v1 import gateway_pb2, gateway_pb2_grpc
-from services.gateway.auth import Caller, CallerContext, create_company_key, create_session_key, end_session
+from services.gateway.auth import (
+    Caller,
+    CallerContext,
+    KeyedCreate,
+    create_company_key,
+    create_session_key,
+    end_session,
+)
 from services.gateway.oidc import issuer_host
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.store import ApiKey, ApiKeyStore
 
+MAX_IDEMPOTENCY_KEY_BYTES = 200
 _DEFAULT_PAGE = 50
 _MAX_PAGE = 500
 
@@ -77,6 +86,17 @@ class KeyRpcs(gateway_pb2_grpc.GatewayServiceServicer):
     _limiter: PostRateLimiter
     _max_session_keys: int
     _max_api_keys: int
+    _cipher: MultiFernet | None
+
+    def _keyed(self, kind: str, company_id: str, idempotency_key: str) -> KeyedCreate | None:
+        """The call's idempotency key, namespaced by the kind of key and the company (None without one)."""
+        if not idempotency_key:
+            return None
+        if len(idempotency_key.encode("utf-8")) > MAX_IDEMPOTENCY_KEY_BYTES:
+            raise InvalidArgument(f"idempotency_key must be at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes")
+        if self._cipher is None:
+            raise NotImplementedError("keys with an idempotency_key are not served by this Gateway (it has no cipher)")
+        return KeyedCreate(f"{kind}:{company_id}:{idempotency_key}", self._cipher)
 
     def _key_store(self, what: str) -> ApiKeyStore:
         if self._keys is None:
@@ -95,8 +115,9 @@ class KeyRpcs(gateway_pb2_grpc.GatewayServiceServicer):
                 f"your company signs its people in through {issuer_host(provider.issuer)}, so sign-in with an API "
                 "key is off (SetSignInProvider's allow_api_key_sign_in turns it back on, for development)"
             )
+        keyed = self._keyed("session", caller.company_id, request.idempotency_key)
         made, secret = await create_session_key(
-            keys, caller, request.ttl_seconds, request.label, most=self._max_session_keys
+            keys, caller, request.ttl_seconds, request.label, most=self._max_session_keys, keyed=keyed
         )
         response = gateway_pb2.CreateSessionKeyResponse(key_id=made.key_id, secret=secret)
         if made.expires_at is not None:
@@ -114,7 +135,8 @@ class KeyRpcs(gateway_pb2_grpc.GatewayServiceServicer):
         caller = self._caller.caller()
         keys = self._key_store("API keys")
         self._limiter.take(caller.company_id)
-        made, secret = await create_company_key(keys, caller, request.label, most=self._max_api_keys)
+        keyed = self._keyed("api", caller.company_id, request.idempotency_key)
+        made, secret = await create_company_key(keys, caller, request.label, most=self._max_api_keys, keyed=keyed)
         return gateway_pb2.CreateApiKeyResponse(key=key_proto(made, caller), secret=secret)
 
     async def ListApiKeys(

@@ -263,8 +263,12 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
     async def CreateRoom(self, request: gateway_pb2.CreateRoomRequest, context: Any) -> gateway_pb2.CreateRoomResponse:
         company_id = self._caller.company_id()
         name = _required_text(request.name, "name", MAX_NAME_BYTES)
+        key = _idempotency_key(request.idempotency_key)
         response = await self._room.CreateRoom(
-            room_pb2.RoomServiceCreateRoomRequest(company_id=company_id, name=name), timeout=self._timeout
+            room_pb2.RoomServiceCreateRoomRequest(
+                company_id=company_id, name=name, dedupe_key=self._dedupe_key(company_id, key)
+            ),
+            timeout=self._timeout,
         )
         await self._rooms_changed(company_id)
         return gateway_pb2.CreateRoomResponse(room=response.room)
@@ -289,13 +293,17 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
         if not invited:
             raise InvalidArgument("company_id is required")
         not_found = f"company {invited[:64]!r} not found"
+        key = _idempotency_key(request.idempotency_key)
         if not _is_uuid(invited):
             await self._member_room(request.room_id, company_id)
             raise NotFound(not_found)
         response = await self._write_to_room(
             self._room.CreateInvitation,
             room_pb2.RoomServiceCreateInvitationRequest(
-                room_id=request.room_id, company_id=invited, invited_by_company_id=company_id
+                room_id=request.room_id,
+                company_id=invited,
+                invited_by_company_id=company_id,
+                dedupe_key=self._dedupe_key(company_id, key),
             ),
             company_id,
             request.room_id,
@@ -465,6 +473,7 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
             raise InvalidArgument("base_url is required for PROVIDER_OPENAI_COMPATIBLE")
         provider_key = _required_text(request.provider_key, "provider_key", MAX_PROVIDER_KEY_BYTES)
         system_prompt = _optional_text(request.system_prompt, "system_prompt", MAX_SYSTEM_PROMPT_BYTES)
+        key = _idempotency_key(request.idempotency_key)
         try:
             response = await self._room.RegisterAgent(
                 room_pb2.RoomServiceRegisterAgentRequest(
@@ -475,6 +484,7 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
                     base_url=base_url,
                     provider_key=provider_key,
                     system_prompt=system_prompt,
+                    dedupe_key=self._dedupe_key(company_id, key),
                 ),
                 timeout=self._timeout,
             )

@@ -130,13 +130,35 @@ class ApiKeyStore:
         return _api_key(row)
 
     async def insert_session_key(
-        self, key_id: uuid.UUID, key_hash: bytes, label: str, parent: uuid.UUID, ttl_seconds: int, most: int
+        self,
+        key_id: uuid.UUID,
+        key_hash: bytes,
+        label: str,
+        parent: uuid.UUID,
+        ttl_seconds: int,
+        most: int,
+        keyed: tuple[str, bytes] | None = None,
     ) -> ApiKey | None:
-        """The new session key of ``parent``; None when the parent is revoked or has ``most`` live ones."""
+        """The new session key of ``parent``; None when the parent is revoked or has ``most`` live ones.
+        ``keyed``: the call's dedupe key and sealed secret, stored for its repeats (find_keyed)."""
+        dedupe_key, sealed = keyed or (None, None)
         row = await self._pool.fetchrow(
-            self._q["insert_session_key"], key_id, key_hash, label, parent, float(ttl_seconds), most
+            self._q["insert_session_key"],
+            key_id,
+            key_hash,
+            label,
+            parent,
+            float(ttl_seconds),
+            most,
+            dedupe_key,
+            sealed,
         )
         return _api_key(row) if row is not None else None
+
+    async def find_keyed(self, company_id: uuid.UUID, dedupe_key: str) -> tuple[ApiKey, bytes] | None:
+        """The key ``company_id`` made with ``dedupe_key``, and its sealed secret (None when none)."""
+        row = await self._pool.fetchrow(self._q["find_keyed_key"], company_id, dedupe_key)
+        return (_api_key(row), bytes(row["secret_sealed"])) if row is not None else None
 
     async def get_key_hash(self, key_id: uuid.UUID) -> StoredKeyHash | None:
         row = await self._pool.fetchrow(self._q["get_api_key"], key_id)
@@ -181,12 +203,22 @@ class ApiKeyStore:
         return int(status.rpartition(" ")[2] or 0)
 
     async def insert_company_key(
-        self, key_id: uuid.UUID, company_id: uuid.UUID, key_hash: bytes, label: str, most: int
+        self,
+        key_id: uuid.UUID,
+        company_id: uuid.UUID,
+        key_hash: bytes,
+        label: str,
+        most: int,
+        keyed: tuple[str, bytes] | None = None,
     ) -> ApiKey | None:
-        """A new company key, unless the company already has ``most`` live ones (None then)."""
+        """A new company key, unless the company already has ``most`` live ones (None then).
+        ``keyed``: the call's dedupe key and sealed secret, stored for its repeats (find_keyed)."""
+        dedupe_key, sealed = keyed or (None, None)
         async with self._pool.acquire() as conn, conn.transaction():
             await conn.execute(self._q["lock_company_keys"], str(company_id))
-            row = await conn.fetchrow(self._q["insert_company_key"], key_id, company_id, key_hash, label, most)
+            row = await conn.fetchrow(
+                self._q["insert_company_key"], key_id, company_id, key_hash, label, most, dedupe_key, sealed
+            )
         return _api_key(row) if row is not None else None
 
     async def list_keys_page(

@@ -152,7 +152,11 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         self, request: room_pb2.RoomServiceCreateRoomRequest, context: Ctx
     ) -> room_pb2.RoomServiceCreateRoomResponse:
         company_id = v.required_id(request.company_id, "company_id")
-        row = await self._store.create_room(company_id, v.text(request.name, "name", v.MAX_NAME_BYTES))
+        row = await self._store.create_room(
+            company_id,
+            v.text(request.name, "name", v.MAX_NAME_BYTES),
+            v.dedupe_key(request.dedupe_key),
+        )
         return room_pb2.RoomServiceCreateRoomResponse(room=convert.room(row))
 
     async def GetRoom(
@@ -181,7 +185,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         room_id = v.required_id(request.room_id, "room_id")
         company_id = v.required_id(request.company_id, "company_id")
         inviter = v.required_id(request.invited_by_company_id, "invited_by_company_id")
-        row = await self._store.create_invitation(room_id, company_id, inviter)
+        key = v.dedupe_key(request.dedupe_key)
+        row = await self._store.create_invitation(room_id, company_id, inviter, key)
         return room_pb2.RoomServiceCreateInvitationResponse(invitation=convert.invitation(row))
 
     async def ListInvitations(
@@ -307,6 +312,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             base_url=base_url,
             provider_key=v.text(request.provider_key, "provider_key", v.MAX_PROVIDER_KEY_BYTES, required=False) or None,
             system_prompt=v.text(request.system_prompt, "system_prompt", v.MAX_BODY_BYTES, required=False),
+            dedupe_key=v.dedupe_key(request.dedupe_key),
         )
         return room_pb2.RoomServiceRegisterAgentResponse(agent=convert.agent(row))
 
@@ -380,7 +386,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             body=body,
             mention_agent_ids=mentions,
             run_id=v.optional_key(request.run_id, "run_id"),
-            dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+            dedupe_key=v.dedupe_key(request.dedupe_key),
             run=RunRecord(_checked_run(request.run)) if request.HasField("run") else None,
         )
         response = room_pb2.RoomServicePostMessageResponse(
@@ -429,7 +435,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             title=v.text(request.title, "title", v.MAX_TITLE_BYTES),
             body=v.text(request.body, "body", v.MAX_BODY_BYTES, required=False),
             run_id=v.optional_key(request.run_id, "run_id"),
-            dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+            dedupe_key=v.dedupe_key(request.dedupe_key),
             run=_run_record(request),
         )
         response = room_pb2.RoomServiceCreateTaskResponse(
@@ -459,7 +465,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             note=note,
             status=closing,
             run_id=v.optional_key(request.run_id, "run_id"),
-            dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+            dedupe_key=v.dedupe_key(request.dedupe_key),
             run=_run_record(request),
         )
         return room_pb2.RoomServiceUpdateTaskResponse(
@@ -509,7 +515,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             text=v.text(request.text, "text", v.MAX_MEMORY_BYTES),
             visibility=visibility,
             run_id=v.optional_key(request.run_id, "run_id"),
-            dedupe_key=v.optional_key(request.dedupe_key, "dedupe_key"),
+            dedupe_key=v.dedupe_key(request.dedupe_key),
             run=_run_record(request),
         )
         return room_pb2.RoomServiceWriteMemoryResponse(line=convert.memory_line(row), deduplicated=deduplicated)

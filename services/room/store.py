@@ -239,8 +239,16 @@ class RoomStore:
             raise NotFound(f"company {company_id} not found")
         return row
 
-    async def create_room(self, company_id: str, name: str) -> Record:
-        row = await self._pool.fetchrow(self._q["create_room"], company_id, name)
+    async def create_room(self, company_id: str, name: str, dedupe_key: str | None = None) -> Record:
+        """A room with ``company_id`` its creator and first member; a repeat of ``dedupe_key`` from the
+        same company answers the first room."""
+        if dedupe_key is not None:
+            earlier = await self._pool.fetchrow(self._q["find_room_by_dedupe"], company_id, dedupe_key)
+            if earlier is not None:
+                return earlier
+        row = await self._pool.fetchrow(self._q["create_room"], company_id, name, dedupe_key)
+        if row is None and dedupe_key is not None:  # a concurrent create with the same key committed first
+            row = await self._pool.fetchrow(self._q["find_room_by_dedupe"], company_id, dedupe_key)
         if row is None:
             raise NotFound(f"company {company_id} not found")
         return row
@@ -261,20 +269,36 @@ class RoomStore:
 
     # -- invitations and departures (membership by consent) ------------------------------------------------
 
-    async def create_invitation(self, room_id: str, company_id: str, inviter: str) -> Record:
+    async def create_invitation(
+        self, room_id: str, company_id: str, inviter: str, dedupe_key: str | None = None
+    ) -> Record:
         """A pending invitation of ``company_id`` by the member company ``inviter``; ALREADY_EXISTS for a
-        member or a pending invitee."""
+        member or a pending invitee. A repeat of ``dedupe_key`` from the same inviter answers the first
+        invitation, once the inviter's right to invite here is checked."""
+        try:
+            return await self._create_invitation(room_id, company_id, inviter, dedupe_key)
+        except asyncpg.UniqueViolationError as exc:
+            if dedupe_key is None or exc.constraint_name != "room_invitations_inviter_dedupe_key":
+                raise
+        # A concurrent invite (into another room) with the same key committed first: the retry answers it.
+        return await self._create_invitation(room_id, company_id, inviter, dedupe_key)
+
+    async def _create_invitation(self, room_id: str, company_id: str, inviter: str, dedupe_key: str | None) -> Record:
         async with self._pool.acquire() as conn, conn.transaction():
             room = await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
             if room is None:
                 raise NotFound(f"room {room_id} not found")
             member = await conn.fetchval(self._q["is_member"], room_id, inviter)
             enforce(Act.INVITE, Facts(inviter, room_id, member=member))
+            if dedupe_key is not None:
+                earlier = await conn.fetchval(self._q["find_invitation_by_dedupe"], inviter, dedupe_key)
+                if earlier is not None:
+                    return await conn.fetchrow(self._q["get_invitation"], earlier)
             if not await conn.fetchval(self._q["company_exists"], company_id):
                 raise NotFound(f"company {company_id} not found")
             if await conn.fetchval(self._q["is_member"], room_id, company_id):
                 raise AlreadyExists(f"company {company_id} is already a member of room {room_id}")
-            invitation_id = await conn.fetchval(self._q["insert_invitation"], room_id, company_id, inviter)
+            invitation_id = await conn.fetchval(self._q["insert_invitation"], room_id, company_id, inviter, dedupe_key)
             if invitation_id is None:
                 pending = await conn.fetchval(self._q["find_pending_invitation"], room_id, company_id)
                 raise AlreadyExists(
@@ -445,12 +469,20 @@ class RoomStore:
         base_url: str | None,
         provider_key: str | None,
         system_prompt: str,
+        dedupe_key: str | None = None,
     ) -> Record:
-        """Stores the agent with its provider key encrypted (Fernet); the plaintext never reaches the database."""
+        """Stores the agent with its provider key encrypted (Fernet); the plaintext never reaches the database.
+        A repeat of ``dedupe_key`` from the same company answers the first agent."""
+        if dedupe_key is not None:
+            earlier = await self._pool.fetchrow(self._q["find_agent_by_dedupe"], company_id, dedupe_key)
+            if earlier is not None:
+                return earlier
         encrypted = self._cipher.encrypt(provider_key.encode("utf-8")) if provider_key else None
         row = await self._pool.fetchrow(
-            self._q["register_agent"], company_id, name, provider, model, base_url, encrypted, system_prompt
+            self._q["register_agent"], company_id, name, provider, model, base_url, encrypted, system_prompt, dedupe_key
         )
+        if row is None and dedupe_key is not None:  # a concurrent registration with the same key committed first
+            row = await self._pool.fetchrow(self._q["find_agent_by_dedupe"], company_id, dedupe_key)
         if row is None:
             raise NotFound(f"company {company_id} not found")
         return row

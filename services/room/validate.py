@@ -21,7 +21,9 @@ MAX_TITLE_BYTES = 500
 MAX_MEMORY_BYTES = 16 * KIB
 MAX_FILE_BYTES = 10 * KIB * KIB
 MAX_MENTIONS = 50
-MAX_KEY_BYTES = 200  # dedupe keys, run ids, lease owners
+MAX_KEY_BYTES = 200  # run ids, lease owners
+# A caller's 200-byte idempotency key with the Gateway's prefix (gw:<company id>:) still fits.
+MAX_DEDUPE_KEY_BYTES = 300
 MAX_QUERY_BYTES = 1000
 MAX_URL_BYTES = 2048
 MAX_PROVIDER_KEY_BYTES = 4 * KIB
@@ -66,6 +68,11 @@ def text(value: str, field: str, max_bytes: int, *, required: bool = True) -> st
 def optional_key(value: str, field: str) -> str | None:
     """A dedupe key or run id: empty means none."""
     return text(value, field, MAX_KEY_BYTES, required=False) or None
+
+
+def dedupe_key(value: str) -> str | None:
+    """A dedupe key: empty means none. Room up for the Gateway's namespace before a caller's key."""
+    return text(value, "dedupe_key", MAX_DEDUPE_KEY_BYTES, required=False) or None
 
 
 def author(value: common_pb2.Author, field: str = "author") -> AuthorRef:

@@ -46,6 +46,64 @@ async def test_a_gateway_killed_5_ms_into_a_burst_of_30_keyed_posts_lands_each_o
     assert len({p.message.message_id for p in posted}) == 30
 
 
+async def test_a_gateway_killed_5_ms_into_a_burst_of_30_room_creates_makes_each_room_once(
+    stack: SdkStack, acme: CompanyKey, connect: ClientFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each create_room carries an idempotency key made once per call: retried across the kill, no
+    create is left "maybe" (an error while the room exists) and none lands twice."""
+    caplog.set_level(logging.INFO, logger="quayutec_client")
+    client = connect(acme, retry=RetryPolicy())
+    names = [f"created {i}" for i in range(30)]
+    creates = [asyncio.create_task(client.create_room(name)) for name in names]
+    await asyncio.sleep(0.005)
+    await stack.gateway.kill()
+    await stack.gateway.start()
+    made = await asyncio.gather(*creates)
+    assert stack.gateway.kills == 1
+    assert "CreateRoom: UNAVAILABLE after attempt" in caplog.text, "the kill met creates under way"
+    rows = await stack.pool.fetch(
+        "SELECT room_id, name FROM rooms WHERE created_by_company_id = $1", uuid.UUID(acme.company_id)
+    )
+    assert Counter(r["name"] for r in rows) == Counter(names), "each room exists, once"
+    assert {str(r["room_id"]) for r in rows} == {m.room_id for m in made}
+
+
+async def test_each_create_repeated_with_its_key_answers_the_first_object(
+    stack: SdkStack, acme: CompanyKey, connect: ClientFactory
+) -> None:
+    client = connect(acme)
+    other = connect(await stack.new_company())
+    key = f"mine-{uuid.uuid4()}"
+    room = await client.create_room("keyed", idempotency_key=key)
+    assert (await client.create_room("keyed", idempotency_key=key)).room_id == room.room_id
+    assert (await other.create_room("keyed", idempotency_key=key)).room_id != room.room_id
+    assert [r.room_id async for r in client.rooms() if r.name == "keyed"] == [room.room_id]
+
+    agent = await client.register_agent(
+        "keyed", provider="anthropic", model="m", provider_key="sk-test", idempotency_key=key
+    )
+    again = await client.register_agent(
+        "keyed", provider="anthropic", model="m", provider_key="sk-test", idempotency_key=key
+    )
+    assert again.agent_id == agent.agent_id
+    assert [a.agent_id async for a in client.agents() if a.name == "keyed"] == [agent.agent_id]
+
+    invited = (await other.who_am_i()).company_id
+    invitation = await client.invite_company(room.room_id, invited, idempotency_key=key)
+    repeat = await client.invite_company(room.room_id, invited, idempotency_key=key)
+    assert repeat.invitation_id == invitation.invitation_id
+    assert [i.invitation_id async for i in client.invitations(sent=True)] == [invitation.invitation_id]
+
+    made = await client.create_api_key("keyed", idempotency_key=key)
+    made_again = await client.create_api_key("keyed", idempotency_key=key)
+    assert (made_again.key.key_id, made_again.secret) == (made.key.key_id, made.secret)
+    session = await client.create_session_key(600, idempotency_key=key)
+    session_again = await client.create_session_key(600, idempotency_key=key)
+    assert (session_again.key_id, session_again.secret) == (session.key_id, session.secret)
+    keys = [k.key_id async for k in client.api_keys(include_sessions=True)]
+    assert keys.count(made.key.key_id) == 1 and keys.count(session.key_id) == 1
+
+
 async def _outage_under_a_keyed_write_and_a_watch(
     stack: SdkStack, client: quayutec_client.Client, room_id: str, seconds: float, body: str
 ) -> None:

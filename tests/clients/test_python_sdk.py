@@ -108,18 +108,28 @@ async def test_a_write_retried_after_the_gateway_is_killed_mid_call_posts_once(
 async def test_a_write_without_an_idempotency_key_is_not_sent_again_after_an_unknown_outcome(
     stack: SdkStack, acme: CompanyKey, connect: ClientFactory
 ) -> None:
-    """CreateRoom takes no key: after a deadline the room may exist, so the client does not retry it
-    (a second attempt would make a second room); a keyed write in the same spot is retried and posts once."""
+    """UploadFile takes no key: after a deadline the file may exist, so the client does not retry it
+    (a second attempt would upload it twice); keyed writes in the same spot (a post, a create) are
+    retried and land once."""
     client = connect(acme, retry=RetryPolicy(attempt_timeout=1, total_timeout=20, initial_backoff=0.05))
     room = await client.create_room("held")
     stack.proxy.hold()
     try:
         with pytest.raises(errors.DeadlineExceeded) as held:
-            await client.create_room("made once")
+            await client.upload_file(room.room_id, "once.txt", "uploaded once", person="ana")
     finally:
         stack.proxy.release()
     assert held.value.attempts == 1
-    assert [r.name async for r in client.rooms()].count("made once") == 1
+    assert [f.name async for f in client.files(room.room_id)].count("once.txt") == 1
+
+    stack.proxy.hold()
+    release = asyncio.get_running_loop().call_later(2.5, stack.proxy.release)
+    try:
+        made = await client.create_room("made once")
+    finally:
+        release.cancel()
+        stack.proxy.release()
+    assert [r.room_id async for r in client.rooms() if r.name == "made once"] == [made.room_id]
 
     stack.proxy.hold()
     release = asyncio.get_running_loop().call_later(2.5, stack.proxy.release)

@@ -42,6 +42,7 @@ async def test_schema_matches_migrations(template_ready: str) -> None:
                 "init",
                 "session_keys_revocation",
                 "sign_in_providers",
+                "key_dedupe_keys",
             ]
         finally:
             await pool.close()

@@ -180,9 +180,11 @@ export class Client {
     return required((await this.unary(call, "whoAmI", {})).company);
   }
 
-  /** A new room; your company is its first member. */
-  async createRoom(name: string, call: PerCall = {}): Promise<Room> {
-    return required((await this.unary(call, "createRoom", { name })).room);
+  /** A new room; your company is its first member. Safe to retry, as postMessage: a repeat of
+   * `idempotencyKey` (a fresh one when not given) answers the first room. */
+  async createRoom(name: string, options: { idempotencyKey?: string } = {}, call: PerCall = {}): Promise<Room> {
+    const request = { name, idempotencyKey: options.idempotencyKey ?? newIdempotencyKey() };
+    return required((await this.unary(call, "createRoom", request)).room);
   }
 
   /** The rooms your company is a member of. */
@@ -197,9 +199,16 @@ export class Client {
 
   // Invitations and membership.
 
-  /** Invite a company into a room; it becomes a member when it accepts. */
-  async inviteCompany(roomId: string, companyId: string, call: PerCall = {}): Promise<Invitation> {
-    return required((await this.unary(call, "inviteCompany", { roomId, companyId })).invitation);
+  /** Invite a company into a room; it becomes a member when it accepts. Safe to retry, as
+   * postMessage: a repeat of `idempotencyKey` answers the first invitation. */
+  async inviteCompany(
+    roomId: string,
+    companyId: string,
+    options: { idempotencyKey?: string } = {},
+    call: PerCall = {},
+  ): Promise<Invitation> {
+    const request = { roomId, companyId, idempotencyKey: options.idempotencyKey ?? newIdempotencyKey() };
+    return required((await this.unary(call, "inviteCompany", request)).invitation);
   }
 
   /** Invitations to your company, oldest first: pending ones unless `status` says otherwise. */
@@ -247,7 +256,8 @@ export class Client {
 
   // Agents.
 
-  /** An always-on agent of your company; the provider key is stored encrypted, never returned. */
+  /** An always-on agent of your company; the provider key is stored encrypted, never returned. Safe
+   * to retry, as postMessage: a repeat of `idempotencyKey` answers the first agent. */
   async registerAgent(agent: {
     name: string;
     provider: EnumInput<typeof Provider>;
@@ -255,8 +265,13 @@ export class Client {
     providerKey?: string;
     baseUrl?: string;
     systemPrompt?: string;
+    idempotencyKey?: string;
   }, call: PerCall = {}): Promise<Agent> {
-    const request = { ...agent, provider: enumValue(Provider, agent.provider) };
+    const request = {
+      ...agent,
+      provider: enumValue(Provider, agent.provider),
+      idempotencyKey: agent.idempotencyKey ?? newIdempotencyKey(),
+    };
     return required((await this.unary(call, "registerAgent", request)).agent);
   }
 
@@ -403,9 +418,11 @@ export class Client {
   // Your company's API keys.
 
   /** A new API key of your company (call with a company key: a session key may not). Its `secret`
-   * is in this answer only; keep it. */
-  async createApiKey(options: { label?: string } = {}, call: PerCall = {}): Promise<CreateApiKeyResponse> {
-    return this.unary(call, "createApiKey", { label: options.label ?? "" });
+   * is in this answer (and a repeat's) only; keep it. Safe to retry, as postMessage: a repeat of
+   * `idempotencyKey` answers the first key and its secret. */
+  async createApiKey(options: { label?: string; idempotencyKey?: string } = {}, call: PerCall = {}): Promise<CreateApiKeyResponse> {
+    const request = { label: options.label ?? "", idempotencyKey: options.idempotencyKey ?? newIdempotencyKey() };
+    return this.unary(call, "createApiKey", request);
   }
 
   /** Your company's keys, oldest first (never a secret); its session keys too when asked. */
@@ -532,12 +549,21 @@ export class Client {
 
   /**
    * A short-lived key of your company (`ttlSeconds`: 60 to 604800) that works like this one until it
-   * expires or is ended (endSession called with it); `secret` is shown once. Call it with a company
-   * key. A repeat would make a second key, so after UNAVAILABLE or a deadline it is not sent again
-   * (only when refused before acting, or never sent).
+   * expires or is ended (endSession called with it); `secret` is in this answer (and a repeat's)
+   * only. Call it with a company key. Safe to retry, as postMessage: a repeat of `idempotencyKey`
+   * answers the first key and its secret.
    */
-  async createSessionKey(ttlSeconds: number, options: { label?: string } = {}, call: PerCall = {}): Promise<CreateSessionKeyResponse> {
-    return this.unary(call, "createSessionKey", { ttlSeconds: BigInt(ttlSeconds), label: options.label ?? "" });
+  async createSessionKey(
+    ttlSeconds: number,
+    options: { label?: string; idempotencyKey?: string } = {},
+    call: PerCall = {},
+  ): Promise<CreateSessionKeyResponse> {
+    const request = {
+      ttlSeconds: BigInt(ttlSeconds),
+      label: options.label ?? "",
+      idempotencyKey: options.idempotencyKey ?? newIdempotencyKey(),
+    };
+    return this.unary(call, "createSessionKey", request);
   }
 
   /**

@@ -44,9 +44,9 @@ export enum Safety {
 /** Every Gateway RPC's safety; the compiler refuses this table while an RPC is missing from it. */
 export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   whoAmI: Safety.Read,
-  createRoom: Safety.UnkeyedWrite,
+  createRoom: Safety.KeyedWrite,
   listRooms: Safety.Read,
-  inviteCompany: Safety.UnkeyedWrite,
+  inviteCompany: Safety.KeyedWrite,
   listInvitations: Safety.Read,
   acceptInvitation: Safety.IdempotentWrite,
   declineInvitation: Safety.IdempotentWrite,
@@ -55,7 +55,7 @@ export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   leaveRoom: Safety.UnkeyedWrite,
   removeMember: Safety.UnkeyedWrite,
   listMembers: Safety.Read,
-  registerAgent: Safety.UnkeyedWrite,
+  registerAgent: Safety.KeyedWrite,
   listAgents: Safety.Read,
   postMessage: Safety.KeyedWrite,
   listMessages: Safety.Read,
@@ -75,13 +75,11 @@ export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   decideApproval: Safety.IdempotentWrite,
   watchRoom: Safety.Read,
   watchRooms: Safety.Read,
-  // A repeat would make a second key.
-  createSessionKey: Safety.UnkeyedWrite,
+  createSessionKey: Safety.KeyedWrite,
   // Ending an ended session leaves it ended (a repeat answers UNAUTHENTICATED: the client counts it done).
   endSession: Safety.IdempotentWrite,
   getMessage: Safety.Read,
-  // A repeat would make a second key.
-  createApiKey: Safety.UnkeyedWrite,
+  createApiKey: Safety.KeyedWrite,
   listApiKeys: Safety.Read,
   // Revoking a revoked key leaves it revoked.
   revokeApiKey: Safety.IdempotentWrite,

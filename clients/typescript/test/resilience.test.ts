@@ -67,6 +67,44 @@ test("a Gateway killed 5 ms into a burst of 30 keyed posts: each lands, once", a
   assert.equal(new Set(posted.map((p) => p.message?.messageId)).size, 30);
 });
 
+test("a Gateway killed 5 ms into a burst of 30 room creates: each room exists, once", async () => {
+  const c = client(await stack.company());
+  const names = Array.from({ length: 30 }, (_, i) => `created ${i}`);
+  const retried: RetryNotice[] = [];
+  setRetryListener((notice) => retried.push(notice));
+  const creates = names.map((name) => c.createRoom(name));
+  await delay(5);
+  await stack.post("/gateway/restart");
+  const made = await Promise.all(creates).finally(() => setRetryListener(undefined));
+  assert.ok(retried.some((r) => r.method === "CreateRoom"), "the kill met creates under way");
+  const rooms = await collect(c.rooms());
+  assert.deepEqual(rooms.map((r) => r.name).sort(), [...names].sort());
+  assert.deepEqual(rooms.map((r) => r.roomId).sort(), made.map((r) => r.roomId).sort());
+});
+
+test("each create repeated with its key answers the first object", async () => {
+  const acme = await stack.company();
+  const c = client(acme);
+  const other = client(await stack.company());
+  const idempotencyKey = `mine-${crypto.randomUUID()}`;
+  const room = await c.createRoom("keyed", { idempotencyKey });
+  assert.equal((await c.createRoom("keyed", { idempotencyKey })).roomId, room.roomId);
+  assert.notEqual((await other.createRoom("keyed", { idempotencyKey })).roomId, room.roomId);
+  const agent = { name: "keyed", provider: "anthropic", model: "m", providerKey: "sk-test", idempotencyKey } as const;
+  const registered = await c.registerAgent(agent);
+  assert.equal((await c.registerAgent(agent)).agentId, registered.agentId);
+  assert.deepEqual((await collect(c.agents())).map((a) => a.agentId), [registered.agentId]);
+  const invited = (await other.whoAmI()).companyId;
+  const invitation = await c.inviteCompany(room.roomId, invited, { idempotencyKey });
+  assert.equal((await c.inviteCompany(room.roomId, invited, { idempotencyKey })).invitationId, invitation.invitationId);
+  const made = await c.createApiKey({ label: "keyed", idempotencyKey });
+  const again = await c.createApiKey({ label: "keyed", idempotencyKey });
+  assert.deepEqual([again.key?.keyId, again.secret], [made.key?.keyId, made.secret]);
+  const session = await c.createSessionKey(600, { idempotencyKey });
+  const sessionAgain = await c.createSessionKey(600, { idempotencyKey });
+  assert.deepEqual([sessionAgain.keyId, sessionAgain.secret], [session.keyId, session.secret]);
+});
+
 async function outage(c: Client, roomId: string, seconds: number, body: string): Promise<void> {
   const watch = await c.watch(roomId).ready();
   try {

@@ -155,15 +155,27 @@ test("a write without an idempotency key is not sent again after an unknown outc
   const acme = await stack.company();
   const c = client(acme, { retry: { ...PATIENT, attemptTimeoutMs: 1000, totalTimeoutMs: 20_000 } });
   const room = await c.createRoom("held");
+  // UploadFile takes no key: after a deadline the file may exist, so it is not sent again.
   await stack.post("/room/hold-replies");
   try {
-    const held = await c.createRoom("made once").then(() => undefined, (e: unknown) => e);
+    const held = await c.uploadFile(room.roomId, "once.txt", "uploaded once", { person: "ana" }).then(() => undefined, (e: unknown) => e);
     assert.ok(held instanceof DeadlineExceeded, String(held));
     assert.equal(held.attempts, 1);
   } finally {
     await stack.post("/room/release-replies");
   }
-  assert.equal((await collect(c.rooms())).filter((r) => r.name === "made once").length, 1);
+  assert.equal((await collect(c.files(room.roomId))).filter((f) => f.name === "once.txt").length, 1);
+
+  // A create carries a key (made once per call): retried in the same spot, it lands once.
+  await stack.post("/room/hold-replies");
+  const releaseCreate = setTimeout(() => void stack.post("/room/release-replies"), 2500);
+  try {
+    const made = await c.createRoom("made once");
+    assert.deepEqual((await collect(c.rooms())).filter((r) => r.name === "made once").map((r) => r.roomId), [made.roomId]);
+  } finally {
+    clearTimeout(releaseCreate);
+    await stack.post("/room/release-replies");
+  }
 
   await stack.post("/room/hold-replies");
   const release = setTimeout(() => void stack.post("/room/release-replies"), 2500);

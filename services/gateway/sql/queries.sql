@@ -9,8 +9,9 @@ RETURNING key_id, company_id, label, created_at, revoked_at, parent_key_id, expi
 -- A session key of the live company key $4 (never of another session key), living $5 seconds; the
 -- parent row is share-locked, so a concurrent revocation of it either comes first (nothing is made)
 -- or waits for this insert and revokes it too. Nothing when the parent is revoked or has $6 live ones.
-INSERT INTO api_keys (key_id, company_id, key_hash, label, parent_key_id, expires_at)
-SELECT $1, parent.company_id, $2, $3, parent.key_id, now() + make_interval(secs => $5)
+-- A keyed call stores its dedupe key $7 and sealed secret $8 (both NULL otherwise).
+INSERT INTO api_keys (key_id, company_id, key_hash, label, parent_key_id, expires_at, dedupe_key, secret_sealed)
+SELECT $1, parent.company_id, $2, $3, parent.key_id, now() + make_interval(secs => $5), $7, $8
 FROM (
     SELECT key_id, company_id FROM api_keys
     WHERE key_id = $4 AND revoked_at IS NULL AND parent_key_id IS NULL
@@ -75,13 +76,19 @@ SELECT pg_notify('quayutec_company_rooms', $1::text);
 SELECT pg_advisory_xact_lock(hashtextextended('quayutec api keys ' || $1::text, 0));
 
 -- name: insert_company_key
--- A company key of company $2, unless it already has $5 live ones (no row then).
-INSERT INTO api_keys (key_id, company_id, key_hash, label)
-SELECT $1, $2, $3, $4
+-- A company key of company $2, unless it already has $5 live ones (no row then). A keyed call stores
+-- its dedupe key $6 and sealed secret $7 (both NULL otherwise).
+INSERT INTO api_keys (key_id, company_id, key_hash, label, dedupe_key, secret_sealed)
+SELECT $1, $2, $3, $4, $6, $7
 WHERE (
     SELECT count(*) FROM api_keys WHERE company_id = $2 AND parent_key_id IS NULL AND revoked_at IS NULL
 ) < $5
 RETURNING key_id, company_id, label, created_at, revoked_at, parent_key_id, expires_at;
+
+-- name: find_keyed_key
+-- The key company $1 made with dedupe key $2, and its sealed secret.
+SELECT key_id, company_id, label, created_at, revoked_at, parent_key_id, expires_at, secret_sealed
+FROM api_keys WHERE company_id = $1 AND dedupe_key = $2;
 
 -- name: list_api_keys_page
 -- A page of company $1's keys, oldest first, after ($3 created_at, $4 key_id); its session keys too when $2.

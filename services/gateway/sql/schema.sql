@@ -18,8 +18,13 @@ CREATE TABLE api_keys (
     person_subject text,
     person_name text,
     person_email text,
-    CONSTRAINT api_keys_session_expires_check CHECK ((parent_key_id IS NULL) = (expires_at IS NULL))
+    CONSTRAINT api_keys_session_expires_check CHECK ((parent_key_id IS NULL) = (expires_at IS NULL)),
+    -- The idempotency key of a keyed CreateApiKey or CreateSessionKey, and only then the secret, as a
+    -- Fernet token (a repeat answers the same secret).
+    dedupe_key text,
+    secret_sealed bytea
 );
+CREATE UNIQUE INDEX api_keys_company_dedupe_key ON api_keys (company_id, dedupe_key);
 
 CREATE INDEX api_keys_company_idx ON api_keys (company_id, created_at);
 CREATE INDEX api_keys_parent_idx ON api_keys (parent_key_id, expires_at) WHERE parent_key_id IS NOT NULL;

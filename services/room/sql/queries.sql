@@ -12,16 +12,22 @@ SELECT company_id, name, created_at FROM companies WHERE company_id = $1;
 SELECT EXISTS (SELECT 1 FROM companies WHERE company_id = $1);
 
 -- name: create_room
--- The room and its first member (the creating company) in one statement; no row when the company is unknown.
+-- The room and its first member (the creating company) in one statement; no row when the company is
+-- unknown, or when its dedupe key $3 is taken (a concurrent create committed first).
 WITH room AS (
-    INSERT INTO rooms (name, created_by_company_id)
-    SELECT $2, company_id FROM companies WHERE company_id = $1
+    INSERT INTO rooms (name, created_by_company_id, dedupe_key)
+    SELECT $2, company_id, $3 FROM companies WHERE company_id = $1
+    ON CONFLICT (created_by_company_id, dedupe_key) DO NOTHING
     RETURNING room_id, name, created_by_company_id, created_at
 ), member AS (
     INSERT INTO room_members (room_id, company_id)
     SELECT room_id, created_by_company_id FROM room
 )
 SELECT room_id, name, created_by_company_id, created_at FROM room;
+
+-- name: find_room_by_dedupe
+SELECT room_id, name, created_by_company_id, created_at FROM rooms
+WHERE created_by_company_id = $1 AND dedupe_key = $2;
 
 -- name: get_room
 SELECT room_id, name, created_by_company_id, created_at FROM rooms WHERE room_id = $1;
@@ -63,10 +69,15 @@ RETURNING room_id, company_id;
 SELECT invitation_id FROM room_invitations WHERE room_id = $1 AND company_id = $2 AND status = 'pending';
 
 -- name: insert_invitation
--- No row when the company already has a pending invitation to the room (a concurrent invite committed first).
-INSERT INTO room_invitations (room_id, company_id, invited_by_company_id) VALUES ($1, $2, $3)
+-- No row when the company already has a pending invitation to the room (a concurrent invite committed
+-- first). The inviter's dedupe key $4 is unique (the inviter's transaction holds the room lock, and
+-- find_invitation_by_dedupe ran first).
+INSERT INTO room_invitations (room_id, company_id, invited_by_company_id, dedupe_key) VALUES ($1, $2, $3, $4)
 ON CONFLICT (room_id, company_id) WHERE status = 'pending' DO NOTHING
 RETURNING invitation_id;
+
+-- name: find_invitation_by_dedupe
+SELECT invitation_id FROM room_invitations WHERE invited_by_company_id = $1 AND dedupe_key = $2;
 
 -- name: get_invitation
 SELECT i.invitation_id, i.room_id, r.name AS room_name, i.company_id, invited.name AS company_name,
@@ -154,12 +165,19 @@ LIMIT $3;
 WITH company AS (
     SELECT company_id, name FROM companies WHERE company_id = $1
 ), made AS (
-    INSERT INTO agents (company_id, name, provider, model, base_url, provider_key_encrypted, system_prompt)
-    SELECT company_id, $2, $3, $4, $5, $6, $7 FROM company
+    INSERT INTO agents (company_id, name, provider, model, base_url, provider_key_encrypted, system_prompt, dedupe_key)
+    SELECT company_id, $2, $3, $4, $5, $6, $7, $8 FROM company
+    ON CONFLICT (company_id, dedupe_key) DO NOTHING
     RETURNING agent_id, company_id, name, provider, model, base_url, system_prompt,
         provider_key_encrypted IS NOT NULL AS has_provider_key, created_at
 )
 SELECT made.*, company.name AS company_name FROM made, company;
+
+-- name: find_agent_by_dedupe
+SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at
+FROM agents a JOIN companies c ON c.company_id = a.company_id
+WHERE a.company_id = $1 AND a.dedupe_key = $2;
 
 -- name: get_agent
 SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,

@@ -17,8 +17,11 @@ CREATE TABLE rooms (
     -- The cursor of the room's newest event (room_events.seq); bumped in the changing transaction.
     last_event_seq bigint NOT NULL DEFAULT 0,
     -- The newest cursor removed by retention cleanup: a watcher resuming from an older cursor has lost events.
-    events_pruned_through bigint NOT NULL DEFAULT 0
+    events_pruned_through bigint NOT NULL DEFAULT 0,
+    -- The creator's idempotency key: a repeat with it answers this room.
+    dedupe_key text
 );
+CREATE UNIQUE INDEX rooms_company_dedupe_key ON rooms (created_by_company_id, dedupe_key);
 
 CREATE TABLE room_members (
     room_id uuid NOT NULL REFERENCES rooms (room_id),
@@ -43,8 +46,11 @@ CREATE TABLE room_invitations (
     status text NOT NULL DEFAULT 'pending' CHECK (status IN ('pending', 'accepted', 'declined', 'withdrawn')),
     created_at timestamptz NOT NULL DEFAULT now(),
     responded_at timestamptz,
-    CONSTRAINT room_invitations_responded_check CHECK ((status = 'pending') = (responded_at IS NULL))
+    CONSTRAINT room_invitations_responded_check CHECK ((status = 'pending') = (responded_at IS NULL)),
+    -- The inviter's idempotency key: a repeat with it answers this invitation.
+    dedupe_key text
 );
+CREATE UNIQUE INDEX room_invitations_inviter_dedupe_key ON room_invitations (invited_by_company_id, dedupe_key);
 -- At most one pending invitation of a company into a room.
 CREATE UNIQUE INDEX room_invitations_one_pending ON room_invitations (room_id, company_id) WHERE status = 'pending';
 CREATE INDEX room_invitations_company_status_pos ON room_invitations (company_id, status, pos);
@@ -64,8 +70,11 @@ CREATE TABLE agents (
     -- Fernet token of the company's provider key (quayutec.crypto); never the plaintext.
     provider_key_encrypted bytea,
     system_prompt text NOT NULL DEFAULT '',
-    created_at timestamptz NOT NULL DEFAULT now()
+    created_at timestamptz NOT NULL DEFAULT now(),
+    -- The company's idempotency key: a repeat with it answers this agent.
+    dedupe_key text
 );
+CREATE UNIQUE INDEX agents_company_dedupe_key ON agents (company_id, dedupe_key);
 CREATE INDEX agents_company_pos ON agents (company_id, pos);
 
 CREATE TABLE messages (

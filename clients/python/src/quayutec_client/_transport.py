@@ -65,9 +65,9 @@ class Safety(enum.Enum):
 # against the service descriptor).
 SAFETY: Mapping[str, Safety] = {
     "WhoAmI": Safety.READ,
-    "CreateRoom": Safety.UNKEYED_WRITE,
+    "CreateRoom": Safety.KEYED_WRITE,
     "ListRooms": Safety.READ,
-    "InviteCompany": Safety.UNKEYED_WRITE,
+    "InviteCompany": Safety.KEYED_WRITE,
     "ListInvitations": Safety.READ,
     "AcceptInvitation": Safety.IDEMPOTENT_WRITE,
     "DeclineInvitation": Safety.IDEMPOTENT_WRITE,
@@ -76,7 +76,7 @@ SAFETY: Mapping[str, Safety] = {
     "LeaveRoom": Safety.UNKEYED_WRITE,
     "RemoveMember": Safety.UNKEYED_WRITE,
     "ListMembers": Safety.READ,
-    "RegisterAgent": Safety.UNKEYED_WRITE,
+    "RegisterAgent": Safety.KEYED_WRITE,
     "ListAgents": Safety.READ,
     "PostMessage": Safety.KEYED_WRITE,
     "ListMessages": Safety.READ,
@@ -97,12 +97,10 @@ SAFETY: Mapping[str, Safety] = {
     "DecideApproval": Safety.IDEMPOTENT_WRITE,
     "WatchRoom": Safety.READ,
     "WatchRooms": Safety.READ,
-    # A repeat would make a second key.
-    "CreateSessionKey": Safety.UNKEYED_WRITE,
+    "CreateSessionKey": Safety.KEYED_WRITE,
     # Ending an ended session leaves it ended (a repeat answers UNAUTHENTICATED: the client counts it done).
     "EndSession": Safety.IDEMPOTENT_WRITE,
-    # A repeat would make a second key.
-    "CreateApiKey": Safety.UNKEYED_WRITE,
+    "CreateApiKey": Safety.KEYED_WRITE,
     "ListApiKeys": Safety.READ,
     "RevokeApiKey": Safety.IDEMPOTENT_WRITE,
     # Setting the same provider again leaves it set (a repeat makes its sign-ins end once more).

@@ -237,11 +237,11 @@ class Client:
         return response.company
 
     @rpc("CreateRoom")
-    async def create_room(self, name: str, *, timeout: float | None = None) -> Room:
-        """A new room; your company is its first member."""
-        response: gateway_pb2.CreateRoomResponse = await self._unary(
-            timeout, "CreateRoom", gateway_pb2.CreateRoomRequest(name=name)
-        )
+    async def create_room(self, name: str, *, idempotency_key: str | None = None, timeout: float | None = None) -> Room:
+        """A new room; your company is its first member. Safe to retry, as ``post_message``: a repeat of
+        ``idempotency_key`` answers the first room."""
+        request = gateway_pb2.CreateRoomRequest(name=name, idempotency_key=idempotency_key or new_idempotency_key())
+        response: gateway_pb2.CreateRoomResponse = await self._unary(timeout, "CreateRoom", request)
         return response.room
 
     @rpc("ListRooms")
@@ -258,9 +258,14 @@ class Client:
     # Invitations and membership.
 
     @rpc("InviteCompany")
-    async def invite_company(self, room_id: str, company_id: str, *, timeout: float | None = None) -> Invitation:
-        """Invite a company into a room; it becomes a member when it accepts."""
-        request = gateway_pb2.InviteCompanyRequest(room_id=room_id, company_id=company_id)
+    async def invite_company(
+        self, room_id: str, company_id: str, *, idempotency_key: str | None = None, timeout: float | None = None
+    ) -> Invitation:
+        """Invite a company into a room; it becomes a member when it accepts. Safe to retry, as
+        ``post_message``: a repeat of ``idempotency_key`` answers the first invitation."""
+        request = gateway_pb2.InviteCompanyRequest(
+            room_id=room_id, company_id=company_id, idempotency_key=idempotency_key or new_idempotency_key()
+        )
         response: gateway_pb2.InviteCompanyResponse = await self._unary(timeout, "InviteCompany", request)
         return response.invitation
 
@@ -333,10 +338,12 @@ class Client:
         provider_key: str = "",
         base_url: str = "",
         system_prompt: str = "",
+        idempotency_key: str | None = None,
         timeout: float | None = None,
     ) -> Agent:
         """An always-on agent of your company; ``provider`` is "anthropic", "openai" or
-        "openai_compatible" (with ``base_url``). The provider key is stored encrypted, never returned."""
+        "openai_compatible" (with ``base_url``). The provider key is stored encrypted, never returned.
+        Safe to retry, as ``post_message``: a repeat of ``idempotency_key`` answers the first agent."""
         request = gateway_pb2.RegisterAgentRequest(
             name=name,
             provider=_enum(common_pb2.Provider, "PROVIDER_", provider),
@@ -344,6 +351,7 @@ class Client:
             provider_key=provider_key,
             base_url=base_url,
             system_prompt=system_prompt,
+            idempotency_key=idempotency_key or new_idempotency_key(),
         )
         response: gateway_pb2.RegisterAgentResponse = await self._unary(timeout, "RegisterAgent", request)
         return response.agent
@@ -555,10 +563,14 @@ class Client:
     # Your company's API keys.
 
     @rpc("CreateApiKey")
-    async def create_api_key(self, label: str = "", *, timeout: float | None = None) -> MadeKey:
+    async def create_api_key(
+        self, label: str = "", *, idempotency_key: str | None = None, timeout: float | None = None
+    ) -> MadeKey:
         """A new API key of your company (call with a company key: a session key may not). Its
-        ``secret`` is in this answer only; keep it."""
-        response: MadeKey = await self._unary(timeout, "CreateApiKey", gateway_pb2.CreateApiKeyRequest(label=label))
+        ``secret`` is in this answer (and a repeat's) only; keep it. Safe to retry, as ``post_message``:
+        a repeat of ``idempotency_key`` answers the first key and its secret."""
+        request = gateway_pb2.CreateApiKeyRequest(label=label, idempotency_key=idempotency_key or new_idempotency_key())
+        response: MadeKey = await self._unary(timeout, "CreateApiKey", request)
         return response
 
     @rpc("ListApiKeys")
@@ -695,13 +707,20 @@ class Client:
 
     @rpc("CreateSessionKey")
     async def create_session_key(
-        self, ttl_seconds: int, *, label: str = "", timeout: float | None = None
+        self,
+        ttl_seconds: int,
+        *,
+        label: str = "",
+        idempotency_key: str | None = None,
+        timeout: float | None = None,
     ) -> SessionKey:
         """A short-lived key of your company (``ttl_seconds``: 60 to 604800) that works like this one
-        until it expires or is ended (``end_session`` called with it); ``.secret`` is shown once. Call
-        it with a company key. A repeat would make a second key, so after UNAVAILABLE or a deadline it
-        is not sent again (only when refused before acting)."""
-        request = gateway_pb2.CreateSessionKeyRequest(ttl_seconds=ttl_seconds, label=label)
+        until it expires or is ended (``end_session`` called with it); ``.secret`` is shown in this
+        answer (and a repeat's) only. Call it with a company key. Safe to retry, as ``post_message``: a
+        repeat of ``idempotency_key`` answers the first key and its secret."""
+        request = gateway_pb2.CreateSessionKeyRequest(
+            ttl_seconds=ttl_seconds, label=label, idempotency_key=idempotency_key or new_idempotency_key()
+        )
         response: SessionKey = await self._unary(timeout, "CreateSessionKey", request)
         return response
 
