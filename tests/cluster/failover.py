@@ -162,8 +162,10 @@ async def rejoined(load: Load, host: str) -> None:
     """Until the cluster is healthy again and ``host`` is one of its standbys."""
     await asyncio.to_thread(load.ha.wait_healthy, 120)
     role = load.ha.roles()[host]
+    own = await asyncio.to_thread(load.ha.status, host, 2.0)
     load.notes.append(f"{host} back as {role}; cluster {load.ha.roles()}")
     assert role.split("/")[0] in ("replica", "sync_standby"), role
+    assert own is not None and own.get("role") == "replica", own
 
 
 # -- the faults -------------------------------------------------------------------------------------

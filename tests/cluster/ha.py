@@ -317,8 +317,11 @@ class HaDatabase:
         ]
 
     def cluster(self, via: Sequence[str] = HA_HOSTS) -> dict[str, Any]:
-        """The cluster as one member sees it (``/cluster``: members, roles, lag, leader)."""
-        for host in via:
+        """The cluster as one member sees it (``/cluster``: members, roles, lag, leader): the running
+        primary's view when there is one. A member just healed from a cut reads its own etcd member,
+        which may still hold the keys from before the cut (etcd v2 reads are served locally), and so
+        may call itself the leader for a moment after it has followed the new one."""
+        for host in dict.fromkeys([*self.primaries(via), *via]):
             try:
                 with urllib.request.urlopen(f"http://{HA_IPS[host]}:{PATRONI_PORT}/cluster", timeout=2) as r:
                     got: dict[str, Any] = json.loads(r.read())
@@ -358,7 +361,10 @@ class HaDatabase:
                 return False
             leaders = [m for m in members if m["role"] == "leader"]
             syncs = [m for m in members if m["role"] == "sync_standby"]
-            return len(leaders) == 1 and (len(syncs) == 1 or not self.synchronous)
+            # The leader of the view is the one host whose PostgreSQL runs as the primary.
+            if len(leaders) != 1 or self.primaries() != [leaders[0]["name"]]:
+                return False
+            return len(syncs) == 1 or not self.synchronous
 
         self.wait_for("a healthy cluster", healthy, limit)
 
