@@ -361,8 +361,15 @@ class HaDatabase:
                 return False
             leaders = [m for m in members if m["role"] == "leader"]
             syncs = [m for m in members if m["role"] == "sync_standby"]
-            # The leader of the view is the one host whose PostgreSQL runs as the primary.
-            if len(leaders) != 1 or self.primaries() != [leaders[0]["name"]]:
+            # The leader of the view is the one host whose PostgreSQL runs as the primary, and every
+            # other member streams from it (the primary's pg_stat_replication, as its Patroni reports
+            # it): a member that came back with a history of its own never streams.
+            primary = leaders[0]["name"] if len(leaders) == 1 else None
+            if primary is None or self.primaries() != [primary]:
+                return False
+            own = self.status(primary, timeout=1.0) or {}
+            streaming = {r.get("application_name") for r in own.get("replication", []) if r.get("state") == "streaming"}
+            if streaming != set(HA_HOSTS) - {primary}:
                 return False
             return len(syncs) == 1 or not self.synchronous
 
@@ -406,6 +413,11 @@ class HaDatabase:
         if done.returncode != 0:
             raise HaError(f"patronictl {' '.join(args)} failed ({done.returncode}): {done.stderr.strip()}")
         return done.stdout
+
+    def reinit(self, host: str) -> str:
+        """Rebuild ``host``'s data from the primary (``patronictl reinit``): what an operator does with a
+        member that cannot follow the new primary."""
+        return self.patronictl("reinit", SCOPE, host, "--force")
 
     def switchover(self, leader: str, candidate: str) -> str:
         return self.patronictl("switchover", SCOPE, "--leader", leader, "--candidate", candidate, "--force")
