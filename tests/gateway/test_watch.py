@@ -309,8 +309,8 @@ async def test_the_watch_command_prints_events_as_they_happen(
     finally:
         proc.terminate()
         await proc.wait()
-    assert lines[0].startswith("[1] message_posted #1 Ada: before the watch"), lines
-    assert lines[1].startswith("[2] message_posted #2 Ada: live one"), lines
+    assert lines[0].startswith("[1] message_posted #1 Ada (Acme): before the watch"), lines
+    assert lines[1].startswith("[2] message_posted #2 Ada (Acme): live one"), lines
 
 
 async def test_idle_streams_get_heartbeats_and_a_replica_bounds_its_streams(

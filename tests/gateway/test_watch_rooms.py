@@ -303,5 +303,6 @@ async def test_the_watch_all_command_prints_every_rooms_events(
     finally:
         proc.terminate()
         await proc.wait()
-    assert lines[0].startswith(f"room {first.room_id} [") and "ping" in lines[0], lines
-    assert lines[-1].startswith(f"room {second.room_id} [1] message_posted #1 Ada: in the second room"), lines
+    # Each line names its room (ids only with --json) and the author's company.
+    assert lines[0].startswith("first: [") and "ping" in lines[0], lines
+    assert lines[-1].startswith("second: [1] message_posted #1 Ada (Acme): in the second room"), lines

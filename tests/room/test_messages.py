@@ -102,7 +102,7 @@ async def test_post_errors(room: Stub, world: World) -> None:
         kind=common_pb2.AUTHOR_KIND_AGENT, agent_id=world.acme_agent.agent_id, company_id=world.bolt.company_id
     )
     await expect_error(INVALID, post(room, world, "hi", author=wrong_company), "does not belong")
-    await expect_error(INVALID, post(room, world, "hi", dedupe_key="k" * 201), "dedupe_key")
+    await expect_error(INVALID, post(room, world, "hi", dedupe_key="k" * 301), "dedupe_key")
     listed = await room.ListMessages(room_pb2.RoomServiceListMessagesRequest(room_id=world.room_id))
     assert len(listed.messages) == 1  # only the 64 KiB one
 
