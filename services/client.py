@@ -122,14 +122,7 @@ async def resolve_room(client: GatewayClient, room: str) -> str:
     of the caller's company, and must name exactly one of them."""
     if _is_uuid(room):
         return room
-    rooms: list[common_pb2.Room] = []
-    token = ""
-    while True:
-        page = await client.ListRooms(gateway_pb2.ListRoomsRequest(page_size=500, page_token=token))
-        rooms.extend(page.rooms)
-        token = page.next_page_token
-        if not token:
-            break
+    rooms = await _own_rooms(client)
     matches = [r for r in rooms if r.name.casefold() == room.strip().casefold()]
     if len(matches) == 1:
         return str(matches[0].room_id)
