@@ -108,9 +108,9 @@ def test_the_baseline_tree_is_the_commits_files_with_this_checkouts_bench(tmp_pa
     compare.overlay_bench(tree)
 
     committed = subprocess.run(
-        ["git", "-C", str(REPO), "show", f"{sha}:services/room/store.py"], capture_output=True, check=True
+        ["git", "-C", str(REPO), "show", f"{sha}:services/room/servicer.py"], capture_output=True, check=True
     ).stdout
-    assert (tree / "services" / "room" / "store.py").read_bytes() == committed
+    assert (tree / "services" / "room" / "servicer.py").read_bytes() == committed
     assert (tree / "bench" / "compare.py").read_bytes() == (REPO / "bench" / "compare.py").read_bytes()
     assert not (tree / "bench" / "stale.py").exists()
     assert not (tree / ".git").exists()

@@ -1,0 +1,285 @@
+"""The Room's store: messages (with the wakes they record) and tasks with their updates."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Sequence
+
+import asyncpg
+
+from quayutec.errors import AlreadyExists, FailedPrecondition, NotFound
+from quayutec.telemetry import current_traceparent
+from quayutec.v1 import common_pb2
+from services.room import convert
+from services.room.rules import Act, Facts, enforce
+from services.room.store.base import (
+    _MAX_KEY,
+    AuthorRef,
+    Page,
+    Posted,
+    Record,
+    RunRecord,
+    StoreBase,
+    TaskUpdated,
+    TransactionHook,
+    _Events,
+    _identified,
+    _page,
+)
+
+
+class MessagesAndTasks(StoreBase):
+    """Messages (with the wakes they record) and tasks with their updates."""
+
+    async def post_message(
+        self,
+        *,
+        room_id: str,
+        author: AuthorRef,
+        body: str,
+        mention_agent_ids: Sequence[str],
+        run_id: str | None,
+        dedupe_key: str | None,
+        run: RunRecord | None = None,
+        between_writes: TransactionHook | None = None,
+    ) -> Posted:
+        """Appends a message and, in the same transaction, a wake for each mentioned agent but the author
+        (and ``run``'s ledger row, with the message id as its posted_message_id).
+
+        Round trips: BEGIN, the checks (post_check), the ledger row when given, the message with its wakes
+        (which takes the room row's lock), its events, COMMIT. ``between_writes`` runs after the message
+        and its wakes, before their events."""
+        self._require_run_of(run, room_id, author)
+        try:
+            return await self._post_message(
+                room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, between_writes
+            )
+        except asyncpg.UniqueViolationError as exc:
+            if dedupe_key is None or exc.constraint_name != "messages_room_dedupe_key":
+                raise
+        # A concurrent post with the same dedupe_key committed between our check and our insert (which
+        # waited for its room lock); this transaction rolled back whole, and the retry finds that message.
+        return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, None)
+
+    async def _post_message(
+        self,
+        room_id: str,
+        author: AuthorRef,
+        body: str,
+        mention_agent_ids: Sequence[str],
+        run_id: str | None,
+        dedupe_key: str | None,
+        run: RunRecord | None,
+        between_writes: TransactionHook | None,
+    ) -> Posted:
+        async with self._pool.acquire() as conn, conn.transaction():
+            check = await conn.fetchrow(
+                self._q["post_check"],
+                room_id,
+                author.company_id or None,
+                author.agent_id if author.kind == "agent" else None,
+                list(mention_agent_ids),
+                dedupe_key,
+            )
+            if not check["room_found"]:
+                raise NotFound(f"room {room_id} not found")
+            events = _Events()
+            author = _identified(author, check["agent_company_id"])
+            earlier = check["earlier"]
+            if earlier is not None:  # the author's right to write here first, then the answer
+                repeat = str(earlier["author_company_id"])
+                facts = Facts(author.company_id, room_id, member=check["member"], repeat_of_company_id=repeat)
+                enforce(Act.POST_MESSAGE, facts, repeat=True)
+                await self._record_write(conn, events, run, earlier["message_id"])
+                await self._append_events(conn, events)
+                return Posted(earlier, list(check["earlier_wakes"]), True)
+            companies = dict(zip(check["mentioned_agent_ids"], check["mentioned_company_ids"], strict=True))
+            in_room = {str(a) for a, c in companies.items() if c in check["member_company_ids"]}
+            missing = next((a for a in mention_agent_ids if a not in in_room), "")
+            facts = Facts(author.company_id, room_id, member=check["member"], mention_not_in_room=missing)
+            enforce(Act.POST_MESSAGE, facts)
+            message_id = uuid.uuid4()
+            # The ledger row before the message: no lock on the room row is held while it is written.
+            await self._record_write(conn, events, run, message_id)
+            woken = [a for a in mention_agent_ids if a != author.agent_id]
+            row = await conn.fetchrow(
+                self._q["insert_message_with_wakes"],
+                room_id,
+                message_id,
+                *author.columns(),
+                body,
+                list(mention_agent_ids),
+                run_id,
+                dedupe_key,
+                woken,
+                str(message_id),
+                current_traceparent(),
+                author.verified_by,
+            )
+            if between_writes is not None:
+                await between_writes(conn)
+            events.add(room_id, common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED, convert.message(row))
+            await self._append_events(conn, events)
+            return Posted(row, list(row["wakes"]), False)
+
+    async def list_messages(self, room_id: str, after: int | None, limit: int, *, newest_first: bool) -> Page:
+        async with self._pool.acquire() as conn:
+            await self._require_room(conn, room_id)
+            if newest_first:
+                rows = await conn.fetch(
+                    self._q["list_messages_newest_first"], room_id, _MAX_KEY if after is None else after, limit + 1
+                )
+            else:
+                rows = await conn.fetch(self._q["list_messages_oldest_first"], room_id, after or 0, limit + 1)
+        return _page(rows, limit, "seq")
+
+    async def get_message(self, room_id: str, message_id: str) -> Record:
+        row = await self._pool.fetchrow(self._q["get_message"], room_id, message_id)
+        if row is None:
+            raise NotFound(f"message {message_id} not found in room {room_id}")
+        return row
+
+    async def create_task(
+        self,
+        *,
+        room_id: str,
+        author: AuthorRef,
+        to_agent_id: str,
+        title: str,
+        body: str,
+        run_id: str | None,
+        dedupe_key: str | None,
+        run: RunRecord | None = None,
+        between_writes: TransactionHook | None = None,
+    ) -> Posted:
+        """Records a task and, in the same transaction, the assignee's wake (none when it assigned itself)
+        and ``run``'s ledger row with the task id."""
+        self._require_run_of(run, room_id, author)
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._require_room(conn, room_id)
+            events = _Events()
+            if dedupe_key is not None:
+                earlier = await self._earlier_task(conn, room_id, dedupe_key)
+                if earlier is not None:  # the author's right to write here first, then the answer
+                    facts = Facts("", repeat_of_company_id=str(earlier.row["from_company_id"]))
+                    await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts, repeat=True)
+                    await self._record_write(conn, events, run, earlier.row["task_id"])
+                    await self._append_events(conn, events)
+                    return earlier
+            assignee = await conn.fetchrow(self._q["lock_assignee_in_room"], to_agent_id, room_id)
+            in_room = assignee is not None and bool(assignee["member"])
+            facts = Facts(author.company_id, assignee_id=to_agent_id, assignee_in_room=in_room)
+            author = await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts)
+            row = await conn.fetchrow(
+                self._q["insert_task"],
+                room_id,
+                *author.columns(),
+                to_agent_id,
+                title,
+                body,
+                run_id,
+                dedupe_key,
+                author.verified_by,
+            )
+            if row is None:  # a concurrent create with the same dedupe_key committed first
+                earlier = await self._earlier_task(conn, room_id, dedupe_key)
+                if earlier is None:  # pragma: no cover - the conflict row cannot vanish
+                    raise AlreadyExists(f"a task with dedupe_key {dedupe_key!r} already exists")
+                repeat = str(earlier.row["from_company_id"])
+                facts = Facts(author.company_id, room_id, member=True, repeat_of_company_id=repeat)
+                enforce(Act.CREATE_TASK, facts, repeat=True)
+                await self._record_write(conn, events, run, earlier.row["task_id"])
+                await self._append_events(conn, events)
+                return earlier
+            if between_writes is not None:
+                await between_writes(conn)
+            woken = [to_agent_id] if to_agent_id != author.agent_id else []
+            traceparent = current_traceparent()
+            wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]), traceparent)
+            await self._record_write(conn, events, run, row["task_id"])
+            events.add(room_id, common_pb2.ROOM_EVENT_KIND_TASK_CREATED, convert.task(row))
+            await self._append_events(conn, events)
+            return Posted(row, list(wakes), False)
+
+    async def _earlier_task(self, conn: asyncpg.Connection, room_id: str, dedupe_key: str | None) -> Posted | None:
+        row = await conn.fetchrow(self._q["find_task_by_dedupe"], room_id, dedupe_key)
+        if row is None:
+            return None
+        wakes = await conn.fetch(self._q["wakes_of_source"], str(row["task_id"]), "task")
+        return Posted(row, list(wakes), True)
+
+    async def update_task(
+        self,
+        *,
+        task_id: str,
+        room_id: str | None,
+        author: AuthorRef,
+        note: str,
+        status: str | None,
+        run_id: str | None,
+        dedupe_key: str | None,
+        run: RunRecord | None = None,
+    ) -> TaskUpdated:
+        """Adds a note and optionally closes the task; a closed task stays closed. ``run``'s ledger row
+        is recorded in the same transaction with the update id."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            task = await conn.fetchrow(self._q["lock_task"], task_id)
+            if task is None or (room_id is not None and str(task["room_id"]) != room_id):
+                raise NotFound(f"task {task_id} not found")
+            self._require_run_of(run, str(task["room_id"]), author)
+            events = _Events()
+            if dedupe_key is not None:
+                earlier = await conn.fetchrow(self._q["find_task_update_by_dedupe"], task_id, dedupe_key)
+                if earlier is not None:  # the author's right to write here first, then the answer
+                    facts = Facts("", repeat_of_company_id=str(earlier["author_company_id"]))
+                    await self._admit_author(conn, str(task["room_id"]), author, Act.UPDATE_TASK, facts, repeat=True)
+                    await self._record_write(conn, events, run, earlier["update_id"])
+                    await self._append_events(conn, events)
+                    updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+                    return TaskUpdated(task, earlier, list(updates), True)
+            facts = Facts(
+                author.company_id,
+                task_id=task_id,
+                sender_id=str(task["from_company_id"]),
+                assignee_company_id=str(task["assignee_company_id"] or ""),
+            )
+            author = await self._admit_author(conn, str(task["room_id"]), author, Act.UPDATE_TASK, facts)
+            if task["status"] != "open":
+                raise FailedPrecondition(f"task {task_id} is already {task['status']}")
+            new_status = status or "open"
+            update = await conn.fetchrow(
+                self._q["insert_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
+            )
+            task = await conn.fetchrow(self._q["set_task_status"], task_id, new_status)
+            await self._record_write(conn, events, run, update["update_id"])
+            updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+            kind = (
+                common_pb2.ROOM_EVENT_KIND_TASK_UPDATED
+                if new_status == "open"
+                else common_pb2.ROOM_EVENT_KIND_TASK_CLOSED
+            )
+            events.add(str(task["room_id"]), kind, convert.task(task, updates))
+            await self._append_events(conn, events)
+            return TaskUpdated(task, update, list(updates), False)
+
+    async def get_task(self, task_id: str, room_id: str | None) -> tuple[Record, list[Record]]:
+        async with self._pool.acquire() as conn:
+            task = await conn.fetchrow(self._q["get_task"], task_id)
+            if task is None or (room_id is not None and str(task["room_id"]) != room_id):
+                raise NotFound(f"task {task_id} not found")
+            updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+        return task, list(updates)
+
+    async def list_tasks(
+        self, room_id: str, to_agent_id: str | None, status: str | None, after: int | None, limit: int
+    ) -> tuple[Page, dict[str, list[Record]]]:
+        """A page of tasks and the updates of each, keyed by task_id."""
+        async with self._pool.acquire() as conn:
+            await self._require_room(conn, room_id)
+            rows = await conn.fetch(self._q["list_tasks"], room_id, to_agent_id, status, after or 0, limit + 1)
+            page = _page(rows, limit, "pos")
+            updates: dict[str, list[Record]] = {str(r["task_id"]): [] for r in page.rows}
+            if updates:
+                for u in await conn.fetch(self._q["updates_of_tasks"], list(updates)):
+                    updates[str(u["task_id"])].append(u)
+        return page, updates
