@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from quayutec.config import SERVICES, ServiceSpec
+from quayutec.envread import SERVICES, ServiceSpec
 
 Value = str | int | float | bool | None
 

@@ -43,7 +43,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from quayutec.config import DATA_DIR_ENV, ConfigError, env_str
+from quayutec.envread import DATA_DIR_ENV, ConfigError, env_str
 from quayutec.settings import setting
 
 GATEWAY = "gateway"
