@@ -283,6 +283,10 @@ async def test_failed_sign_ins_count_at_the_gateway_against_the_browser_not_the_
                 assert (await sign_in(owner, f"qyk_{uuid.uuid4()}_{'y' * 43}")).status_code == 401
                 await signed_in(owner, acme.secret)
                 await signed_in(guesser, acme.secret)  # a valid key is always checked
+                # Live updates (a server stream) go through the console port too.
+                async with events(owner, "/approvals/events") as (response, items):
+                    assert response.status_code == 200
+                    await until(items, "live")
     lines = [r.getMessage() for r in caplog.records if "failed authentications at once" in r.getMessage()]
     assert len(lines) == 1 and "source:127.0.0.2" in lines[0], lines
 
