@@ -1,139 +1,36 @@
-"""Configuration shared by every service: environment readers and the service table.
+"""Configuration shared by every service: the database, server and connection settings.
 
 Each service reads its own settings through a frozen dataclass with a ``from_env()``
-under one prefix (``QUAYUTEC_<SERVICE>_``); nothing reads the environment at import.
+under one prefix (``QUAYUTEC_<SERVICE>_``); nothing reads the environment at import. The
+environment readers and the service table live in ``quayutec.envread`` (imported by
+``quayutec.settings`` and ``quayutec.tls`` too) and are re-exported here.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
 
-if TYPE_CHECKING:
-    from quayutec.tls import MtlsConfig
-
-
-@dataclass(frozen=True)
-class ServiceSpec:
-    """Where a service listens by default and how other services find it."""
-
-    name: str
-    port: int
-    grpc_service: str
-    # Listen on every interface when started alone (only the Gateway, the public door); the
-    # internal services listen on loopback unless QUAYUTEC_<SVC>_LISTEN says otherwise.
-    public: bool = False
-
-    @property
-    def prefix(self) -> str:
-        return f"QUAYUTEC_{self.name.upper()}_"
-
-    @property
-    def listen_env(self) -> str:
-        return f"{self.prefix}LISTEN"
-
-    @property
-    def addr_env(self) -> str:
-        return f"{self.prefix}ADDR"
-
-    @property
-    def health_listen_env(self) -> str:
-        return f"{self.prefix}HEALTH_LISTEN"
-
-    @property
-    def default_listen(self) -> str:
-        return f"[::]:{self.port}" if self.public else f"127.0.0.1:{self.port}"
-
-    @property
-    def default_addr(self) -> str:
-        return f"localhost:{self.port}" if self.public else f"127.0.0.1:{self.port}"
-
-
-GATEWAY = ServiceSpec("gateway", 50051, "quayutec.v1.GatewayService", public=True)
-ROOM = ServiceSpec("room", 50052, "quayutec.v1.RoomService")
-CLAIMS = ServiceSpec("claims", 50053, "quayutec.v1.ClaimsService")
-RUNTIME = ServiceSpec("runtime", 50054, "quayutec.v1.RuntimeService")
-SERVICES: tuple[ServiceSpec, ...] = (GATEWAY, ROOM, CLAIMS, RUNTIME)
-
-DATABASE_URL_ENV = "DATABASE_URL"
-DATA_DIR_ENV = "QUAYUTEC_DATA_DIR"
-ENCRYPTION_KEY_ENV = "QUAYUTEC_ENCRYPTION_KEY"
-DEFAULT_DATA_DIR = ".quayutec"
-
-
-class ConfigError(ValueError):
-    """A setting is missing or malformed; the message names the variable to fix."""
-
-
-class Declared(Protocol):
-    """A setting's declaration (``quayutec.settings.Setting``): its name and typed default."""
-
-    @property
-    def name(self) -> str: ...
-    @property
-    def default(self) -> str | int | float | bool | None: ...
-
-
-def _declared(name: str | Declared, default: Any) -> tuple[str, Any]:
-    """A reader's name and default: from the declaration when given one (the usual case)."""
-    if isinstance(name, str):
-        return name, default
-    return name.name, name.default if default is None else default
-
-
-def env_str(env: Mapping[str, str], name: str | Declared, default: str | None = None) -> str:
-    name, default = _declared(name, default)
-    value = env.get(name, "").strip()
-    return value or str(default or "")
-
-
-def env_bool(env: Mapping[str, str], name: str | Declared, default: bool | None = None) -> bool:
-    name, default = _declared(name, default)
-    raw = env_str(env, name, "").lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"{name} must be true or false, got {raw!r}")
-
-
-def env_int(env: Mapping[str, str], name: str | Declared, default: int | None = None, *, minimum: int = 0) -> int:
-    name, default = _declared(name, default)
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be an integer, got {raw!r}") from exc
-    if value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
-def env_float(
-    env: Mapping[str, str], name: str | Declared, default: float | None = None, *, minimum: float = 0.0
-) -> float:
-    name, default = _declared(name, default)
-    raw = env.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError as exc:
-        raise ConfigError(f"{name} must be a number, got {raw!r}") from exc
-    if not math.isfinite(value):
-        raise ConfigError(f"{name} must be a finite number, got {raw!r}")
-    if value < minimum:
-        raise ConfigError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
+from quayutec.envread import CLAIMS as CLAIMS
+from quayutec.envread import DATA_DIR_ENV as DATA_DIR_ENV
+from quayutec.envread import DATABASE_URL_ENV as DATABASE_URL_ENV
+from quayutec.envread import DEFAULT_DATA_DIR as DEFAULT_DATA_DIR
+from quayutec.envread import ENCRYPTION_KEY_ENV as ENCRYPTION_KEY_ENV
+from quayutec.envread import GATEWAY as GATEWAY
+from quayutec.envread import ROOM as ROOM
+from quayutec.envread import RUNTIME as RUNTIME
+from quayutec.envread import SERVICES as SERVICES
+from quayutec.envread import ConfigError as ConfigError
+from quayutec.envread import Declared as Declared
+from quayutec.envread import ServiceSpec as ServiceSpec
+from quayutec.envread import env_bool as env_bool
+from quayutec.envread import env_float as env_float
+from quayutec.envread import env_int as env_int
+from quayutec.envread import env_str as env_str
+from quayutec.settings import SETTINGS, setting
+from quayutec.tls import MtlsConfig
 
 # The services that hold database pools, whose replicas share the server's connections.
 WITH_DATABASE: tuple[str, ...] = ("gateway", "room", "claims")
@@ -151,8 +48,6 @@ class ConnectionBudget:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionBudget:
-        from quayutec.settings import setting
-
         env = os.environ if env is None else env
         shares = tuple(
             (
@@ -202,7 +97,6 @@ class DatabaseConfig:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, *, prefix: str = "QUAYUTEC_") -> DatabaseConfig:
         from quayutec.roles import service_role
-        from quayutec.settings import SETTINGS, setting
 
         env = os.environ if env is None else env
         shared_url = env.get(DATABASE_URL_ENV, "").strip() or None
@@ -253,8 +147,6 @@ class ConnectionLimits:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> ConnectionLimits:
-        from quayutec.settings import setting
-
         env = os.environ if env is None else env
         return cls(
             handshake_seconds=env_float(env, setting("QUAYUTEC_GRPC_HANDSHAKE_TIMEOUT_SECONDS"), minimum=0.1),
@@ -283,9 +175,6 @@ class ServerConfig:
 
     @classmethod
     def from_env(cls, spec: ServiceSpec, env: Mapping[str, str] | None = None) -> ServerConfig:
-        from quayutec.settings import setting
-        from quayutec.tls import MtlsConfig
-
         env = os.environ if env is None else env
         return cls(
             listen=env_str(env, setting(spec.listen_env)),
@@ -298,7 +187,5 @@ class ServerConfig:
 
 def service_addr(spec: ServiceSpec, env: Mapping[str, str] | None = None) -> str:
     """The address other services dial to reach ``spec``."""
-    from quayutec.settings import setting
-
     env = os.environ if env is None else env
     return env_str(env, setting(spec.addr_env))

@@ -253,6 +253,7 @@ class GrpcServer:
         credentials: grpc.ServerCredentials | None = None,
         identity: Identity | None = None,
         health_watch: HealthWatch | None = None,
+        second_port: tuple[str, grpc.ServerCredentials] | None = None,
     ) -> None:
         if identity is not None and credentials is not None:
             raise ValueError("give an internal service its identity or the public port its credentials, not both")
@@ -272,6 +273,9 @@ class GrpcServer:
         self._health = health.aio.HealthServicer()
         self._stopping: asyncio.Task[None] | None = None
         self._health_watch = health_watch
+        # Another port of the same server, with credentials of its own (the Gateway's console port).
+        self._second_port = second_port
+        self.second_port = 0
         self.port = 0
 
     async def start(self) -> int:
@@ -294,6 +298,11 @@ class GrpcServer:
             port = server.add_insecure_port(self._config.listen)
         if port == 0:
             raise OSError(f"could not listen on {self._config.listen}")
+        if self._second_port is not None:
+            listen, credentials = self._second_port
+            self.second_port = int(server.add_secure_port(listen, credentials))
+            if self.second_port == 0:
+                raise OSError(f"could not listen on {listen}")
         await server.start()
         self._server = server
         if self._config.health_listen:

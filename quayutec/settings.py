@@ -13,7 +13,7 @@ import argparse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from quayutec.config import SERVICES, ServiceSpec
+from quayutec.envread import SERVICES, ServiceSpec
 
 Value = str | int | float | bool | None
 
@@ -132,11 +132,11 @@ _DECLARED: list[Setting] = [
         "QUAYUTEC_MTLS_CA",
         "",
         "PEM file of the CA every service trusts; with MTLS_CERT and MTLS_KEY (all three or none)",
-        [*ALL, "cli"],
+        [*ALL, "cli", "console"],
         shown="unset (dev PKI in <data dir>/pki/)",
     ),
-    _g("QUAYUTEC_MTLS_CERT", "", "PEM certificate of this process, naming its identity", [*ALL, "cli"]),
-    _g("QUAYUTEC_MTLS_KEY", "", "PEM private key of MTLS_CERT", [*ALL, "cli"], secret=True),
+    _g("QUAYUTEC_MTLS_CERT", "", "PEM certificate of this process, naming its identity", [*ALL, "cli", "console"]),
+    _g("QUAYUTEC_MTLS_KEY", "", "PEM private key of MTLS_CERT", [*ALL, "cli", "console"], secret=True),
     _g(
         "QUAYUTEC_EVENT_LOOP",
         "uvloop",
@@ -378,6 +378,14 @@ _DECLARED: list[Setting] = [
         ["gateway"],
     ),
     _g("QUAYUTEC_GATEWAY_TLS_KEY", "", "PEM private key file of TLS_CERT", ["gateway"]),
+    _g(
+        "QUAYUTEC_GATEWAY_CONSOLE_LISTEN",
+        "",
+        "a second port of the Gateway for the console (host:port): the same API over mutual TLS with the "
+        "services' CA; a caller with the console's certificate may pass on its browser's address "
+        "(x-quayutec-client-address), which the throttles then count. Unset: no such port",
+        ["gateway"],
+    ),
     _g(
         "QUAYUTEC_GATEWAY_DELIVERY_ENABLED",
         True,
@@ -654,6 +662,14 @@ _DECLARED: list[Setting] = [
         "QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME",
         "",
         "the name the Gateway's certificate must carry, when not the host of QUAYUTEC_GATEWAY_ADDR",
+        ["console"],
+    ),
+    _g(
+        "QUAYUTEC_CONSOLE_GATEWAY_CONSOLE_ADDR",
+        "",
+        "the Gateway's console port (its QUAYUTEC_GATEWAY_CONSOLE_LISTEN): when set, the console calls it as "
+        "the console identity (QUAYUTEC_MTLS_* or the dev PKI) instead of QUAYUTEC_GATEWAY_ADDR, and passes on "
+        "each browser's address, so failed sign-ins count against the browser, not the console",
         ["console"],
     ),
     _g(

@@ -1,7 +1,8 @@
 """Mutual TLS between our services: who each process is, and the credentials that prove it.
 
 Every internal service (Room, Claims, Runtime) serves only callers that present a certificate
-signed by our CA, and every internal client presents its own. A certificate names one identity
+signed by our CA, and every internal client presents its own (the console too, on the Gateway's
+console port). A certificate names one identity
 of ``IDENTITIES``: its common name, a DNS name and the URI ``spiffe://quayutec/<identity>``.
 Clients check that the server they reach holds the certificate of the service they meant to reach
 (the DNS name is the identity, whatever host was dialled).
@@ -42,7 +43,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from quayutec.config import DATA_DIR_ENV, ConfigError, env_str
+from quayutec.envread import DATA_DIR_ENV, ConfigError, env_str
 from quayutec.settings import setting
 
 GATEWAY = "gateway"
@@ -50,8 +51,11 @@ ROOM = "room"
 CLAIMS = "claims"
 RUNTIME = "runtime"
 ADMIN = "admin"
-# Every identity a certificate can name: the four services and the admin command line.
-IDENTITIES: tuple[str, ...] = (GATEWAY, ROOM, CLAIMS, RUNTIME, ADMIN)
+# The console: it calls the Gateway's console port (QUAYUTEC_GATEWAY_CONSOLE_LISTEN) as itself, and
+# the Gateway trusts the browser address it passes on from this identity alone.
+CONSOLE = "console"
+# Every identity a certificate can name: the four services, the admin command line and the console.
+IDENTITIES: tuple[str, ...] = (GATEWAY, ROOM, CLAIMS, RUNTIME, ADMIN, CONSOLE)
 
 CA_ENV = "QUAYUTEC_MTLS_CA"
 CERT_ENV = "QUAYUTEC_MTLS_CERT"

@@ -984,8 +984,9 @@ def parser() -> argparse.ArgumentParser:
         "--base-port",
         type=int,
         metavar="PORT",
-        help="Gateway on PORT, Room, Claims and Runtime on the next three, the console on PORT+4 "
-        "(default: each QUAYUTEC_<SVC>_LISTEN or _ADDR when set, else 50051-50054, and the console on 8080)",
+        help="Gateway on PORT, Room, Claims and Runtime on the next three, the console on PORT+4, the Gateway's "
+        "console port on PORT+5 (default: each QUAYUTEC_<SVC>_LISTEN or _ADDR when set, else 50051-50054, the "
+        "console on 8080 and the Gateway's console port on 50055)",
     )
     up.set_defaults(handler=cmd_up)
     db = sub.add_parser("db", help="the embedded PostgreSQL in the data folder").add_subparsers(

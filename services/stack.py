@@ -31,6 +31,9 @@ STOP_SECONDS = 15.0
 CONSOLE_LISTEN_ENV = "QUAYUTEC_CONSOLE_LISTEN"
 CONSOLE_SECURE_COOKIE_ENV = "QUAYUTEC_CONSOLE_SECURE_COOKIE"
 CONSOLE_DEFAULT_LISTEN = "127.0.0.1:8080"
+# The Gateway's console port (mutual TLS; the console passes on its browsers' addresses there).
+GATEWAY_CONSOLE_LISTEN_ENV = "QUAYUTEC_GATEWAY_CONSOLE_LISTEN"
+GATEWAY_CONSOLE_DEFAULT_PORT = 50055
 
 
 def port_is_free(port: int) -> bool:
@@ -135,6 +138,9 @@ class LocalStack:
     started_pgdata: Path | None = None
     # Where the console (services/console, HTTP) listens; None: the stack has no console.
     console_listen: str | None = None
+    # The Gateway's console port, which the console calls with its certificate; None: the console
+    # calls the public port.
+    gateway_console_port: int | None = None
     # The data folder (QUAYUTEC_DATA_DIR) of the services and the embedded PostgreSQL; None: the
     # environment's. With ``folder`` this stack owns it (quayutec.datadir) and stops what runs there.
     data_dir: Path | None = None
@@ -156,8 +162,9 @@ class LocalStack:
         """Ports for the four services: ephemeral ones (demo, tests); ``base_port`` and the next three
         (Gateway, Room, Claims, Runtime); or each service's ``QUAYUTEC_<SVC>_LISTEN`` / ``_ADDR`` when
         set, its default port (50051-50054) when not. The console's: ephemeral, ``base_port`` + 4, or
-        ``QUAYUTEC_CONSOLE_LISTEN`` (8080 by default). The data folder: ``data_dir``, else
-        ``QUAYUTEC_DATA_DIR``'s."""
+        ``QUAYUTEC_CONSOLE_LISTEN`` (8080 by default); the Gateway's console port: ephemeral,
+        ``base_port`` + 5, or ``QUAYUTEC_GATEWAY_CONSOLE_LISTEN``'s port (50055 by default). The data
+        folder: ``data_dir``, else ``QUAYUTEC_DATA_DIR``'s."""
         env = os.environ if env is None else env
         folder = data_dir or DatabaseConfig.from_env(env).data_dir
         ports: dict[str, int] = {}
@@ -188,11 +195,20 @@ class LocalStack:
             console = f"127.0.0.1:{base_port + 4}"
         else:
             console = env.get(CONSOLE_LISTEN_ENV, "").strip() or CONSOLE_DEFAULT_LISTEN
+        if ephemeral:
+            gateway_console = reserved_port()
+        elif base_port is not None:
+            gateway_console = base_port + 5
+        else:
+            listen = env.get(GATEWAY_CONSOLE_LISTEN_ENV, "").strip()
+            gateway_console = port_of(listen, GATEWAY_CONSOLE_LISTEN_ENV) or GATEWAY_CONSOLE_DEFAULT_PORT
         if not ephemeral:
             console_port = port_of(console, CONSOLE_LISTEN_ENV)
             taken = [f"{name} ({port})" for name, port in ports.items() if not port_is_free(port)]
             if console_port is not None and not port_is_free(console_port):
                 taken.append(f"console ({console_port})")
+            if not port_is_free(gateway_console):
+                taken.append(f"the Gateway's console port ({gateway_console})")
             if taken:
                 raise SystemExit(
                     f"ports in use: {', '.join(taken)}; stop what holds them, or choose others with "
@@ -205,6 +221,7 @@ class LocalStack:
             listens=listens,
             addrs=addrs,
             console_listen=console,
+            gateway_console_port=gateway_console,
             data_dir=folder,
             reserved=reserved,
         )
@@ -249,6 +266,11 @@ class LocalStack:
             env[CONSOLE_LISTEN_ENV] = self.console_listen
             # The local console serves plain http on this machine: a Secure cookie would never come back.
             env.setdefault(CONSOLE_SECURE_COOKIE_ENV, "false")
+        if self.console_listen and self.gateway_console_port:
+            # The console calls it with the development PKI's console certificate, passing on each
+            # browser's address (docs/operations.md, the throttle model).
+            env[GATEWAY_CONSOLE_LISTEN_ENV] = f"127.0.0.1:{self.gateway_console_port}"
+            env["QUAYUTEC_CONSOLE_GATEWAY_CONSOLE_ADDR"] = f"127.0.0.1:{self.gateway_console_port}"
         return env
 
     @property

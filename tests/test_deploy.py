@@ -57,7 +57,7 @@ EXTERNALLY_REACHABLE = {("gateway", GATEWAY.port), ("console", 8080), ("jaeger",
 # Secrets the prod overlay expects the operator to create (documented in deploy/k8s/README.md).
 Obj = dict[str, Any]  # one parsed Kubernetes object (or part of one)
 # Each service's mutual-TLS certificate: ca.crt, tls.crt, tls.key (a cert-manager Certificate's Secret).
-MTLS_SECRETS = {name: f"quayutec-mtls-{name}" for name in ("gateway", "room", "claims", "runtime")}
+MTLS_SECRETS = {name: f"quayutec-mtls-{name}" for name in ("gateway", "room", "claims", "runtime", "console")}
 PROD_EXTERNAL_SECRETS = {"quayutec-database", "quayutec-secrets", "quayutec-gateway-tls", *MTLS_SECRETS.values()}
 
 
@@ -326,7 +326,8 @@ def test_listen_and_otel_env(rendered: Rendered, spec: ServiceSpec) -> None:
         assert env[spec.listen_env].rpartition(":")[2] == str(spec.port)
     for name in env:
         if name.endswith("_LISTEN") and name.startswith("QUAYUTEC_"):
-            assert name in (spec.listen_env, spec.health_listen_env), f"{spec.name} sets another service's {name}"
+            own = (spec.listen_env, spec.health_listen_env, f"{spec.prefix}CONSOLE_LISTEN")
+            assert name in own, f"{spec.name} sets another service's {name}"
     endpoint = env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
     assert endpoint, f"{spec.name}: OTEL_EXPORTER_OTLP_ENDPOINT unset"
     parsed = urlsplit(endpoint)
@@ -462,11 +463,12 @@ def test_gateway_tls_paths_are_mounted(rendered: Rendered, overlay: str) -> None
         assert any(path.startswith(m.rstrip("/") + "/") for m in mounts), f"{path} is not on a Secret volume"
 
 
-@pytest.mark.parametrize("spec", SERVICES, ids=lambda s: s.name)
-def test_each_service_presents_its_own_mtls_certificate(rendered: Rendered, overlay: str, spec: ServiceSpec) -> None:
-    container = app_container(rendered, spec.name)
+@pytest.mark.parametrize("name", [*(s.name for s in SERVICES), "console"])
+def test_each_service_presents_its_own_mtls_certificate(rendered: Rendered, overlay: str, name: str) -> None:
+    """Each service, and the console (it calls the Gateway's console port), mounts its own certificate."""
+    container = app_container(rendered, name)
     env = effective_env(rendered, container)
-    pod = rendered.pod_spec(rendered.get("Deployment", spec.name))
+    pod = rendered.pod_spec(rendered.get("Deployment", name))
     secret_of = {v["name"]: v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
     mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"] if m["name"] in secret_of}
     for var, key in (
@@ -475,11 +477,11 @@ def test_each_service_presents_its_own_mtls_certificate(rendered: Rendered, over
         ("QUAYUTEC_MTLS_KEY", "tls.key"),
     ):
         path = env.get(var)
-        assert isinstance(path, str) and path.endswith("/" + key), f"{spec.name}: {var}={path!r}"
+        assert isinstance(path, str) and path.endswith("/" + key), f"{name}: {var}={path!r}"
         folder = path.rpartition("/")[0]
-        assert folder in mounts, f"{spec.name}: {path} is not on a Secret volume"
+        assert folder in mounts, f"{name}: {path} is not on a Secret volume"
         secret = secret_of[mounts[folder]]
-        assert secret.startswith(MTLS_SECRETS[spec.name]), f"{spec.name} mounts {secret}, not its own certificate"
+        assert secret.startswith(MTLS_SECRETS[name]), f"{name} mounts {secret}, not its own certificate"
         if overlay == "dev":
             data = rendered.get("Secret", secret)["data"]
             assert key in data, f"{secret} lacks {key}"
@@ -489,7 +491,7 @@ def test_each_service_presents_its_own_mtls_certificate(rendered: Rendered, over
                 from quayutec.tls import certificate_identity
 
                 cert = x509.load_pem_x509_certificate(base64.b64decode(data[key]))
-                assert certificate_identity(cert) == spec.name, f"{secret} does not name {spec.name}"
+                assert certificate_identity(cert) == name, f"{secret} does not name {name}"
 
 
 def test_the_dev_overlay_commits_no_private_key_and_carries_no_ca_key() -> None:
@@ -704,6 +706,20 @@ def test_console(rendered: Rendered, overlay: str) -> None:
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "http"}
     for name in ("QUAYUTEC_DATABASE_URL", DATABASE_URL_ENV, ENCRYPTION_KEY_ENV):
         assert name not in env, f"the console must not receive {name}"
+    # It calls the Gateway's console port (mutual TLS), which only the console's pods may reach.
+    gateway = app_container(rendered, "gateway")
+    listen = effective_env(rendered, gateway)["QUAYUTEC_GATEWAY_CONSOLE_LISTEN"]
+    port = int(listen.rpartition(":")[2])
+    assert port in {p["containerPort"] for p in gateway["ports"]}
+    assert env["QUAYUTEC_CONSOLE_GATEWAY_CONSOLE_ADDR"] == f"gateway:{port}"
+    assert port in {p["port"] for p in rendered.get("Service", "gateway")["spec"]["ports"]}
+    pods = {w["metadata"]["name"]: w for w in rendered.workloads()}
+    target = pods["gateway"]
+    for source, admitted in (("console", True), ("runtime", False), ("jaeger", False)):
+        peer = Peer(rendered.pod_labels(pods[source]))
+        assert ingress_allowed(rendered, rendered.pod_labels(target), port, _ports(rendered, target), peer) is admitted
+    for peer in (OUTSIDE, OTHER_NAMESPACE_POD, UNLABELED_POD):
+        assert not ingress_allowed(rendered, rendered.pod_labels(target), port, _ports(rendered, target), peer)
     service = rendered.get("Service", "console")
     assert service["spec"].get("type", "ClusterIP") == "ClusterIP"
     assert rendered.get("PodDisruptionBudget", "console")["spec"]["minAvailable"] == 1

@@ -31,15 +31,16 @@ def test_ports_follow_the_listen_and_addr_settings() -> None:
     env = {"QUAYUTEC_GATEWAY_LISTEN": f"127.0.0.1:{gateway}", "QUAYUTEC_ROOM_ADDR": f"localhost:{room}"}
     stack = LocalStack.with_ports(ephemeral=False, env=env) if _defaults_free() else None
     if stack is None:
-        pytest.fail("the default ports 50053-50054 are taken on this machine; free them to run this test")
+        pytest.fail("the default ports 50053-50055 are taken on this machine; free them to run this test")
     assert stack.ports["gateway"] == gateway and stack.listen("gateway") == f"127.0.0.1:{gateway}"
     assert stack.ports["room"] == room and stack.addr("room") == f"localhost:{room}"
     assert stack.env()["QUAYUTEC_ROOM_ADDR"] == f"localhost:{room}"
     assert stack.ports["claims"] == 50053 and stack.ports["runtime"] == 50054
+    assert stack.env()["QUAYUTEC_CONSOLE_GATEWAY_CONSOLE_ADDR"] == "127.0.0.1:50055"
 
 
 def _defaults_free() -> bool:
-    return all(port_is_free(p) for p in (50053, 50054))
+    return all(port_is_free(p) for p in (50053, 50054, 50055))
 
 
 def test_a_malformed_address_is_named() -> None:
@@ -59,12 +60,13 @@ def data_dir() -> Iterator[Path]:
 
 
 def _base_port() -> int:
-    """A port with the next four free too (four services and the console; bounded tries)."""
+    """A port with the next five free too (four services, the console and the Gateway's console port;
+    bounded tries)."""
     for _ in range(50):
         base = free_port()
-        if base + 4 < 65536 and all(port_is_free(base + i) for i in range(5)):
+        if base + 5 < 65536 and all(port_is_free(base + i) for i in range(6)):
             return base
-    raise AssertionError("found no five consecutive free ports")
+    raise AssertionError("found no six consecutive free ports")
 
 
 def test_up_on_a_base_port_then_ctrl_c_stops_everything_it_started(data_dir: Path) -> None:
@@ -86,7 +88,7 @@ def test_up_on_a_base_port_then_ctrl_c_stops_everything_it_started(data_dir: Pat
     assert "RuntimeDirWarning" not in up.out + up.rest
     assert embedded_pid(pgdata) is None
     assert not _alive(pid)
-    for i in range(5):
+    for i in range(6):
         assert port_is_free(base + i)
 
 
@@ -378,8 +380,9 @@ async def test_the_demos_ports_are_held_for_its_services_until_they_stop(databas
     stack = LocalStack.with_ports(ephemeral=True, data_dir=tmp_path / "d")
     stack.database_url = database_url
     console_port = int(str(stack.console_listen).rpartition(":")[2])
-    ports = [*stack.ports.values(), console_port]
-    assert len(set(ports)) == 5
+    assert stack.gateway_console_port is not None
+    ports = [*stack.ports.values(), console_port, stack.gateway_console_port]
+    assert len(set(ports)) == 6
     try:
         assert not any(port_is_free(p) for p in ports)  # held before anything of ours listens
         await stack.start_services([CLAIMS.name])

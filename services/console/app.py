@@ -33,12 +33,14 @@ from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from quayutec.config import ConfigError
+from quayutec.channels import internal_channel
+from quayutec.config import GATEWAY, ConfigError
 from quayutec.httpserve import HttpLimits, server_config
 from quayutec.throttle import AuthThrottle
 from services.client import ACTION_NAMES, STATUS_NAMES
 from services.console import company, oidc, rooms, runs
 from services.console.config import ConsoleConfig
+from services.console.forward import BrowserAddress, ForwardBrowser
 from services.console.live import StreamSlots, approval_events, room_events
 from services.console.names import vouched
 from services.console.session import SIGNIN_SETTINGS, SignedOut, SignInRefused, form_of, sign_in, sign_out
@@ -164,7 +166,17 @@ def session_box(secret: str) -> Fernet:
 
 
 def gateway_channel(config: ConsoleConfig) -> grpc.aio.Channel:
-    """The console's one channel to the Gateway's public port: plaintext, or TLS when configured."""
+    """The console's one channel to the Gateway: its console port as the console identity, passing on
+    each browser's address (services/console/forward.py), when configured; else its public port,
+    plaintext or TLS."""
+    if config.gateway_console_addr and config.identity is not None:
+        return internal_channel(
+            config.gateway_console_addr,
+            identity=config.identity,
+            server=GATEWAY.name,
+            retry_unavailable=False,  # a post must not be sent twice
+            interceptors=[ForwardBrowser()],
+        )
     if config.gateway_ca is None:
         return grpc.aio.insecure_channel(config.gateway_addr)
     credentials = grpc.ssl_channel_credentials(root_certificates=config.gateway_ca or None)
@@ -233,6 +245,7 @@ def create_app(config: ConsoleConfig, *, channel: grpc.aio.Channel | None = None
     app = Starlette(
         routes=routes,
         middleware=[
+            Middleware(BrowserAddress),
             Middleware(SecurityHeaders),
             Middleware(
                 SessionMiddleware,

@@ -12,6 +12,7 @@ from urllib.parse import urlsplit
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ConfigError, env_bool, env_float, env_int, env_str, service_addr
 from quayutec.settings import setting
 from quayutec.throttle import ThrottleConfig
+from quayutec.tls import CONSOLE, Identity, MtlsConfig, load_identity
 
 SECRET_FILE = "console-session.key"
 MIN_SECRET_CHARS = 32
@@ -28,6 +29,9 @@ class ConsoleConfig:
     # TLS to the Gateway: None for plaintext; otherwise the CA's PEM (b"" for the system's roots).
     gateway_ca: bytes | None = None
     gateway_tls_name: str = ""
+    # The Gateway's console port and the console's certificate for it ("": the public port above).
+    gateway_console_addr: str = ""
+    identity: Identity | None = None
     # Open live-update streams of one sign-in on this replica.
     max_streams_per_session: int = 6
     # Failed sign-ins per browser address and per key id.
@@ -57,6 +61,8 @@ class ConsoleConfig:
                 gateway_ca = Path(ca_path).read_bytes() if ca_path else b""
             except OSError as exc:
                 raise ConfigError(f"cannot read QUAYUTEC_CONSOLE_GATEWAY_CA ({ca_path}): {exc.strerror}") from exc
+        console_addr = env_str(env, setting("QUAYUTEC_CONSOLE_GATEWAY_CONSOLE_ADDR"))
+        identity = load_identity(CONSOLE, MtlsConfig.from_env(env)) if console_addr else None
         hours = env_float(env, setting("QUAYUTEC_CONSOLE_SESSION_HOURS"), minimum=0.01)
         origin = env_str(env, setting("QUAYUTEC_CONSOLE_ORIGIN")).strip().rstrip("/")
         if origin and (urlsplit(origin).scheme not in ("http", "https") or not urlsplit(origin).netloc):
@@ -70,6 +76,8 @@ class ConsoleConfig:
             jaeger_url=env_str(env, setting("QUAYUTEC_CONSOLE_JAEGER_URL")).rstrip("/"),
             gateway_ca=gateway_ca,
             gateway_tls_name=env_str(env, setting("QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME")),
+            gateway_console_addr=console_addr,
+            identity=identity,
             max_streams_per_session=env_int(env, setting("QUAYUTEC_CONSOLE_MAX_STREAMS_PER_SESSION"), minimum=1),
             signin_throttle=ThrottleConfig(
                 rate_per_second=env_float(env, setting("QUAYUTEC_CONSOLE_SIGNIN_FAILURE_RATE")),

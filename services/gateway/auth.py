@@ -9,6 +9,9 @@ A session key (CreateSessionKey, what a console sign-in uses) is a key of the sa
 company key and an expiry. Failed authentications are throttled per source address and per key id
 (quayutec.throttle.AuthThrottle): beyond the burst they are answered RESOURCE_EXHAUSTED; a key is
 always checked, so the right secret gets in whatever was guessed with its id or from its address.
+A call's source address is its peer's, except on a call from the console (``source_address``): the
+console passes on its browser's address, and only a caller whose verified certificate names the
+console identity is believed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import contextlib
 import contextvars
 import hashlib
 import hmac
+import ipaddress
 import logging
 import secrets
 import uuid
@@ -41,6 +45,7 @@ from quayutec.errors import (
     trailers_of,
 )
 from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
+from quayutec.tls import CONSOLE, peer_identity
 from services.gateway.keycache import KeyCache
 from services.gateway.store import ApiKey, ApiKeyStore, StoredKeyHash, VerifiedPerson
 from services.gateway.streams import OpenStream, OpenStreams
@@ -55,6 +60,8 @@ THROTTLE_SETTINGS = "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST / _RATE"
 # Services reachable without a key: health checks and reflection.
 # SignInService too: it is how a person signs in, before there is a key (services/gateway/signin.py).
 UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/quayutec.v1.SignInService/")
+# The metadata entry in which the console passes on the address of the browser it calls for.
+CLIENT_ADDRESS_METADATA = "x-quayutec-client-address"
 _HOW_TO_AUTH = "send metadata 'authorization: Bearer <api key>' with a key made by `quayutec` for your company"
 
 
@@ -344,6 +351,24 @@ class CallerContext:
         self._caller.reset(token)
 
 
+def source_address(context: grpc.aio.ServicerContext) -> str:
+    """The address a call counts against in the throttles: its peer's (``context.peer()``), or, when the
+    peer's verified certificate names the console identity (which only the Gateway's console port, of
+    mutual TLS, can carry), the browser address the console passes on in ``x-quayutec-client-address``.
+    Anyone else's entry is ignored, so setting it gains nothing."""
+    peer: str = context.peer()
+    if peer_identity(context.auth_context()) != CONSOLE:
+        return peer
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_ADDRESS_METADATA:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            try:
+                return str(ipaddress.ip_address(text.strip()))
+            except ValueError:
+                return peer
+    return peer
+
+
 def _authorization(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     for key, value in metadata or ():
         if key == "authorization":
@@ -398,7 +423,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         """The caller from its API key, or the call is aborted (UNAUTHENTICATED, RESOURCE_EXHAUSTED when
         throttled, or what failed)."""
         try:
-            return await self._authenticator.caller_for(_authorization(context.invocation_metadata()), context.peer())
+            return await self._authenticator.caller_for(
+                _authorization(context.invocation_metadata()), source_address(context)
+            )
         except Exception as exc:
             await _abort(context, exc, f"authenticating {method}")
             raise  # abort raises; this line is never reached

@@ -138,6 +138,8 @@ class GatewayConfig:
     migrate_on_start: bool = True
     tls_cert_path: Path | None = None
     tls_key_path: Path | None = None
+    # The console's port (mutual TLS with the services' CA; None: not served): see services/gateway/auth.py.
+    console_listen: str | None = None
     # Deadline of each call to the Room made while serving a request.
     room_timeout_seconds: float = 10.0
     # Ceiling of gRPC's reconnect backoff to Room and Runtime, so a backend that returns is used soon.
@@ -230,6 +232,7 @@ class GatewayConfig:
             migrate_on_start=env_bool(env, setting(f"{p}MIGRATE_ON_START")),
             tls_cert_path=Path(cert) if cert else None,
             tls_key_path=Path(key) if key else None,
+            console_listen=env_str(env, setting(f"{p}CONSOLE_LISTEN")) or None,
             room_timeout_seconds=env_float(env, setting(f"{p}ROOM_TIMEOUT_SECONDS"), minimum=0.001),
             reconnect_backoff_max_ms=env_int(env, setting(f"{p}RECONNECT_BACKOFF_MAX_MS"), minimum=100),
             rate_limit=rate_limit,

@@ -181,6 +181,9 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         interceptors=(AuthInterceptor(Authenticator(keys, config.auth_throttle, key_cache), caller, streams),),
         credentials=credentials,
         health_watch=held.health,
+        # The console's port: the same API over mutual TLS as the Gateway's own identity, where a
+        # console certificate's forwarded browser address is believed (services/gateway/auth.py).
+        second_port=(config.console_listen, identity.server_credentials()) if config.console_listen else None,
     )
     return grpc_server
 

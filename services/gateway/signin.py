@@ -29,7 +29,14 @@ from quayutec.errors import (
 )
 from quayutec.throttle import AuthThrottle, ThrottleConfig, source_of
 from quayutec.v1 import gateway_pb2, gateway_pb2_grpc, room_pb2, signin_pb2, signin_pb2_grpc
-from services.gateway.auth import SESSION_TTL_SECONDS, THROTTLE_SETTINGS, CallerContext, hash_secret, new_secret
+from services.gateway.auth import (
+    SESSION_TTL_SECONDS,
+    THROTTLE_SETTINGS,
+    CallerContext,
+    hash_secret,
+    new_secret,
+    source_address,
+)
 from services.gateway.oidc import IssuerUnreachable, OidcClient, SignInRefused, issuer_host
 from services.gateway.ratelimit import PostRateLimiter
 from services.gateway.store import ApiKeyStore, ProviderNameTaken, ProviderRow, VerifiedPerson
@@ -221,7 +228,7 @@ class SignInServicer(signin_pb2_grpc.SignInServiceServicer):
             company = uuid.UUID(request.company_id)
         except ValueError:
             raise InvalidArgument("company_id must be an id (uuid)") from None
-        source = f"source:{source_of(context.peer())}"
+        source = f"source:{source_of(source_address(context))}"
         row = await self._keys.sign_in_provider(company)
         if row is None:
             self._counted_failure(

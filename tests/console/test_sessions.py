@@ -27,7 +27,15 @@ from services.console.app import COOKIE, session_box
 from tests.console.browser import SESSION_SECRET, running_console
 from tests.gateway.conftest import NOWHERE
 from tests.gateway.helpers import GatewayStub, create_room
-from tests.harness.gateway import CompanyKey, authed_gateway, join_room, make_company, running_gateway
+from tests.harness.channels import mtls_env
+from tests.harness.gateway import (
+    CompanyKey,
+    authed_gateway,
+    join_room,
+    make_company,
+    running_gateway,
+    running_gateway_ports,
+)
 from tests.harness.room import running_room
 
 QUIET = {"QUAYUTEC_GATEWAY_DELIVERY_ENABLED": "false", "QUAYUTEC_GATEWAY_POST_RATE": "0"}
@@ -240,6 +248,47 @@ async def test_fifty_failed_sign_ins_from_one_browser_never_refuse_a_valid_sign_
             await signed_in(guesser, w.acme.secret)
         async with browser(base) as other:
             await signed_in(other, w.globex.secret)
+
+
+async def test_failed_sign_ins_count_at_the_gateway_against_the_browser_not_the_console(
+    database_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 34, finding 4: the console calls the Gateway's console port with its certificate and
+    passes on each browser's address. Its own throttle off, so every wrong key reaches the Gateway
+    (burst 5 there): 50 from browser 127.0.0.2, which the Gateway tells to back off, while 127.0.0.3,
+    through the same console, still gets its own answers (a wrong key is "not accepted", a valid one
+    signs in), and the Gateway's one log line names the guessing browser."""
+    caplog.set_level(logging.WARNING, "quayutec.gateway.auth")
+    async with running_room(database_url) as room_addr:
+        acme = await make_company(database_url, room_addr, f"Acme {uuid.uuid4().hex[:6]}")
+        async with (
+            running_gateway_ports(
+                database_url, room_addr, NOWHERE, **QUIET,
+                QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST="5", QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE="0.001",
+            ) as (public_addr, console_addr),
+            running_console(
+                public_addr, QUAYUTEC_CONSOLE_GATEWAY_CONSOLE_ADDR=console_addr,
+                QUAYUTEC_CONSOLE_SIGNIN_FAILURE_RATE="0", **mtls_env("console"),
+            ) as base,
+        ):  # fmt: skip
+
+            def browser_at(address: str) -> httpx.AsyncClient:
+                transport = httpx.AsyncHTTPTransport(local_address=address)
+                return httpx.AsyncClient(base_url=base, follow_redirects=False, timeout=FAILSAFE, transport=transport)
+
+            async with browser_at("127.0.0.2") as guesser, browser_at("127.0.0.3") as owner:
+                answers = [await sign_in(guesser, f"qyk_{uuid.uuid4()}_{'x' * 43}") for _ in range(50)]
+                assert [a.status_code for a in answers] == [401] * 5 + [429] * 45
+                assert "from your address" in answers[-1].text  # the Gateway's words, passed on
+                assert (await sign_in(owner, f"qyk_{uuid.uuid4()}_{'y' * 43}")).status_code == 401
+                await signed_in(owner, acme.secret)
+                await signed_in(guesser, acme.secret)  # a valid key is always checked
+                # Live updates (a server stream) go through the console port too.
+                async with events(owner, "/approvals/events") as (response, items):
+                    assert response.status_code == 200
+                    await until(items, "live")
+    lines = [r.getMessage() for r in caplog.records if "failed authentications at once" in r.getMessage()]
+    assert len(lines) == 1 and "source:127.0.0.2" in lines[0], lines
 
 
 async def test_posts_from_another_origin_are_refused(database_url: str) -> None:

@@ -15,9 +15,11 @@ import pytest
 from authlib.oauth2.rfc7636 import create_s256_code_challenge
 
 from quayutec.v1 import gateway_pb2, signin_pb2, signin_pb2_grpc
+from services.gateway.auth import CLIENT_ADDRESS_METADATA
 from tests.gateway.conftest import NOWHERE
 from tests.gateway.helpers import GatewayStub, create_room, expect_error
-from tests.harness.gateway import CompanyKey, authed_gateway, make_company, running_gateway
+from tests.harness.channels import service_channel
+from tests.harness.gateway import CompanyKey, authed_gateway, make_company, running_gateway, running_gateway_ports
 from tests.harness.oidc import RunningProvider, authorize, running_provider
 from tests.test_cli import client_env, quayutec, succeeding
 
@@ -351,3 +353,69 @@ async def from_address(source: str, target: str) -> AsyncIterator[str]:
         yield f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
     finally:
         server.close()
+
+
+async def test_the_console_passes_on_its_browsers_addresses_and_no_one_else_can(
+    database_url: str, room_addr: str, acme: CompanyKey
+) -> None:
+    """Issue 34, finding 4: on the Gateway's console port, a caller with the console's certificate
+    passes on each browser's address (x-quayutec-client-address), and failed sign-ins count against
+    that browser, not the console: one browser past the burst (2 here) leaves another's attempts
+    answered as its own, and a right code still signs in. The entry is ignored from a caller without
+    the console's certificate: on the public port, or on the console port with another identity's."""
+    async with (
+        running_gateway_ports(
+            database_url, room_addr, NOWHERE,
+            QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false", QUAYUTEC_GATEWAY_POST_RATE="0",
+            QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST="2", QUAYUTEC_GATEWAY_AUTH_FAILURE_RATE="0.001", **LOOPBACK,
+        ) as (public_addr, console_addr),
+        service_channel(console_addr, "console", options=[("grpc.ssl_target_name_override", "gateway")]) as console,
+        service_channel(console_addr, "admin", options=[("grpc.ssl_target_name_override", "gateway")]) as admin,
+        authed_gateway(public_addr, acme.secret) as acme_gw,
+        running_provider([REDIRECT]) as provider,
+    ):  # fmt: skip
+        await set_provider(acme_gw, provider)
+        via_console = signin_pb2_grpc.SignInServiceStub(console)
+
+        async def nowhere(stub: signin_pb2_grpc.SignInServiceStub, browser: str) -> grpc.StatusCode:
+            """A sign-in for a company with no provider: a failure counted against the source alone."""
+            try:
+                await stub.CompleteSignIn(
+                    signin_pb2.CompleteSignInRequest(
+                        company_id=str(uuid.uuid4()), code="c", code_verifier="v" * 43, redirect_uri=REDIRECT,
+                        nonce="n", ttl_seconds=600,
+                    ),
+                    metadata=((CLIENT_ADDRESS_METADATA, browser),),
+                    timeout=20,
+                )  # fmt: skip
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return grpc.StatusCode.OK
+
+        missing, too_many = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED
+        # Browser 127.0.0.2 through the console: past its burst, told to back off.
+        assert [await nowhere(via_console, "127.0.0.2") for _ in range(4)] == [missing, missing, too_many, too_many]
+        # Browser 127.0.0.3 through the same console: its failures are its own.
+        assert await nowhere(via_console, "127.0.0.3") == missing
+        # The right code still signs in, for the throttled browser too.
+        code, kept = await code_for(via_console, "Acme", "ana@acme.test")
+        done = await via_console.CompleteSignIn(
+            signin_pb2.CompleteSignInRequest(
+                company_id=kept["company"], code=code, code_verifier=kept["verifier"], redirect_uri=REDIRECT,
+                nonce=kept["nonce"], ttl_seconds=600,
+            ),
+            metadata=((CLIENT_ADDRESS_METADATA, "127.0.0.2"),),
+            timeout=20,
+        )  # fmt: skip
+        assert done.person.email == "ana@acme.test"
+
+        # Another identity on the console port (127.0.0.1): each attempt names another browser, yet
+        # all count against its own address.
+        as_admin = signin_pb2_grpc.SignInServiceStub(admin)
+        answers = [await nowhere(as_admin, f"127.0.0.{n}") for n in (10, 11, 12)]
+        assert answers == [missing, missing, too_many], answers
+        # A client with no certificate on the public port (from 127.0.0.4), the same.
+        async with from_address("127.0.0.4", public_addr) as relay, grpc.aio.insecure_channel(relay) as plain:
+            anyone = signin_pb2_grpc.SignInServiceStub(plain)
+            answers = [await nowhere(anyone, f"127.0.0.{n}") for n in (20, 21, 22)]
+            assert answers == [missing, missing, too_many], answers

@@ -65,6 +65,20 @@ async def running_gateway(
         await server.stop()
 
 
+@asynccontextmanager
+async def running_gateway_ports(
+    database_url: str, room_addr: str, runtime_addr: str, **env: str
+) -> AsyncIterator[tuple[str, str]]:
+    """A started Gateway with its console port on too: yields ("127.0.0.1:PUBLIC", "127.0.0.1:CONSOLE")."""
+    config = gateway_config(database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_CONSOLE_LISTEN="127.0.0.1:0", **env)
+    server = await create_server(config)
+    port = await server.start()
+    try:
+        yield f"127.0.0.1:{port}", f"127.0.0.1:{server.second_port}"
+    finally:
+        await server.stop()
+
+
 @dataclass(frozen=True)
 class CompanyKey:
     """A company made in the Room, with a live API key of it."""
