@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -94,8 +93,13 @@ class Tls:
 
 
 def new_idempotency_key() -> str:
-    """A fresh key for one logical write (sent unchanged on each of its retries)."""
-    return str(uuid.uuid4())
+    """A fresh key for one logical write (sent unchanged on each of its retries): a random UUID
+    (version 4) as text, made from os.urandom directly, a few µs cheaper than ``str(uuid.uuid4())``."""
+    raw = bytearray(os.urandom(16))
+    raw[6] = raw[6] & 0x0F | 0x40  # version 4
+    raw[8] = raw[8] & 0x3F | 0x80  # the RFC 4122 variant
+    h = raw.hex()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
 class _EnumType(Protocol):
