@@ -4,13 +4,18 @@ flow takes with and without the Python SDK.
 One run: Room, Claims, Runtime and Gateway as processes on an embedded (or DATABASE_URL) PostgreSQL,
 the stand-in as model provider. For each of three calls (PostMessage, the first page of
 ListMessages, WhoAmI), ``--calls`` sequential calls through the raw stub and through the SDK, in
-``--rounds`` alternating rounds, from this process (Python) and from one Node process (TypeScript, raw
-Connect client against @quayutec/client): mean wall time and the caller's own CPU per call, and their
-ratio. Both sides of a ratio are measured in the same run against the same Gateway. Then it runs the
+``--rounds`` rounds in which the two sides take turns every ten calls, from this process (Python) and
+from one Node process (TypeScript, raw Connect client against @quayutec/client): mean wall time and
+the caller's own CPU per call, and their ratio (and, for Python, the lowest and highest of the rounds'
+CPU ratios, to show how steady it is). The raw side of ListMessages reads the page's 50 messages, as
+the SDK side does. Both sides of a ratio are measured in the same run against the same Gateway. Then it runs the
 SDK quickstart (docs/examples/python_sdk/quickstart.py) and its raw-gRPC twin
 (bench/flows/quickstart_raw.py), checks that they print the same, and counts their lines of code.
 
-    python bench/clients.py [--calls 200] [--rounds 5]
+    python bench/clients.py [--calls 200] [--rounds 5] [--python-only]
+
+With PYTHONPATH naming another copy of the Python SDK (an older commit's clients/python/src), that
+copy is the one measured; the table names the one it measured.
 """
 
 from __future__ import annotations
@@ -79,21 +84,37 @@ def code_lines(path: Path) -> int:
     return len(lines)
 
 
+# Calls a side before measuring, and calls in a block: in each round the two sides take turns block by
+# block (raw, SDK, then SDK, raw, ...), so that the load of whatever else runs on the machine falls on
+# both alike (in rounds of a few hundred calls a side, it did not: one round's ratio could be 20% off
+# the next one's).
+WARM_UP = 20
+BLOCK = 10
+
+
 async def measure(ops: dict[str, tuple[Op, Op]], calls: int, rounds: int) -> dict[str, dict[str, list[float]]]:
-    """Per call: [wall ms, own CPU ms] of the raw side and the SDK side, summed over the rounds."""
+    """Per call: [wall ms, own CPU ms] of the raw side and the SDK side, summed over the rounds, and
+    each round's SDK/raw CPU ratio ("rounds")."""
     result = {}
     for name, (raw, sdk) in ops.items():
-        await raw()
-        await sdk()
-        total = {"raw": [0.0, 0.0], "sdk": [0.0, 0.0]}
+        for _ in range(WARM_UP):
+            await raw()
+            await sdk()
+        total = {"raw": [0.0, 0.0], "sdk": [0.0, 0.0], "rounds": []}
         for r in range(rounds):
-            for side in ("sdk", "raw") if r % 2 else ("raw", "sdk"):
-                op = raw if side == "raw" else sdk
-                cpu, wall = time.process_time(), time.perf_counter()
-                for _ in range(calls):
-                    await op()
-                total[side][0] += (time.perf_counter() - wall) * 1000
-                total[side][1] += (time.process_time() - cpu) * 1000
+            this = {"raw": [0.0, 0.0], "sdk": [0.0, 0.0]}
+            for b, start in enumerate(range(0, calls, BLOCK)):
+                n = min(BLOCK, calls - start)
+                for side in ("sdk", "raw") if (r + b) % 2 else ("raw", "sdk"):
+                    op = raw if side == "raw" else sdk
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    for _ in range(n):
+                        await op()
+                    this[side][0] += (time.perf_counter() - wall) * 1000
+                    this[side][1] += (time.process_time() - cpu) * 1000
+            for side in ("raw", "sdk"):
+                total[side] = [a + b for a, b in zip(total[side], this[side], strict=True)]
+            total["rounds"].append(this["sdk"][1] / this["raw"][1])
         result[name] = total
     return result
 
@@ -113,6 +134,13 @@ async def python_ops(addr: str, key: str, room_id: str, calls: int, rounds: int)
                 if seen == 50:
                     break
 
+        async def raw_first_page() -> None:
+            page = await stub.ListMessages(
+                gateway_pb2.ListMessagesRequest(room_id=room_id, page_size=50), metadata=metadata, timeout=15
+            )
+            for _ in page.messages:  # read as the SDK side reads them
+                pass
+
         ops: dict[str, tuple[Op, Op]] = {
             "PostMessage (a write)": (
                 lambda: stub.PostMessage(
@@ -124,12 +152,7 @@ async def python_ops(addr: str, key: str, room_id: str, calls: int, rounds: int)
                 ),
                 lambda: client.post_message(room_id, "bench", person="ana"),
             ),
-            "ListMessages, one page of 50": (
-                lambda: stub.ListMessages(
-                    gateway_pb2.ListMessagesRequest(room_id=room_id, page_size=50), metadata=metadata, timeout=15
-                ),
-                first_page,
-            ),
+            "ListMessages, one page of 50": (raw_first_page, first_page),
             "WhoAmI": (
                 lambda: stub.WhoAmI(gateway_pb2.WhoAmIRequest(), metadata=metadata, timeout=15),
                 client.who_am_i,
@@ -191,10 +214,12 @@ async def amain(opts: argparse.Namespace) -> None:
                     room_id = (await client.create_room("bench")).room_id
                     for i in range(60):  # a full first page for the list calls
                         await client.post_message(room_id, f"warm {i}", person="ana")
-                print("measuring Python…", file=sys.stderr)
+                print(f"measuring Python (the SDK at {Path(quayutec_client.__file__).parent})…", file=sys.stderr)
                 python = await python_ops(addr, key, room_id, opts.calls, opts.rounds)
-                print("measuring TypeScript…", file=sys.stderr)
-                typescript = await typescript_ops(addr, key, room_id, opts.calls, opts.rounds)
+                typescript: dict[str, dict[str, list[float]]] = {}
+                if not opts.python_only:
+                    print("measuring TypeScript…", file=sys.stderr)
+                    typescript = await typescript_ops(addr, key, room_id, opts.calls, opts.rounds)
                 flow_env = {
                     **os.environ,
                     "PYTHONPATH": str(ROOT),
@@ -212,12 +237,14 @@ async def amain(opts: argparse.Namespace) -> None:
     print(
         f"\nThe client SDKs over raw gRPC: {n} sequential calls a side, {opts.rounds} alternating rounds, "
         f"one Gateway and Room on this machine ({datetime.now(UTC):%Y-%m-%d})\n"
+        f"Python SDK measured: {Path(quayutec_client.__file__).parent}\n"
     )
     rows = []
     for language, result in (("Python", python), ("TypeScript", typescript)):
         for name, sides in result.items():
             raw_ms, raw_cpu = (v / n for v in sides["raw"])
             sdk_ms, sdk_cpu = (v / n for v in sides["sdk"])
+            spread = sides.get("rounds", [])
             rows.append(
                 [
                     language,
@@ -228,9 +255,13 @@ async def amain(opts: argparse.Namespace) -> None:
                     f"{raw_cpu * 1000:.0f}",
                     f"{sdk_cpu * 1000:.0f}",
                     f"{sdk_cpu / raw_cpu:.2f}",
+                    f"{min(spread):.2f}–{max(spread):.2f}" if spread else "",
                 ]
             )
-    print_table(["client", "call", "raw ms", "SDK ms", "SDK/raw", "raw CPU µs", "SDK CPU µs", "SDK/raw CPU"], rows)
+    print_table(
+        ["client", "call", "raw ms", "SDK ms", "SDK/raw", "raw CPU µs", "SDK CPU µs", "SDK/raw CPU", "by round"],
+        rows,
+    )
     (sdk_out, raw_out) = outputs.values()
     if sdk_out != raw_out:
         raise BenchError(f"the two quickstarts printed different things:\n{sdk_out}\n{raw_out}")
@@ -244,6 +275,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--calls", type=int, default=200, help="sequential calls per round and side (default 200)")
     parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (default 5)")
+    parser.add_argument("--python-only", action="store_true", help="skip the TypeScript half (no node needed)")
     return run_main(amain, parser.parse_args())
 
 

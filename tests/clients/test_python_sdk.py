@@ -447,6 +447,20 @@ async def test_the_callers_trace_context_reaches_the_gateway(
     assert not untraced.links, "no trace context is sent without OpenTelemetry"
 
 
+def test_idempotency_keys_and_request_ids_are_fresh_random_ids() -> None:
+    from quayutec_client._transport import new_request_id
+
+    keys = [quayutec_client.new_idempotency_key() for _ in range(2000)]
+    assert len(set(keys)) == len(keys)
+    for key in keys:
+        parsed = uuid.UUID(key)
+        assert str(parsed) == key and parsed.version == 4 and parsed.variant == uuid.RFC_4122
+    ids = [new_request_id() for _ in range(2000)]
+    assert len(set(ids)) == len(ids) and all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+    # Every hex digit of a key's random part takes every value (not a constant or a counter).
+    assert {key[0] for key in keys} == set("0123456789abcdef")
+
+
 def test_retry_waits_grow_with_jitter_and_honour_the_advised_wait() -> None:
     import random
 

@@ -66,35 +66,58 @@ def invalid(method: str, message: str) -> InvalidArgument:
     return InvalidArgument(grpc.StatusCode.INVALID_ARGUMENT, message, method=method, attempts=0)
 
 
-def _size(value: str) -> int:
-    return len(value.encode("utf-8"))
+def _over(value: str, limit: int) -> bool:
+    """Whether ``value`` is longer than ``limit`` bytes in UTF-8 (encoded only when its length in
+    characters cannot tell: a character is 1 to 4 bytes)."""
+    if len(value) * 4 <= limit:
+        return False
+    return len(value) > limit or len(value.encode("utf-8")) > limit
+
+
+# Per request type: whether it has a page size, an idempotency key, mentions (read from its
+# descriptor once, not on every call).
+_SHAPES: dict[Any, tuple[bool, bool, bool]] = {}
+
+
+def _shape(request: Message) -> tuple[bool, bool, bool]:
+    shape = _SHAPES.get(type(request))
+    if shape is None:
+        fields = request.DESCRIPTOR.fields_by_name
+        shape = _SHAPES[type(request)] = (
+            "page_size" in fields,
+            "idempotency_key" in fields,
+            "mention_agent_ids" in fields,
+        )
+    return shape
 
 
 def check_request(method: str, request: Message) -> None:
     """InvalidArgument (never sent) when ``request`` breaks a rule the Gateway would refuse it for."""
     for field, kind, limit in FIELDS.get(method, ()):
         value: str = getattr(request, field)
-        if kind == "id" and not value:
+        if kind == "id":
+            if not value:
+                raise invalid(method, f"{field} is required")
+            continue
+        if kind == "text" and (not value or value.isspace()):  # blank: what value.strip() leaves empty
             raise invalid(method, f"{field} is required")
-        if kind == "text" and not value.strip():
-            raise invalid(method, f"{field} is required")
-        if kind != "id" and _size(value) > limit:
+        if _over(value, limit):
             more = " (64 KiB)" if field == "body" and method == "PostMessage" else ""
             raise invalid(method, f"{field} must be at most {limit} bytes{more}")
-    fields = request.DESCRIPTOR.fields_by_name
-    if "page_size" in fields:
+    has_page_size, has_key, has_mentions = _shape(request)
+    if has_page_size:
         size: int = getattr(request, "page_size")  # noqa: B009 - not every request has it
         if size != 0 and not 1 <= size <= MAX_PAGE_SIZE:
             raise invalid(method, f"page_size must be between 1 and {MAX_PAGE_SIZE} (0 for the default 50), got {size}")
-    if "idempotency_key" in fields:
+    if has_key:
         key: str = getattr(request, "idempotency_key")  # noqa: B009
-        if _size(key) > MAX_IDEMPOTENCY_KEY_BYTES:
+        if _over(key, MAX_IDEMPOTENCY_KEY_BYTES):
             raise invalid(method, f"idempotency_key must be at most {MAX_IDEMPOTENCY_KEY_BYTES} bytes")
-    if "mention_agent_ids" in fields:
+    if has_mentions:
         mentions: Any = getattr(request, "mention_agent_ids")  # noqa: B009
         if len(mentions) > MAX_MENTIONS:
             raise invalid(method, f"mention_agent_ids may name at most {MAX_MENTIONS} agents")
-        if any(not agent_id for agent_id in mentions):
+        if not all(mentions):
             raise invalid(method, "mention_agent_ids is required")
 
 

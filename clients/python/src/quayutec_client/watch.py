@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import uuid
 from collections import deque
 from collections.abc import Mapping
 from types import TracebackType
@@ -17,7 +16,7 @@ from typing import Any, Self
 import grpc
 
 from quayutec_client._proto import common_pb2, gateway_pb2
-from quayutec_client._transport import Transport, identified
+from quayutec_client._transport import Transport, identified, new_request_id
 from quayutec_client.errors import QuayutecError, Unavailable, connection_failure
 from quayutec_client.retry import RetryPolicy
 
@@ -36,7 +35,7 @@ class _ResumingStream:
             raise ValueError("idle_timeout must be positive")
         self.reconnects = 0
         # Sent as x-request-id on every stream of this watch, and in its errors.
-        self.request_id = uuid.uuid4().hex
+        self.request_id = new_request_id()
         self._transport = transport
         self._policy = policy
         self._idle_timeout = idle_timeout
