@@ -231,7 +231,6 @@ class WakeDelivery:
                 await self._sleep(delay)
                 continue
             room_failures = 0
-            await self._metrics.refresh_wake_backlog(self._room, rpc_timeout_seconds=_ROOM_TIMEOUT_SECONDS)
             # One StartRuns call for the batch; each wake still has its own task (the cap counts wakes).
             batch = self._new_batch(len(wakes)) if wakes else None
             lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
@@ -239,6 +238,8 @@ class WakeDelivery:
                 task = asyncio.create_task(self._deliver(wake, lease_ends, batch))
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
+            # After the deliveries are under way: the backlog gauges' Room call is not on their path.
+            await self._metrics.refresh_wake_backlog(self._room, rpc_timeout_seconds=_ROOM_TIMEOUT_SECONDS)
             if len(wakes) < want:
                 await self._idle(self._config.poll_interval_seconds)
 
