@@ -55,6 +55,7 @@ from bench.common import (
     percentile,
     postgres_server,
     print_table,
+    queue_standin_replies,
     room_callers,
     run_main,
     running_stack,
@@ -375,6 +376,13 @@ async def amain(opts: argparse.Namespace) -> Figures:
                     return f"127.0.0.1:{port}"
 
                 proxied_url = proxied_database_url(url, proxies)
+                if opts.actions:  # every reply declares one action: the run records its decision before the reply
+                    remember = {
+                        "name": "remember",
+                        "arguments": {"text": "the launch moves to Friday", "private": False},
+                    }
+                    total = (len(delays) * (opts.warmup + opts.wakes) + 1) * 2
+                    queue_standin_replies(standin_url, "Noted.", [remember], model="bench-model", times=total)
                 async with running_stack(proxied_url, names, env, data_dir / "logs", dial=dial) as stack:
                     await wait_for_room(stack, ROOM_WAIT_SECONDS)
                     async with room_callers(stack) as room, stack.channel("gateway", GATEWAY) as channel:
@@ -441,6 +449,11 @@ def main() -> int:
         "--timeline",
         action="store_true",
         help="then one more wake, each chunk on the wire by time (stderr)",
+    )
+    parser.add_argument(
+        "--actions",
+        action="store_true",
+        help="every reply declares one action (remember): the run records ACTIONS_DECIDED before its reply",
     )
     parser.add_argument(
         "--watch-coalesce-ms",
