@@ -234,11 +234,19 @@ def _profiled() -> set[str]:
 
 @asynccontextmanager
 async def running_stack(
-    database_url: str, names: Sequence[str], extra_env: Mapping[str, str], log_dir: Path
+    database_url: str,
+    names: Sequence[str],
+    extra_env: Mapping[str, str],
+    log_dir: Path,
+    *,
+    dial: Callable[[str, int], str] | None = None,
 ) -> AsyncIterator[LocalStack]:
-    """The named services as child processes on ``database_url`` (already migrated)."""
+    """The named services as child processes on ``database_url`` (already migrated). ``dial(name,
+    port)``: the address the others (and this process) dial service ``name`` listening on ``port`` at,
+    e.g. a proxy's; by default the port itself."""
     ports = {s.name: free_port() for s in SERVICES}
-    stack = ProfiledStack(ports=ports, extra_env=dict(extra_env))
+    addrs = {name: dial(name, port) for name, port in ports.items()} if dial is not None else {}
+    stack = ProfiledStack(ports=ports, extra_env=dict(extra_env), addrs=addrs)
     stack.database_url = database_url
     stack.log_dir = log_dir
     specs = [s for s in SERVICES if s.name in names]

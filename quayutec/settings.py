@@ -516,6 +516,13 @@ _DECLARED: list[Setting] = [
         shown="100",
     ),
     _g(
+        "QUAYUTEC_GATEWAY_WATCH_COALESCE_MIN_STREAMS",
+        16,
+        "a room is read late (WATCH_COALESCE_MS) only while at least this many of the replica's streams follow"
+        " it: with fewer, what a batch saves (a send per stream) is small, and each event reaches them at once",
+        ["gateway"],
+    ),
+    _g(
         "QUAYUTEC_GATEWAY_WATCH_MAX_STREAMS",
         900,
         "WatchRoom and WatchRooms streams one replica serves at once (beyond: RESOURCE_EXHAUSTED); each also"

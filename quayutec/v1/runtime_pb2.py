@@ -25,27 +25,27 @@ _sym_db = _symbol_database.Default()
 from quayutec.v1 import common_pb2 as quayutec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19quayutec/v1/runtime.proto\x12\x0bquayutec.v1\x1a\x18quayutec/v1/common.proto\"\x87\x01\n\x0fStartRunRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07wake_id\x18\x02 \x01(\t\x12\x0f\n\x07room_id\x18\x03 \x01(\t\x12(\n\twake_kind\x18\x04 \x01(\x0e\x32\x15.quayutec.v1.WakeKind\x12\x16\n\x0ewake_source_id\x18\x05 \x01(\t\"O\n\x10StartRunResponse\x12+\n\x06result\x18\x01 \x01(\x0e\x32\x1b.quayutec.v1.StartRunResult\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"=\n\x10StartRunsRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.quayutec.v1.StartRunsItem\"g\n\rStartRunsItem\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.quayutec.v1.StartRunRequest\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x12\n\ntracestate\x18\x03 \x01(\t\"B\n\x11StartRunsResponse\x12-\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1c.quayutec.v1.StartRunsAnswer\"m\n\x0fStartRunsAnswer\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.quayutec.v1.StartRunResponse\x12\x12\n\nerror_code\x18\x02 \x01(\x05\x12\x15\n\rerror_message\x18\x03 \x01(\t*w\n\x0eStartRunResult\x12 \n\x1cSTART_RUN_RESULT_UNSPECIFIED\x10\x00\x12\x1d\n\x19START_RUN_RESULT_ACCEPTED\x10\x01\x12$\n START_RUN_RESULT_ALREADY_CLAIMED\x10\x02\x32\xa5\x01\n\x0eRuntimeService\x12G\n\x08StartRun\x12\x1c.quayutec.v1.StartRunRequest\x1a\x1d.quayutec.v1.StartRunResponse\x12J\n\tStartRuns\x12\x1d.quayutec.v1.StartRunsRequest\x1a\x1e.quayutec.v1.StartRunsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19quayutec/v1/runtime.proto\x12\x0bquayutec.v1\x1a\x18quayutec/v1/common.proto\"\x87\x01\n\x0fStartRunRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0f\n\x07wake_id\x18\x02 \x01(\t\x12\x0f\n\x07room_id\x18\x03 \x01(\t\x12(\n\twake_kind\x18\x04 \x01(\x0e\x32\x15.quayutec.v1.WakeKind\x12\x16\n\x0ewake_source_id\x18\x05 \x01(\t\"a\n\x10StartRunResponse\x12+\n\x06result\x18\x01 \x01(\x0e\x32\x1b.quayutec.v1.StartRunResult\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x10\n\x08row_held\x18\x03 \x01(\x08\"=\n\x10StartRunsRequest\x12)\n\x05items\x18\x01 \x03(\x0b\x32\x1a.quayutec.v1.StartRunsItem\"g\n\rStartRunsItem\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.quayutec.v1.StartRunRequest\x12\x13\n\x0btraceparent\x18\x02 \x01(\t\x12\x12\n\ntracestate\x18\x03 \x01(\t\"B\n\x11StartRunsResponse\x12-\n\x07\x61nswers\x18\x01 \x03(\x0b\x32\x1c.quayutec.v1.StartRunsAnswer\"m\n\x0fStartRunsAnswer\x12/\n\x08response\x18\x01 \x01(\x0b\x32\x1d.quayutec.v1.StartRunResponse\x12\x12\n\nerror_code\x18\x02 \x01(\x05\x12\x15\n\rerror_message\x18\x03 \x01(\t*w\n\x0eStartRunResult\x12 \n\x1cSTART_RUN_RESULT_UNSPECIFIED\x10\x00\x12\x1d\n\x19START_RUN_RESULT_ACCEPTED\x10\x01\x12$\n START_RUN_RESULT_ALREADY_CLAIMED\x10\x02\x32\xa5\x01\n\x0eRuntimeService\x12G\n\x08StartRun\x12\x1c.quayutec.v1.StartRunRequest\x1a\x1d.quayutec.v1.StartRunResponse\x12J\n\tStartRuns\x12\x1d.quayutec.v1.StartRunsRequest\x1a\x1e.quayutec.v1.StartRunsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'quayutec.v1.runtime_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STARTRUNRESULT']._serialized_start=634
-  _globals['_STARTRUNRESULT']._serialized_end=753
+  _globals['_STARTRUNRESULT']._serialized_start=652
+  _globals['_STARTRUNRESULT']._serialized_end=771
   _globals['_STARTRUNREQUEST']._serialized_start=69
   _globals['_STARTRUNREQUEST']._serialized_end=204
   _globals['_STARTRUNRESPONSE']._serialized_start=206
-  _globals['_STARTRUNRESPONSE']._serialized_end=285
-  _globals['_STARTRUNSREQUEST']._serialized_start=287
-  _globals['_STARTRUNSREQUEST']._serialized_end=348
-  _globals['_STARTRUNSITEM']._serialized_start=350
-  _globals['_STARTRUNSITEM']._serialized_end=453
-  _globals['_STARTRUNSRESPONSE']._serialized_start=455
-  _globals['_STARTRUNSRESPONSE']._serialized_end=521
-  _globals['_STARTRUNSANSWER']._serialized_start=523
-  _globals['_STARTRUNSANSWER']._serialized_end=632
-  _globals['_RUNTIMESERVICE']._serialized_start=756
-  _globals['_RUNTIMESERVICE']._serialized_end=921
+  _globals['_STARTRUNRESPONSE']._serialized_end=303
+  _globals['_STARTRUNSREQUEST']._serialized_start=305
+  _globals['_STARTRUNSREQUEST']._serialized_end=366
+  _globals['_STARTRUNSITEM']._serialized_start=368
+  _globals['_STARTRUNSITEM']._serialized_end=471
+  _globals['_STARTRUNSRESPONSE']._serialized_start=473
+  _globals['_STARTRUNSRESPONSE']._serialized_end=539
+  _globals['_STARTRUNSANSWER']._serialized_start=541
+  _globals['_STARTRUNSANSWER']._serialized_end=650
+  _globals['_RUNTIMESERVICE']._serialized_start=774
+  _globals['_RUNTIMESERVICE']._serialized_end=939
 # @@protoc_insertion_point(module_scope)

@@ -83,18 +83,25 @@ class StartRunResponse(_message.Message):
 
     RESULT_FIELD_NUMBER: _builtins.int
     RUN_ID_FIELD_NUMBER: _builtins.int
+    ROW_HELD_FIELD_NUMBER: _builtins.int
     result: Global___StartRunResult.ValueType
     run_id: _builtins.str
     """The run's id (the ledger row), also for ALREADY_CLAIMED."""
+    row_held: _builtins.bool
+    """ALREADY_CLAIMED only: the Room refused this delivery's first ledger write because another
+    delivery's run holds the row (the fence), so the wake's run has read the room and the wake is
+    delivered. False from a Runtime without the fence: the caller then reads the row itself.
+    """
     def __init__(
         self,
         *,
         result: Global___StartRunResult.ValueType = ...,
         run_id: _builtins.str = ...,
+        row_held: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["result", b"result", "row_held", b"row_held", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -95,6 +95,8 @@ class WatchConfig:
     # A busy room's new events are read this long after their notification (what is posted meanwhile
     # goes out in the same response); a quiet room's at once.
     coalesce_ms: float = 100.0
+    # ... only while at least this many streams follow the room: with fewer, a batch saves little.
+    coalesce_min_streams: int = 16
     # Most WatchRoom and WatchRooms streams this replica serves at once (each also counts against the
     # server's concurrent RPC limit); beyond it they answer RESOURCE_EXHAUSTED.
     max_streams: int = 900
@@ -207,6 +209,7 @@ class GatewayConfig:
             check_seconds=env_float(env, setting(f"{p}WATCH_CHECK_SECONDS"), minimum=0.01),
             max_streams=env_int(env, setting(f"{p}WATCH_MAX_STREAMS"), minimum=1),
             coalesce_ms=env_float(env, setting(f"{p}WATCH_COALESCE_MS")),
+            coalesce_min_streams=env_int(env, setting(f"{p}WATCH_COALESCE_MIN_STREAMS"), minimum=1),
             max_rooms=env_int(env, setting(f"{p}WATCH_MAX_ROOMS"), minimum=1),
         )
         streams = StreamsConfig(

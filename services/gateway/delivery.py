@@ -2,8 +2,9 @@
 one StartRuns call per leased batch (each wake its own item, in its own trace).
 
 At least once in, at most once acted on: a wake is marked delivered only when Runtime answers that
-its run holds the wake's ledger row (ACCEPTED) or another delivery's run does (ALREADY_CLAIMED, and
-the Room shows the row); anything else (its item's error, the whole call failing, or an
+its run holds the wake's ledger row (ACCEPTED) or another delivery's run does (ALREADY_CLAIMED with
+``row_held``, its fence having refused the write; from a Runtime without the fence, ALREADY_CLAIMED
+once the Room shows the row); anything else (its item's error, the whole call failing, or an
 ALREADY_CLAIMED whose run has no row: logged and counted) settles it for a later retry with
 backoff, and the next delivery's run takes over a claim whose run never read the room. A replica
 that dies holding leases loses nothing: the leases expire and another replica delivers.
@@ -231,7 +232,6 @@ class WakeDelivery:
                 await self._sleep(delay)
                 continue
             room_failures = 0
-            await self._metrics.refresh_wake_backlog(self._room, rpc_timeout_seconds=_ROOM_TIMEOUT_SECONDS)
             # One StartRuns call for the batch; each wake still has its own task (the cap counts wakes).
             batch = self._new_batch(len(wakes)) if wakes else None
             lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
@@ -239,6 +239,8 @@ class WakeDelivery:
                 task = asyncio.create_task(self._deliver(wake, lease_ends, batch))
                 self._in_flight.add(task)
                 task.add_done_callback(self._in_flight.discard)
+            # After the deliveries are under way: the backlog gauges' Room call is not on their path.
+            await self._metrics.refresh_wake_backlog(self._room, rpc_timeout_seconds=_ROOM_TIMEOUT_SECONDS)
             if len(wakes) < want:
                 await self._idle(self._config.poll_interval_seconds)
 
@@ -358,7 +360,8 @@ class WakeDelivery:
         response = started.response
         if response is not None:
             annotate(run_id=response.run_id)  # "deliver wake" names the run StartRun started
-            if response.result == runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED:
+            if response.result == runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED and not response.row_held:
+                # A Runtime without the fence: whether the claim's run holds the row is read from the Room.
                 error = await self._unrecorded_claim(wake, response.run_id)
             elif response.result not in _DELIVERED_RESULTS:
                 error = f"unexpected StartRun result {response.result}"

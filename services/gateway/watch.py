@@ -13,7 +13,10 @@ own, and whatever commits later reaches it by the feed or by its own next read.
 
 A busy room (read less than a second ago) is read ``QUAYUTEC_GATEWAY_WATCH_COALESCE_MS`` after its
 notification, so what is posted meanwhile goes to every stream in one response: with many watchers the
-cost is per send (a write to each stream's socket), not per event. A quiet room's event is read at once.
+cost is per send (a write to each stream's socket), not per event. A quiet room's event is read at once,
+and so is a room followed by fewer than ``QUAYUTEC_GATEWAY_WATCH_COALESCE_MIN_STREAMS`` streams: for a
+few watchers a batch saves little, and the delay would sit on every reply's path (a person posting and
+waiting for the agent's answer would wait the whole delay on it).
 
 Every stream has one bounded buffer. While it replays, reading waits for room in the buffer; once
 live, a caller that lets the buffer fill is cut with RESOURCE_EXHAUSTED (it resumes from its last
@@ -130,10 +133,16 @@ class _Feed:
     async def _read(self) -> None:
         while True:
             # A room read less than ACTIVE_SECONDS ago is read coalesce_ms after its notification: what
-            # is posted meanwhile goes to every stream in the same response. A quiet room's event is read at once.
+            # is posted meanwhile goes to every stream in the same response. A quiet room's event is read
+            # at once, and so is a room few streams follow (a batch would save them little, at that delay).
             now = time.monotonic()
-            coalesce = self._hub.config.coalesce_ms / 1000
-            if self.cursor is not None and now - self._last_read < max(ACTIVE_SECONDS, 10 * coalesce):
+            config = self._hub.config
+            coalesce = config.coalesce_ms / 1000
+            if (
+                self.cursor is not None
+                and len(self.follows) >= config.coalesce_min_streams
+                and now - self._last_read < max(ACTIVE_SECONDS, 10 * coalesce)
+            ):
                 await asyncio.sleep(coalesce)
             self._last_read = now
             self._again = False

@@ -41,7 +41,7 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
 
     async def StartRun(self, request: runtime_pb2.StartRunRequest, context: Any) -> runtime_pb2.StartRunResponse:
         result, run_id = await self._executor.start(Wake.from_request(request), time_left=context.time_remaining())
-        return runtime_pb2.StartRunResponse(result=result, run_id=run_id)
+        return _answer(result, run_id)
 
     async def StartRuns(self, request: runtime_pb2.StartRunsRequest, context: Any) -> runtime_pb2.StartRunsResponse:
         count = len(request.items)
@@ -79,4 +79,11 @@ class RuntimeServicer(runtime_pb2_grpc.RuntimeServiceServicer):
                 code, message = status_logged(exc, f"StartRuns item {item.request.wake_id}")
                 span.set_status(trace.Status(trace.StatusCode.ERROR, f"{code.name}: {message}"))
                 return runtime_pb2.StartRunsAnswer(error_code=code.value[0], error_message=message)
-            return runtime_pb2.StartRunsAnswer(response=runtime_pb2.StartRunResponse(result=result, run_id=run_id))
+            return runtime_pb2.StartRunsAnswer(response=_answer(result, run_id))
+
+
+def _answer(result: runtime_pb2.StartRunResult.ValueType, run_id: str) -> runtime_pb2.StartRunResponse:
+    """StartRun's answer. This Runtime answers ALREADY_CLAIMED only when the fence refused the run's first
+    ledger write (another delivery's run holds the row), so it says so: the Gateway need not read the row."""
+    already = result == runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED
+    return runtime_pb2.StartRunResponse(result=result, run_id=run_id, row_held=already)

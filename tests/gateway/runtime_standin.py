@@ -75,7 +75,8 @@ class StandinRuntime:
         self.calls: list[Call] = []
         # Steps per wake, one used per call, before the normal claim-and-answer:
         # "UNAVAILABLE" or "RESOURCE_EXHAUSTED" (answered without claiming), "HANG" (never answers,
-        # claims nothing), "CLAIM_THEN_HANG" (claims, then never answers: a Runtime stopped mid-call).
+        # claims nothing), "CLAIM_THEN_HANG" (claims, then never answers: a Runtime stopped mid-call),
+        # "ROW_HELD" (ALREADY_CLAIMED with row_held, as a fenced Runtime answers; claims and records nothing).
         self._scripts: defaultdict[str, list[str]] = defaultdict(list)
         self.changed = asyncio.Event()
 
@@ -99,6 +100,10 @@ class StandinRuntime:
         if step in ("UNAVAILABLE", "RESOURCE_EXHAUSTED"):
             self._record(request, step, context)
             await context.abort(getattr(grpc.StatusCode, step), f"stand-in runtime scripted {step}")
+        if step == "ROW_HELD":
+            self._record(request, step, context)
+            run_id = run_id_for(request.agent_id, request.wake_id)
+            return runtime_pb2.StartRunResponse(result=ALREADY_CLAIMED, run_id=run_id, row_held=True)
         token = uuid.uuid4().hex
         claim = await self._claims.ClaimOnce(
             claims_pb2.ClaimOnceRequest(agent_id=request.agent_id, wake_id=request.wake_id, claimant=token), timeout=10

@@ -127,6 +127,33 @@ async def test_an_already_claimed_wake_whose_run_has_no_row_is_counted_recorded_
     assert requests == 1
 
 
+async def test_an_already_claimed_answer_saying_the_row_is_held_is_delivered_without_reading_the_row(
+    claims_addr: str, room_addr: str, acme_gw: GatewayStub, room_stub: room_pb2_grpc.RoomServiceStub
+) -> None:
+    """A fenced Runtime's ALREADY_CLAIMED says the row is held (row_held): the Gateway settles the wake
+    delivered on that answer, once, without reading the run's row (here there is none to read: a
+    Gateway that read it would count an unrecorded claim and deliver the wake again)."""
+    await post_wakes(acme_gw, agents=1, messages=1)
+    leased = await room_stub.LeaseWakes(
+        room_pb2.RoomServiceLeaseWakesRequest(lease_owner="a dead replica", max_wakes=1, lease_seconds=1), timeout=10
+    )
+    (wake,) = leased.wakes
+    config = DeliveryConfig(poll_interval_seconds=0.02, backoff_base_seconds=0.05, backoff_ceiling_seconds=0.2)
+    async with (
+        running_standin_runtime(claims_addr, room_addr) as (runtime_addr, runtime),
+        service_channel(runtime_addr, "gateway") as channel,
+    ):
+        runtime.script(wake.wake_id, "ROW_HELD")
+        delivery = WakeDelivery(room_stub, runtime_pb2_grpc.RuntimeServiceStub(channel), config)
+        delivery.start()
+        try:
+            await eventually(lambda: _none_pending(room_stub))
+        finally:
+            await delivery.stop()
+    assert [c.answer for c in runtime.calls if c.request.wake_id == wake.wake_id] == ["ROW_HELD"]
+    assert (delivery.delivered, delivery.unrecorded_claims) == (1, 0)
+
+
 async def test_settlements_refused_while_the_room_is_down_land_when_it_is_back(database_url: str) -> None:
     """The Room is down for longer than a settlement used to be tried (5 s), well inside the lease:
     each settlement lands when the Room is back, by the delivery that made it (no lease expired)."""

@@ -400,9 +400,14 @@ async def test_list_rpcs_hand_out_a_resume_token_on_the_last_page_too(
 async def test_events_posted_while_a_busy_room_is_read_reach_a_watcher_in_one_response(
     database_url: str, room_addr: str, acme: CompanyKey
 ) -> None:
-    """With QUAYUTEC_GATEWAY_WATCH_COALESCE_MS, a room read moments ago is read again only after that
-    long: messages posted meanwhile go to each watcher together, in one response (one send, not one each)."""
-    slow = {**QUIET, "QUAYUTEC_GATEWAY_WATCH_COALESCE_MS": "3000"}  # the room stays busy for 30 s after a read
+    """With QUAYUTEC_GATEWAY_WATCH_COALESCE_MS, a room read moments ago (and followed by at least
+    WATCH_COALESCE_MIN_STREAMS streams: here one) is read again only after that long: messages posted
+    meanwhile go to each watcher together, in one response (one send, not one each)."""
+    slow = {
+        **QUIET,
+        "QUAYUTEC_GATEWAY_WATCH_COALESCE_MS": "3000",  # the room stays busy for 30 s after a read
+        "QUAYUTEC_GATEWAY_WATCH_COALESCE_MIN_STREAMS": "1",
+    }
     async with (
         running_gateway(database_url, room_addr, NOWHERE, **slow) as addr,
         authed_gateway(addr, acme.secret) as gw,
@@ -421,4 +426,31 @@ async def test_events_posted_while_a_busy_room_is_read_reach_a_watcher_in_one_re
             if bodies:
                 assert bodies == ["second", "third"], bodies
                 break
+        call.cancel()
+
+
+async def test_a_busy_room_few_streams_follow_is_read_at_once(
+    database_url: str, room_addr: str, acme: CompanyKey
+) -> None:
+    """A room followed by fewer streams than QUAYUTEC_GATEWAY_WATCH_COALESCE_MIN_STREAMS (16 by default)
+    is read at each notification even while busy: with a ten-minute COALESCE_MS, the next message
+    still reaches the one watcher (a reply would otherwise wait that long on its path)."""
+    busy_for_long = {**QUIET, "QUAYUTEC_GATEWAY_WATCH_COALESCE_MS": "600000"}
+    async with (
+        running_gateway(database_url, room_addr, NOWHERE, **busy_for_long) as addr,
+        authed_gateway(addr, acme.secret) as gw,
+    ):
+        room = await create_room(gw)
+        call = gw.WatchRoom(gateway_pb2.WatchRoomRequest(room_id=room.room_id), metadata=auth(acme), timeout=120)
+        await caught_up(call)
+
+        async def body_arrives(body: str) -> None:
+            async for item in call:
+                if any(e.message.body == body for e in item.events):
+                    return
+
+        await post(gw, room.room_id, "first")
+        await asyncio.wait_for(body_arrives("first"), timeout=30)
+        await post(gw, room.room_id, "second")  # the room was read moments ago: busy
+        await asyncio.wait_for(body_arrives("second"), timeout=30)
         call.cancel()

@@ -74,6 +74,8 @@ async def test_a_wake_is_acted_on_once(stack: Stack) -> None:
     again = await asyncio.gather(*(stack.runtime.StartRun(start_request(wake)) for _ in range(16)))
     assert {r.result for r in again} == {runtime_pb2.START_RUN_RESULT_ALREADY_CLAIMED}
     assert {r.run_id for r in again} == {first.run_id}
+    # The fence refused them for the row the first run holds, and the answer says so.
+    assert not first.row_held and {r.row_held for r in again} == {True}
     replies = await stack.world.messages_by(stack.world.agent_a.agent_id)
     assert [m.message_id for m in replies] == [run.posted_message_id]
     assert len(stack.standin.requests(stack.world.model_a)) == 1

@@ -111,7 +111,8 @@ async def test_a_mixed_batch_is_answered_item_by_item_and_nothing_invalid_starts
     assert (second.error_code, second.response.result) == (OK, ACCEPTED)
     assert second.response.run_id == run_id_for(new.agent_id, new.wake_id)
     assert (third.error_code, "wake_source_id" in third.error_message) == (INVALID_ARGUMENT, True)
-    assert (fourth.error_code, fourth.response.result) == (OK, ALREADY_CLAIMED)
+    assert (fourth.error_code, fourth.response.result, fourth.response.row_held) == (OK, ALREADY_CLAIMED, True)
+    assert not second.response.row_held
     assert fourth.response.run_id == run_id_for(before.agent_id, before.wake_id)
     assert not await claimed(stack, decision)  # the invalid item claimed nothing
     for wake in (new, before):
