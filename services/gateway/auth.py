@@ -23,6 +23,7 @@ import hashlib
 import hmac
 import ipaddress
 import logging
+import re
 import secrets
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
@@ -32,6 +33,7 @@ from typing import Any
 
 import asyncpg
 import grpc
+from opentelemetry import trace
 
 from quayutec.crypto import MultiFernet
 from quayutec.errors import (
@@ -62,6 +64,11 @@ THROTTLE_SETTINGS = "QUAYUTEC_GATEWAY_AUTH_FAILURE_BURST / _RATE"
 UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.", "/quayutec.v1.SignInService/")
 # The metadata entry in which the console passes on the address of the browser it calls for.
 CLIENT_ADDRESS_METADATA = "x-quayutec-client-address"
+# The id a client names its call by (the SDKs send one on every attempt and put it in their errors):
+# put on the call's server span as quayutec.caller.request_id, so a quoted id finds the call's trace.
+REQUEST_ID_METADATA = "x-request-id"
+REQUEST_ID_ATTRIBUTE = "quayutec.caller.request_id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _HOW_TO_AUTH = "send metadata 'authorization: Bearer <api key>' with a key made by `quayutec` for your company"
 
 
@@ -369,6 +376,20 @@ def source_address(context: grpc.aio.ServicerContext) -> str:
     return peer
 
 
+def _mark_request_id(metadata: Sequence[tuple[str, Any]] | None) -> None:
+    """Put the caller's ``x-request-id`` on the current (server) span; an id longer than 64 characters or
+    with other characters than letters, digits and ``._:-`` is left out rather than recorded."""
+    span = trace.get_current_span()
+    if not span.is_recording():
+        return
+    for key, value in metadata or ():
+        if key == REQUEST_ID_METADATA:
+            text = value.decode("ascii", "replace") if isinstance(value, bytes) else str(value)
+            if _REQUEST_ID.fullmatch(text):
+                span.set_attribute(REQUEST_ID_ATTRIBUTE, text)
+            return
+
+
 def _authorization(metadata: Sequence[tuple[str, Any]] | None) -> str | None:
     for key, value in metadata or ():
         if key == "authorization":
@@ -421,11 +442,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     async def _authenticate(self, method: str, context: grpc.aio.ServicerContext) -> Caller:
         """The caller from its API key, or the call is aborted (UNAUTHENTICATED, RESOURCE_EXHAUSTED when
-        throttled, or what failed)."""
+        throttled, or what failed). The caller's request id, when it sent a well-formed one, goes on the
+        call's span first, refused calls included."""
+        metadata = context.invocation_metadata()
+        _mark_request_id(metadata)
         try:
-            return await self._authenticator.caller_for(
-                _authorization(context.invocation_metadata()), source_address(context)
-            )
+            return await self._authenticator.caller_for(_authorization(metadata), source_address(context))
         except Exception as exc:
             await _abort(context, exc, f"authenticating {method}")
             raise  # abort raises; this line is never reached

@@ -20,6 +20,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 import quayutec_client
 from quayutec.telemetry import SpanCapture
+from quayutec.v1 import gateway_pb2, gateway_pb2_grpc
 from quayutec_client import NO_RETRY, RetryPolicy, Tls, errors
 from quayutec_client._transport import RPCS, SAFETY, SERVICE
 from quayutec_client.client import Client, rpc_methods
@@ -445,6 +446,37 @@ async def test_the_callers_trace_context_reaches_the_gateway(
     assert traced.attributes is not None and traced.attributes["quayutec.caller.trace_id"] == trace_id
     assert f"{traced.context.trace_id:032x}" != trace_id
     assert not untraced.links, "no trace context is sent without OpenTelemetry"
+
+
+async def test_a_quoted_request_id_finds_the_call_on_the_gateway(
+    stack: SdkStack, acme: CompanyKey, connect: ClientFactory, captured: tuple[InMemorySpanExporter, SpanCapture]
+) -> None:
+    """The request id an error carries is on the Gateway's span of that call (quayutec.caller.request_id);
+    a malformed one is left out."""
+    exporter, capture = captured
+    missing = str(uuid.uuid4())
+    async with stack.extra_gateway() as addr:
+        client = connect(acme, addr=addr)
+        with pytest.raises(errors.NotFound) as refused:
+            await client.get_message(missing, missing)
+        async with grpc.aio.insecure_channel(addr) as channel:
+            gateway = gateway_pb2_grpc.GatewayServiceStub(channel)
+            for bad in ("has a space", "x" * 65):
+                await gateway.WhoAmI(
+                    gateway_pb2.WhoAmIRequest(),
+                    metadata=(("authorization", f"Bearer {acme.secret}"), ("x-request-id", bad)),
+                )
+        await asyncio.to_thread(capture.force_flush)
+    request_id = refused.value.request_id
+    assert len(request_id) == 32
+    served = {s.name.rsplit("/", 1)[-1]: s for s in exporter.get_finished_spans() if s.kind == trace.SpanKind.SERVER}
+    assert served["GetMessage"].attributes is not None
+    assert served["GetMessage"].attributes.get("quayutec.caller.request_id") == request_id
+    whoami = [
+        s for s in exporter.get_finished_spans() if s.name.endswith("/WhoAmI") and s.kind == trace.SpanKind.SERVER
+    ]
+    assert len(whoami) == 2
+    assert all("quayutec.caller.request_id" not in (s.attributes or {}) for s in whoami)
 
 
 def test_idempotency_keys_and_request_ids_are_fresh_random_ids() -> None:
