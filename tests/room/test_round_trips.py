@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import asyncpg
+import grpc
 import pytest
 from asyncpg.connection import LoggedQuery
 
@@ -35,6 +36,7 @@ class Statements:
     def __init__(self) -> None:
         self.names: list[str] = []
         self.result: Any = None
+        self.error: grpc.StatusCode | None = None
 
     def record(self, logged: LoggedQuery) -> None:
         query = logged.query.strip()
@@ -44,7 +46,11 @@ class Statements:
         """The statements sent while awaiting ``call`` (its result in ``result``)."""
         await asyncio.sleep(0)  # loggers are called soon after each statement: let earlier ones land
         self.names.clear()
-        self.result = await call
+        self.error = None
+        try:
+            self.result = await call
+        except grpc.aio.AioRpcError as error:  # a refusal: its code in ``error``
+            self.result, self.error = None, error.code()
         await asyncio.sleep(0)
         return list(self.names)
 
@@ -142,24 +148,49 @@ async def test_read_run_context_round_trips(room: Stub, world: World, statements
 
     await room.ReadRunContext(context_request(world, run=a_run(world, "run-warm"), **fields))
     first = room.ReadRunContext(context_request(world, run=a_run(world, "run-ctx"), **fields))
-    assert await statements.of(first) == [
-        "BEGIN",
-        "upsert_run_with_before",
-        "run_context",  # the room row is not locked while reading
-        "append_room_events",  # RUN_STARTED: the room row's lock, just before COMMIT
-        "COMMIT",
-    ]
+    # The fence, the room read and RUN_STARTED (the room row's lock, after the ledger row's): one statement.
+    assert await statements.of(first) == ["run_context_with_run"]
+    assert statements.result.passages
     again = room.ReadRunContext(context_request(world, run=a_run(world, "run-ctx"), **fields))
-    assert await statements.of(again) == ["BEGIN", "upsert_run_with_before", "run_context", "COMMIT"]
+    assert await statements.of(again) == ["run_context_with_run"]  # the same status: no event, one statement
+    taken = context_request(world, run=a_run(world, "run-ctx", attempt="another delivery"), **fields)
+    assert await statements.of(room.ReadRunContext(taken)) == ["run_context_with_run"]  # refused: no second read
+    assert statements.error == grpc.StatusCode.ALREADY_EXISTS
 
 
 async def test_record_run_round_trips(room: Stub, world: World, statements: Statements) -> None:
     await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=a_run(world, "run-warm")))
     started = room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=a_run(world, "run-1")))
-    assert await statements.of(started) == ["BEGIN", "upsert_run_with_before", "append_room_events", "COMMIT"]
+    assert await statements.of(started) == ["record_run"]  # the row and its RUN_STARTED event
     step = a_run(world, "run-1", step=common_pb2.RUN_STEP_WRITES_DONE)  # no status change: no event
-    assert await statements.of(room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=step))) == [
-        "BEGIN",
-        "upsert_run_with_before",
-        "COMMIT",
-    ]
+    assert await statements.of(room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=step))) == ["record_run"]
+    taken = a_run(world, "run-1", attempt="another delivery")  # the fence's answer from the same statement
+    assert await statements.of(room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=taken))) == ["record_run"]
+    assert statements.error == grpc.StatusCode.ALREADY_EXISTS
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.acme.company_id)
+    await room.ReadRoomEvents(events)  # statements prepared, the rows' types looked up once per connection
+    assert await statements.of(room.ReadRoomEvents(events)) == ["read_room_events"]
+    assert [e.event.kind for e in statements.result.entries][-1:] == [common_pb2.ROOM_EVENT_KIND_RUN_STARTED]
+
+
+async def test_read_events_round_trips(room: Stub, world: World, statements: Statements) -> None:
+    await post(room, world, "hello")
+    request = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.acme.company_id)
+    await room.ReadRoomEvents(request)  # statements prepared
+    # The room's cursors, the reader's membership and the events: one statement, one snapshot.
+    assert await statements.of(room.ReadRoomEvents(request)) == ["read_room_events"]
+    assert statements.result.entries[-1].event.message.body == "hello"
+    now = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, from_now=True)
+    assert await statements.of(room.ReadRoomEvents(now)) == ["read_room_events"]
+
+
+def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it() -> None:
+    # record_run and run_context_with_run each carry the fence (and the run's event) as CTEs: one text.
+    queries = Queries(QUERIES_PATH)
+
+    def fence(name: str) -> str:
+        text = queries[name]
+        return text[text.index("before AS (") : text.index("), appended AS (")]
+
+    assert fence("record_run") == fence("run_context_with_run")
+    assert "WHERE r.ended_at IS NULL" in fence("record_run")

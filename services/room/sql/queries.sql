@@ -705,13 +705,36 @@ SELECT count(*) FROM expired;
 SELECT last_event_seq, events_pruned_through FROM rooms WHERE room_id = $1;
 
 -- name: read_room_events
--- Events after a cursor; the detail only where $3 (a company, or NULL for all) may see it.
-SELECT seq, kind, created_at, audience_company_id,
-    CASE WHEN $3::uuid IS NULL OR audience_company_id IS NULL OR audience_company_id = $3 THEN detail END AS detail
-FROM room_events
-WHERE room_id = $1 AND seq > $2
-ORDER BY seq
-LIMIT $4;
+-- ReadRoomEvents in one statement (one snapshot): room $1's newest cursor (last_event_seq) and the newest
+-- one retention removed (events_pruned_through), whether company $3 (NULL: any) is a member, and, when it
+-- is and nothing after cursor $2 was removed, up to $4 events after $2, oldest first. No row when the room
+-- is unknown; one row with a NULL seq when no event is read. Where $3 may see an event (visible), what
+-- changed: its serialized RoomEvent (detail), or the row it carries rebuilt from its snapshot (message for
+-- a posted message, run for a ledger row); none of these where it may not.
+WITH room AS (
+    SELECT r.last_event_seq, r.events_pruned_through,
+        $3::uuid IS NULL OR EXISTS (SELECT 1 FROM room_members AS m WHERE m.room_id = $1 AND m.company_id = $3)
+            AS member
+    FROM rooms AS r
+    WHERE r.room_id = $1
+)
+SELECT room.last_event_seq, room.events_pruned_through, room.member, e.seq, e.kind, e.created_at,
+    e.audience_company_id, e.visible,
+    CASE WHEN e.visible THEN e.detail END AS detail,
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind = 'message_posted'
+        THEN jsonb_populate_record(NULL::messages, e.snapshot) END AS message,
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND starts_with(e.kind, 'run_')
+        THEN jsonb_populate_record(NULL::runs, e.snapshot) END AS run
+FROM room
+LEFT JOIN LATERAL (
+    SELECT ev.seq, ev.kind, ev.created_at, ev.audience_company_id, ev.detail, ev.snapshot,
+        $3::uuid IS NULL OR ev.audience_company_id IS NULL OR ev.audience_company_id = $3 AS visible
+    FROM room_events AS ev
+    WHERE room.member AND $2 >= room.events_pruned_through AND ev.room_id = $1 AND ev.seq > $2
+    ORDER BY ev.seq
+    LIMIT $4
+) AS e ON true
+ORDER BY e.seq;
 
 -- name: prune_room_events
 -- Removes up to $2 events older than $1 seconds, and records the newest removed cursor per room.
@@ -885,6 +908,237 @@ SELECT agent.*,
     (SELECT text FROM wake) AS wake_text,
     ARRAY(SELECT passage FROM all_terms UNION ALL SELECT passage FROM any_term) AS passages
 FROM agent;
+
+-- name: record_run
+-- A ledger row written through the fence with its room event, in one statement. The write is
+-- upsert_run_with_before's ($1..$19, the same fence; this text between admitted and next must stay the
+-- same as in run_context_with_run: tests/room/test_round_trips.py compares them), and when the row's
+-- status changed into one of $20 (statuses) the event of kind $21 (the kind of each) is appended for the
+-- row's company, carrying the row as written (snapshot). The event is appended by the last CTEs, which
+-- read the written row: the room row's lock (the event cursor) is taken after the ledger row's, and is
+-- held to commit. Returns the row written (run; NULL when the fence refused it), the row as it stood
+-- before in this statement's snapshot (stored), and the events appended.
+WITH admitted AS (
+    SELECT true AS ok
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + 1
+    FROM run_event WHERE rooms.room_id = run_event.room_id
+    RETURNING rooms.last_event_seq
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT e.room_id, next.last_event_seq, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    RETURNING seq
+)
+SELECT (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events;
+
+-- name: run_context_with_run
+-- ReadRunContext with the run's ledger row, in one statement: the row written through the fence with its
+-- event (as record_run: $1..$21; admitted when agent $22 exists and its company is a member of room $23),
+-- then run_context's view of the room ($22..$31 as run_context's $1..$10), returned only when the fence
+-- let the row be written: a run the fence refuses reads nothing of the room. Also returns the row written
+-- (run), the row before (stored), whether the agent was admitted, and whether it exists (agent_found).
+WITH admitted AS (
+    SELECT EXISTS (
+        SELECT 1 FROM agents AS a
+        JOIN room_members AS m ON m.company_id = a.company_id AND m.room_id = $23
+        WHERE a.agent_id = $22
+    ) AS ok
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + 1
+    FROM run_event WHERE rooms.room_id = run_event.room_id
+    RETURNING rooms.last_event_seq
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT e.room_id, next.last_event_seq, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    RETURNING seq
+), agent AS (
+    SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
+        a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
+        (SELECT c.name FROM companies c WHERE c.company_id = a.company_id) AS company_name,
+        EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $23 AND m.company_id = a.company_id) AS member,
+        d.remember AS default_remember, d.create_task AS default_create_task,
+        d.update_task AS default_update_task, d.close_task AS default_close_task,
+        d.cross_company_task AS default_cross_company_task,
+        o.remember AS own_remember, o.create_task AS own_create_task, o.update_task AS own_update_task,
+        o.close_task AS own_close_task, o.cross_company_task AS own_cross_company_task
+    FROM agents a
+    LEFT JOIN agent_rights d ON d.company_id = a.company_id AND d.agent_id IS NULL
+    LEFT JOIN agent_rights o ON o.company_id = a.company_id AND o.agent_id = a.agent_id
+    WHERE a.agent_id = $22
+), open_tasks AS (
+    SELECT t FROM tasks AS t
+    WHERE t.room_id = $23 AND t.to_agent_id = $22 AND t.status = 'open'
+    ORDER BY t.pos
+    LIMIT $29
+), wake AS (
+    SELECT body AS text FROM messages WHERE $25::text = 'message' AND room_id = $23 AND message_id = $26::uuid
+    UNION ALL
+    SELECT title || E'\n' || body FROM tasks WHERE $25::text = 'task' AND room_id = $23 AND task_id = $26::uuid
+    LIMIT 1
+), search AS (
+    -- The wake text cut to $31 bytes, whole characters only; none when it is blank.
+    SELECT CASE WHEN octet_length(w.text) <= $31 THEN w.text ELSE (
+        SELECT left(w.text, n) FROM generate_series(least(length(w.text), $31), 0, -1) AS n
+        WHERE octet_length(left(w.text, n)) <= $31
+        LIMIT 1
+    ) END AS query
+    FROM wake AS w
+    WHERE w.text ~ '[^[:space:]]'
+), all_terms AS (
+    SELECT ROW(p.passage_id, p.file_id, f.name, p.ordinal, p.text, ts_rank(p.tsv, q.query))::room_context_passage
+        AS passage
+    FROM search
+    CROSS JOIN websearch_to_tsquery('english', search.query) AS q (query)
+    JOIN passages p ON p.room_id = $23 AND p.tsv @@ q.query
+    JOIN files f ON f.file_id = p.file_id
+    ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
+    LIMIT $27
+), any_term AS (
+    SELECT ROW(p.passage_id, p.file_id, f.name, p.ordinal, p.text, ts_rank(p.tsv, q.query))::room_context_passage
+        AS passage
+    FROM search
+    CROSS JOIN LATERAL (
+        SELECT replace(plainto_tsquery('english', search.query)::text, ' & ', ' | ')::tsquery
+    ) AS q (query)
+    JOIN passages p ON p.room_id = $23 AND p.tsv @@ q.query
+    JOIN files f ON f.file_id = p.file_id
+    WHERE NOT EXISTS (SELECT 1 FROM all_terms)
+    ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
+    LIMIT $27
+), context AS (
+    SELECT agent.*,
+        ARRAY(
+            SELECT ROW(a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
+                a.provider_key_encrypted IS NOT NULL, a.created_at)::room_context_agent
+            FROM room_members m
+            JOIN agents a ON a.company_id = m.company_id
+            WHERE m.room_id = $23
+            ORDER BY m.pos, a.pos
+            LIMIT $28
+        ) AS room_agents,
+        ARRAY(
+            SELECT m FROM messages AS m
+            WHERE m.room_id = $23
+            ORDER BY m.seq DESC
+            LIMIT $24
+        ) AS messages,
+        ARRAY(SELECT t FROM open_tasks) AS open_tasks,
+        ARRAY(
+            SELECT u FROM open_tasks AS o
+            JOIN task_updates AS u ON u.task_id = (o.t).task_id
+            ORDER BY u.pos
+        ) AS task_updates,
+        ARRAY(
+            SELECT ROW(l.memory_id, l.room_id, l.author_kind, l.author_company_id, l.author_person, l.author_agent_id,
+                l.text, l.visibility, l.run_id, l.created_at, l.pos)::room_context_memory
+            FROM memory_lines AS l
+            WHERE l.room_id = $23 AND (l.visibility = 'room' OR l.author_company_id = agent.company_id)
+            ORDER BY l.pos DESC
+            LIMIT $30
+        ) AS memory,
+        (SELECT text FROM wake) AS wake_text,
+        ARRAY(SELECT passage FROM all_terms UNION ALL SELECT passage FROM any_term) AS passages
+    FROM agent
+    WHERE EXISTS (SELECT 1 FROM up)
+)
+SELECT context.*, (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored,
+    (SELECT ok FROM admitted) AS admitted, EXISTS (SELECT 1 FROM agents WHERE agent_id = $22) AS agent_found
+FROM (SELECT 1) AS one
+LEFT JOIN context ON true;
 
 -- name: append_room_events
 -- Appends the events $2 (kinds), $3 (serialized RoomEvents), $4 (audiences) to room $1 with its next

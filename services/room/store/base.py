@@ -65,6 +65,12 @@ _RUN_EVENTS = {
     **{status: common_pb2.ROOM_EVENT_KIND_RUN_ENDED for status in _RUN_ENDED},
 }
 
+# record_run's $20 and $21: those statuses, and the kind of each one's event as stored.
+_RUN_EVENT_ARGS = (
+    list(_RUN_EVENTS),
+    [convert.enum_to_text(common_pb2.RoomEventKind, k, "ROOM_EVENT_KIND_") for k in _RUN_EVENTS.values()],
+)
+
 Record = Any  # asyncpg.Record; asyncpg is untyped here
 # Called inside a posting transaction between its writes; tests use it to interrupt the transaction.
 TransactionHook = Callable[[asyncpg.Connection], Awaitable[None]]
@@ -176,7 +182,8 @@ class RunContext:
 
 @dataclass(frozen=True)
 class EventsPage:
-    """Events read after a cursor: (seq, kind, created_at, audience, detail or None when not visible)."""
+    """Events read after a cursor (read_room_events rows: seq, kind, created_at, audience_company_id,
+    visible, and where visible what changed: detail, message or run; see ``convert.room_event``)."""
 
     rows: list[Record]
     next_after: int
@@ -255,6 +262,23 @@ class StoreBase:
             self._run_event(events, row, row["status_before"])
             return row
         stored = await conn.fetchrow(self._q["get_run"], run.run_id)
+        if stored is not None and stored["attempt"] != run.attempt:
+            raise _held_by_another(run.run_id)
+        if stored is None or not _same_run(convert.run(stored), run):
+            raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
+        return stored
+
+    async def _fenced_run(self, conn: asyncpg.Connection | asyncpg.Pool, row: Record, run: common_pb2.Run) -> Record:
+        """The ledger row a fenced write (record_run, run_context_with_run) made of ``run``: the row written,
+        or, when the fence refused it, the stored row if the write would leave it unchanged; ALREADY_EXISTS
+        when another attempt's run holds the row, FAILED_PRECONDITION when it has ended. The refusal is
+        told from the row as the statement saw it before (stored); only when that cannot explain it (the
+        row was written after the statement's snapshot) is the row read again."""
+        if row["run"] is not None:
+            return row["run"]
+        stored = row["stored"]
+        if stored is None or (stored["attempt"] == run.attempt and stored["ended_at"] is None):
+            stored = await conn.fetchrow(self._q["get_run"], run.run_id)
         if stored is not None and stored["attempt"] != run.attempt:
             raise _held_by_another(run.run_id)
         if stored is None or not _same_run(convert.run(stored), run):
