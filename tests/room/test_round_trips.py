@@ -9,7 +9,8 @@ time anything.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
@@ -100,36 +101,81 @@ def reply_request(world: World, run: common_pb2.Run, body: str) -> room_pb2.Room
 async def test_post_message_round_trips(room: Stub, world: World, statements: Statements) -> None:
     await post(room, world, "warm up", [world.bolt_agent.agent_id], dedupe_key="warm-up")  # statements prepared
     mention = post(room, world, "@writer", [world.bolt_agent.agent_id], dedupe_key="k-1")
-    assert await statements.of(mention) == [
-        "BEGIN",
-        "post_check",  # room, author membership (FOR SHARE), mentions, dedupe: one statement
-        "insert_message_with_wakes",  # takes the room row's lock: only the events and COMMIT follow
-        "append_room_events",
-        "COMMIT",
-    ]
+    # The rules' facts (room, author's membership FOR SHARE, mentions, dedupe key), the message, its wakes and
+    # its event: one statement, the room row's lock taken by it last.
+    assert await statements.of(mention) == ["post_message"]
     again = post(room, world, "@writer", [world.bolt_agent.agent_id], dedupe_key="k-1")
-    assert await statements.of(again) == ["BEGIN", "post_check", "COMMIT"]
+    assert await statements.of(again) == ["post_message"]  # the repeat is answered from the same statement
+    assert statements.result.deduplicated
     plain = post(room, world, "no mentions, no dedupe key", author=person(world.bolt.company_id, "bo"))
-    assert len(await statements.of(plain)) == 5
+    assert await statements.of(plain) == ["post_message"]
 
 
 async def test_reply_with_its_ledger_row_round_trips(room: Stub, world: World, statements: Statements) -> None:
     run = a_run(world, "run-reply")
     await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
     await room.PostMessage(reply_request(world, run, "warm up"))
-    expected = [
-        "BEGIN",
-        "post_check",
-        "upsert_run_with_before",  # the ledger row, before the room row's lock
-        "insert_message_with_wakes",
-        "append_room_events",  # the message's event and the run's, when its status changed: one statement
-        "COMMIT",
-    ]
-    assert await statements.of(room.PostMessage(reply_request(world, run, "the answer"))) == expected
+    # The facts, the ledger row through the fence, the message, its wakes and both events: one statement.
+    assert await statements.of(room.PostMessage(reply_request(world, run, "the answer"))) == ["post_message"]
     run.status = common_pb2.RUN_STATUS_SUCCEEDED  # a status change: one more event, no more round trips
     run.step = common_pb2.RUN_STEP_ENDED
     run.ended_at.GetCurrentTime()
-    assert await statements.of(room.PostMessage(reply_request(world, run, "the last answer"))) == expected
+    last = reply_request(world, run, "the last answer")
+    assert await statements.of(room.PostMessage(last)) == ["post_message"]
+    # A retried reply answers the earlier message, and records the row with its id: one more statement.
+    assert await statements.of(room.PostMessage(last)) == ["post_message", "record_run"]
+    assert statements.result.deduplicated
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.acme.company_id)
+    got = (await room.ReadRoomEvents(events)).entries
+    assert [e.event.kind for e in got][-2:] == [
+        common_pb2.ROOM_EVENT_KIND_RUN_ENDED,
+        common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED,
+    ]
+    ended, posted = got[-2].event, got[-1].event
+    assert ended.run.posted_message_id == posted.message.message_id and posted.message.body == "the last answer"
+
+
+async def test_a_post_the_rules_refuse_writes_nothing(room: Stub, world: World, statements: Statements) -> None:
+    # The post's statement writes only under facts the rules allow; the rules decide, here, from the facts
+    # it returns. Each refusal: one statement, and nothing of it written (no message, event, wake or row).
+    await post(room, world, "first", dedupe_key="taken")
+    listing = room_pb2.RoomServiceListMessagesRequest(room_id=world.room_id)
+    every_event = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, limit=1000)
+
+    async def written() -> tuple[int, int, int]:
+        messages = (await room.ListMessages(listing)).messages
+        events = await room.ReadRoomEvents(every_event)
+        wakes = await room.CountPendingWakes(room_pb2.RoomServiceCountPendingWakesRequest())
+        return len(messages), events.last_cursor, wakes.pending
+
+    before = await written()
+    crow, acme = world.crow_agent, world.acme_agent
+    outsider_reply = reply_request(world, a_run(world, "run-outsider", agent=crow), "from outside")
+    outsider_reply.author.CopyFrom(agent_author(crow))
+    mentioning_outsider = reply_request(world, a_run(world, "run-mentions", agent=acme), "@crow")
+    mentioning_outsider.mention_agent_ids.append(crow.agent_id)
+    cases: list[tuple[grpc.StatusCode, Callable[[], Awaitable[Any]]]] = [
+        (
+            grpc.StatusCode.PERMISSION_DENIED,
+            lambda: post(room, world, "outsider", author=person(world.crow.company_id)),
+        ),
+        (grpc.StatusCode.NOT_FOUND, lambda: post(room, world, "@crow", [crow.agent_id])),
+        (grpc.StatusCode.NOT_FOUND, lambda: post(room, world, "@nobody", [str(uuid.uuid4())])),
+        (
+            grpc.StatusCode.ALREADY_EXISTS,
+            lambda: post(room, world, "x", author=person(world.bolt.company_id), dedupe_key="taken"),
+        ),
+        (grpc.StatusCode.PERMISSION_DENIED, lambda: room.PostMessage(outsider_reply)),
+        (grpc.StatusCode.NOT_FOUND, lambda: room.PostMessage(mentioning_outsider)),
+    ]
+    for code, call in cases:
+        assert await statements.of(call()) == ["post_message"]
+        assert statements.error == code
+    assert await written() == before
+    for run_id in ("run-outsider", "run-mentions"):
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=run_id))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
 async def test_read_run_context_round_trips(room: Stub, world: World, statements: Statements) -> None:
@@ -185,12 +231,13 @@ async def test_read_events_round_trips(room: Stub, world: World, statements: Sta
 
 
 def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it() -> None:
-    # record_run and run_context_with_run each carry the fence (and the run's event) as CTEs: one text.
+    # record_run, run_context_with_run and post_message each carry the fence (and the run's event) as CTEs:
+    # one text.
     queries = Queries(QUERIES_PATH)
 
     def fence(name: str) -> str:
         text = queries[name]
-        return text[text.index("before AS (") : text.index("), appended AS (")]
+        return text[text.index("before AS (") : text.index("), next AS (")]
 
-    assert fence("record_run") == fence("run_context_with_run")
+    assert fence("record_run") == fence("run_context_with_run") == fence("post_message")
     assert "WHERE r.ended_at IS NULL" in fence("record_run")

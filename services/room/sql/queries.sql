@@ -292,6 +292,137 @@ WITH next AS (
 )
 SELECT message.*, ARRAY(SELECT w FROM woken) AS wakes FROM message;
 
+-- name: post_message
+-- PostMessage in one statement: the rules' facts, and the post written only when they are those of a new
+-- post the rules allow (the store checks that claim against services/room/rules.py, and decides from the
+-- facts returned). The facts, as post_check reads them: whether room $22 exists; the author agent's company
+-- (agent $24, NULL for a person); whether the author's company ($23, or the agent's when NULL) is a member,
+-- its membership row locked FOR SHARE to commit (see lock_membership); the mentioned agents $25 that exist
+-- with their companies, and which of those are members (rows locked FOR SHARE too: a mentioned agent's
+-- company cannot leave before the post commits); and the earlier message with dedupe key $26 (a messages
+-- row, or NULL) with its wakes. Written only when the room exists, the author agent exists (of company
+-- $23 when given), its company is a member, every mentioned agent's company is a member and no message
+-- holds the dedupe key: then the ledger row $1..$19 when given, through the fence with its event (as
+-- record_run; the fence refusing it writes nothing else either), then the message $27 with the room's
+-- next seq, a wake for each agent in $32 (source id $33, traceparent $34) and the events (the run's, when
+-- its status changed, then MESSAGE_POSTED carrying the message). The room row's lock (seq and event
+-- cursor) is taken by the UPDATE of rooms, which reads the facts and the ledger row first: membership
+-- rows, then the ledger row, then the room row, held to commit, so seq order is commit order.
+WITH author_agent AS (
+    SELECT company_id FROM agents WHERE agent_id = $24::uuid
+), author_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id = COALESCE($23::uuid, (SELECT company_id FROM author_agent))
+    FOR SHARE
+), mentioned AS (
+    SELECT agent_id, company_id FROM agents WHERE agent_id = ANY ($25::uuid[])
+), mentioned_members AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id IN (SELECT company_id FROM mentioned)
+    FOR SHARE
+), earlier AS (
+    SELECT m FROM messages AS m WHERE m.room_id = $22 AND m.dedupe_key = $26
+), facts AS (
+    SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $22) AS room_found,
+        (SELECT company_id FROM author_agent) AS agent_company_id,
+        (SELECT count(*) FROM author_member) > 0 AS member,
+        ARRAY(SELECT agent_id FROM mentioned) AS mentioned_agent_ids,
+        ARRAY(SELECT company_id FROM mentioned) AS mentioned_company_ids,
+        ARRAY(SELECT company_id FROM mentioned_members) AS member_company_ids,
+        (SELECT m FROM earlier) AS earlier
+), allowed AS (
+    SELECT f.room_found AND f.member AND f.earlier IS NULL
+        AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id))
+        AND NOT EXISTS (
+            SELECT 1 FROM unnest($25::uuid[]) AS x (agent_id)
+            WHERE NOT EXISTS (
+                SELECT 1 FROM mentioned AS a JOIN mentioned_members AS mm ON mm.company_id = a.company_id
+                WHERE a.agent_id = x.agent_id
+            )
+        ) AS ok
+    FROM facts AS f
+), admitted AS (
+    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_seq = last_seq + 1, last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
+    WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    RETURNING last_seq, last_event_seq
+), message AS (
+    INSERT INTO messages AS m (message_id, room_id, seq, author_kind, author_company_id, author_person,
+        author_agent_id, body, mention_agent_ids, run_id, dedupe_key, author_verified_by)
+    SELECT $27, $22, next.last_seq, $28, COALESCE($23::uuid, (SELECT company_id FROM author_agent)), $29, $24,
+        $30, $25::uuid[], $31, $26, $35
+    FROM next
+    RETURNING m
+), woken AS (
+    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent)
+    SELECT a.agent_id, $22, 'message', $33, $34 FROM message, unnest($32::uuid[]) AS a (agent_id)
+    ON CONFLICT (agent_id, kind, source_id) DO NOTHING
+    RETURNING w
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT $22, next.last_event_seq - 1, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    UNION ALL
+    SELECT $22, next.last_event_seq, 'message_posted', to_jsonb(message.m) - 'dedupe_key', NULL FROM next, message
+    RETURNING seq
+)
+SELECT f.*,
+    ARRAY(
+        SELECT w FROM wake_outbox AS w
+        WHERE w.source_id = (SELECT (m).message_id::text FROM earlier) AND w.kind = 'message'
+        ORDER BY w.created_at, w.wake_id
+    ) AS earlier_wakes,
+    (SELECT m FROM message) AS message, ARRAY(SELECT w FROM woken) AS wakes,
+    (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events
+FROM facts AS f;
+
 -- name: list_messages_oldest_first
 SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
     mention_agent_ids, run_id, created_at, author_verified_by

@@ -71,6 +71,9 @@ _RUN_EVENT_ARGS = (
     [convert.enum_to_text(common_pb2.RoomEventKind, k, "ROOM_EVENT_KIND_") for k in _RUN_EVENTS.values()],
 )
 
+# The ledger row's parameters of a fenced write (record_run's $1..$19) when the write records none.
+_NO_RUN: tuple[None, ...] = (None,) * 19
+
 Record = Any  # asyncpg.Record; asyncpg is untyped here
 # Called inside a posting transaction between its writes; tests use it to interrupt the transaction.
 TransactionHook = Callable[[asyncpg.Connection], Awaitable[None]]
@@ -296,17 +299,9 @@ class StoreBase:
         self, conn: asyncpg.Connection, events: _Events, record: RunRecord | None, write_id: Any
     ) -> None:
         """Upserts ``record``'s row with the write's id filled in (in the write's transaction)."""
-        if record is None:
-            return
-        run = common_pb2.Run()
-        run.CopyFrom(record.run)
-        if record.action_index is None:
-            run.posted_message_id = str(write_id)
-        else:
-            action = _action_of(run, record.action_index)
-            action.outcome = common_pb2.ACTION_OUTCOME_DONE
-            action.result_id = str(write_id)
-        await self._upsert_run(conn, events, run)
+        run = _with_write_id(record, write_id)
+        if run is not None:
+            await self._upsert_run(conn, events, run)
 
     async def _waitpoint_rows(self, conn: asyncpg.Connection, row: Record) -> WaitpointRows:
         held = await conn.fetch(self._q["held_actions_of"], [row["token"]])
@@ -348,6 +343,22 @@ class StoreBase:
         facts = replace(facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member)
         enforce(act, facts, repeat=repeat)
         return author
+
+
+def _with_write_id(record: RunRecord | None, write_id: Any) -> common_pb2.Run | None:
+    """``record``'s ledger row with the write's id filled in: into posted_message_id (a reply) or into its
+    declared action (done, with the id as its result); None without a record."""
+    if record is None:
+        return None
+    run = common_pb2.Run()
+    run.CopyFrom(record.run)
+    if record.action_index is None:
+        run.posted_message_id = str(write_id)
+    else:
+        action = _action_of(run, record.action_index)
+        action.outcome = common_pb2.ACTION_OUTCOME_DONE
+        action.result_id = str(write_id)
+    return run
 
 
 def _identified(author: AuthorRef, agent_company: Any) -> AuthorRef:

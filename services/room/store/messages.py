@@ -14,6 +14,8 @@ from services.room import convert
 from services.room.rules import Act, Facts, enforce
 from services.room.store.base import (
     _MAX_KEY,
+    _NO_RUN,
+    _RUN_EVENT_ARGS,
     AuthorRef,
     Page,
     Posted,
@@ -25,6 +27,8 @@ from services.room.store.base import (
     _Events,
     _identified,
     _page,
+    _run_args,
+    _with_write_id,
 )
 
 
@@ -41,25 +45,23 @@ class MessagesAndTasks(StoreBase):
         run_id: str | None,
         dedupe_key: str | None,
         run: RunRecord | None = None,
-        between_writes: TransactionHook | None = None,
     ) -> Posted:
-        """Appends a message and, in the same transaction, a wake for each mentioned agent but the author
-        (and ``run``'s ledger row, with the message id as its posted_message_id).
+        """Appends a message with, in the same statement, a wake for each mentioned agent but the author, its
+        event, and ``run``'s ledger row (with the message id as its posted_message_id) through the fence.
 
-        Round trips: BEGIN, the checks (post_check), the ledger row when given, the message with its wakes
-        (which takes the room row's lock), its events, COMMIT. ``between_writes`` runs after the message
-        and its wakes, before their events."""
+        Round trips: 1 (post_message: the rules' facts, and the writes when the facts are those of a post
+        the rules allow); a repeat with a ledger row 2 (the row with the earlier message's id, record_run).
+        The rules are decided here, from the facts the statement returns; the statement writes only under
+        facts they allow (tests/room/test_round_trips.py tries each refusal and finds nothing written)."""
         self._require_run_of(run, room_id, author)
         try:
-            return await self._post_message(
-                room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, between_writes
-            )
+            return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run)
         except asyncpg.UniqueViolationError as exc:
             if dedupe_key is None or exc.constraint_name != "messages_room_dedupe_key":
                 raise
-        # A concurrent post with the same dedupe_key committed between our check and our insert (which
-        # waited for its room lock); this transaction rolled back whole, and the retry finds that message.
-        return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, None)
+        # A concurrent post with the same dedupe_key committed between our facts and our insert (which
+        # waited for its room lock); the statement wrote nothing, and the retry finds that message.
+        return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run)
 
     async def _post_message(
         self,
@@ -70,57 +72,52 @@ class MessagesAndTasks(StoreBase):
         run_id: str | None,
         dedupe_key: str | None,
         run: RunRecord | None,
-        between_writes: TransactionHook | None,
     ) -> Posted:
-        async with self._pool.acquire() as conn, conn.transaction():
-            check = await conn.fetchrow(
-                self._q["post_check"],
-                room_id,
-                author.company_id or None,
-                author.agent_id if author.kind == "agent" else None,
-                list(mention_agent_ids),
-                dedupe_key,
-            )
-            if not check["room_found"]:
-                raise NotFound(f"room {room_id} not found")
-            events = _Events()
-            author = _identified(author, check["agent_company_id"])
-            earlier = check["earlier"]
-            if earlier is not None:  # the author's right to write here first, then the answer
-                repeat = str(earlier["author_company_id"])
-                facts = Facts(author.company_id, room_id, member=check["member"], repeat_of_company_id=repeat)
-                enforce(Act.POST_MESSAGE, facts, repeat=True)
-                await self._record_write(conn, events, run, earlier["message_id"])
-                await self._append_events(conn, events)
-                return Posted(earlier, list(check["earlier_wakes"]), True)
-            companies = dict(zip(check["mentioned_agent_ids"], check["mentioned_company_ids"], strict=True))
-            in_room = {str(a) for a, c in companies.items() if c in check["member_company_ids"]}
-            missing = next((a for a in mention_agent_ids if a not in in_room), "")
-            facts = Facts(author.company_id, room_id, member=check["member"], mention_not_in_room=missing)
-            enforce(Act.POST_MESSAGE, facts)
-            message_id = uuid.uuid4()
-            # The ledger row before the message: no lock on the room row is held while it is written.
-            await self._record_write(conn, events, run, message_id)
-            woken = [a for a in mention_agent_ids if a != author.agent_id]
-            row = await conn.fetchrow(
-                self._q["insert_message_with_wakes"],
-                room_id,
-                message_id,
-                *author.columns(),
-                body,
-                list(mention_agent_ids),
-                run_id,
-                dedupe_key,
-                woken,
-                str(message_id),
-                current_traceparent(),
-                author.verified_by,
-            )
-            if between_writes is not None:
-                await between_writes(conn)
-            events.add(room_id, common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED, convert.message(row))
-            await self._append_events(conn, events)
-            return Posted(row, list(row["wakes"]), False)
+        message_id = uuid.uuid4()
+        ledger = _with_write_id(run, message_id)
+        woken = [a for a in mention_agent_ids if a != author.agent_id]
+        agent_id = author.agent_id if author.kind == "agent" else None
+        row = await self._pool.fetchrow(
+            self._q["post_message"],
+            *(_NO_RUN if ledger is None else _run_args(ledger)),
+            *_RUN_EVENT_ARGS,
+            room_id,
+            author.company_id or None,
+            agent_id,
+            list(mention_agent_ids),
+            dedupe_key,
+            message_id,
+            author.kind,
+            author.person,
+            body,
+            run_id,
+            woken,
+            str(message_id),
+            current_traceparent(),
+            author.verified_by,
+        )
+        if not row["room_found"]:
+            raise NotFound(f"room {room_id} not found")
+        author = _identified(author, row["agent_company_id"])
+        earlier = row["earlier"]
+        if earlier is not None:  # the author's right to write here first, then the answer
+            repeat = str(earlier["author_company_id"])
+            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
+            enforce(Act.POST_MESSAGE, facts, repeat=True)
+            repeated = _with_write_id(run, earlier["message_id"])
+            if repeated is not None:
+                written = await self._pool.fetchrow(self._q["record_run"], *_run_args(repeated), *_RUN_EVENT_ARGS)
+                await self._fenced_run(self._pool, written, repeated)
+            return Posted(earlier, list(row["earlier_wakes"]), True)
+        companies = dict(zip(row["mentioned_agent_ids"], row["mentioned_company_ids"], strict=True))
+        in_room = {str(a) for a, c in companies.items() if c in row["member_company_ids"]}
+        missing = next((a for a in mention_agent_ids if a not in in_room), "")
+        enforce(Act.POST_MESSAGE, Facts(author.company_id, room_id, member=row["member"], mention_not_in_room=missing))
+        if row["message"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
+            if ledger is not None:
+                await self._fenced_run(self._pool, row, ledger)
+            raise FailedPrecondition(f"message not posted in room {room_id}: its ledger row was refused")
+        return Posted(row["message"], list(row["wakes"]), False)
 
     async def list_messages(self, room_id: str, after: int | None, limit: int, *, newest_first: bool) -> Page:
         async with self._pool.acquire() as conn:
