@@ -75,7 +75,7 @@ _RUN_EVENT_ARGS = (
 _NO_RUN: tuple[None, ...] = (None,) * 19
 
 Record = Any  # asyncpg.Record; asyncpg is untyped here
-# Called inside a posting transaction between its writes; tests use it to interrupt the transaction.
+# Called inside a task's transaction between its writes; tests use it to interrupt the transaction.
 TransactionHook = Callable[[asyncpg.Connection], Awaitable[None]]
 
 
@@ -272,11 +272,11 @@ class StoreBase:
         return stored
 
     async def _fenced_run(self, conn: asyncpg.Connection | asyncpg.Pool, row: Record, run: common_pb2.Run) -> Record:
-        """The ledger row a fenced write (record_run, run_context_with_run) made of ``run``: the row written,
-        or, when the fence refused it, the stored row if the write would leave it unchanged; ALREADY_EXISTS
-        when another attempt's run holds the row, FAILED_PRECONDITION when it has ended. The refusal is
-        told from the row as the statement saw it before (stored); only when that cannot explain it (the
-        row was written after the statement's snapshot) is the row read again."""
+        """The ledger row a fenced write (record_run, run_context_with_run, post_message) made of ``run``: the
+        row written, or, when the fence refused it, the stored row if the write would leave it unchanged;
+        ALREADY_EXISTS when another attempt's run holds the row, FAILED_PRECONDITION when it has ended. The
+        refusal is told from the row as the statement saw it before (stored); only when that cannot explain
+        it (the row was written after the statement's snapshot) is the row read again."""
         if row["run"] is not None:
             return row["run"]
         stored = row["stored"]
