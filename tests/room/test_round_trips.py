@@ -178,6 +178,63 @@ async def test_a_post_the_rules_refuse_writes_nothing(room: Stub, world: World, 
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def remember_request(
+    world: World, run: common_pb2.Run, text: str, author: common_pb2.Author | None = None, **fields: Any
+) -> room_pb2.RoomServiceWriteMemoryRequest:
+    return room_pb2.RoomServiceWriteMemoryRequest(
+        room_id=world.room_id,
+        author=author or agent_author(world.acme_agent),
+        text=text,
+        visibility=common_pb2.MEMORY_VISIBILITY_COMPANY,
+        run_id=run.run_id,
+        dedupe_key=f"run:{run.run_id}:memory:{text}",
+        run=run,
+        run_action_index=0,
+        **fields,
+    )
+
+
+async def test_write_memory_with_its_ledger_row_round_trips(room: Stub, world: World, statements: Statements) -> None:
+    run = a_run(world, "run-memory")
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
+    await room.WriteMemory(remember_request(world, run, "warm up"))
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.acme.company_id)
+    start = (await room.ReadRoomEvents(events)).last_cursor
+    # The facts, the ledger row through the fence, the line and its event: one statement.
+    written = room.WriteMemory(remember_request(world, run, "dawn on the 4th"))
+    assert await statements.of(written) == ["write_memory"]
+    line = statements.result.line
+    assert await statements.of(room.WriteMemory(remember_request(world, run, "dawn on the 4th"))) == [
+        "write_memory",
+        "record_run",  # a repeat answers the earlier line, and records the row with its id
+    ]
+    assert statements.result.deduplicated and statements.result.line == line
+    events.after = start
+    got = (await room.ReadRoomEvents(events)).entries
+    assert [(e.event.memory, e.audience_company_id) for e in got] == [(line, world.acme.company_id)]
+    private = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.bolt.company_id)
+    private.after = start
+    assert not (await room.ReadRoomEvents(private)).entries  # a line private to Acme: Bolt sees no event of it
+
+    # Refused by a rule (Crow is not a member; another company's dedupe key): nothing of it written.
+    outsider = remember_request(world, a_run(world, "run-crow", agent=world.crow_agent), "x")
+    outsider.author.CopyFrom(agent_author(world.crow_agent))
+    outsider.run.room_id = world.room_id
+    taken = remember_request(world, a_run(world, "run-bolt", agent=world.bolt_agent), "dawn on the 4th")
+    taken.author.CopyFrom(agent_author(world.bolt_agent))
+    taken.dedupe_key = remember_request(world, run, "dawn on the 4th").dedupe_key
+    cases = [(grpc.StatusCode.PERMISSION_DENIED, outsider), (grpc.StatusCode.ALREADY_EXISTS, taken)]
+    for code, request in cases:
+        assert await statements.of(room.WriteMemory(request)) == ["write_memory"]
+        assert statements.error == code
+    every = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, after=start, limit=1000)
+    assert len((await room.ReadRoomEvents(every)).entries) == 1
+    for run_id in ("run-crow", "run-bolt"):
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=run_id))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
 async def test_read_run_context_round_trips(room: Stub, world: World, statements: Statements) -> None:
     await upload_guide(room, world)
     wake = await post(room, world, "When does the launch window open?", [world.acme_agent.agent_id])
@@ -231,13 +288,13 @@ async def test_read_events_round_trips(room: Stub, world: World, statements: Sta
 
 
 def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it() -> None:
-    # record_run, run_context_with_run and post_message each carry the fence (and the run's event) as CTEs:
-    # one text.
+    # record_run, run_context_with_run, post_message and write_memory each carry the fence (and the run's
+    # event) as CTEs: one text.
     queries = Queries(QUERIES_PATH)
 
     def fence(name: str) -> str:
         text = queries[name]
         return text[text.index("before AS (") : text.index("), next AS (")]
 
-    assert fence("record_run") == fence("run_context_with_run") == fence("post_message")
+    assert fence("record_run") == fence("run_context_with_run") == fence("post_message") == fence("write_memory")
     assert "WHERE r.ended_at IS NULL" in fence("record_run")
