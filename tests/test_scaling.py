@@ -80,8 +80,7 @@ HOT_PATH: dict[tuple[str, str], bool] = {
     ("room", "record_run"): False,
     ("room", "run_context_with_run"): False,
     ("room", "write_memory"): False,
-    ("room", "find_memory_by_dedupe"): True,
-    ("room", "insert_memory"): True,
+    ("room", "create_task"): False,
 }
 
 

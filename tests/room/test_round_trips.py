@@ -235,6 +235,50 @@ async def test_write_memory_with_its_ledger_row_round_trips(room: Stub, world: W
         assert missing.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+async def test_create_task_with_its_ledger_row_round_trips(room: Stub, world: World, statements: Statements) -> None:
+    run = a_run(world, "run-task")
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
+    me = agent_author(world.acme_agent)
+
+    def task(title: str, **fields: Any) -> Any:
+        request: dict[str, Any] = {"from": me, "to_agent_id": world.bolt_agent.agent_id, "title": title}
+        request.update(run_id=run.run_id, dedupe_key=f"run:{run.run_id}:task:{title}", run=run, run_action_index=1)
+        return room.CreateTask(room_pb2.RoomServiceCreateTaskRequest(room_id=world.room_id, **{**request, **fields}))
+
+    await task("warm up")
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.bolt.company_id)
+    start = (await room.ReadRoomEvents(events)).last_cursor
+    # The facts (the author's and the assignee's memberships FOR SHARE), the ledger row through the fence,
+    # the task, the assignee's wake and the event: one statement.
+    assert await statements.of(task("write the copy")) == ["create_task"]
+    created = statements.result
+    assert [w.agent_id for w in created.wakes] == [world.bolt_agent.agent_id]
+    assert await statements.of(task("write the copy")) == ["create_task", "record_run"]  # a repeat
+    assert statements.result.deduplicated and statements.result.task == created.task
+    assert list(statements.result.wakes) == list(created.wakes)
+    events.after = start
+    assert [e.event.task for e in (await room.ReadRoomEvents(events)).entries] == [created.task]
+
+    # Refused by a rule (Crow outside the room, an assignee outside it, another company's key): nothing written.
+    outsider = {"from": person(world.crow.company_id), "run_id": "", "dedupe_key": "", "run": None}
+    cases: list[tuple[grpc.StatusCode, Callable[[], Awaitable[Any]]]] = [
+        (grpc.StatusCode.PERMISSION_DENIED, lambda: task("x", **outsider)),
+        (grpc.StatusCode.NOT_FOUND, lambda: task("y", to_agent_id=world.crow_agent.agent_id)),
+        (grpc.StatusCode.NOT_FOUND, lambda: task("z", to_agent_id=str(uuid.uuid4()))),
+        (
+            grpc.StatusCode.ALREADY_EXISTS,
+            lambda: task("write the copy", **{"from": person(world.bolt.company_id), "run": None, "run_id": ""}),
+        ),
+    ]
+    for code, call in cases:
+        assert await statements.of(call()) == ["create_task"]
+        assert statements.error == code
+    every = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, after=start, limit=1000)
+    assert len((await room.ReadRoomEvents(every)).entries) == 1
+    tasks = await room.ListTasks(room_pb2.RoomServiceListTasksRequest(room_id=world.room_id))
+    assert sorted(t.title for t in tasks.tasks) == ["warm up", "write the copy"]
+
+
 async def test_read_run_context_round_trips(room: Stub, world: World, statements: Statements) -> None:
     await upload_guide(room, world)
     wake = await post(room, world, "When does the launch window open?", [world.acme_agent.agent_id])
@@ -288,13 +332,14 @@ async def test_read_events_round_trips(room: Stub, world: World, statements: Sta
 
 
 def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it() -> None:
-    # record_run, run_context_with_run, post_message and write_memory each carry the fence (and the run's
-    # event) as CTEs: one text.
+    # Each statement that writes a ledger row carries the fence (and the run's event) as CTEs: one text.
     queries = Queries(QUERIES_PATH)
 
     def fence(name: str) -> str:
         text = queries[name]
         return text[text.index("before AS (") : text.index("), next AS (")]
 
-    assert fence("record_run") == fence("run_context_with_run") == fence("post_message") == fence("write_memory")
-    assert "WHERE r.ended_at IS NULL" in fence("record_run")
+    fenced = ("record_run", "run_context_with_run", "post_message", "write_memory", "create_task")
+    texts = {fence(name) for name in fenced}
+    assert len(texts) == 1
+    assert "WHERE r.ended_at IS NULL" in texts.pop()

@@ -220,20 +220,6 @@ SELECT a.agent_id, a.company_id,
 FROM agents a
 WHERE a.agent_id = ANY ($1::uuid[]);
 
--- name: lock_assignee_in_room
--- Agent $1 with its company and whether that company is a member of room $2, its membership row locked
--- FOR SHARE (see lock_membership), as a mentioned agent's is: the assignee's company cannot leave before
--- the task commits, so no task follows its MEMBER_LEFT event.
-WITH assignee AS (
-    SELECT agent_id, company_id FROM agents WHERE agent_id = $1::uuid
-), membership AS (
-    SELECT company_id FROM room_members
-    WHERE room_id = $2 AND company_id = (SELECT company_id FROM assignee)
-    FOR SHARE
-)
-SELECT a.agent_id, a.company_id, (SELECT count(*) FROM membership) > 0 AS member
-FROM assignee a;
-
 -- name: agent_company
 SELECT company_id FROM agents WHERE agent_id = $1;
 
@@ -452,24 +438,124 @@ SELECT agent_id, $2, $3, $4, $5 FROM unnest($1::uuid[]) AS a (agent_id)
 ON CONFLICT (agent_id, kind, source_id) DO NOTHING
 RETURNING wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, traceparent;
 
--- name: wakes_of_source
-SELECT wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, traceparent
-FROM wake_outbox
-WHERE source_id = $1 AND kind = $2
-ORDER BY created_at, wake_id;
-
--- name: find_task_by_dedupe
-SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos, from_verified_by
-FROM tasks WHERE room_id = $1 AND dedupe_key = $2;
-
--- name: insert_task
-INSERT INTO tasks (room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    run_id, dedupe_key, from_verified_by)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-ON CONFLICT (room_id, dedupe_key) DO NOTHING
-RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos, from_verified_by;
+-- name: create_task
+-- CreateTask in one statement, as post_message: the rules' facts (whether room $22 exists; the author
+-- agent's company, agent $24, NULL for a person; whether the author's company, $23 or the agent's, is a
+-- member, its membership row locked FOR SHARE to commit; assignee $25 with its company, and whether that
+-- company is a member, its row locked FOR SHARE too, so no task follows its MEMBER_LEFT event; the earlier
+-- task with dedupe key $26, a tasks row or NULL, with its wakes), and the writes only when the room exists,
+-- the author agent exists (of company $23 when given), its company is a member, the assignee exists and its
+-- company is a member and no task holds the dedupe key: the ledger row $1..$19 when given, through the
+-- fence with its event (as record_run; the fence refusing it writes nothing else either), then task $27
+-- ($28 author kind, $29 person, $30 title, $31 body, $32 run id, $35 the issuer that verified the person),
+-- a wake for each agent in $33 (traceparent $34) and the events (the run's, when its status changed, then
+-- TASK_CREATED carrying the task). The room row's lock (the event cursor) is taken last, by the UPDATE of
+-- rooms, which reads the facts and the ledger row first.
+WITH author_agent AS (
+    SELECT company_id FROM agents WHERE agent_id = $24::uuid
+), author_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id = COALESCE($23::uuid, (SELECT company_id FROM author_agent))
+    FOR SHARE
+), assignee AS (
+    SELECT agent_id, company_id FROM agents WHERE agent_id = $25::uuid
+), assignee_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id = (SELECT company_id FROM assignee)
+    FOR SHARE
+), earlier AS (
+    SELECT t FROM tasks AS t WHERE t.room_id = $22 AND t.dedupe_key = $26
+), facts AS (
+    SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $22) AS room_found,
+        (SELECT company_id FROM author_agent) AS agent_company_id,
+        (SELECT count(*) FROM author_member) > 0 AS member,
+        (SELECT count(*) FROM assignee_member) > 0 AS assignee_in_room,
+        (SELECT t FROM earlier) AS earlier
+), allowed AS (
+    SELECT f.room_found AND f.member AND f.assignee_in_room AND f.earlier IS NULL
+        AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id)) AS ok
+    FROM facts AS f
+), admitted AS (
+    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
+    WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    RETURNING last_event_seq
+), task AS (
+    INSERT INTO tasks AS t (task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id,
+        title, body, run_id, dedupe_key, from_verified_by)
+    SELECT $27, $22, $28, COALESCE($23::uuid, (SELECT company_id FROM author_agent)), $29, $24, $25, $30, $31, $32,
+        $26, $35
+    FROM next
+    RETURNING t
+), woken AS (
+    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent)
+    SELECT a.agent_id, $22, 'task', (task.t).task_id::text, $34 FROM task, unnest($33::uuid[]) AS a (agent_id)
+    ON CONFLICT (agent_id, kind, source_id) DO NOTHING
+    RETURNING w
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT $22, next.last_event_seq - 1, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    UNION ALL
+    SELECT $22, next.last_event_seq, 'task_created', to_jsonb(task.t) - 'dedupe_key', NULL FROM next, task
+    RETURNING seq
+)
+SELECT f.*,
+    ARRAY(
+        SELECT w FROM wake_outbox AS w
+        WHERE w.source_id = (SELECT (t).task_id::text FROM earlier) AND w.kind = 'task'
+        ORDER BY w.created_at, w.wake_id
+    ) AS earlier_wakes,
+    (SELECT t FROM task) AS task, ARRAY(SELECT w FROM woken) AS wakes,
+    (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events
+FROM facts AS f;
 
 -- name: get_task
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
@@ -515,19 +601,6 @@ SELECT update_id, task_id, author_kind, author_company_id, author_person, author
 FROM task_updates
 WHERE task_id = ANY ($1::uuid[])
 ORDER BY pos;
-
--- name: find_memory_by_dedupe
-SELECT memory_id, room_id, author_kind, author_company_id, author_person, author_agent_id, text, visibility,
-    run_id, created_at, pos
-FROM memory_lines WHERE room_id = $1 AND dedupe_key = $2;
-
--- name: insert_memory
-INSERT INTO memory_lines (room_id, author_kind, author_company_id, author_person, author_agent_id, text,
-    visibility, run_id, dedupe_key)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (room_id, dedupe_key) DO NOTHING
-RETURNING memory_id, room_id, author_kind, author_company_id, author_person, author_agent_id, text, visibility,
-    run_id, created_at, pos;
 
 -- name: write_memory
 -- WriteMemory in one statement, as post_message: the rules' facts (whether room $22 exists; the author
@@ -945,7 +1018,8 @@ SELECT last_event_seq, events_pruned_through FROM rooms WHERE room_id = $1;
 -- is and nothing after cursor $2 was removed, up to $4 events after $2, oldest first. No row when the room
 -- is unknown; one row with a NULL seq when no event is read. Where $3 may see an event (visible), what
 -- changed: its serialized RoomEvent (detail), or the row it carries rebuilt from its snapshot (message for
--- a posted message, run for a ledger row, memory for a memory line); none of these where it may not.
+-- a posted message, run for a ledger row, memory for a memory line, task for a created task); none of
+-- these where it may not.
 WITH room AS (
     SELECT r.last_event_seq, r.events_pruned_through,
         $3::uuid IS NULL OR EXISTS (SELECT 1 FROM room_members AS m WHERE m.room_id = $1 AND m.company_id = $3)
@@ -961,7 +1035,9 @@ SELECT room.last_event_seq, room.events_pruned_through, room.member, e.seq, e.ki
     CASE WHEN e.visible AND e.snapshot IS NOT NULL AND starts_with(e.kind, 'run_')
         THEN jsonb_populate_record(NULL::runs, e.snapshot) END AS run,
     CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind = 'memory_written'
-        THEN jsonb_populate_record(NULL::room_context_memory, e.snapshot) END AS memory
+        THEN jsonb_populate_record(NULL::room_context_memory, e.snapshot) END AS memory,
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind = 'task_created'
+        THEN jsonb_populate_record(NULL::tasks, e.snapshot) END AS task
 FROM room
 LEFT JOIN LATERAL (
     SELECT ev.seq, ev.kind, ev.created_at, ev.audience_company_id, ev.detail, ev.snapshot,
@@ -1149,8 +1225,8 @@ FROM agent;
 -- name: record_run
 -- A ledger row written through the fence with its room event, in one statement. The write is
 -- upsert_run_with_before's ($1..$19, the same fence; this text between admitted and next must stay the
--- same as in run_context_with_run, post_message and write_memory: tests/room/test_round_trips.py
--- compares them), and when the row's status changed into one of $20 (statuses) the event of kind $21 (the
+-- same as in run_context_with_run, post_message, write_memory and create_task:
+-- tests/room/test_round_trips.py compares them), and when the row's status changed into one of $20 (statuses) the event of kind $21 (the
 -- kind of each) is appended for the row's company, carrying the row as written (snapshot). The event is appended by the last CTEs, which
 -- read the written row: the room row's lock (the event cursor) is taken after the ledger row's, and is
 -- held to commit. Returns the row written (run; NULL when the fence refused it), the row as it stood

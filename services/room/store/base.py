@@ -3,7 +3,7 @@ transaction appends, the ledger row a write records, and the rules' checks of an
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -75,8 +75,6 @@ _RUN_EVENT_ARGS = (
 _NO_RUN: tuple[None, ...] = (None,) * 19
 
 Record = Any  # asyncpg.Record; asyncpg is untyped here
-# Called inside a task's transaction between its writes; tests use it to interrupt the transaction.
-TransactionHook = Callable[[asyncpg.Connection], Awaitable[None]]
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import asyncpg
 
-from quayutec.errors import AlreadyExists, FailedPrecondition, NotFound
+from quayutec.errors import FailedPrecondition, NotFound
 from quayutec.telemetry import current_traceparent
 from quayutec.v1 import common_pb2
 from services.room import convert
@@ -23,7 +23,6 @@ from services.room.store.base import (
     RunRecord,
     StoreBase,
     TaskUpdated,
-    TransactionHook,
     _Events,
     _identified,
     _page,
@@ -147,63 +146,80 @@ class MessagesAndTasks(StoreBase):
         run_id: str | None,
         dedupe_key: str | None,
         run: RunRecord | None = None,
-        between_writes: TransactionHook | None = None,
     ) -> Posted:
-        """Records a task and, in the same transaction, the assignee's wake (none when it assigned itself)
-        and ``run``'s ledger row with the task id."""
-        self._require_run_of(run, room_id, author)
-        async with self._pool.acquire() as conn, conn.transaction():
-            await self._require_room(conn, room_id)
-            events = _Events()
-            if dedupe_key is not None:
-                earlier = await self._earlier_task(conn, room_id, dedupe_key)
-                if earlier is not None:  # the author's right to write here first, then the answer
-                    facts = Facts("", repeat_of_company_id=str(earlier.row["from_company_id"]))
-                    await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts, repeat=True)
-                    await self._record_write(conn, events, run, earlier.row["task_id"])
-                    await self._append_events(conn, events)
-                    return earlier
-            assignee = await conn.fetchrow(self._q["lock_assignee_in_room"], to_agent_id, room_id)
-            in_room = assignee is not None and bool(assignee["member"])
-            facts = Facts(author.company_id, assignee_id=to_agent_id, assignee_in_room=in_room)
-            author = await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts)
-            row = await conn.fetchrow(
-                self._q["insert_task"],
-                room_id,
-                *author.columns(),
-                to_agent_id,
-                title,
-                body,
-                run_id,
-                dedupe_key,
-                author.verified_by,
-            )
-            if row is None:  # a concurrent create with the same dedupe_key committed first
-                earlier = await self._earlier_task(conn, room_id, dedupe_key)
-                if earlier is None:  # pragma: no cover - the conflict row cannot vanish
-                    raise AlreadyExists(f"a task with dedupe_key {dedupe_key!r} already exists")
-                repeat = str(earlier.row["from_company_id"])
-                facts = Facts(author.company_id, room_id, member=True, repeat_of_company_id=repeat)
-                enforce(Act.CREATE_TASK, facts, repeat=True)
-                await self._record_write(conn, events, run, earlier.row["task_id"])
-                await self._append_events(conn, events)
-                return earlier
-            if between_writes is not None:
-                await between_writes(conn)
-            woken = [to_agent_id] if to_agent_id != author.agent_id else []
-            traceparent = current_traceparent()
-            wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]), traceparent)
-            await self._record_write(conn, events, run, row["task_id"])
-            events.add(room_id, common_pb2.ROOM_EVENT_KIND_TASK_CREATED, convert.task(row))
-            await self._append_events(conn, events)
-            return Posted(row, list(wakes), False)
+        """Records a task with, in the same statement, the assignee's wake (none when it assigned itself), its
+        event and ``run``'s ledger row with the task id.
 
-    async def _earlier_task(self, conn: asyncpg.Connection, room_id: str, dedupe_key: str | None) -> Posted | None:
-        row = await conn.fetchrow(self._q["find_task_by_dedupe"], room_id, dedupe_key)
-        if row is None:
-            return None
-        wakes = await conn.fetch(self._q["wakes_of_source"], str(row["task_id"]), "task")
-        return Posted(row, list(wakes), True)
+        Round trips: 1 (create_task, as post_message: the rules' facts, and the writes when they are those
+        of a task the rules allow); a repeat with a ledger row 2 (record_run)."""
+        self._require_run_of(run, room_id, author)
+        try:
+            return await self._create_task(room_id, author, to_agent_id, title, body, run_id, dedupe_key, run)
+        except asyncpg.UniqueViolationError as exc:
+            if dedupe_key is None or exc.constraint_name != "tasks_room_dedupe_key":
+                raise
+        # A concurrent create with the same dedupe_key committed first: this statement wrote nothing.
+        return await self._create_task(room_id, author, to_agent_id, title, body, run_id, dedupe_key, run)
+
+    async def _create_task(
+        self,
+        room_id: str,
+        author: AuthorRef,
+        to_agent_id: str,
+        title: str,
+        body: str,
+        run_id: str | None,
+        dedupe_key: str | None,
+        run: RunRecord | None,
+    ) -> Posted:
+        task_id = uuid.uuid4()
+        ledger = _with_write_id(run, task_id)
+        agent_id = author.agent_id if author.kind == "agent" else None
+        row = await self._pool.fetchrow(
+            self._q["create_task"],
+            *(_NO_RUN if ledger is None else _run_args(ledger)),
+            *_RUN_EVENT_ARGS,
+            room_id,
+            author.company_id or None,
+            agent_id,
+            to_agent_id,
+            dedupe_key,
+            task_id,
+            author.kind,
+            author.person,
+            title,
+            body,
+            run_id,
+            [to_agent_id] if to_agent_id != agent_id else [],
+            current_traceparent(),
+            author.verified_by,
+        )
+        if not row["room_found"]:
+            raise NotFound(f"room {room_id} not found")
+        author = _identified(author, row["agent_company_id"])
+        earlier = row["earlier"]
+        if earlier is not None:  # the author's right to write here first, then the answer
+            repeat = str(earlier["from_company_id"])
+            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
+            enforce(Act.CREATE_TASK, facts, repeat=True)
+            repeated = _with_write_id(run, earlier["task_id"])
+            if repeated is not None:
+                written = await self._pool.fetchrow(self._q["record_run"], *_run_args(repeated), *_RUN_EVENT_ARGS)
+                await self._fenced_run(self._pool, written, repeated)
+            return Posted(earlier, list(row["earlier_wakes"]), True)
+        facts = Facts(
+            author.company_id,
+            room_id,
+            member=row["member"],
+            assignee_id=to_agent_id,
+            assignee_in_room=row["assignee_in_room"],
+        )
+        enforce(Act.CREATE_TASK, facts)
+        if row["task"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
+            if ledger is not None:
+                await self._fenced_run(self._pool, row, ledger)
+            raise FailedPrecondition(f"task not created in room {room_id}: its ledger row was refused")
+        return Posted(row["task"], list(row["wakes"]), False)
 
     async def update_task(
         self,
