@@ -278,6 +278,37 @@ async def test_create_task_with_its_ledger_row_round_trips(room: Stub, world: Wo
     tasks = await room.ListTasks(room_pb2.RoomServiceListTasksRequest(room_id=world.room_id))
     assert sorted(t.title for t in tasks.tasks) == ["warm up", "write the copy"]
 
+    # An update (here closing the task) with its ledger row: still a transaction, of the facts (the task
+    # locked, the author's membership FOR SHARE), the update with the task's status, the row and the event.
+    bolt_run = a_run(world, "run-close", agent=world.bolt_agent)
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=bolt_run))
+
+    def close(note: str, task_id: str) -> Any:
+        request = room_pb2.RoomServiceUpdateTaskRequest(
+            task_id=task_id,
+            author=agent_author(world.bolt_agent),
+            note=note,
+            status=common_pb2.TASK_STATUS_DONE,
+            run_id=bolt_run.run_id,
+            dedupe_key=f"close:{task_id}",
+            run=bolt_run,
+            run_action_index=2,
+        )
+        return room.UpdateTask(request)
+
+    warm = next(t for t in tasks.tasks if t.title == "warm up")
+    await close("warm up", warm.task_id)
+    assert await statements.of(close("done", created.task.task_id)) == [
+        "BEGIN",
+        "update_task_facts",
+        "write_task_update",
+        "upsert_run_with_before",
+        "append_room_events",
+        "COMMIT",
+    ]
+    assert statements.result.task.status == common_pb2.TASK_STATUS_DONE
+    assert [u.note for u in statements.result.task.updates] == ["done"]
+
 
 async def test_read_run_context_round_trips(room: Stub, world: World, statements: Statements) -> None:
     await upload_guide(room, world)

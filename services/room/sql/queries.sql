@@ -562,18 +562,48 @@ SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id,
     status, run_id, created_at, updated_at, pos, from_verified_by
 FROM tasks WHERE task_id = $1;
 
--- name: lock_task
--- The task, locked, with its assignee's company (which the room's rule on updating a task looks at).
-SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos, from_verified_by,
-    (SELECT a.company_id FROM agents a WHERE a.agent_id = tasks.to_agent_id) AS assignee_company_id
-FROM tasks WHERE task_id = $1
-FOR NO KEY UPDATE OF tasks;
+-- name: update_task_facts
+-- UpdateTask's facts in one statement: task $1 locked (FOR NO KEY UPDATE: updates of one task are
+-- serialized) with its assignee's company (which the room's rule on updating a task looks at); the author
+-- agent's company (agent $4, NULL for a person); whether the author's company ($3, or the agent's) is a
+-- member of the task's room, its membership row locked FOR SHARE to commit (see lock_membership; task row,
+-- then membership row, then the room row last); and the earlier update with dedupe key $2 (a task_updates
+-- row, or NULL). No row when the task is unknown.
+WITH task AS (
+    SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+        status, run_id, created_at, updated_at, pos, from_verified_by,
+        (SELECT a.company_id FROM agents a WHERE a.agent_id = tasks.to_agent_id) AS assignee_company_id
+    FROM tasks WHERE task_id = $1
+    FOR NO KEY UPDATE OF tasks
+), author_agent AS (
+    SELECT company_id FROM agents WHERE agent_id = $4::uuid
+), author_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = (SELECT room_id FROM task) AND company_id = COALESCE($3::uuid, (SELECT company_id FROM author_agent))
+    FOR SHARE
+)
+SELECT task.*, (SELECT company_id FROM author_agent) AS agent_company_id,
+    (SELECT count(*) FROM author_member) > 0 AS member,
+    (SELECT u FROM task_updates AS u WHERE u.task_id = $1 AND u.dedupe_key = $2) AS earlier
+FROM task;
 
--- name: set_task_status
-UPDATE tasks SET status = $2, updated_at = now() WHERE task_id = $1
-RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos, from_verified_by;
+-- name: write_task_update
+-- The update of task $1 ($2..$5 its author, $6 note, $7 the task's status after it, $8 run id, $9 dedupe key)
+-- and the task's new status, in one statement; returns the task as it now stands, the update (a
+-- task_updates row) and all the task's updates, oldest first (the new one last).
+WITH added AS (
+    INSERT INTO task_updates AS u (task_id, author_kind, author_company_id, author_person, author_agent_id, note,
+        status, run_id, dedupe_key)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+    RETURNING u
+), task AS (
+    UPDATE tasks SET status = $7, updated_at = now() WHERE task_id = $1
+    RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+        status, run_id, created_at, updated_at, pos, from_verified_by
+)
+SELECT task.*, (SELECT u FROM added) AS added,
+    ARRAY(SELECT u FROM task_updates AS u WHERE u.task_id = $1 ORDER BY u.pos) || ARRAY(SELECT u FROM added) AS updates
+FROM task;
 
 -- name: list_tasks
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
@@ -582,18 +612,6 @@ FROM tasks
 WHERE room_id = $1 AND ($2::uuid IS NULL OR to_agent_id = $2) AND ($3::text IS NULL OR status = $3) AND pos > $4
 ORDER BY pos
 LIMIT $5;
-
--- name: find_task_update_by_dedupe
-SELECT update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,
-    created_at
-FROM task_updates WHERE task_id = $1 AND dedupe_key = $2;
-
--- name: insert_task_update
-INSERT INTO task_updates (task_id, author_kind, author_company_id, author_person, author_agent_id, note, status,
-    run_id, dedupe_key)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-RETURNING update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,
-    created_at;
 
 -- name: updates_of_tasks
 SELECT update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,

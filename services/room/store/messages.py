@@ -234,46 +234,56 @@ class MessagesAndTasks(StoreBase):
         run: RunRecord | None = None,
     ) -> TaskUpdated:
         """Adds a note and optionally closes the task; a closed task stays closed. ``run``'s ledger row
-        is recorded in the same transaction with the update id."""
+        is recorded in the same transaction with the update id.
+
+        Round trips: BEGIN, the facts (update_task_facts: the task locked, the author's membership FOR
+        SHARE, the earlier update), the update with the task's status (write_task_update), the ledger row
+        when given, the event (the room row's lock, last), COMMIT."""
+        agent_id = author.agent_id if author.kind == "agent" else None
         async with self._pool.acquire() as conn, conn.transaction():
-            task = await conn.fetchrow(self._q["lock_task"], task_id)
+            task = await conn.fetchrow(
+                self._q["update_task_facts"], task_id, dedupe_key, author.company_id or None, agent_id
+            )
             if task is None or (room_id is not None and str(task["room_id"]) != room_id):
                 raise NotFound(f"task {task_id} not found")
-            self._require_run_of(run, str(task["room_id"]), author)
+            task_room = str(task["room_id"])
+            self._require_run_of(run, task_room, author)
+            author = _identified(author, task["agent_company_id"])
             events = _Events()
-            if dedupe_key is not None:
-                earlier = await conn.fetchrow(self._q["find_task_update_by_dedupe"], task_id, dedupe_key)
-                if earlier is not None:  # the author's right to write here first, then the answer
-                    facts = Facts("", repeat_of_company_id=str(earlier["author_company_id"]))
-                    await self._admit_author(conn, str(task["room_id"]), author, Act.UPDATE_TASK, facts, repeat=True)
-                    await self._record_write(conn, events, run, earlier["update_id"])
-                    await self._append_events(conn, events)
-                    updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
-                    return TaskUpdated(task, earlier, list(updates), True)
+            earlier = task["earlier"]
+            if earlier is not None:  # the author's right to write here first, then the answer
+                repeat = str(earlier["author_company_id"])
+                facts = Facts(author.company_id, task_room, member=task["member"], repeat_of_company_id=repeat)
+                enforce(Act.UPDATE_TASK, facts, repeat=True)
+                await self._record_write(conn, events, run, earlier["update_id"])
+                await self._append_events(conn, events)
+                updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+                return TaskUpdated(task, earlier, list(updates), True)
             facts = Facts(
                 author.company_id,
+                task_room,
+                member=task["member"],
                 task_id=task_id,
                 sender_id=str(task["from_company_id"]),
                 assignee_company_id=str(task["assignee_company_id"] or ""),
             )
-            author = await self._admit_author(conn, str(task["room_id"]), author, Act.UPDATE_TASK, facts)
+            enforce(Act.UPDATE_TASK, facts)
             if task["status"] != "open":
                 raise FailedPrecondition(f"task {task_id} is already {task['status']}")
             new_status = status or "open"
-            update = await conn.fetchrow(
-                self._q["insert_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
+            written = await conn.fetchrow(
+                self._q["write_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
             )
-            task = await conn.fetchrow(self._q["set_task_status"], task_id, new_status)
+            update, updates = written["added"], list(written["updates"])
             await self._record_write(conn, events, run, update["update_id"])
-            updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
             kind = (
                 common_pb2.ROOM_EVENT_KIND_TASK_UPDATED
                 if new_status == "open"
                 else common_pb2.ROOM_EVENT_KIND_TASK_CLOSED
             )
-            events.add(str(task["room_id"]), kind, convert.task(task, updates))
+            events.add(task_room, kind, convert.task(written, updates))
             await self._append_events(conn, events)
-            return TaskUpdated(task, update, list(updates), False)
+            return TaskUpdated(written, update, updates, False)
 
     async def get_task(self, task_id: str, room_id: str | None) -> tuple[Record, list[Record]]:
         async with self._pool.acquire() as conn:
