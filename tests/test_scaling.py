@@ -76,8 +76,11 @@ HOT_PATH: dict[tuple[str, str], bool] = {
     ("claims", "claim_many"): True,
     ("room", "run_context"): False,
     ("room", "upsert_run_with_before"): False,
-    ("room", "find_memory_by_dedupe"): True,
-    ("room", "insert_memory"): True,
+    ("room", "post_message"): False,
+    ("room", "record_run"): False,
+    ("room", "run_context_with_run"): False,
+    ("room", "write_memory"): False,
+    ("room", "create_task"): False,
 }
 
 

@@ -294,3 +294,26 @@ def waitpoint(row: Row, held: Sequence[Row]) -> common_pb2.Waitpoint:
         expires_at=timestamp(row["expires_at"]),
         traceparent=row["traceparent"],
     )
+
+
+def room_event(row: Row) -> common_pb2.RoomEvent | None:
+    """A read_room_events row as the event it records (None when the reader may not see it): its serialized
+    RoomEvent, or its kind with the row it carries (a message, a ledger row, a memory line or a new task,
+    stored as a snapshot).
+    The cursor, room and time are the caller's to fill in."""
+    if not row["visible"]:
+        return None
+    if row["detail"] is not None:
+        return common_pb2.RoomEvent.FromString(bytes(row["detail"]))
+    event = common_pb2.RoomEvent(kind=text_to_enum(common_pb2.RoomEventKind, row["kind"], "ROOM_EVENT_KIND_"))
+    if row["message"] is not None:
+        event.message.CopyFrom(message(row["message"]))
+    elif row["run"] is not None:
+        event.run.CopyFrom(run(row["run"]))
+    elif row["memory"] is not None:
+        event.memory.CopyFrom(memory_line(row["memory"]))
+    elif row["task"] is not None:
+        event.task.CopyFrom(task(row["task"]))
+    else:
+        raise ValueError(f"room event {row['seq']} ({row['kind']}) carries neither a RoomEvent nor a row it knows")
+    return event

@@ -1,10 +1,12 @@
 """The room's rules: who may do what to each object of a room, for every author alike.
 
 A person through the Gateway, an A2A client, an agent's declared action through the Runtime: each
-write reaches the Room's store, which calls ``enforce`` inside the write's own transaction with the
-facts it read there (the author's membership row locked FOR SHARE to commit), so no write follows a
-check that has stopped holding. ``RULES`` is the only place these rules live; docs/rules.md writes
-the table out, and tests/room/test_rules.py keeps the two the same.
+write reaches the Room's store, which calls ``enforce`` with the facts read in the write's own
+transaction (the author's membership row locked FOR SHARE to commit), so no write follows a check that
+has stopped holding. Where the write is one statement (a post, a memory line, a new task), that
+statement writes only under facts these rules allow, and ``enforce`` decides from the facts it returns.
+``RULES`` is the only place these rules live; docs/rules.md writes the table out, and
+tests/room/test_rules.py keeps the two the same.
 
 What a rule does not cover is data, not permission: an id that names nothing (NOT_FOUND), a closed
 task or an expired approval (FAILED_PRECONDITION), a malformed request (INVALID_ARGUMENT).

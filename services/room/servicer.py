@@ -802,9 +802,9 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         )
         entries = []
         for row in page.rows:
-            if row["detail"] is None:
+            event = convert.room_event(row)
+            if event is None:
                 continue  # another company's private event: its cursor still counts
-            event = common_pb2.RoomEvent.FromString(bytes(row["detail"]))
             event.cursor = row["seq"]
             event.room_id = room_id
             event.created_at.FromDatetime(row["created_at"])

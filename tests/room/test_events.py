@@ -180,3 +180,18 @@ async def test_a_run_is_an_event_when_its_status_changes_only(room: Stub, world:
     assert kinds(got) == [K.ROOM_EVENT_KIND_RUN_STARTED, K.ROOM_EVENT_KIND_RUN_ENDED]
     assert got.entries[1].event.run.status == K.RUN_STATUS_SUCCEEDED
     assert not (await read(room, world.room_id, world.bolt.company_id, after=start)).entries
+
+
+async def test_a_run_event_carries_the_row_as_written(room: Stub, world: World) -> None:
+    # The event is appended by the ledger write's own statement from the row it wrote (its snapshot): read
+    # back, it is that row exactly, as GetRun returned it then, and stays so when the row moves on.
+    start = (await read(room, world.room_id)).last_cursor
+    run = a_run(world, run_id="run-snapshot", trace_id="t-1")
+    run.actions.add(index=0, kind=K.ACTION_KIND_REMEMBER, arguments_json='{"text": "x"}')
+    written = await record(room, run)
+    run.status, run.step = K.RUN_STATUS_FAILED, K.RUN_STEP_ENDED
+    run.ended_at.GetCurrentTime()
+    ended = await record(room, run)
+    got = await read(room, world.room_id, world.acme.company_id, after=start)
+    assert [e.event.run for e in got.entries] == [written, ended]
+    assert [e.audience_company_id for e in got.entries] == [world.acme.company_id] * 2

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -37,15 +38,23 @@ def bolt_person(world: World) -> AuthorRef:
     return AuthorRef(kind="person", company_id=world.bolt.company_id, person="bo")
 
 
-def held_open() -> tuple[asyncio.Event, asyncio.Event, Callable[[asyncpg.Connection], Awaitable[None]]]:
-    """A between_writes hook that stops the post after its message (room row locked) until released."""
-    inside, release = asyncio.Event(), asyncio.Event()
-
-    async def hold(conn: asyncpg.Connection) -> None:
-        inside.set()
-        await release.wait()
-
-    return inside, release, hold
+@asynccontextmanager
+async def next_event_held(database_url: str, room_id: str) -> AsyncIterator[None]:
+    """Another transaction holding room ``room_id``'s next event cursor (an uncommitted event there): a post
+    writes its message and wakes, then waits at its own event, inside its one statement, until this ends
+    (rolled back)."""
+    blocker = await asyncpg.connect(database_url)
+    try:
+        await blocker.execute("BEGIN")
+        await blocker.execute(
+            "INSERT INTO room_events (room_id, seq, kind, detail) "
+            "SELECT room_id, last_event_seq + 1, 'held', '\\x00'::bytea FROM rooms WHERE room_id = $1",
+            uuid.UUID(room_id),
+        )
+        yield
+    finally:
+        await blocker.execute("ROLLBACK")
+        await blocker.close()
 
 
 async def locks_awaited(pool: asyncpg.Pool) -> int:
@@ -122,11 +131,9 @@ async def test_a_departure_waits_for_a_post_past_its_checks_and_its_event_comes_
 
 
 async def test_two_posts_with_one_dedupe_key_record_one_message(
-    store: RoomStore, pool: asyncpg.Pool, world: World
+    store: RoomStore, pool: asyncpg.Pool, world: World, database_url: str
 ) -> None:
-    def post(
-        between_writes: Callable[[asyncpg.Connection], Awaitable[None]] | None = None,
-    ) -> Coroutine[Any, Any, Posted]:
+    def post() -> Coroutine[Any, Any, Posted]:
         return store.post_message(
             room_id=world.room_id,
             author=bolt_person(world),
@@ -134,17 +141,13 @@ async def test_two_posts_with_one_dedupe_key_record_one_message(
             mention_agent_ids=[world.acme_agent.agent_id],
             run_id=None,
             dedupe_key="once",
-            between_writes=between_writes,
         )
 
-    inside, release, hold = held_open()
-    first = asyncio.create_task(post(hold))
-    try:
-        await asyncio.wait_for(inside.wait(), WAIT_SECONDS)
-        second = asyncio.create_task(post())  # passes its check (the first is not committed), then waits
+    async with next_event_held(database_url, world.room_id):
+        first = asyncio.create_task(post())  # its message written (room row locked), it waits at its event
         await until_locks_are_awaited(pool)
-    finally:
-        release.set()
+        second = asyncio.create_task(post())  # passes its check (the first is not committed), then waits
+        await until_locks_are_awaited(pool, 2)
     one, other = await first, await second
     assert not one.deduplicated and other.deduplicated
     assert other.row["message_id"] == one.row["message_id"]

@@ -13,6 +13,7 @@ from quayutec.crypto import Fernet, MultiFernet
 from quayutec.v1 import common_pb2, room_pb2
 from services.room.store import AuthorRef, RoomStore
 from tests.room.conftest import Stub, World, agent_author, expect_error, person, post
+from tests.room.test_late_room_lock import next_event_held, until_locks_are_awaited
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
@@ -166,31 +167,37 @@ async def post_via_store(store: RoomStore, world: World, **kwargs: object) -> ob
     )
 
 
-async def test_message_and_wake_commit_together(store: RoomStore, pool: asyncpg.Pool, world: World) -> None:
-    seen_inside: list[int] = []
+async def waiting_pid(pool: asyncpg.Pool) -> int:
+    """The backend of this database that waits for a lock (bounded)."""
+    await until_locks_are_awaited(pool)
+    return int(
+        await pool.fetchval(
+            "SELECT l.pid FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid "
+            "WHERE NOT l.granted AND a.datname = current_database() LIMIT 1"
+        )
+    )
 
-    async def look(conn: asyncpg.Connection) -> None:
-        # Inside the transaction the message exists; outside nothing is visible yet.
-        seen_inside.append(await conn.fetchval("SELECT count(*) FROM messages"))
+
+async def test_nothing_of_a_post_is_seen_before_it_commits_whole(
+    store: RoomStore, pool: asyncpg.Pool, world: World, database_url: str
+) -> None:
+    async with next_event_held(database_url, world.room_id):
+        posting = asyncio.create_task(post_via_store(store, world))
+        await until_locks_are_awaited(pool)  # its message written, its event waits
         assert await counts(pool) == (0, 0)
-
-    await post_via_store(store, world, between_writes=look)
-    assert seen_inside == [1]
+    await posting
     assert await counts(pool) == (1, 1)
 
 
-async def test_backend_killed_between_message_and_wake_leaves_neither(
+async def test_backend_killed_inside_the_post_leaves_neither(
     store: RoomStore, pool: asyncpg.Pool, world: World, database_url: str
 ) -> None:
-    async def kill_my_backend(conn: asyncpg.Connection) -> None:
-        killer = await asyncpg.connect(database_url)
-        try:
-            assert await killer.fetchval("SELECT pg_terminate_backend($1)", conn.get_server_pid())
-        finally:
-            await killer.close()
-
-    with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError, OSError)):
-        await post_via_store(store, world, between_writes=kill_my_backend)
+    async with next_event_held(database_url, world.room_id):
+        posting = asyncio.create_task(post_via_store(store, world))
+        pid = await waiting_pid(pool)
+        assert await pool.fetchval("SELECT pg_terminate_backend($1)", pid)
+        with pytest.raises((asyncpg.PostgresError, asyncpg.InterfaceError, ConnectionError, OSError)):
+            await posting
     assert await counts(pool) == (0, 0)
     await post_via_store(store, world)  # the pool recovers
     assert await counts(pool) == (1, 1)
@@ -199,29 +206,25 @@ async def test_backend_killed_between_message_and_wake_leaves_neither(
 async def test_event_insert_failing_rolls_the_message_and_wake_back(
     store: RoomStore, pool: asyncpg.Pool, world: World
 ) -> None:
-    async def break_the_event_log(conn: asyncpg.Connection) -> None:
-        # A constraint no new event can meet, added inside the transaction after the message and its
-        # wake (one statement): the event insert, the transaction's last write, fails.
-        await conn.execute("ALTER TABLE room_events ADD CONSTRAINT refuse_events CHECK (false) NOT VALID")
-
-    with pytest.raises(asyncpg.CheckViolationError):
-        await post_via_store(store, world, between_writes=break_the_event_log)
-    assert await counts(pool) == (0, 0)
-    # The DDL rolled back with it: posting works again.
+    # A constraint no new event can meet: the post's event, written by its own statement, fails.
+    await pool.execute("ALTER TABLE room_events ADD CONSTRAINT refuse_events CHECK (false) NOT VALID")
+    try:
+        with pytest.raises(asyncpg.CheckViolationError):
+            await post_via_store(store, world)
+        assert await counts(pool) == (0, 0)
+    finally:
+        await pool.execute("ALTER TABLE room_events DROP CONSTRAINT refuse_events")
     await post_via_store(store, world)
     assert await counts(pool) == (1, 1)
 
 
-async def test_cancelled_mid_transaction_leaves_neither(store: RoomStore, pool: asyncpg.Pool, world: World) -> None:
-    inside = asyncio.Event()
-
-    async def stall(conn: asyncpg.Connection) -> None:
-        inside.set()
-        await asyncio.Event().wait()
-
-    task = asyncio.create_task(post_via_store(store, world, between_writes=stall))
-    await inside.wait()
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+async def test_cancelled_inside_the_post_leaves_neither(
+    store: RoomStore, pool: asyncpg.Pool, world: World, database_url: str
+) -> None:
+    # The cancel a client's deadline sends PostgreSQL (pg_cancel_backend) stops the post's one statement.
+    async with next_event_held(database_url, world.room_id):
+        posting = asyncio.create_task(post_via_store(store, world))
+        assert await pool.fetchval("SELECT pg_cancel_backend($1)", await waiting_pid(pool))
+        with pytest.raises(asyncpg.QueryCanceledError):
+            await posting
     assert await counts(pool) == (0, 0)

@@ -9,10 +9,12 @@ time anything.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
+import grpc
 import pytest
 from asyncpg.connection import LoggedQuery
 
@@ -35,6 +37,7 @@ class Statements:
     def __init__(self) -> None:
         self.names: list[str] = []
         self.result: Any = None
+        self.error: grpc.StatusCode | None = None
 
     def record(self, logged: LoggedQuery) -> None:
         query = logged.query.strip()
@@ -44,7 +47,11 @@ class Statements:
         """The statements sent while awaiting ``call`` (its result in ``result``)."""
         await asyncio.sleep(0)  # loggers are called soon after each statement: let earlier ones land
         self.names.clear()
-        self.result = await call
+        self.error = None
+        try:
+            self.result = await call
+        except grpc.aio.AioRpcError as error:  # a refusal: its code in ``error``
+            self.result, self.error = None, error.code()
         await asyncio.sleep(0)
         return list(self.names)
 
@@ -94,36 +101,213 @@ def reply_request(world: World, run: common_pb2.Run, body: str) -> room_pb2.Room
 async def test_post_message_round_trips(room: Stub, world: World, statements: Statements) -> None:
     await post(room, world, "warm up", [world.bolt_agent.agent_id], dedupe_key="warm-up")  # statements prepared
     mention = post(room, world, "@writer", [world.bolt_agent.agent_id], dedupe_key="k-1")
-    assert await statements.of(mention) == [
-        "BEGIN",
-        "post_check",  # room, author membership (FOR SHARE), mentions, dedupe: one statement
-        "insert_message_with_wakes",  # takes the room row's lock: only the events and COMMIT follow
-        "append_room_events",
-        "COMMIT",
-    ]
+    # The rules' facts (room, author's membership FOR SHARE, mentions, dedupe key), the message, its wakes and
+    # its event: one statement, the room row's lock taken by it last.
+    assert await statements.of(mention) == ["post_message"]
     again = post(room, world, "@writer", [world.bolt_agent.agent_id], dedupe_key="k-1")
-    assert await statements.of(again) == ["BEGIN", "post_check", "COMMIT"]
+    assert await statements.of(again) == ["post_message"]  # the repeat is answered from the same statement
+    assert statements.result.deduplicated
     plain = post(room, world, "no mentions, no dedupe key", author=person(world.bolt.company_id, "bo"))
-    assert len(await statements.of(plain)) == 5
+    assert await statements.of(plain) == ["post_message"]
 
 
 async def test_reply_with_its_ledger_row_round_trips(room: Stub, world: World, statements: Statements) -> None:
     run = a_run(world, "run-reply")
     await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
     await room.PostMessage(reply_request(world, run, "warm up"))
-    expected = [
-        "BEGIN",
-        "post_check",
-        "upsert_run_with_before",  # the ledger row, before the room row's lock
-        "insert_message_with_wakes",
-        "append_room_events",  # the message's event and the run's, when its status changed: one statement
-        "COMMIT",
-    ]
-    assert await statements.of(room.PostMessage(reply_request(world, run, "the answer"))) == expected
+    # The facts, the ledger row through the fence, the message, its wakes and both events: one statement.
+    assert await statements.of(room.PostMessage(reply_request(world, run, "the answer"))) == ["post_message"]
     run.status = common_pb2.RUN_STATUS_SUCCEEDED  # a status change: one more event, no more round trips
     run.step = common_pb2.RUN_STEP_ENDED
     run.ended_at.GetCurrentTime()
-    assert await statements.of(room.PostMessage(reply_request(world, run, "the last answer"))) == expected
+    last = reply_request(world, run, "the last answer")
+    assert await statements.of(room.PostMessage(last)) == ["post_message"]
+    # A retried reply answers the earlier message, and records the row with its id: one more statement.
+    assert await statements.of(room.PostMessage(last)) == ["post_message", "record_run"]
+    assert statements.result.deduplicated
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.acme.company_id)
+    got = (await room.ReadRoomEvents(events)).entries
+    assert [e.event.kind for e in got][-2:] == [
+        common_pb2.ROOM_EVENT_KIND_RUN_ENDED,
+        common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED,
+    ]
+    ended, posted = got[-2].event, got[-1].event
+    assert ended.run.posted_message_id == posted.message.message_id and posted.message.body == "the last answer"
+
+
+async def test_a_post_the_rules_refuse_writes_nothing(room: Stub, world: World, statements: Statements) -> None:
+    # The post's statement writes only under facts the rules allow; the rules decide, here, from the facts
+    # it returns. Each refusal: one statement, and nothing of it written (no message, event, wake or row).
+    await post(room, world, "first", dedupe_key="taken")
+    listing = room_pb2.RoomServiceListMessagesRequest(room_id=world.room_id)
+    every_event = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, limit=1000)
+
+    async def written() -> tuple[int, int, int]:
+        messages = (await room.ListMessages(listing)).messages
+        events = await room.ReadRoomEvents(every_event)
+        wakes = await room.CountPendingWakes(room_pb2.RoomServiceCountPendingWakesRequest())
+        return len(messages), events.last_cursor, wakes.pending
+
+    before = await written()
+    crow, acme = world.crow_agent, world.acme_agent
+    outsider_reply = reply_request(world, a_run(world, "run-outsider", agent=crow), "from outside")
+    outsider_reply.author.CopyFrom(agent_author(crow))
+    mentioning_outsider = reply_request(world, a_run(world, "run-mentions", agent=acme), "@crow")
+    mentioning_outsider.mention_agent_ids.append(crow.agent_id)
+    cases: list[tuple[grpc.StatusCode, Callable[[], Awaitable[Any]]]] = [
+        (
+            grpc.StatusCode.PERMISSION_DENIED,
+            lambda: post(room, world, "outsider", author=person(world.crow.company_id)),
+        ),
+        (grpc.StatusCode.NOT_FOUND, lambda: post(room, world, "@crow", [crow.agent_id])),
+        (grpc.StatusCode.NOT_FOUND, lambda: post(room, world, "@nobody", [str(uuid.uuid4())])),
+        (
+            grpc.StatusCode.ALREADY_EXISTS,
+            lambda: post(room, world, "x", author=person(world.bolt.company_id), dedupe_key="taken"),
+        ),
+        (grpc.StatusCode.PERMISSION_DENIED, lambda: room.PostMessage(outsider_reply)),
+        (grpc.StatusCode.NOT_FOUND, lambda: room.PostMessage(mentioning_outsider)),
+    ]
+    for code, call in cases:
+        assert await statements.of(call()) == ["post_message"]
+        assert statements.error == code
+    assert await written() == before
+    for run_id in ("run-outsider", "run-mentions"):
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=run_id))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def remember_request(
+    world: World, run: common_pb2.Run, text: str, author: common_pb2.Author | None = None, **fields: Any
+) -> room_pb2.RoomServiceWriteMemoryRequest:
+    return room_pb2.RoomServiceWriteMemoryRequest(
+        room_id=world.room_id,
+        author=author or agent_author(world.acme_agent),
+        text=text,
+        visibility=common_pb2.MEMORY_VISIBILITY_COMPANY,
+        run_id=run.run_id,
+        dedupe_key=f"run:{run.run_id}:memory:{text}",
+        run=run,
+        run_action_index=0,
+        **fields,
+    )
+
+
+async def test_write_memory_with_its_ledger_row_round_trips(room: Stub, world: World, statements: Statements) -> None:
+    run = a_run(world, "run-memory")
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
+    await room.WriteMemory(remember_request(world, run, "warm up"))
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.acme.company_id)
+    start = (await room.ReadRoomEvents(events)).last_cursor
+    # The facts, the ledger row through the fence, the line and its event: one statement.
+    written = room.WriteMemory(remember_request(world, run, "dawn on the 4th"))
+    assert await statements.of(written) == ["write_memory"]
+    line = statements.result.line
+    assert await statements.of(room.WriteMemory(remember_request(world, run, "dawn on the 4th"))) == [
+        "write_memory",
+        "record_run",  # a repeat answers the earlier line, and records the row with its id
+    ]
+    assert statements.result.deduplicated and statements.result.line == line
+    events.after = start
+    got = (await room.ReadRoomEvents(events)).entries
+    assert [(e.event.memory, e.audience_company_id) for e in got] == [(line, world.acme.company_id)]
+    private = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.bolt.company_id)
+    private.after = start
+    assert not (await room.ReadRoomEvents(private)).entries  # a line private to Acme: Bolt sees no event of it
+
+    # Refused by a rule (Crow is not a member; another company's dedupe key): nothing of it written.
+    outsider = remember_request(world, a_run(world, "run-crow", agent=world.crow_agent), "x")
+    outsider.author.CopyFrom(agent_author(world.crow_agent))
+    outsider.run.room_id = world.room_id
+    taken = remember_request(world, a_run(world, "run-bolt", agent=world.bolt_agent), "dawn on the 4th")
+    taken.author.CopyFrom(agent_author(world.bolt_agent))
+    taken.dedupe_key = remember_request(world, run, "dawn on the 4th").dedupe_key
+    cases = [(grpc.StatusCode.PERMISSION_DENIED, outsider), (grpc.StatusCode.ALREADY_EXISTS, taken)]
+    for code, request in cases:
+        assert await statements.of(room.WriteMemory(request)) == ["write_memory"]
+        assert statements.error == code
+    every = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, after=start, limit=1000)
+    assert len((await room.ReadRoomEvents(every)).entries) == 1
+    for run_id in ("run-crow", "run-bolt"):
+        with pytest.raises(grpc.aio.AioRpcError) as missing:
+            await room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=run_id))
+        assert missing.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_create_task_with_its_ledger_row_round_trips(room: Stub, world: World, statements: Statements) -> None:
+    run = a_run(world, "run-task")
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
+    me = agent_author(world.acme_agent)
+
+    def task(title: str, **fields: Any) -> Any:
+        request: dict[str, Any] = {"from": me, "to_agent_id": world.bolt_agent.agent_id, "title": title}
+        request.update(run_id=run.run_id, dedupe_key=f"run:{run.run_id}:task:{title}", run=run, run_action_index=1)
+        return room.CreateTask(room_pb2.RoomServiceCreateTaskRequest(room_id=world.room_id, **{**request, **fields}))
+
+    await task("warm up")
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.bolt.company_id)
+    start = (await room.ReadRoomEvents(events)).last_cursor
+    # The facts (the author's and the assignee's memberships FOR SHARE), the ledger row through the fence,
+    # the task, the assignee's wake and the event: one statement.
+    assert await statements.of(task("write the copy")) == ["create_task"]
+    created = statements.result
+    assert [w.agent_id for w in created.wakes] == [world.bolt_agent.agent_id]
+    assert await statements.of(task("write the copy")) == ["create_task", "record_run"]  # a repeat
+    assert statements.result.deduplicated and statements.result.task == created.task
+    assert list(statements.result.wakes) == list(created.wakes)
+    events.after = start
+    assert [e.event.task for e in (await room.ReadRoomEvents(events)).entries] == [created.task]
+
+    # Refused by a rule (Crow outside the room, an assignee outside it, another company's key): nothing written.
+    outsider = {"from": person(world.crow.company_id), "run_id": "", "dedupe_key": "", "run": None}
+    cases: list[tuple[grpc.StatusCode, Callable[[], Awaitable[Any]]]] = [
+        (grpc.StatusCode.PERMISSION_DENIED, lambda: task("x", **outsider)),
+        (grpc.StatusCode.NOT_FOUND, lambda: task("y", to_agent_id=world.crow_agent.agent_id)),
+        (grpc.StatusCode.NOT_FOUND, lambda: task("z", to_agent_id=str(uuid.uuid4()))),
+        (
+            grpc.StatusCode.ALREADY_EXISTS,
+            lambda: task("write the copy", **{"from": person(world.bolt.company_id), "run": None, "run_id": ""}),
+        ),
+    ]
+    for code, call in cases:
+        assert await statements.of(call()) == ["create_task"]
+        assert statements.error == code
+    every = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, after=start, limit=1000)
+    assert len((await room.ReadRoomEvents(every)).entries) == 1
+    tasks = await room.ListTasks(room_pb2.RoomServiceListTasksRequest(room_id=world.room_id))
+    assert sorted(t.title for t in tasks.tasks) == ["warm up", "write the copy"]
+
+    # An update (here closing the task) with its ledger row: still a transaction, of the facts (the task
+    # locked, the author's membership FOR SHARE), the update with the task's status, the row and the event.
+    bolt_run = a_run(world, "run-close", agent=world.bolt_agent)
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=bolt_run))
+
+    def close(note: str, task_id: str) -> Any:
+        request = room_pb2.RoomServiceUpdateTaskRequest(
+            task_id=task_id,
+            author=agent_author(world.bolt_agent),
+            note=note,
+            status=common_pb2.TASK_STATUS_DONE,
+            run_id=bolt_run.run_id,
+            dedupe_key=f"close:{task_id}",
+            run=bolt_run,
+            run_action_index=2,
+        )
+        return room.UpdateTask(request)
+
+    warm = next(t for t in tasks.tasks if t.title == "warm up")
+    await close("warm up", warm.task_id)
+    assert await statements.of(close("done", created.task.task_id)) == [
+        "BEGIN",
+        "update_task_facts",
+        "write_task_update",
+        "upsert_run_with_before",
+        "append_room_events",
+        "COMMIT",
+    ]
+    assert statements.result.task.status == common_pb2.TASK_STATUS_DONE
+    assert [u.note for u in statements.result.task.updates] == ["done"]
 
 
 async def test_read_run_context_round_trips(room: Stub, world: World, statements: Statements) -> None:
@@ -142,24 +326,51 @@ async def test_read_run_context_round_trips(room: Stub, world: World, statements
 
     await room.ReadRunContext(context_request(world, run=a_run(world, "run-warm"), **fields))
     first = room.ReadRunContext(context_request(world, run=a_run(world, "run-ctx"), **fields))
-    assert await statements.of(first) == [
-        "BEGIN",
-        "upsert_run_with_before",
-        "run_context",  # the room row is not locked while reading
-        "append_room_events",  # RUN_STARTED: the room row's lock, just before COMMIT
-        "COMMIT",
-    ]
+    # The fence, the room read and RUN_STARTED (the room row's lock, after the ledger row's): one statement.
+    assert await statements.of(first) == ["run_context_with_run"]
+    assert statements.result.passages
     again = room.ReadRunContext(context_request(world, run=a_run(world, "run-ctx"), **fields))
-    assert await statements.of(again) == ["BEGIN", "upsert_run_with_before", "run_context", "COMMIT"]
+    assert await statements.of(again) == ["run_context_with_run"]  # the same status: no event, one statement
+    taken = context_request(world, run=a_run(world, "run-ctx", attempt="another delivery"), **fields)
+    assert await statements.of(room.ReadRunContext(taken)) == ["run_context_with_run"]  # refused: no second read
+    assert statements.error == grpc.StatusCode.ALREADY_EXISTS
 
 
 async def test_record_run_round_trips(room: Stub, world: World, statements: Statements) -> None:
     await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=a_run(world, "run-warm")))
     started = room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=a_run(world, "run-1")))
-    assert await statements.of(started) == ["BEGIN", "upsert_run_with_before", "append_room_events", "COMMIT"]
+    assert await statements.of(started) == ["record_run"]  # the row and its RUN_STARTED event
     step = a_run(world, "run-1", step=common_pb2.RUN_STEP_WRITES_DONE)  # no status change: no event
-    assert await statements.of(room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=step))) == [
-        "BEGIN",
-        "upsert_run_with_before",
-        "COMMIT",
-    ]
+    assert await statements.of(room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=step))) == ["record_run"]
+    taken = a_run(world, "run-1", attempt="another delivery")  # the fence's answer from the same statement
+    assert await statements.of(room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=taken))) == ["record_run"]
+    assert statements.error == grpc.StatusCode.ALREADY_EXISTS
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.acme.company_id)
+    await room.ReadRoomEvents(events)  # statements prepared, the rows' types looked up once per connection
+    assert await statements.of(room.ReadRoomEvents(events)) == ["read_room_events"]
+    assert [e.event.kind for e in statements.result.entries][-1:] == [common_pb2.ROOM_EVENT_KIND_RUN_STARTED]
+
+
+async def test_read_events_round_trips(room: Stub, world: World, statements: Statements) -> None:
+    await post(room, world, "hello")
+    request = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.acme.company_id)
+    await room.ReadRoomEvents(request)  # statements prepared
+    # The room's cursors, the reader's membership and the events: one statement, one snapshot.
+    assert await statements.of(room.ReadRoomEvents(request)) == ["read_room_events"]
+    assert statements.result.entries[-1].event.message.body == "hello"
+    now = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, from_now=True)
+    assert await statements.of(room.ReadRoomEvents(now)) == ["read_room_events"]
+
+
+def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it() -> None:
+    # Each statement that writes a ledger row carries the fence (and the run's event) as CTEs: one text.
+    queries = Queries(QUERIES_PATH)
+
+    def fence(name: str) -> str:
+        text = queries[name]
+        return text[text.index("before AS (") : text.index("), next AS (")]
+
+    fenced = ("record_run", "run_context_with_run", "post_message", "write_memory", "create_task")
+    texts = {fence(name) for name in fenced}
+    assert len(texts) == 1
+    assert "WHERE r.ended_at IS NULL" in texts.pop()

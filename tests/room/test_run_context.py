@@ -200,6 +200,15 @@ async def test_read_run_context_not_found_and_invalid(room: Stub, world: World) 
     await expect_error(INVALID, room.ReadRunContext(context_request(world, wake_kind=99)), "wake_kind")
 
 
+async def test_a_run_outside_the_room_reads_nothing_and_leaves_no_ledger_row(room: Stub, world: World) -> None:
+    # The fence and the read are one statement: the row is written only when the agent's company is a
+    # member (as the read requires), so a refused read leaves nothing behind.
+    crow = world.crow_agent.agent_id
+    outsider = context_request(world, agent_id=crow, run=a_run(world, "run-outsider", agent=world.crow_agent))
+    await expect_error(NOT_FOUND, room.ReadRunContext(outsider), "not a member")
+    await expect_error(NOT_FOUND, room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id="run-outsider")))
+
+
 async def test_read_run_context_with_an_undecryptable_key(room: Stub, world: World, database_url: str) -> None:
     other_key = "b3RoZXIta2V5LXF1YXl1dGVjLXJvb21zLTAwMDAwMDA="
     async with running_room(database_url, QUAYUTEC_ENCRYPTION_KEY=other_key) as addr:

@@ -220,20 +220,6 @@ SELECT a.agent_id, a.company_id,
 FROM agents a
 WHERE a.agent_id = ANY ($1::uuid[]);
 
--- name: lock_assignee_in_room
--- Agent $1 with its company and whether that company is a member of room $2, its membership row locked
--- FOR SHARE (see lock_membership), as a mentioned agent's is: the assignee's company cannot leave before
--- the task commits, so no task follows its MEMBER_LEFT event.
-WITH assignee AS (
-    SELECT agent_id, company_id FROM agents WHERE agent_id = $1::uuid
-), membership AS (
-    SELECT company_id FROM room_members
-    WHERE room_id = $2 AND company_id = (SELECT company_id FROM assignee)
-    FOR SHARE
-)
-SELECT a.agent_id, a.company_id, (SELECT count(*) FROM membership) > 0 AS member
-FROM assignee a;
-
 -- name: agent_company
 SELECT company_id FROM agents WHERE agent_id = $1;
 
@@ -292,6 +278,137 @@ WITH next AS (
 )
 SELECT message.*, ARRAY(SELECT w FROM woken) AS wakes FROM message;
 
+-- name: post_message
+-- PostMessage in one statement: the rules' facts, and the post written only when they are those of a new
+-- post the rules allow (the store checks that claim against services/room/rules.py, and decides from the
+-- facts returned). The facts, as post_check reads them: whether room $22 exists; the author agent's company
+-- (agent $24, NULL for a person); whether the author's company ($23, or the agent's when NULL) is a member,
+-- its membership row locked FOR SHARE to commit (see lock_membership); the mentioned agents $25 that exist
+-- with their companies, and which of those are members (rows locked FOR SHARE too: a mentioned agent's
+-- company cannot leave before the post commits); and the earlier message with dedupe key $26 (a messages
+-- row, or NULL) with its wakes. Written only when the room exists, the author agent exists (of company
+-- $23 when given), its company is a member, every mentioned agent's company is a member and no message
+-- holds the dedupe key: then the ledger row $1..$19 when given, through the fence with its event (as
+-- record_run; the fence refusing it writes nothing else either), then the message $27 with the room's
+-- next seq, a wake for each agent in $32 (source id $33, traceparent $34) and the events (the run's, when
+-- its status changed, then MESSAGE_POSTED carrying the message). The room row's lock (seq and event
+-- cursor) is taken by the UPDATE of rooms, which reads the facts and the ledger row first: membership
+-- rows, then the ledger row, then the room row, held to commit, so seq order is commit order.
+WITH author_agent AS (
+    SELECT company_id FROM agents WHERE agent_id = $24::uuid
+), author_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id = COALESCE($23::uuid, (SELECT company_id FROM author_agent))
+    FOR SHARE
+), mentioned AS (
+    SELECT agent_id, company_id FROM agents WHERE agent_id = ANY ($25::uuid[])
+), mentioned_members AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id IN (SELECT company_id FROM mentioned)
+    FOR SHARE
+), earlier AS (
+    SELECT m FROM messages AS m WHERE m.room_id = $22 AND m.dedupe_key = $26
+), facts AS (
+    SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $22) AS room_found,
+        (SELECT company_id FROM author_agent) AS agent_company_id,
+        (SELECT count(*) FROM author_member) > 0 AS member,
+        ARRAY(SELECT agent_id FROM mentioned) AS mentioned_agent_ids,
+        ARRAY(SELECT company_id FROM mentioned) AS mentioned_company_ids,
+        ARRAY(SELECT company_id FROM mentioned_members) AS member_company_ids,
+        (SELECT m FROM earlier) AS earlier
+), allowed AS (
+    SELECT f.room_found AND f.member AND f.earlier IS NULL
+        AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id))
+        AND NOT EXISTS (
+            SELECT 1 FROM unnest($25::uuid[]) AS x (agent_id)
+            WHERE NOT EXISTS (
+                SELECT 1 FROM mentioned AS a JOIN mentioned_members AS mm ON mm.company_id = a.company_id
+                WHERE a.agent_id = x.agent_id
+            )
+        ) AS ok
+    FROM facts AS f
+), admitted AS (
+    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_seq = last_seq + 1, last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
+    WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    RETURNING last_seq, last_event_seq
+), message AS (
+    INSERT INTO messages AS m (message_id, room_id, seq, author_kind, author_company_id, author_person,
+        author_agent_id, body, mention_agent_ids, run_id, dedupe_key, author_verified_by)
+    SELECT $27, $22, next.last_seq, $28, COALESCE($23::uuid, (SELECT company_id FROM author_agent)), $29, $24,
+        $30, $25::uuid[], $31, $26, $35
+    FROM next
+    RETURNING m
+), woken AS (
+    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent)
+    SELECT a.agent_id, $22, 'message', $33, $34 FROM message, unnest($32::uuid[]) AS a (agent_id)
+    ON CONFLICT (agent_id, kind, source_id) DO NOTHING
+    RETURNING w
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT $22, next.last_event_seq - 1, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    UNION ALL
+    SELECT $22, next.last_event_seq, 'message_posted', to_jsonb(message.m) - 'dedupe_key', NULL FROM next, message
+    RETURNING seq
+)
+SELECT f.*,
+    ARRAY(
+        SELECT w FROM wake_outbox AS w
+        WHERE w.source_id = (SELECT (m).message_id::text FROM earlier) AND w.kind = 'message'
+        ORDER BY w.created_at, w.wake_id
+    ) AS earlier_wakes,
+    (SELECT m FROM message) AS message, ARRAY(SELECT w FROM woken) AS wakes,
+    (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events
+FROM facts AS f;
+
 -- name: list_messages_oldest_first
 SELECT message_id, room_id, seq, author_kind, author_company_id, author_person, author_agent_id, body,
     mention_agent_ids, run_id, created_at, author_verified_by
@@ -321,42 +438,172 @@ SELECT agent_id, $2, $3, $4, $5 FROM unnest($1::uuid[]) AS a (agent_id)
 ON CONFLICT (agent_id, kind, source_id) DO NOTHING
 RETURNING wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, traceparent;
 
--- name: wakes_of_source
-SELECT wake_id, agent_id, room_id, kind, source_id, delivery_attempts, created_at, traceparent
-FROM wake_outbox
-WHERE source_id = $1 AND kind = $2
-ORDER BY created_at, wake_id;
-
--- name: find_task_by_dedupe
-SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos, from_verified_by
-FROM tasks WHERE room_id = $1 AND dedupe_key = $2;
-
--- name: insert_task
-INSERT INTO tasks (room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    run_id, dedupe_key, from_verified_by)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)
-ON CONFLICT (room_id, dedupe_key) DO NOTHING
-RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos, from_verified_by;
+-- name: create_task
+-- CreateTask in one statement, as post_message: the rules' facts (whether room $22 exists; the author
+-- agent's company, agent $24, NULL for a person; whether the author's company, $23 or the agent's, is a
+-- member, its membership row locked FOR SHARE to commit; assignee $25 with its company, and whether that
+-- company is a member, its row locked FOR SHARE too, so no task follows its MEMBER_LEFT event; the earlier
+-- task with dedupe key $26, a tasks row or NULL, with its wakes), and the writes only when the room exists,
+-- the author agent exists (of company $23 when given), its company is a member, the assignee exists and its
+-- company is a member and no task holds the dedupe key: the ledger row $1..$19 when given, through the
+-- fence with its event (as record_run; the fence refusing it writes nothing else either), then task $27
+-- ($28 author kind, $29 person, $30 title, $31 body, $32 run id, $35 the issuer that verified the person),
+-- a wake for each agent in $33 (traceparent $34) and the events (the run's, when its status changed, then
+-- TASK_CREATED carrying the task). The room row's lock (the event cursor) is taken last, by the UPDATE of
+-- rooms, which reads the facts and the ledger row first.
+WITH author_agent AS (
+    SELECT company_id FROM agents WHERE agent_id = $24::uuid
+), author_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id = COALESCE($23::uuid, (SELECT company_id FROM author_agent))
+    FOR SHARE
+), assignee AS (
+    SELECT agent_id, company_id FROM agents WHERE agent_id = $25::uuid
+), assignee_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id = (SELECT company_id FROM assignee)
+    FOR SHARE
+), earlier AS (
+    SELECT t FROM tasks AS t WHERE t.room_id = $22 AND t.dedupe_key = $26
+), facts AS (
+    SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $22) AS room_found,
+        (SELECT company_id FROM author_agent) AS agent_company_id,
+        (SELECT count(*) FROM author_member) > 0 AS member,
+        (SELECT count(*) FROM assignee_member) > 0 AS assignee_in_room,
+        (SELECT t FROM earlier) AS earlier
+), allowed AS (
+    SELECT f.room_found AND f.member AND f.assignee_in_room AND f.earlier IS NULL
+        AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id)) AS ok
+    FROM facts AS f
+), admitted AS (
+    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
+    WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    RETURNING last_event_seq
+), task AS (
+    INSERT INTO tasks AS t (task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id,
+        title, body, run_id, dedupe_key, from_verified_by)
+    SELECT $27, $22, $28, COALESCE($23::uuid, (SELECT company_id FROM author_agent)), $29, $24, $25, $30, $31, $32,
+        $26, $35
+    FROM next
+    RETURNING t
+), woken AS (
+    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent)
+    SELECT a.agent_id, $22, 'task', (task.t).task_id::text, $34 FROM task, unnest($33::uuid[]) AS a (agent_id)
+    ON CONFLICT (agent_id, kind, source_id) DO NOTHING
+    RETURNING w
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT $22, next.last_event_seq - 1, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    UNION ALL
+    SELECT $22, next.last_event_seq, 'task_created', to_jsonb(task.t) - 'dedupe_key', NULL FROM next, task
+    RETURNING seq
+)
+SELECT f.*,
+    ARRAY(
+        SELECT w FROM wake_outbox AS w
+        WHERE w.source_id = (SELECT (t).task_id::text FROM earlier) AND w.kind = 'task'
+        ORDER BY w.created_at, w.wake_id
+    ) AS earlier_wakes,
+    (SELECT t FROM task) AS task, ARRAY(SELECT w FROM woken) AS wakes,
+    (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events
+FROM facts AS f;
 
 -- name: get_task
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
     status, run_id, created_at, updated_at, pos, from_verified_by
 FROM tasks WHERE task_id = $1;
 
--- name: lock_task
--- The task, locked, with its assignee's company (which the room's rule on updating a task looks at).
-SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos, from_verified_by,
-    (SELECT a.company_id FROM agents a WHERE a.agent_id = tasks.to_agent_id) AS assignee_company_id
-FROM tasks WHERE task_id = $1
-FOR NO KEY UPDATE OF tasks;
+-- name: update_task_facts
+-- UpdateTask's facts in one statement: task $1 locked (FOR NO KEY UPDATE: updates of one task are
+-- serialized) with its assignee's company (which the room's rule on updating a task looks at); the author
+-- agent's company (agent $4, NULL for a person); whether the author's company ($3, or the agent's) is a
+-- member of the task's room, its membership row locked FOR SHARE to commit (see lock_membership; task row,
+-- then membership row, then the room row last); and the earlier update with dedupe key $2 (a task_updates
+-- row, or NULL). No row when the task is unknown.
+WITH task AS (
+    SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+        status, run_id, created_at, updated_at, pos, from_verified_by,
+        (SELECT a.company_id FROM agents a WHERE a.agent_id = tasks.to_agent_id) AS assignee_company_id
+    FROM tasks WHERE task_id = $1
+    FOR NO KEY UPDATE OF tasks
+), author_agent AS (
+    SELECT company_id FROM agents WHERE agent_id = $4::uuid
+), author_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = (SELECT room_id FROM task) AND company_id = COALESCE($3::uuid, (SELECT company_id FROM author_agent))
+    FOR SHARE
+)
+SELECT task.*, (SELECT company_id FROM author_agent) AS agent_company_id,
+    (SELECT count(*) FROM author_member) > 0 AS member,
+    (SELECT u FROM task_updates AS u WHERE u.task_id = $1 AND u.dedupe_key = $2) AS earlier
+FROM task;
 
--- name: set_task_status
-UPDATE tasks SET status = $2, updated_at = now() WHERE task_id = $1
-RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-    status, run_id, created_at, updated_at, pos, from_verified_by;
+-- name: write_task_update
+-- The update of task $1 ($2..$5 its author, $6 note, $7 the task's status after it, $8 run id, $9 dedupe key)
+-- and the task's new status, in one statement; returns the task as it now stands, the update (a
+-- task_updates row) and all the task's updates, oldest first (the new one last).
+WITH added AS (
+    INSERT INTO task_updates AS u (task_id, author_kind, author_company_id, author_person, author_agent_id, note,
+        status, run_id, dedupe_key)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+    RETURNING u
+), task AS (
+    UPDATE tasks SET status = $7, updated_at = now() WHERE task_id = $1
+    RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
+        status, run_id, created_at, updated_at, pos, from_verified_by
+)
+SELECT task.*, (SELECT u FROM added) AS added,
+    ARRAY(SELECT u FROM task_updates AS u WHERE u.task_id = $1 ORDER BY u.pos) || ARRAY(SELECT u FROM added) AS updates
+FROM task;
 
 -- name: list_tasks
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
@@ -366,18 +613,6 @@ WHERE room_id = $1 AND ($2::uuid IS NULL OR to_agent_id = $2) AND ($3::text IS N
 ORDER BY pos
 LIMIT $5;
 
--- name: find_task_update_by_dedupe
-SELECT update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,
-    created_at
-FROM task_updates WHERE task_id = $1 AND dedupe_key = $2;
-
--- name: insert_task_update
-INSERT INTO task_updates (task_id, author_kind, author_company_id, author_person, author_agent_id, note, status,
-    run_id, dedupe_key)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-RETURNING update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,
-    created_at;
-
 -- name: updates_of_tasks
 SELECT update_id, task_id, author_kind, author_company_id, author_person, author_agent_id, note, status, run_id,
     created_at
@@ -385,18 +620,109 @@ FROM task_updates
 WHERE task_id = ANY ($1::uuid[])
 ORDER BY pos;
 
--- name: find_memory_by_dedupe
-SELECT memory_id, room_id, author_kind, author_company_id, author_person, author_agent_id, text, visibility,
-    run_id, created_at, pos
-FROM memory_lines WHERE room_id = $1 AND dedupe_key = $2;
-
--- name: insert_memory
-INSERT INTO memory_lines (room_id, author_kind, author_company_id, author_person, author_agent_id, text,
-    visibility, run_id, dedupe_key)
-VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
-ON CONFLICT (room_id, dedupe_key) DO NOTHING
-RETURNING memory_id, room_id, author_kind, author_company_id, author_person, author_agent_id, text, visibility,
-    run_id, created_at, pos;
+-- name: write_memory
+-- WriteMemory in one statement, as post_message: the rules' facts (whether room $22 exists; the author
+-- agent's company, agent $24, NULL for a person; whether the author's company, $23 or the agent's, is a
+-- member, its membership row locked FOR SHARE to commit; the earlier line with dedupe key $25, as a
+-- room_context_memory, or NULL), and the writes only when the room exists, the author agent exists (of
+-- company $23 when given), its company is a member and no line holds the dedupe key: the ledger row
+-- $1..$19 when given, through the fence with its event (as record_run; the fence refusing it writes
+-- nothing else either), then line $26 ($27 author kind, $28 person, $29 text, $30 visibility, $31 run id)
+-- and the events (the run's, when its status changed, then MEMORY_WRITTEN carrying the line, for the
+-- author's company only when the line is private to it). The room row's lock (the event cursor) is taken
+-- last, by the UPDATE of rooms, which reads the facts and the ledger row first.
+WITH author_agent AS (
+    SELECT company_id FROM agents WHERE agent_id = $24::uuid
+), author_member AS (
+    SELECT company_id FROM room_members
+    WHERE room_id = $22 AND company_id = COALESCE($23::uuid, (SELECT company_id FROM author_agent))
+    FOR SHARE
+), earlier AS (
+    SELECT ROW(l.memory_id, l.room_id, l.author_kind, l.author_company_id, l.author_person, l.author_agent_id,
+        l.text, l.visibility, l.run_id, l.created_at, l.pos)::room_context_memory AS line
+    FROM memory_lines AS l
+    WHERE l.room_id = $22 AND l.dedupe_key = $25
+), facts AS (
+    SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $22) AS room_found,
+        (SELECT company_id FROM author_agent) AS agent_company_id,
+        (SELECT count(*) FROM author_member) > 0 AS member,
+        (SELECT line FROM earlier) AS earlier
+), allowed AS (
+    SELECT f.room_found AND f.member AND f.earlier IS NULL
+        AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id)) AS ok
+    FROM facts AS f
+), admitted AS (
+    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
+    WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    RETURNING last_event_seq
+), line AS (
+    INSERT INTO memory_lines AS l (memory_id, room_id, author_kind, author_company_id, author_person,
+        author_agent_id, text, visibility, run_id, dedupe_key)
+    SELECT $26, $22, $27, COALESCE($23::uuid, (SELECT company_id FROM author_agent)), $28, $24, $29, $30, $31, $25
+    FROM next
+    RETURNING l.memory_id, l.room_id, l.author_kind, l.author_company_id, l.author_person, l.author_agent_id,
+        l.text, l.visibility, l.run_id, l.created_at, l.pos
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT $22, next.last_event_seq - 1, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    UNION ALL
+    SELECT $22, next.last_event_seq, 'memory_written', to_jsonb(line),
+        CASE WHEN line.visibility = 'company' THEN line.author_company_id END
+    FROM next, line
+    RETURNING seq
+)
+SELECT f.*, (SELECT ROW(line.*)::room_context_memory FROM line) AS line,
+    (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events
+FROM facts AS f;
 
 -- name: list_memory
 -- Newest first; lines private to another company are never selected.
@@ -705,13 +1031,41 @@ SELECT count(*) FROM expired;
 SELECT last_event_seq, events_pruned_through FROM rooms WHERE room_id = $1;
 
 -- name: read_room_events
--- Events after a cursor; the detail only where $3 (a company, or NULL for all) may see it.
-SELECT seq, kind, created_at, audience_company_id,
-    CASE WHEN $3::uuid IS NULL OR audience_company_id IS NULL OR audience_company_id = $3 THEN detail END AS detail
-FROM room_events
-WHERE room_id = $1 AND seq > $2
-ORDER BY seq
-LIMIT $4;
+-- ReadRoomEvents in one statement (one snapshot): room $1's newest cursor (last_event_seq) and the newest
+-- one retention removed (events_pruned_through), whether company $3 (NULL: any) is a member, and, when it
+-- is and nothing after cursor $2 was removed, up to $4 events after $2, oldest first. No row when the room
+-- is unknown; one row with a NULL seq when no event is read. Where $3 may see an event (visible), what
+-- changed: its serialized RoomEvent (detail), or the row it carries rebuilt from its snapshot (message for
+-- a posted message, run for a ledger row, memory for a memory line, task for a created task); none of
+-- these where it may not.
+WITH room AS (
+    SELECT r.last_event_seq, r.events_pruned_through,
+        $3::uuid IS NULL OR EXISTS (SELECT 1 FROM room_members AS m WHERE m.room_id = $1 AND m.company_id = $3)
+            AS member
+    FROM rooms AS r
+    WHERE r.room_id = $1
+)
+SELECT room.last_event_seq, room.events_pruned_through, room.member, e.seq, e.kind, e.created_at,
+    e.audience_company_id, e.visible,
+    CASE WHEN e.visible THEN e.detail END AS detail,
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind = 'message_posted'
+        THEN jsonb_populate_record(NULL::messages, e.snapshot) END AS message,
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND starts_with(e.kind, 'run_')
+        THEN jsonb_populate_record(NULL::runs, e.snapshot) END AS run,
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind = 'memory_written'
+        THEN jsonb_populate_record(NULL::room_context_memory, e.snapshot) END AS memory,
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind = 'task_created'
+        THEN jsonb_populate_record(NULL::tasks, e.snapshot) END AS task
+FROM room
+LEFT JOIN LATERAL (
+    SELECT ev.seq, ev.kind, ev.created_at, ev.audience_company_id, ev.detail, ev.snapshot,
+        $3::uuid IS NULL OR ev.audience_company_id IS NULL OR ev.audience_company_id = $3 AS visible
+    FROM room_events AS ev
+    WHERE room.member AND $2 >= room.events_pruned_through AND ev.room_id = $1 AND ev.seq > $2
+    ORDER BY ev.seq
+    LIMIT $4
+) AS e ON true
+ORDER BY e.seq;
 
 -- name: prune_room_events
 -- Removes up to $2 events older than $1 seconds, and records the newest removed cursor per room.
@@ -885,6 +1239,237 @@ SELECT agent.*,
     (SELECT text FROM wake) AS wake_text,
     ARRAY(SELECT passage FROM all_terms UNION ALL SELECT passage FROM any_term) AS passages
 FROM agent;
+
+-- name: record_run
+-- A ledger row written through the fence with its room event, in one statement. The write is
+-- upsert_run_with_before's ($1..$19, the same fence; this text between admitted and next must stay the
+-- same as in run_context_with_run, post_message, write_memory and create_task:
+-- tests/room/test_round_trips.py compares them), and when the row's status changed into one of $20 (statuses) the event of kind $21 (the
+-- kind of each) is appended for the row's company, carrying the row as written (snapshot). The event is appended by the last CTEs, which
+-- read the written row: the room row's lock (the event cursor) is taken after the ledger row's, and is
+-- held to commit. Returns the row written (run; NULL when the fence refused it), the row as it stood
+-- before in this statement's snapshot (stored), and the events appended.
+WITH admitted AS (
+    SELECT true AS ok
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + 1
+    FROM run_event WHERE rooms.room_id = run_event.room_id
+    RETURNING rooms.last_event_seq
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT e.room_id, next.last_event_seq, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    RETURNING seq
+)
+SELECT (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events;
+
+-- name: run_context_with_run
+-- ReadRunContext with the run's ledger row, in one statement: the row written through the fence with its
+-- event (as record_run: $1..$21; admitted when agent $22 exists and its company is a member of room $23),
+-- then run_context's view of the room ($22..$31 as run_context's $1..$10), returned only when the fence
+-- let the row be written: a run the fence refuses reads nothing of the room. Also returns the row written
+-- (run), the row before (stored), whether the agent was admitted, and whether it exists (agent_found).
+WITH admitted AS (
+    SELECT EXISTS (
+        SELECT 1 FROM agents AS a
+        JOIN room_members AS m ON m.company_id = a.company_id AND m.room_id = $23
+        WHERE a.agent_id = $22
+    ) AS ok
+), before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + 1
+    FROM run_event WHERE rooms.room_id = run_event.room_id
+    RETURNING rooms.last_event_seq
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT e.room_id, next.last_event_seq, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    RETURNING seq
+), agent AS (
+    SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
+        a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
+        (SELECT c.name FROM companies c WHERE c.company_id = a.company_id) AS company_name,
+        EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $23 AND m.company_id = a.company_id) AS member,
+        d.remember AS default_remember, d.create_task AS default_create_task,
+        d.update_task AS default_update_task, d.close_task AS default_close_task,
+        d.cross_company_task AS default_cross_company_task,
+        o.remember AS own_remember, o.create_task AS own_create_task, o.update_task AS own_update_task,
+        o.close_task AS own_close_task, o.cross_company_task AS own_cross_company_task
+    FROM agents a
+    LEFT JOIN agent_rights d ON d.company_id = a.company_id AND d.agent_id IS NULL
+    LEFT JOIN agent_rights o ON o.company_id = a.company_id AND o.agent_id = a.agent_id
+    WHERE a.agent_id = $22
+), open_tasks AS (
+    SELECT t FROM tasks AS t
+    WHERE t.room_id = $23 AND t.to_agent_id = $22 AND t.status = 'open'
+    ORDER BY t.pos
+    LIMIT $29
+), wake AS (
+    SELECT body AS text FROM messages WHERE $25::text = 'message' AND room_id = $23 AND message_id = $26::uuid
+    UNION ALL
+    SELECT title || E'\n' || body FROM tasks WHERE $25::text = 'task' AND room_id = $23 AND task_id = $26::uuid
+    LIMIT 1
+), search AS (
+    -- The wake text cut to $31 bytes, whole characters only; none when it is blank.
+    SELECT CASE WHEN octet_length(w.text) <= $31 THEN w.text ELSE (
+        SELECT left(w.text, n) FROM generate_series(least(length(w.text), $31), 0, -1) AS n
+        WHERE octet_length(left(w.text, n)) <= $31
+        LIMIT 1
+    ) END AS query
+    FROM wake AS w
+    WHERE w.text ~ '[^[:space:]]'
+), all_terms AS (
+    SELECT ROW(p.passage_id, p.file_id, f.name, p.ordinal, p.text, ts_rank(p.tsv, q.query))::room_context_passage
+        AS passage
+    FROM search
+    CROSS JOIN websearch_to_tsquery('english', search.query) AS q (query)
+    JOIN passages p ON p.room_id = $23 AND p.tsv @@ q.query
+    JOIN files f ON f.file_id = p.file_id
+    ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
+    LIMIT $27
+), any_term AS (
+    SELECT ROW(p.passage_id, p.file_id, f.name, p.ordinal, p.text, ts_rank(p.tsv, q.query))::room_context_passage
+        AS passage
+    FROM search
+    CROSS JOIN LATERAL (
+        SELECT replace(plainto_tsquery('english', search.query)::text, ' & ', ' | ')::tsquery
+    ) AS q (query)
+    JOIN passages p ON p.room_id = $23 AND p.tsv @@ q.query
+    JOIN files f ON f.file_id = p.file_id
+    WHERE NOT EXISTS (SELECT 1 FROM all_terms)
+    ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
+    LIMIT $27
+), context AS (
+    SELECT agent.*,
+        ARRAY(
+            SELECT ROW(a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
+                a.provider_key_encrypted IS NOT NULL, a.created_at)::room_context_agent
+            FROM room_members m
+            JOIN agents a ON a.company_id = m.company_id
+            WHERE m.room_id = $23
+            ORDER BY m.pos, a.pos
+            LIMIT $28
+        ) AS room_agents,
+        ARRAY(
+            SELECT m FROM messages AS m
+            WHERE m.room_id = $23
+            ORDER BY m.seq DESC
+            LIMIT $24
+        ) AS messages,
+        ARRAY(SELECT t FROM open_tasks) AS open_tasks,
+        ARRAY(
+            SELECT u FROM open_tasks AS o
+            JOIN task_updates AS u ON u.task_id = (o.t).task_id
+            ORDER BY u.pos
+        ) AS task_updates,
+        ARRAY(
+            SELECT ROW(l.memory_id, l.room_id, l.author_kind, l.author_company_id, l.author_person, l.author_agent_id,
+                l.text, l.visibility, l.run_id, l.created_at, l.pos)::room_context_memory
+            FROM memory_lines AS l
+            WHERE l.room_id = $23 AND (l.visibility = 'room' OR l.author_company_id = agent.company_id)
+            ORDER BY l.pos DESC
+            LIMIT $30
+        ) AS memory,
+        (SELECT text FROM wake) AS wake_text,
+        ARRAY(SELECT passage FROM all_terms UNION ALL SELECT passage FROM any_term) AS passages
+    FROM agent
+    WHERE EXISTS (SELECT 1 FROM up)
+)
+SELECT context.*, (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored,
+    (SELECT ok FROM admitted) AS admitted, EXISTS (SELECT 1 FROM agents WHERE agent_id = $22) AS agent_found
+FROM (SELECT 1) AS one
+LEFT JOIN context ON true;
 
 -- name: append_room_events
 -- Appends the events $2 (kinds), $3 (serialized RoomEvents), $4 (audiences) to room $1 with its next

@@ -323,12 +323,17 @@ CREATE TABLE room_events (
     -- Taken from rooms.last_event_seq under the room row's lock: commit order is cursor order.
     seq bigint NOT NULL,
     kind text NOT NULL,
-    -- A serialized quayutec.v1.RoomEvent (kind and the changed resource; cursor and time are filled on read).
-    detail bytea NOT NULL,
+    -- A serialized quayutec.v1.RoomEvent (kind and the changed resource; cursor and time are filled on read),
+    -- or NULL when snapshot holds the changed row.
+    detail bytea,
     -- NULL: every member company sees it; otherwise only this company (its private memory, runs, approvals).
     audience_company_id uuid REFERENCES companies (company_id),
     created_at timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (room_id, seq)
+    -- The changed row as jsonb (a messages or runs row, by kind), written by the write's own statement;
+    -- read_room_events rebuilds the row from it.
+    snapshot jsonb,
+    PRIMARY KEY (room_id, seq),
+    CONSTRAINT room_events_detail_or_snapshot CHECK ((detail IS NULL) <> (snapshot IS NULL))
 );
 CREATE INDEX room_events_created_at ON room_events (created_at);
 

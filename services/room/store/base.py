@@ -3,7 +3,7 @@ transaction appends, the ledger row a write records, and the rules' checks of an
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -65,9 +65,16 @@ _RUN_EVENTS = {
     **{status: common_pb2.ROOM_EVENT_KIND_RUN_ENDED for status in _RUN_ENDED},
 }
 
+# record_run's $20 and $21: those statuses, and the kind of each one's event as stored.
+_RUN_EVENT_ARGS = (
+    list(_RUN_EVENTS),
+    [convert.enum_to_text(common_pb2.RoomEventKind, k, "ROOM_EVENT_KIND_") for k in _RUN_EVENTS.values()],
+)
+
+# The ledger row's parameters of a fenced write (record_run's $1..$19) when the write records none.
+_NO_RUN: tuple[None, ...] = (None,) * 19
+
 Record = Any  # asyncpg.Record; asyncpg is untyped here
-# Called inside a posting transaction between its writes; tests use it to interrupt the transaction.
-TransactionHook = Callable[[asyncpg.Connection], Awaitable[None]]
 
 
 @dataclass(frozen=True)
@@ -176,7 +183,8 @@ class RunContext:
 
 @dataclass(frozen=True)
 class EventsPage:
-    """Events read after a cursor: (seq, kind, created_at, audience, detail or None when not visible)."""
+    """Events read after a cursor (read_room_events rows: seq, kind, created_at, audience_company_id,
+    visible, and where visible what changed: detail, message or run; see ``convert.room_event``)."""
 
     rows: list[Record]
     next_after: int
@@ -261,6 +269,23 @@ class StoreBase:
             raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
         return stored
 
+    async def _fenced_run(self, conn: asyncpg.Connection | asyncpg.Pool, row: Record, run: common_pb2.Run) -> Record:
+        """The ledger row a fenced write (record_run, run_context_with_run, post_message) made of ``run``: the
+        row written, or, when the fence refused it, the stored row if the write would leave it unchanged;
+        ALREADY_EXISTS when another attempt's run holds the row, FAILED_PRECONDITION when it has ended. The
+        refusal is told from the row as the statement saw it before (stored); only when that cannot explain
+        it (the row was written after the statement's snapshot) is the row read again."""
+        if row["run"] is not None:
+            return row["run"]
+        stored = row["stored"]
+        if stored is None or (stored["attempt"] == run.attempt and stored["ended_at"] is None):
+            stored = await conn.fetchrow(self._q["get_run"], run.run_id)
+        if stored is not None and stored["attempt"] != run.attempt:
+            raise _held_by_another(run.run_id)
+        if stored is None or not _same_run(convert.run(stored), run):
+            raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
+        return stored
+
     @staticmethod
     def _run_event(events: _Events, row: Record, status_before: str | None) -> None:
         """The room event of a ledger row whose status became ``row["status"]`` (its company's only)."""
@@ -272,17 +297,9 @@ class StoreBase:
         self, conn: asyncpg.Connection, events: _Events, record: RunRecord | None, write_id: Any
     ) -> None:
         """Upserts ``record``'s row with the write's id filled in (in the write's transaction)."""
-        if record is None:
-            return
-        run = common_pb2.Run()
-        run.CopyFrom(record.run)
-        if record.action_index is None:
-            run.posted_message_id = str(write_id)
-        else:
-            action = _action_of(run, record.action_index)
-            action.outcome = common_pb2.ACTION_OUTCOME_DONE
-            action.result_id = str(write_id)
-        await self._upsert_run(conn, events, run)
+        run = _with_write_id(record, write_id)
+        if run is not None:
+            await self._upsert_run(conn, events, run)
 
     async def _waitpoint_rows(self, conn: asyncpg.Connection, row: Record) -> WaitpointRows:
         held = await conn.fetch(self._q["held_actions_of"], [row["token"]])
@@ -324,6 +341,22 @@ class StoreBase:
         facts = replace(facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member)
         enforce(act, facts, repeat=repeat)
         return author
+
+
+def _with_write_id(record: RunRecord | None, write_id: Any) -> common_pb2.Run | None:
+    """``record``'s ledger row with the write's id filled in: into posted_message_id (a reply) or into its
+    declared action (done, with the id as its result); None without a record."""
+    if record is None:
+        return None
+    run = common_pb2.Run()
+    run.CopyFrom(record.run)
+    if record.action_index is None:
+        run.posted_message_id = str(write_id)
+    else:
+        action = _action_of(run, record.action_index)
+        action.outcome = common_pb2.ACTION_OUTCOME_DONE
+        action.result_id = str(write_id)
+    return run
 
 
 def _identified(author: AuthorRef, agent_company: Any) -> AuthorRef:

@@ -2,23 +2,29 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 import asyncpg
 
-from quayutec.errors import NotFound
+from quayutec.errors import FailedPrecondition, NotFound
 from quayutec.v1 import common_pb2
 from services.room import convert
 from services.room.rules import Act, Facts, enforce
 from services.room.store.base import (
     _MAX_KEY,
+    _NO_RUN,
+    _RUN_EVENT_ARGS,
     AuthorRef,
     Page,
     Record,
     RunRecord,
     StoreBase,
     _Events,
+    _identified,
     _page,
+    _run_args,
+    _with_write_id,
 )
 
 
@@ -36,36 +42,65 @@ class MemoryAndFiles(StoreBase):
         dedupe_key: str | None,
         run: RunRecord | None = None,
     ) -> tuple[Record, bool]:
-        """Appends a memory line (or finds the earlier one) and records ``run``'s ledger row with its id."""
+        """Appends a memory line (or finds the earlier one) with its event and ``run``'s ledger row with its id.
+
+        Round trips: 1 (write_memory, as post_message: the rules' facts, and the writes when they are those
+        of a write the rules allow); a repeat with a ledger row 2 (record_run)."""
         self._require_run_of(run, room_id, author)
-        async with self._pool.acquire() as conn, conn.transaction():
-            await self._require_room(conn, room_id)
-            events = _Events()
-            row = None
-            if dedupe_key is not None:
-                row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
-            deduplicated = row is not None
-            if row is not None:  # the author's right to write here first, then the answer
-                facts = Facts("", repeat_of_company_id=str(row["author_company_id"]))
-                await self._admit_author(conn, room_id, author, Act.WRITE_MEMORY, facts, repeat=True)
-            else:
-                author = await self._admit_author(conn, room_id, author, Act.WRITE_MEMORY)
-                row = await conn.fetchrow(
-                    self._q["insert_memory"], room_id, *author.columns(), text, visibility, run_id, dedupe_key
-                )
-                if row is None:  # a concurrent write with the same dedupe_key committed first
-                    row = await conn.fetchrow(self._q["find_memory_by_dedupe"], room_id, dedupe_key)
-                    deduplicated = True
-                    repeat = str(row["author_company_id"])
-                    facts = Facts(author.company_id, room_id, member=True, repeat_of_company_id=repeat)
-                    enforce(Act.WRITE_MEMORY, facts, repeat=True)
-                else:
-                    audience = author.company_id if visibility == "company" else None
-                    line = convert.memory_line(row)
-                    events.add(room_id, common_pb2.ROOM_EVENT_KIND_MEMORY_WRITTEN, line, audience)
-            await self._record_write(conn, events, run, row["memory_id"])
-            await self._append_events(conn, events)
-            return row, deduplicated
+        try:
+            return await self._write_memory(room_id, author, text, visibility, run_id, dedupe_key, run)
+        except asyncpg.UniqueViolationError as exc:
+            if dedupe_key is None or exc.constraint_name != "memory_lines_room_dedupe_key":
+                raise
+        # A concurrent write with the same dedupe_key committed first: this statement wrote nothing.
+        return await self._write_memory(room_id, author, text, visibility, run_id, dedupe_key, run)
+
+    async def _write_memory(
+        self,
+        room_id: str,
+        author: AuthorRef,
+        text: str,
+        visibility: str,
+        run_id: str | None,
+        dedupe_key: str | None,
+        run: RunRecord | None,
+    ) -> tuple[Record, bool]:
+        memory_id = uuid.uuid4()
+        ledger = _with_write_id(run, memory_id)
+        row = await self._pool.fetchrow(
+            self._q["write_memory"],
+            *(_NO_RUN if ledger is None else _run_args(ledger)),
+            *_RUN_EVENT_ARGS,
+            room_id,
+            author.company_id or None,
+            author.agent_id if author.kind == "agent" else None,
+            dedupe_key,
+            memory_id,
+            author.kind,
+            author.person,
+            text,
+            visibility,
+            run_id,
+        )
+        if not row["room_found"]:
+            raise NotFound(f"room {room_id} not found")
+        author = _identified(author, row["agent_company_id"])
+        earlier = row["earlier"]
+        if earlier is not None:  # the author's right to write here first, then the answer
+            repeat = str(earlier["author_company_id"])
+            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
+            enforce(Act.WRITE_MEMORY, facts, repeat=True)
+            repeated = _with_write_id(run, earlier["memory_id"])
+            if repeated is not None:
+                written = await self._pool.fetchrow(self._q["record_run"], *_run_args(repeated), *_RUN_EVENT_ARGS)
+                await self._fenced_run(self._pool, written, repeated)
+            return earlier, True
+        enforce(Act.WRITE_MEMORY, Facts(author.company_id, room_id, member=row["member"]))
+        if row["line"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
+            if ledger is not None:
+                await self._fenced_run(self._pool, row, ledger)
+            raise FailedPrecondition(f"memory line not written in room {room_id}: its ledger row was refused")
+        return row["line"], False
 
     async def list_memory(
         self, room_id: str, reader_company_id: str, query: str | None, before: int | None, limit: int

@@ -7,13 +7,15 @@ from collections.abc import Sequence
 
 import asyncpg
 
-from quayutec.errors import AlreadyExists, FailedPrecondition, NotFound
+from quayutec.errors import FailedPrecondition, NotFound
 from quayutec.telemetry import current_traceparent
 from quayutec.v1 import common_pb2
 from services.room import convert
 from services.room.rules import Act, Facts, enforce
 from services.room.store.base import (
     _MAX_KEY,
+    _NO_RUN,
+    _RUN_EVENT_ARGS,
     AuthorRef,
     Page,
     Posted,
@@ -21,10 +23,11 @@ from services.room.store.base import (
     RunRecord,
     StoreBase,
     TaskUpdated,
-    TransactionHook,
     _Events,
     _identified,
     _page,
+    _run_args,
+    _with_write_id,
 )
 
 
@@ -41,25 +44,23 @@ class MessagesAndTasks(StoreBase):
         run_id: str | None,
         dedupe_key: str | None,
         run: RunRecord | None = None,
-        between_writes: TransactionHook | None = None,
     ) -> Posted:
-        """Appends a message and, in the same transaction, a wake for each mentioned agent but the author
-        (and ``run``'s ledger row, with the message id as its posted_message_id).
+        """Appends a message with, in the same statement, a wake for each mentioned agent but the author, its
+        event, and ``run``'s ledger row (with the message id as its posted_message_id) through the fence.
 
-        Round trips: BEGIN, the checks (post_check), the ledger row when given, the message with its wakes
-        (which takes the room row's lock), its events, COMMIT. ``between_writes`` runs after the message
-        and its wakes, before their events."""
+        Round trips: 1 (post_message: the rules' facts, and the writes when the facts are those of a post
+        the rules allow); a repeat with a ledger row 2 (the row with the earlier message's id, record_run).
+        The rules are decided here, from the facts the statement returns; the statement writes only under
+        facts they allow (tests/room/test_round_trips.py tries each refusal and finds nothing written)."""
         self._require_run_of(run, room_id, author)
         try:
-            return await self._post_message(
-                room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, between_writes
-            )
+            return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run)
         except asyncpg.UniqueViolationError as exc:
             if dedupe_key is None or exc.constraint_name != "messages_room_dedupe_key":
                 raise
-        # A concurrent post with the same dedupe_key committed between our check and our insert (which
-        # waited for its room lock); this transaction rolled back whole, and the retry finds that message.
-        return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, None)
+        # A concurrent post with the same dedupe_key committed between our facts and our insert (which
+        # waited for its room lock); the statement wrote nothing, and the retry finds that message.
+        return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run)
 
     async def _post_message(
         self,
@@ -70,57 +71,52 @@ class MessagesAndTasks(StoreBase):
         run_id: str | None,
         dedupe_key: str | None,
         run: RunRecord | None,
-        between_writes: TransactionHook | None,
     ) -> Posted:
-        async with self._pool.acquire() as conn, conn.transaction():
-            check = await conn.fetchrow(
-                self._q["post_check"],
-                room_id,
-                author.company_id or None,
-                author.agent_id if author.kind == "agent" else None,
-                list(mention_agent_ids),
-                dedupe_key,
-            )
-            if not check["room_found"]:
-                raise NotFound(f"room {room_id} not found")
-            events = _Events()
-            author = _identified(author, check["agent_company_id"])
-            earlier = check["earlier"]
-            if earlier is not None:  # the author's right to write here first, then the answer
-                repeat = str(earlier["author_company_id"])
-                facts = Facts(author.company_id, room_id, member=check["member"], repeat_of_company_id=repeat)
-                enforce(Act.POST_MESSAGE, facts, repeat=True)
-                await self._record_write(conn, events, run, earlier["message_id"])
-                await self._append_events(conn, events)
-                return Posted(earlier, list(check["earlier_wakes"]), True)
-            companies = dict(zip(check["mentioned_agent_ids"], check["mentioned_company_ids"], strict=True))
-            in_room = {str(a) for a, c in companies.items() if c in check["member_company_ids"]}
-            missing = next((a for a in mention_agent_ids if a not in in_room), "")
-            facts = Facts(author.company_id, room_id, member=check["member"], mention_not_in_room=missing)
-            enforce(Act.POST_MESSAGE, facts)
-            message_id = uuid.uuid4()
-            # The ledger row before the message: no lock on the room row is held while it is written.
-            await self._record_write(conn, events, run, message_id)
-            woken = [a for a in mention_agent_ids if a != author.agent_id]
-            row = await conn.fetchrow(
-                self._q["insert_message_with_wakes"],
-                room_id,
-                message_id,
-                *author.columns(),
-                body,
-                list(mention_agent_ids),
-                run_id,
-                dedupe_key,
-                woken,
-                str(message_id),
-                current_traceparent(),
-                author.verified_by,
-            )
-            if between_writes is not None:
-                await between_writes(conn)
-            events.add(room_id, common_pb2.ROOM_EVENT_KIND_MESSAGE_POSTED, convert.message(row))
-            await self._append_events(conn, events)
-            return Posted(row, list(row["wakes"]), False)
+        message_id = uuid.uuid4()
+        ledger = _with_write_id(run, message_id)
+        woken = [a for a in mention_agent_ids if a != author.agent_id]
+        agent_id = author.agent_id if author.kind == "agent" else None
+        row = await self._pool.fetchrow(
+            self._q["post_message"],
+            *(_NO_RUN if ledger is None else _run_args(ledger)),
+            *_RUN_EVENT_ARGS,
+            room_id,
+            author.company_id or None,
+            agent_id,
+            list(mention_agent_ids),
+            dedupe_key,
+            message_id,
+            author.kind,
+            author.person,
+            body,
+            run_id,
+            woken,
+            str(message_id),
+            current_traceparent(),
+            author.verified_by,
+        )
+        if not row["room_found"]:
+            raise NotFound(f"room {room_id} not found")
+        author = _identified(author, row["agent_company_id"])
+        earlier = row["earlier"]
+        if earlier is not None:  # the author's right to write here first, then the answer
+            repeat = str(earlier["author_company_id"])
+            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
+            enforce(Act.POST_MESSAGE, facts, repeat=True)
+            repeated = _with_write_id(run, earlier["message_id"])
+            if repeated is not None:
+                written = await self._pool.fetchrow(self._q["record_run"], *_run_args(repeated), *_RUN_EVENT_ARGS)
+                await self._fenced_run(self._pool, written, repeated)
+            return Posted(earlier, list(row["earlier_wakes"]), True)
+        companies = dict(zip(row["mentioned_agent_ids"], row["mentioned_company_ids"], strict=True))
+        in_room = {str(a) for a, c in companies.items() if c in row["member_company_ids"]}
+        missing = next((a for a in mention_agent_ids if a not in in_room), "")
+        enforce(Act.POST_MESSAGE, Facts(author.company_id, room_id, member=row["member"], mention_not_in_room=missing))
+        if row["message"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
+            if ledger is not None:
+                await self._fenced_run(self._pool, row, ledger)
+            raise FailedPrecondition(f"message not posted in room {room_id}: its ledger row was refused")
+        return Posted(row["message"], list(row["wakes"]), False)
 
     async def list_messages(self, room_id: str, after: int | None, limit: int, *, newest_first: bool) -> Page:
         async with self._pool.acquire() as conn:
@@ -150,63 +146,80 @@ class MessagesAndTasks(StoreBase):
         run_id: str | None,
         dedupe_key: str | None,
         run: RunRecord | None = None,
-        between_writes: TransactionHook | None = None,
     ) -> Posted:
-        """Records a task and, in the same transaction, the assignee's wake (none when it assigned itself)
-        and ``run``'s ledger row with the task id."""
-        self._require_run_of(run, room_id, author)
-        async with self._pool.acquire() as conn, conn.transaction():
-            await self._require_room(conn, room_id)
-            events = _Events()
-            if dedupe_key is not None:
-                earlier = await self._earlier_task(conn, room_id, dedupe_key)
-                if earlier is not None:  # the author's right to write here first, then the answer
-                    facts = Facts("", repeat_of_company_id=str(earlier.row["from_company_id"]))
-                    await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts, repeat=True)
-                    await self._record_write(conn, events, run, earlier.row["task_id"])
-                    await self._append_events(conn, events)
-                    return earlier
-            assignee = await conn.fetchrow(self._q["lock_assignee_in_room"], to_agent_id, room_id)
-            in_room = assignee is not None and bool(assignee["member"])
-            facts = Facts(author.company_id, assignee_id=to_agent_id, assignee_in_room=in_room)
-            author = await self._admit_author(conn, room_id, author, Act.CREATE_TASK, facts)
-            row = await conn.fetchrow(
-                self._q["insert_task"],
-                room_id,
-                *author.columns(),
-                to_agent_id,
-                title,
-                body,
-                run_id,
-                dedupe_key,
-                author.verified_by,
-            )
-            if row is None:  # a concurrent create with the same dedupe_key committed first
-                earlier = await self._earlier_task(conn, room_id, dedupe_key)
-                if earlier is None:  # pragma: no cover - the conflict row cannot vanish
-                    raise AlreadyExists(f"a task with dedupe_key {dedupe_key!r} already exists")
-                repeat = str(earlier.row["from_company_id"])
-                facts = Facts(author.company_id, room_id, member=True, repeat_of_company_id=repeat)
-                enforce(Act.CREATE_TASK, facts, repeat=True)
-                await self._record_write(conn, events, run, earlier.row["task_id"])
-                await self._append_events(conn, events)
-                return earlier
-            if between_writes is not None:
-                await between_writes(conn)
-            woken = [to_agent_id] if to_agent_id != author.agent_id else []
-            traceparent = current_traceparent()
-            wakes = await conn.fetch(self._q["insert_wakes"], woken, room_id, "task", str(row["task_id"]), traceparent)
-            await self._record_write(conn, events, run, row["task_id"])
-            events.add(room_id, common_pb2.ROOM_EVENT_KIND_TASK_CREATED, convert.task(row))
-            await self._append_events(conn, events)
-            return Posted(row, list(wakes), False)
+        """Records a task with, in the same statement, the assignee's wake (none when it assigned itself), its
+        event and ``run``'s ledger row with the task id.
 
-    async def _earlier_task(self, conn: asyncpg.Connection, room_id: str, dedupe_key: str | None) -> Posted | None:
-        row = await conn.fetchrow(self._q["find_task_by_dedupe"], room_id, dedupe_key)
-        if row is None:
-            return None
-        wakes = await conn.fetch(self._q["wakes_of_source"], str(row["task_id"]), "task")
-        return Posted(row, list(wakes), True)
+        Round trips: 1 (create_task, as post_message: the rules' facts, and the writes when they are those
+        of a task the rules allow); a repeat with a ledger row 2 (record_run)."""
+        self._require_run_of(run, room_id, author)
+        try:
+            return await self._create_task(room_id, author, to_agent_id, title, body, run_id, dedupe_key, run)
+        except asyncpg.UniqueViolationError as exc:
+            if dedupe_key is None or exc.constraint_name != "tasks_room_dedupe_key":
+                raise
+        # A concurrent create with the same dedupe_key committed first: this statement wrote nothing.
+        return await self._create_task(room_id, author, to_agent_id, title, body, run_id, dedupe_key, run)
+
+    async def _create_task(
+        self,
+        room_id: str,
+        author: AuthorRef,
+        to_agent_id: str,
+        title: str,
+        body: str,
+        run_id: str | None,
+        dedupe_key: str | None,
+        run: RunRecord | None,
+    ) -> Posted:
+        task_id = uuid.uuid4()
+        ledger = _with_write_id(run, task_id)
+        agent_id = author.agent_id if author.kind == "agent" else None
+        row = await self._pool.fetchrow(
+            self._q["create_task"],
+            *(_NO_RUN if ledger is None else _run_args(ledger)),
+            *_RUN_EVENT_ARGS,
+            room_id,
+            author.company_id or None,
+            agent_id,
+            to_agent_id,
+            dedupe_key,
+            task_id,
+            author.kind,
+            author.person,
+            title,
+            body,
+            run_id,
+            [to_agent_id] if to_agent_id != agent_id else [],
+            current_traceparent(),
+            author.verified_by,
+        )
+        if not row["room_found"]:
+            raise NotFound(f"room {room_id} not found")
+        author = _identified(author, row["agent_company_id"])
+        earlier = row["earlier"]
+        if earlier is not None:  # the author's right to write here first, then the answer
+            repeat = str(earlier["from_company_id"])
+            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
+            enforce(Act.CREATE_TASK, facts, repeat=True)
+            repeated = _with_write_id(run, earlier["task_id"])
+            if repeated is not None:
+                written = await self._pool.fetchrow(self._q["record_run"], *_run_args(repeated), *_RUN_EVENT_ARGS)
+                await self._fenced_run(self._pool, written, repeated)
+            return Posted(earlier, list(row["earlier_wakes"]), True)
+        facts = Facts(
+            author.company_id,
+            room_id,
+            member=row["member"],
+            assignee_id=to_agent_id,
+            assignee_in_room=row["assignee_in_room"],
+        )
+        enforce(Act.CREATE_TASK, facts)
+        if row["task"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
+            if ledger is not None:
+                await self._fenced_run(self._pool, row, ledger)
+            raise FailedPrecondition(f"task not created in room {room_id}: its ledger row was refused")
+        return Posted(row["task"], list(row["wakes"]), False)
 
     async def update_task(
         self,
@@ -221,46 +234,56 @@ class MessagesAndTasks(StoreBase):
         run: RunRecord | None = None,
     ) -> TaskUpdated:
         """Adds a note and optionally closes the task; a closed task stays closed. ``run``'s ledger row
-        is recorded in the same transaction with the update id."""
+        is recorded in the same transaction with the update id.
+
+        Round trips: BEGIN, the facts (update_task_facts: the task locked, the author's membership FOR
+        SHARE, the earlier update), the update with the task's status (write_task_update), the ledger row
+        when given, the event (the room row's lock, last), COMMIT."""
+        agent_id = author.agent_id if author.kind == "agent" else None
         async with self._pool.acquire() as conn, conn.transaction():
-            task = await conn.fetchrow(self._q["lock_task"], task_id)
+            task = await conn.fetchrow(
+                self._q["update_task_facts"], task_id, dedupe_key, author.company_id or None, agent_id
+            )
             if task is None or (room_id is not None and str(task["room_id"]) != room_id):
                 raise NotFound(f"task {task_id} not found")
-            self._require_run_of(run, str(task["room_id"]), author)
+            task_room = str(task["room_id"])
+            self._require_run_of(run, task_room, author)
+            author = _identified(author, task["agent_company_id"])
             events = _Events()
-            if dedupe_key is not None:
-                earlier = await conn.fetchrow(self._q["find_task_update_by_dedupe"], task_id, dedupe_key)
-                if earlier is not None:  # the author's right to write here first, then the answer
-                    facts = Facts("", repeat_of_company_id=str(earlier["author_company_id"]))
-                    await self._admit_author(conn, str(task["room_id"]), author, Act.UPDATE_TASK, facts, repeat=True)
-                    await self._record_write(conn, events, run, earlier["update_id"])
-                    await self._append_events(conn, events)
-                    updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
-                    return TaskUpdated(task, earlier, list(updates), True)
+            earlier = task["earlier"]
+            if earlier is not None:  # the author's right to write here first, then the answer
+                repeat = str(earlier["author_company_id"])
+                facts = Facts(author.company_id, task_room, member=task["member"], repeat_of_company_id=repeat)
+                enforce(Act.UPDATE_TASK, facts, repeat=True)
+                await self._record_write(conn, events, run, earlier["update_id"])
+                await self._append_events(conn, events)
+                updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
+                return TaskUpdated(task, earlier, list(updates), True)
             facts = Facts(
                 author.company_id,
+                task_room,
+                member=task["member"],
                 task_id=task_id,
                 sender_id=str(task["from_company_id"]),
                 assignee_company_id=str(task["assignee_company_id"] or ""),
             )
-            author = await self._admit_author(conn, str(task["room_id"]), author, Act.UPDATE_TASK, facts)
+            enforce(Act.UPDATE_TASK, facts)
             if task["status"] != "open":
                 raise FailedPrecondition(f"task {task_id} is already {task['status']}")
             new_status = status or "open"
-            update = await conn.fetchrow(
-                self._q["insert_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
+            written = await conn.fetchrow(
+                self._q["write_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
             )
-            task = await conn.fetchrow(self._q["set_task_status"], task_id, new_status)
+            update, updates = written["added"], list(written["updates"])
             await self._record_write(conn, events, run, update["update_id"])
-            updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
             kind = (
                 common_pb2.ROOM_EVENT_KIND_TASK_UPDATED
                 if new_status == "open"
                 else common_pb2.ROOM_EVENT_KIND_TASK_CLOSED
             )
-            events.add(str(task["room_id"]), kind, convert.task(task, updates))
+            events.add(task_room, kind, convert.task(written, updates))
             await self._append_events(conn, events)
-            return TaskUpdated(task, update, list(updates), False)
+            return TaskUpdated(written, update, updates, False)
 
     async def get_task(self, task_id: str, room_id: str | None) -> tuple[Record, list[Record]]:
         async with self._pool.acquire() as conn:

@@ -3,12 +3,13 @@ records runs."""
 
 from __future__ import annotations
 
-from quayutec.errors import NotFound
+from quayutec.errors import FailedPrecondition, NotFound
 from quayutec.ledger import mark_undone, run_id_for
 from quayutec.v1 import common_pb2
 from services.room import convert
 from services.room.store.base import (
     _MAX_KEY,
+    _RUN_EVENT_ARGS,
     MEMORY_LIMIT,
     OPEN_TASKS_LIMIT,
     PASSAGE_QUERY_BYTES,
@@ -22,6 +23,7 @@ from services.room.store.base import (
     _Events,
     _not_started_error,
     _page,
+    _run_args,
 )
 
 
@@ -40,11 +42,11 @@ class RunLedger(StoreBase):
         run: common_pb2.Run | None = None,
     ) -> RunContext:
         """Everything a run reads of its room, in one statement (one snapshot); with ``run``, that ledger row
-        (and its room event, when its status changes) is recorded in the same transaction, before the read.
+        (and its room event, when its status changes) is written through the fence in the same statement,
+        and the room is read only when the fence let it be written.
 
-        Round trips: 1 without ``run``; with it BEGIN, the ledger row, the read, the event (when there is
-        one), COMMIT. The room row is locked only by the event, after the read and just before COMMIT, so
-        posts in the room neither wait on the read nor make it fail."""
+        Round trips: 1 (run_context, or run_context_with_run). The room row is locked only by the run's
+        event, after the ledger row; posts in the room neither wait on the read nor make it fail."""
         args = (
             agent_id,
             room_id,
@@ -59,12 +61,15 @@ class RunLedger(StoreBase):
         )
         if run is None:
             return self._run_context(await self._pool.fetchrow(self._q["run_context"], *args), agent_id, room_id)
-        async with self._pool.acquire() as conn, conn.transaction():
-            events = _Events()
-            await self._upsert_run(conn, events, run)
-            context = self._run_context(await conn.fetchrow(self._q["run_context"], *args), agent_id, room_id)
-            await self._append_events(conn, events)
-            return context
+        row = await self._pool.fetchrow(self._q["run_context_with_run"], *_run_args(run), *_RUN_EVENT_ARGS, *args)
+        if not row["agent_found"]:
+            raise NotFound(f"agent {agent_id} not found")
+        if not row["admitted"]:
+            raise NotFound(f"room {room_id} not found (or the company of agent {agent_id} is not a member)")
+        if row["run"] is None:
+            await self._fenced_run(self._pool, row, run)  # refused: raises (a refused run reads nothing)
+            raise FailedPrecondition(f"run {run.run_id} has ended; it cannot read the room")
+        return self._run_context(row, agent_id, room_id)
 
     def _run_context(self, row: Record | None, agent_id: str, room_id: str) -> RunContext:
         if row is None:
@@ -90,13 +95,11 @@ class RunLedger(StoreBase):
         )
 
     async def record_run(self, run: common_pb2.Run) -> Record:
-        """Upserts the run's row (and its room event, when its status changes) in one transaction; an ended
-        row may only be rewritten unchanged. Round trips: BEGIN, the row, the event (when any), COMMIT."""
-        async with self._pool.acquire() as conn, conn.transaction():
-            events = _Events()
-            row = await self._upsert_run(conn, events, run)
-            await self._append_events(conn, events)
-            return row
+        """Upserts the run's row through the fence, with its room event when its status changes; an ended
+        row may only be rewritten unchanged. Round trips: 1 (record_run), 2 when the row was written by
+        another after the statement's snapshot and the refusal needs it read."""
+        row = await self._pool.fetchrow(self._q["record_run"], *_run_args(run), *_RUN_EVENT_ARGS)
+        return await self._fenced_run(self._pool, row, run)
 
     async def get_run(self, run_id: str) -> tuple[Record, WaitpointRows | None]:
         """The run's ledger row, and its waitpoint when it parked."""
@@ -148,9 +151,8 @@ class RunLedger(StoreBase):
                     run.step = common_pb2.RUN_STEP_ENDED
                     run.error = f"{detail}; not redone"
                     run.ended_at.GetCurrentTime()
-                    events = _Events()
-                    await self._upsert_run(conn, events, run)
-                    await self._append_events(conn, events)
+                    written = await conn.fetchrow(self._q["record_run"], *_run_args(run), *_RUN_EVENT_ARGS)
+                    await self._fenced_run(conn, written, run)
                     ended += 1
         return ended
 
