@@ -80,7 +80,9 @@ async def served_with_a_key(addr: str, key: CompanyKey) -> None:
     """An authenticated PostMessage and a WatchRooms that delivers it."""
     async with authed_gateway(addr, key.secret) as gw:
         room = await create_room(gw, "still served")
-        rooms = gw.WatchRooms(gateway_pb2.WatchRoomsRequest(), metadata=auth(key), timeout=60)
+        # From the room's start, not from now: a stream set up after the post commits still delivers it.
+        start = gateway_pb2.RoomCursor(room_id=room.room_id, cursor=0)
+        rooms = gw.WatchRooms(gateway_pb2.WatchRoomsRequest(after=[start]), metadata=auth(key), timeout=60)
         posted = await gw.PostMessage(
             gateway_pb2.PostMessageRequest(room_id=room.room_id, person="Ada", body="still here"), timeout=30
         )
