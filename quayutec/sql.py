@@ -2,6 +2,11 @@
 
 Each loaded query is also known by its text (``query_name``): a database span that sent it is named
 ``<component>/<name>`` (e.g. ``room/post_check``) rather than by the SQL's first word.
+
+A part several queries share is written once, under a ``-- fragment: <name>`` line, and named in each
+query that uses it as ``{{<name>}}``, replaced by its text when the file is loaded (the Room's fenced
+ledger write, for one, is the same CTEs in every statement that writes a run's row). A fragment is not
+a query; a name that is not a fragment of the file is an error when it is loaded.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ from pathlib import Path
 # table only grows to the number of queries there are).
 _LOADED: dict[str, str] = {}
 
-_NAME_LINE = re.compile(r"^--\s*name:\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_NAME_LINE = re.compile(r"^--\s*(?P<kind>name|fragment):\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
+_FRAGMENT_USE = re.compile(r"\{\{(?P<name>[a-z_][a-z0-9_]*)\}\}")
 
 
 class Queries(Mapping[str, str]):
@@ -24,21 +30,31 @@ class Queries(Mapping[str, str]):
         self.path = path
         text = path.read_text(encoding="utf-8")
         marks = list(_NAME_LINE.finditer(text))
-        if not marks:
-            raise ValueError(f"{path}: no '-- name: ...' queries found")
         queries: dict[str, str] = {}
+        fragments: dict[str, str] = {}
         for i, mark in enumerate(marks):
             end = marks[i + 1].start() if i + 1 < len(marks) else len(text)
             body = _strip_comments(text[mark.end() : end])
-            name = mark.group("name")
-            if name in queries:
-                raise ValueError(f"{path}: query {name!r} defined twice")
+            kind, name = mark.group("kind"), mark.group("name")
+            into = queries if kind == "name" else fragments
+            if name in into:
+                raise ValueError(f"{path}: {'query' if kind == 'name' else 'fragment'} {name!r} defined twice")
             if not body:
-                raise ValueError(f"{path}: query {name!r} is empty")
-            queries[name] = body
-        self._queries = queries
+                raise ValueError(f"{path}: {'query' if kind == 'name' else 'fragment'} {name!r} is empty")
+            into[name] = body
+        if not queries:
+            raise ValueError(f"{path}: no '-- name: ...' queries found")
+
+        def fragment(use: re.Match[str]) -> str:
+            name = use.group("name")
+            if name not in fragments:
+                raise ValueError(f"{path}: {{{{{name}}}}} names no '-- fragment: {name}' of the file")
+            return fragments[name]
+
+        self._queries = {name: _FRAGMENT_USE.sub(fragment, body) for name, body in queries.items()}
+        self.fragments: Mapping[str, str] = fragments
         component = path.parent.parent.name if path.parent.name == "sql" else path.stem
-        for name, body in queries.items():
+        for name, body in self._queries.items():
             _LOADED.setdefault(body, f"{component}/{name}")
 
     def __getitem__(self, name: str) -> str:

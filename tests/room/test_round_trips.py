@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -362,15 +363,17 @@ async def test_read_events_round_trips(room: Stub, world: World, statements: Sta
     assert await statements.of(room.ReadRoomEvents(now)) == ["read_room_events"]
 
 
-def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it() -> None:
-    # Each statement that writes a ledger row carries the fence (and the run's event) as CTEs: one text.
+def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it(tmp_path: Path) -> None:
+    # Each statement that writes a ledger row carries the fence (and the run's event) as CTEs, written once in
+    # queries.sql as the fragment fenced_run_write.
     queries = Queries(QUERIES_PATH)
-
-    def fence(name: str) -> str:
-        text = queries[name]
-        return text[text.index("before AS (") : text.index("), next AS (")]
-
-    fenced = ("record_run", "run_context_with_run", "post_message", "write_memory", "create_task")
-    texts = {fence(name) for name in fenced}
-    assert len(texts) == 1
-    assert "WHERE r.ended_at IS NULL" in texts.pop()
+    fence = queries.fragments["fenced_run_write"]
+    assert "WHERE r.ended_at IS NULL" in fence and "up AS (" in fence
+    for name in ("record_run", "run_context_with_run", "post_message", "write_memory", "create_task"):
+        assert queries[name].count(fence) == 1, name
+        assert "{{" not in queries[name]
+    # A statement naming a fragment the file does not have is refused when the file is loaded.
+    broken = tmp_path / "queries.sql"
+    broken.write_text("-- name: q\nSELECT 1 FROM {{no_such_part}};\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="no_such_part"):
+        Queries(broken)

@@ -278,6 +278,62 @@ WITH next AS (
 )
 SELECT message.*, ARRAY(SELECT w FROM woken) AS wakes FROM message;
 
+-- fragment: fenced_run_write
+-- The ledger row $1..$19 written through the fence, and its room event, as CTEs every statement that
+-- writes a run's row shares (named {{fenced_run_write}} in them; the statement defines admitted.ok,
+-- whether it may write at all, before it). before: the row as it stood in the statement's snapshot.
+-- up: the upsert of upsert_run_with_before, written when the row is new, holds the same attempt ($18), is
+-- not_started, or is parked and the write continues its decided waitpoint; an ended row, or one another
+-- attempt holds, is left alone (no row). run_event: when the row's status changed into one of $20, the
+-- event of kind $21 (the kind of each), for the row's company, carrying the row as written (snapshot).
+before AS (
+    SELECT r FROM runs AS r WHERE r.run_id = $1
+), up AS (
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
+        trace_ids)
+    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
+        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
+    FROM admitted WHERE admitted.ok
+    ON CONFLICT (run_id) DO UPDATE SET
+        agent_id = EXCLUDED.agent_id,
+        company_id = EXCLUDED.company_id,
+        room_id = EXCLUDED.room_id,
+        wake_id = EXCLUDED.wake_id,
+        wake_kind = EXCLUDED.wake_kind,
+        wake_source_id = EXCLUDED.wake_source_id,
+        status = EXCLUDED.status,
+        step = EXCLUDED.step,
+        posted_message_id = EXCLUDED.posted_message_id,
+        actions = EXCLUDED.actions,
+        model_attempts = EXCLUDED.model_attempts,
+        error = EXCLUDED.error,
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
+        trace_ids = ARRAY(
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            GROUP BY t ORDER BY min(n)
+        ),
+        active_ms = EXCLUDED.active_ms,
+        started_at = COALESCE($16::timestamptz, r.started_at),
+        updated_at = now(),
+        ended_at = EXCLUDED.ended_at,
+        attempt = EXCLUDED.attempt
+    WHERE r.ended_at IS NULL
+        AND (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
+                SELECT 1 FROM waitpoints AS w
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
+                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
+            ))
+        )
+    RETURNING r, r.room_id, r.company_id, r.status
+), run_event AS (
+    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
+    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
+    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+
 -- name: post_message
 -- PostMessage in one statement: the rules' facts, and the post written only when they are those of a new
 -- post the rules allow (the store checks that claim against services/room/rules.py, and decides from the
@@ -329,53 +385,7 @@ WITH author_agent AS (
     FROM facts AS f
 ), admitted AS (
     SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
-), before AS (
-    SELECT r FROM runs AS r WHERE r.run_id = $1
-), up AS (
-    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
-        trace_ids)
-    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
-        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
-    FROM admitted WHERE admitted.ok
-    ON CONFLICT (run_id) DO UPDATE SET
-        agent_id = EXCLUDED.agent_id,
-        company_id = EXCLUDED.company_id,
-        room_id = EXCLUDED.room_id,
-        wake_id = EXCLUDED.wake_id,
-        wake_kind = EXCLUDED.wake_kind,
-        wake_source_id = EXCLUDED.wake_source_id,
-        status = EXCLUDED.status,
-        step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
-        model_attempts = EXCLUDED.model_attempts,
-        error = EXCLUDED.error,
-        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
-        trace_ids = ARRAY(
-            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
-            GROUP BY t ORDER BY min(n)
-        ),
-        active_ms = EXCLUDED.active_ms,
-        started_at = COALESCE($16::timestamptz, r.started_at),
-        updated_at = now(),
-        ended_at = EXCLUDED.ended_at,
-        attempt = EXCLUDED.attempt
-    WHERE r.ended_at IS NULL
-        AND (
-            r.attempt = EXCLUDED.attempt
-            OR r.status = 'not_started'
-            OR (r.status = 'parked' AND EXISTS (
-                SELECT 1 FROM waitpoints AS w
-                WHERE w.run_id = r.run_id AND w.status <> 'pending'
-                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
-            ))
-        )
-    RETURNING r, r.room_id, r.company_id, r.status
-), run_event AS (
-    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
-    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
-    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), {{fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_seq = last_seq + 1, last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
     WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
@@ -477,53 +487,7 @@ WITH author_agent AS (
     FROM facts AS f
 ), admitted AS (
     SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
-), before AS (
-    SELECT r FROM runs AS r WHERE r.run_id = $1
-), up AS (
-    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
-        trace_ids)
-    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
-        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
-    FROM admitted WHERE admitted.ok
-    ON CONFLICT (run_id) DO UPDATE SET
-        agent_id = EXCLUDED.agent_id,
-        company_id = EXCLUDED.company_id,
-        room_id = EXCLUDED.room_id,
-        wake_id = EXCLUDED.wake_id,
-        wake_kind = EXCLUDED.wake_kind,
-        wake_source_id = EXCLUDED.wake_source_id,
-        status = EXCLUDED.status,
-        step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
-        model_attempts = EXCLUDED.model_attempts,
-        error = EXCLUDED.error,
-        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
-        trace_ids = ARRAY(
-            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
-            GROUP BY t ORDER BY min(n)
-        ),
-        active_ms = EXCLUDED.active_ms,
-        started_at = COALESCE($16::timestamptz, r.started_at),
-        updated_at = now(),
-        ended_at = EXCLUDED.ended_at,
-        attempt = EXCLUDED.attempt
-    WHERE r.ended_at IS NULL
-        AND (
-            r.attempt = EXCLUDED.attempt
-            OR r.status = 'not_started'
-            OR (r.status = 'parked' AND EXISTS (
-                SELECT 1 FROM waitpoints AS w
-                WHERE w.run_id = r.run_id AND w.status <> 'pending'
-                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
-            ))
-        )
-    RETURNING r, r.room_id, r.company_id, r.status
-), run_event AS (
-    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
-    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
-    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), {{fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
     WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
@@ -653,53 +617,7 @@ WITH author_agent AS (
     FROM facts AS f
 ), admitted AS (
     SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
-), before AS (
-    SELECT r FROM runs AS r WHERE r.run_id = $1
-), up AS (
-    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
-        trace_ids)
-    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
-        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
-    FROM admitted WHERE admitted.ok
-    ON CONFLICT (run_id) DO UPDATE SET
-        agent_id = EXCLUDED.agent_id,
-        company_id = EXCLUDED.company_id,
-        room_id = EXCLUDED.room_id,
-        wake_id = EXCLUDED.wake_id,
-        wake_kind = EXCLUDED.wake_kind,
-        wake_source_id = EXCLUDED.wake_source_id,
-        status = EXCLUDED.status,
-        step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
-        model_attempts = EXCLUDED.model_attempts,
-        error = EXCLUDED.error,
-        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
-        trace_ids = ARRAY(
-            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
-            GROUP BY t ORDER BY min(n)
-        ),
-        active_ms = EXCLUDED.active_ms,
-        started_at = COALESCE($16::timestamptz, r.started_at),
-        updated_at = now(),
-        ended_at = EXCLUDED.ended_at,
-        attempt = EXCLUDED.attempt
-    WHERE r.ended_at IS NULL
-        AND (
-            r.attempt = EXCLUDED.attempt
-            OR r.status = 'not_started'
-            OR (r.status = 'parked' AND EXISTS (
-                SELECT 1 FROM waitpoints AS w
-                WHERE w.run_id = r.run_id AND w.status <> 'pending'
-                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
-            ))
-        )
-    RETURNING r, r.room_id, r.company_id, r.status
-), run_event AS (
-    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
-    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
-    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), {{fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
     WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
@@ -1242,62 +1160,16 @@ FROM agent;
 
 -- name: record_run
 -- A ledger row written through the fence with its room event, in one statement. The write is
--- upsert_run_with_before's ($1..$19, the same fence; this text between admitted and next must stay the
--- same as in run_context_with_run, post_message, write_memory and create_task:
--- tests/room/test_round_trips.py compares them), and when the row's status changed into one of $20 (statuses) the event of kind $21 (the
--- kind of each) is appended for the row's company, carrying the row as written (snapshot). The event is appended by the last CTEs, which
+-- upsert_run_with_before's ($1..$19, the same fence, in the fragment fenced_run_write, which
+-- run_context_with_run, post_message, write_memory and create_task share), and when the row's status
+-- changed into one of $20 (statuses) the event of kind $21 (the kind of each) is appended for the row's
+-- company, carrying the row as written (snapshot). The event is appended by the last CTEs, which
 -- read the written row: the room row's lock (the event cursor) is taken after the ledger row's, and is
 -- held to commit. Returns the row written (run; NULL when the fence refused it), the row as it stood
 -- before in this statement's snapshot (stored), and the events appended.
 WITH admitted AS (
     SELECT true AS ok
-), before AS (
-    SELECT r FROM runs AS r WHERE r.run_id = $1
-), up AS (
-    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
-        trace_ids)
-    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
-        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
-    FROM admitted WHERE admitted.ok
-    ON CONFLICT (run_id) DO UPDATE SET
-        agent_id = EXCLUDED.agent_id,
-        company_id = EXCLUDED.company_id,
-        room_id = EXCLUDED.room_id,
-        wake_id = EXCLUDED.wake_id,
-        wake_kind = EXCLUDED.wake_kind,
-        wake_source_id = EXCLUDED.wake_source_id,
-        status = EXCLUDED.status,
-        step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
-        model_attempts = EXCLUDED.model_attempts,
-        error = EXCLUDED.error,
-        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
-        trace_ids = ARRAY(
-            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
-            GROUP BY t ORDER BY min(n)
-        ),
-        active_ms = EXCLUDED.active_ms,
-        started_at = COALESCE($16::timestamptz, r.started_at),
-        updated_at = now(),
-        ended_at = EXCLUDED.ended_at,
-        attempt = EXCLUDED.attempt
-    WHERE r.ended_at IS NULL
-        AND (
-            r.attempt = EXCLUDED.attempt
-            OR r.status = 'not_started'
-            OR (r.status = 'parked' AND EXISTS (
-                SELECT 1 FROM waitpoints AS w
-                WHERE w.run_id = r.run_id AND w.status <> 'pending'
-                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
-            ))
-        )
-    RETURNING r, r.room_id, r.company_id, r.status
-), run_event AS (
-    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
-    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
-    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), {{fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1
     FROM run_event WHERE rooms.room_id = run_event.room_id
@@ -1321,53 +1193,7 @@ WITH admitted AS (
         JOIN room_members AS m ON m.company_id = a.company_id AND m.room_id = $23
         WHERE a.agent_id = $22
     ) AS ok
-), before AS (
-    SELECT r FROM runs AS r WHERE r.run_id = $1
-), up AS (
-    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
-        posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
-        trace_ids)
-    SELECT $1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
-        $9, $10, $11::jsonb, $12::jsonb, $13, $14, $15, COALESCE($16::timestamptz, now()), $17, $18, $19::text[]
-    FROM admitted WHERE admitted.ok
-    ON CONFLICT (run_id) DO UPDATE SET
-        agent_id = EXCLUDED.agent_id,
-        company_id = EXCLUDED.company_id,
-        room_id = EXCLUDED.room_id,
-        wake_id = EXCLUDED.wake_id,
-        wake_kind = EXCLUDED.wake_kind,
-        wake_source_id = EXCLUDED.wake_source_id,
-        status = EXCLUDED.status,
-        step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
-        model_attempts = EXCLUDED.model_attempts,
-        error = EXCLUDED.error,
-        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
-        trace_ids = ARRAY(
-            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
-            GROUP BY t ORDER BY min(n)
-        ),
-        active_ms = EXCLUDED.active_ms,
-        started_at = COALESCE($16::timestamptz, r.started_at),
-        updated_at = now(),
-        ended_at = EXCLUDED.ended_at,
-        attempt = EXCLUDED.attempt
-    WHERE r.ended_at IS NULL
-        AND (
-            r.attempt = EXCLUDED.attempt
-            OR r.status = 'not_started'
-            OR (r.status = 'parked' AND EXISTS (
-                SELECT 1 FROM waitpoints AS w
-                WHERE w.run_id = r.run_id AND w.status <> 'pending'
-                    AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
-            ))
-        )
-    RETURNING r, r.room_id, r.company_id, r.status
-), run_event AS (
-    SELECT up.room_id, k.kind, up.company_id AS audience, to_jsonb(up.r) AS snapshot
-    FROM up JOIN unnest($20::text[], $21::text[]) AS k (status, kind) ON k.status = up.status
-    WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
+), {{fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1
     FROM run_event WHERE rooms.room_id = run_event.room_id
