@@ -262,12 +262,13 @@ class StoreBase:
         if row is not None:
             self._run_event(events, row, row["status_before"])
             return row
-        stored = await conn.fetchrow(self._q["get_run"], run.run_id)
-        if stored is not None and stored["attempt"] != run.attempt:
-            raise _held_by_another(run.run_id)
-        if stored is None or not _same_run(convert.run(stored), run):
-            raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
-        return stored
+        return _unchanged_by(await conn.fetchrow(self._q["get_run"], run.run_id), run)
+
+    async def _record_run(self, conn: asyncpg.Connection | asyncpg.Pool, run: common_pb2.Run) -> Record:
+        """Writes ``run``'s row through the fence with its room event in one statement (record_run): the row
+        as ``_fenced_run`` answers it."""
+        row = await conn.fetchrow(self._q["record_run"], *_run_args(run), *_RUN_EVENT_ARGS)
+        return await self._fenced_run(conn, row, run)
 
     async def _fenced_run(self, conn: asyncpg.Connection | asyncpg.Pool, row: Record, run: common_pb2.Run) -> Record:
         """The ledger row a fenced write (record_run, run_context_with_run, post_message) made of ``run``: the
@@ -280,11 +281,7 @@ class StoreBase:
         stored = row["stored"]
         if stored is None or (stored["attempt"] == run.attempt and stored["ended_at"] is None):
             stored = await conn.fetchrow(self._q["get_run"], run.run_id)
-        if stored is not None and stored["attempt"] != run.attempt:
-            raise _held_by_another(run.run_id)
-        if stored is None or not _same_run(convert.run(stored), run):
-            raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
-        return stored
+        return _unchanged_by(stored, run)
 
     @staticmethod
     def _run_event(events: _Events, row: Record, status_before: str | None) -> None:
@@ -369,6 +366,16 @@ def _identified(author: AuthorRef, agent_company: Any) -> AuthorRef:
     if author.company_id and author.company_id != str(agent_company):
         raise InvalidArgument(f"author agent {author.agent_id} does not belong to company {author.company_id}")
     return replace(author, company_id=str(agent_company))
+
+
+def _unchanged_by(stored: Record | None, run: common_pb2.Run) -> Record:
+    """``stored``, the row a fenced write of ``run`` left alone, when the write would not change it;
+    ALREADY_EXISTS when another attempt's run holds it, FAILED_PRECONDITION when it has ended."""
+    if stored is not None and stored["attempt"] != run.attempt:
+        raise _held_by_another(run.run_id)
+    if stored is None or not _same_run(convert.run(stored), run):
+        raise FailedPrecondition(f"run {run.run_id} has ended; its ledger row can no longer change")
+    return stored
 
 
 def _held_by_another(run_id: str) -> AlreadyExists:

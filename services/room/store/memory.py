@@ -92,8 +92,7 @@ class MemoryAndFiles(StoreBase):
             enforce(Act.WRITE_MEMORY, facts, repeat=True)
             repeated = _with_write_id(run, earlier["memory_id"])
             if repeated is not None:
-                written = await self._pool.fetchrow(self._q["record_run"], *_run_args(repeated), *_RUN_EVENT_ARGS)
-                await self._fenced_run(self._pool, written, repeated)
+                await self._record_run(self._pool, repeated)
             return earlier, True
         enforce(Act.WRITE_MEMORY, Facts(author.company_id, room_id, member=row["member"]))
         if row["line"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written

@@ -105,8 +105,7 @@ class MessagesAndTasks(StoreBase):
             enforce(Act.POST_MESSAGE, facts, repeat=True)
             repeated = _with_write_id(run, earlier["message_id"])
             if repeated is not None:
-                written = await self._pool.fetchrow(self._q["record_run"], *_run_args(repeated), *_RUN_EVENT_ARGS)
-                await self._fenced_run(self._pool, written, repeated)
+                await self._record_run(self._pool, repeated)
             return Posted(earlier, list(row["earlier_wakes"]), True)
         companies = dict(zip(row["mentioned_agent_ids"], row["mentioned_company_ids"], strict=True))
         in_room = {str(a) for a, c in companies.items() if c in row["member_company_ids"]}
@@ -204,8 +203,7 @@ class MessagesAndTasks(StoreBase):
             enforce(Act.CREATE_TASK, facts, repeat=True)
             repeated = _with_write_id(run, earlier["task_id"])
             if repeated is not None:
-                written = await self._pool.fetchrow(self._q["record_run"], *_run_args(repeated), *_RUN_EVENT_ARGS)
-                await self._fenced_run(self._pool, written, repeated)
+                await self._record_run(self._pool, repeated)
             return Posted(earlier, list(row["earlier_wakes"]), True)
         facts = Facts(
             author.company_id,

@@ -98,8 +98,7 @@ class RunLedger(StoreBase):
         """Upserts the run's row through the fence, with its room event when its status changes; an ended
         row may only be rewritten unchanged. Round trips: 1 (record_run), 2 when the row was written by
         another after the statement's snapshot and the refusal needs it read."""
-        row = await self._pool.fetchrow(self._q["record_run"], *_run_args(run), *_RUN_EVENT_ARGS)
-        return await self._fenced_run(self._pool, row, run)
+        return await self._record_run(self._pool, run)
 
     async def get_run(self, run_id: str) -> tuple[Record, WaitpointRows | None]:
         """The run's ledger row, and its waitpoint when it parked."""
@@ -151,8 +150,7 @@ class RunLedger(StoreBase):
                     run.step = common_pb2.RUN_STEP_ENDED
                     run.error = f"{detail}; not redone"
                     run.ended_at.GetCurrentTime()
-                    written = await conn.fetchrow(self._q["record_run"], *_run_args(run), *_RUN_EVENT_ARGS)
-                    await self._fenced_run(conn, written, run)
+                    await self._record_run(conn, run)
                     ended += 1
         return ended
 
