@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -53,10 +54,46 @@ def _session_bed(*, ha: bool) -> Iterator[Bed]:
             the_bed.remove_files()
 
 
+# A failed test's report shows, per service log of the bed, its last warnings and errors written
+# during the test (the bed's files are gone after the session).
+LOG_LINES_ON_FAILURE = 25
+_LOG_MARKS = pytest.StashKey[dict[Path, int]]()
+
+
+def _log_marks(bed: Bed) -> dict[Path, int]:
+    return {path: path.stat().st_size for path in sorted(bed.log_dir.glob("*.log"))}
+
+
+def _warnings_since(marks: dict[Path, int], log_dir: Path) -> str:
+    parts = []
+    for path in sorted(log_dir.glob("*.log")):
+        with path.open("rb") as log:
+            log.seek(marks.get(path, 0))
+            lines = log.read().decode(errors="replace").splitlines()
+        worth = [line for line in lines if "WARNING" in line or "ERROR" in line or "Traceback" in line]
+        if worth:
+            parts.append(f"--- {path.name}: the last {min(len(worth), LOG_LINES_ON_FAILURE)} of {len(worth)}")
+            parts.extend(worth[-LOG_LINES_ON_FAILURE:])
+    return "\n".join(parts)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    marks = item.stash.get(_LOG_MARKS, None)
+    bed = getattr(item, "funcargs", {}).get("healed")
+    if report.failed and marks is not None and isinstance(bed, Bed) and bed.log_dir.is_dir():
+        report.sections.append(("the bed's warnings and errors during the test", _warnings_since(marks, bed.log_dir)))
+    return report
+
+
 @pytest.fixture
-def healed(bed: Bed) -> Iterator[Bed]:
+def healed(bed: Bed, request: pytest.FixtureRequest) -> Iterator[Bed]:
     """The bed, its counters zeroed, with every partition and delay lifted after the test (whatever it left)."""
     bed.counters(reset=True)
+    request.node.stash[_LOG_MARKS] = _log_marks(bed)
     try:
         yield bed
     finally:

@@ -16,10 +16,9 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from quayutec.v1 import common_pb2, gateway_pb2
 from tests.cluster.bed import Bed, host_ips
 from tests.cluster.ha import HA_HOSTS, PG_PORT, TTL, HaDatabase, HaError
-from tests.cluster.world import Outcome, World, count_outcome, wait_settled, wait_until, world_on
+from tests.cluster.world import Outcome, World, agent_replies, count_outcome, wait_settled, wait_until, world_on
 
 WAKES = 100
 LATE_WAKES = 20  # posted while the fault happens, each retried until a Gateway answers
@@ -310,29 +309,10 @@ async def negative_control(load: Load) -> None:
 async def post_to_reply_ms(world: World, start: int, count: int, limit: float = 30.0) -> list[float]:
     """``count`` wakes one at a time through host a's Gateway: milliseconds from each post to its
     reply on a WatchRoom stream (the client's view)."""
-    queue: asyncio.Queue[float] = asyncio.Queue()
-
-    async def replies() -> None:
-        call = world.gateways["a"].WatchRoom(
-            gateway_pb2.WatchRoomRequest(room_id=world.room_id),
-            metadata=(("authorization", f"Bearer {world.secret}"),),
-        )
-        try:
-            async for item in call:
-                for event in item.events:
-                    if event.HasField("message") and event.message.author.kind == common_pb2.AUTHOR_KIND_AGENT:
-                        queue.put_nowait(time.monotonic())
-        finally:
-            call.cancel()
-
-    watcher = asyncio.create_task(replies())
-    await asyncio.sleep(0.5)  # the stream is open before the first post
     took = []
-    try:
+    async with agent_replies(world, "a") as queue:  # live before the first post
         for i in range(start, start + count):
             posted_at = time.monotonic()
             await world.post(i, via=["a"])
             took.append((await asyncio.wait_for(queue.get(), timeout=limit) - posted_at) * 1000)
-    finally:
-        watcher.cancel()
     return took

@@ -8,6 +8,7 @@ Each test prints its figures: run with ``-s`` (``python -m scripts.cluster test 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -142,6 +143,8 @@ MESSAGES = 60
 POST_EVERY_SECONDS = 0.1
 # A stream silent for this long (three of the bed's 1 s heartbeats) is given up and resumed elsewhere.
 WATCH_SILENCE_SECONDS = 3.0
+# The whole follow, posting included, ends within this (it takes about 15 s).
+FOLLOW_SECONDS = 90.0
 
 
 @dataclass
@@ -157,6 +160,8 @@ class Follower:
     hosts_used: list[str] = field(default_factory=list)
     resumed_at: float | None = None
     gave_up_at: float | None = None
+    # How each stream ended, in order ("silent", "EOF", a status code, "done", "out of time").
+    ends: list[str] = field(default_factory=list)
 
     async def follow(self, until: Callable[[], bool], limit: float) -> None:
         deadline = time.monotonic() + limit
@@ -171,10 +176,15 @@ class Follower:
             call = self.world.gateways[host].WatchRoom(
                 request, metadata=(("authorization", f"Bearer {self.world.secret}"),)
             )
+            end = "done"
             try:
                 while not until():
+                    if time.monotonic() >= deadline:
+                        end = "out of time"
+                        break
                     item = await asyncio.wait_for(call.read(), timeout=WATCH_SILENCE_SECONDS)
                     if item is grpc.aio.EOF:
+                        end = "EOF"
                         break
                     if self.gave_up_at is not None and self.resumed_at is None:
                         self.resumed_at = time.monotonic()
@@ -185,14 +195,17 @@ class Follower:
                     if item.HasField("heartbeat"):
                         self.cursor = item.heartbeat.cursor
             except grpc.aio.AioRpcError as exc:
+                end = exc.code().name
                 if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED):
                     raise  # resuming cannot cure it
                 if self.gave_up_at is None and self.seqs:
                     self.gave_up_at = time.monotonic()
             except TimeoutError:
+                end = "silent"
                 if self.gave_up_at is None and self.seqs:
                     self.gave_up_at = time.monotonic()
             finally:
+                self.ends.append(end)
                 call.cancel()
 
 
@@ -201,7 +214,8 @@ async def test_a_client_following_a_room_through_a_cut_off_gateway_resumes_on_th
     host a is cut off from every other host and the client. The client's stream falls silent, it
     resumes after its last cursor through host b's Gateway, and has every message once, in order."""
     async with world_on(healed, "watch") as world:
-        follower = Follower(world, order=["a", "b"])
+        # From the room's first event: a stream started "from now" could start after the first post.
+        follower = Follower(world, order=["a", "b"], cursor=0)
         expected: list[int] = []
 
         async def post_all() -> None:
@@ -213,8 +227,12 @@ async def test_a_client_following_a_room_through_a_cut_off_gateway_resumes_on_th
                 await asyncio.sleep(POST_EVERY_SECONDS)
 
         poster = asyncio.create_task(post_all())
-        await follower.follow(lambda: poster.done() and len(set(follower.seqs)) >= len(expected), limit=60)
-        await poster
+        await follower.follow(lambda: poster.done() and len(set(follower.seqs)) >= len(expected), limit=FOLLOW_SECONDS)
+        posting_done = poster.done()
+        if not posting_done:
+            poster.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await poster  # raises what a post raised
         healed.heal("a-off")
     resumed = (follower.resumed_at or 0.0) - (follower.gave_up_at or 0.0)
     duplicates = len(follower.seqs) - len(set(follower.seqs))
@@ -222,8 +240,10 @@ async def test_a_client_following_a_room_through_a_cut_off_gateway_resumes_on_th
     print(
         f"\nwatch through host a, host a cut off after {MESSAGES // 3} of {MESSAGES} messages: received "
         f"{len(set(follower.seqs))}, duplicates {duplicates}, missing {len(gaps)}, in order "
-        f"{follower.seqs == sorted(follower.seqs)}; streams on hosts {follower.hosts_used}; resumed "
+        f"{follower.seqs == sorted(follower.seqs)}; streams on hosts {follower.hosts_used}, ended "
+        f"{follower.ends}; posted {len(expected)}, posts retried {world.unavailable}; resumed "
         f"{resumed:.1f} s after giving up on the silent stream"
     )
+    assert posting_done, f"only {len(expected)} of {MESSAGES} messages posted in {FOLLOW_SECONDS} s"
     assert follower.hosts_used[:2] == ["a", "b"], follower.hosts_used
     assert follower.seqs == expected, (gaps, duplicates)

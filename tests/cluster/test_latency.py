@@ -14,9 +14,8 @@ import time
 from dataclasses import dataclass
 
 from quayutec.config import CLAIMS, GATEWAY, ROOM, RUNTIME
-from quayutec.v1 import common_pb2, gateway_pb2
 from tests.cluster.bed import DB_PORT, Bed
-from tests.cluster.world import World, world_on
+from tests.cluster.world import World, agent_replies, world_on
 
 WAKES_PER_STEP = 15
 IDLE_SECONDS = 4.0
@@ -42,21 +41,6 @@ class Step:
         )
 
 
-async def replies_of(world: World, queue: asyncio.Queue[float]) -> None:
-    """Put the arrival time of each of the agent's messages in the room, as the client sees it."""
-    call = world.gateways["a"].WatchRoom(
-        gateway_pb2.WatchRoomRequest(room_id=world.room_id),
-        metadata=(("authorization", f"Bearer {world.secret}"),),
-    )
-    try:
-        async for item in call:
-            for event in item.events:
-                if event.HasField("message") and event.message.author.kind == common_pb2.AUTHOR_KIND_AGENT:
-                    queue.put_nowait(time.monotonic())
-    finally:
-        call.cancel()
-
-
 async def measure(bed: Bed, world: World, delay_ms: float, *, every_hop: bool, start: int) -> Step:
     bed.set_delay(delay_ms, every_hop=every_hop)
     bed.counters(reset=True)
@@ -64,20 +48,15 @@ async def measure(bed: Bed, world: World, delay_ms: float, *, every_hop: bool, s
     await asyncio.sleep(IDLE_SECONDS)
     idle = bed.counters(reset=True)
     idle_seconds = time.monotonic() - idle_started
-    queue: asyncio.Queue[float] = asyncio.Queue()
-    watcher = asyncio.create_task(replies_of(world, queue))
-    await asyncio.sleep(0.5)  # the stream is open before the first post
-    bed.counters(reset=True)
-    busy_started = time.monotonic()
     latencies: list[float] = []
-    try:
+    async with agent_replies(world, "a") as queue:  # live before the first post
+        bed.counters(reset=True)
+        busy_started = time.monotonic()
         for i in range(start, start + WAKES_PER_STEP):
             posted_at = time.monotonic()
             await world.post(i, via=["a"])
             replied_at = await asyncio.wait_for(queue.get(), timeout=REPLY_LIMIT_SECONDS)
             latencies.append((replied_at - posted_at) * 1000)
-    finally:
-        watcher.cancel()
     busy = bed.counters(reset=True)
     busy_seconds = time.monotonic() - busy_started
     scale = busy_seconds / idle_seconds

@@ -197,6 +197,39 @@ async def world_on(bed: Bed, name: str) -> AsyncIterator[World]:
         )
 
 
+@asynccontextmanager
+async def agent_replies(world: World, host: str, limit: float = 10.0) -> AsyncIterator[asyncio.Queue[float]]:
+    """A WatchRoom stream through ``host``'s Gateway, open (its first heartbeat received: it is live)
+    before this returns: the queue gets the arrival time of each of the agent's messages."""
+    queue: asyncio.Queue[float] = asyncio.Queue()
+    live = asyncio.Event()
+    call = world.gateways[host].WatchRoom(
+        gateway_pb2.WatchRoomRequest(room_id=world.room_id),
+        metadata=(("authorization", f"Bearer {world.secret}"),),
+    )
+
+    async def read() -> None:
+        async for item in call:
+            live.set()
+            for event in item.events:
+                if event.HasField("message") and event.message.author.kind == common_pb2.AUTHOR_KIND_AGENT:
+                    queue.put_nowait(time.monotonic())
+
+    reader = asyncio.create_task(read())
+    try:
+        done, _ = await asyncio.wait(
+            {reader, asyncio.ensure_future(live.wait())}, timeout=limit, return_when=asyncio.FIRST_COMPLETED
+        )
+        if reader in done:
+            reader.result()  # raises what ended the stream
+        if not live.is_set():
+            raise TimeoutError(f"the WatchRoom stream through host {host} sent nothing in {limit} s")
+        yield queue
+    finally:
+        call.cancel()
+        reader.cancel()
+
+
 @dataclass(frozen=True)
 class Outcome:
     """Every wake of a test, by what became of it (counted from the database)."""
