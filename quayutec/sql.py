@@ -5,8 +5,10 @@ Each loaded query is also known by its text (``query_name``): a database span th
 
 A part several queries share is written once, under a ``-- fragment: <name>`` line, and named in each
 query that uses it as ``{{<name>}}``, replaced by its text when the file is loaded (the Room's fenced
-ledger write, for one, is the same CTEs in every statement that writes a run's row). A fragment is not
-a query; a name that is not a fragment of the file is an error when it is loaded.
+ledger write, for one, is the same CTEs in every statement that writes a run's row). ``{{<name>+<n>}}``
+shifts the fragment's parameters by ``n`` (``$1`` becomes ``$<1+n>``), for a statement whose own
+parameters come first. A fragment is not a query; a name that is not a fragment of the file is an
+error when it is loaded.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from pathlib import Path
 _LOADED: dict[str, str] = {}
 
 _NAME_LINE = re.compile(r"^--\s*(?P<kind>name|fragment):\s*(?P<name>[a-z_][a-z0-9_]*)\s*$", re.MULTILINE)
-_FRAGMENT_USE = re.compile(r"\{\{(?P<name>[a-z_][a-z0-9_]*)\}\}")
+_FRAGMENT_USE = re.compile(r"\{\{(?P<name>[a-z_][a-z0-9_]*)(?:\+(?P<shift>[0-9]+))?\}\}")
+_PARAMETER = re.compile(r"\$(?P<n>[0-9]+)")
 
 
 class Queries(Mapping[str, str]):
@@ -48,8 +51,11 @@ class Queries(Mapping[str, str]):
         def fragment(use: re.Match[str]) -> str:
             name = use.group("name")
             if name not in fragments:
-                raise ValueError(f"{path}: {{{{{name}}}}} names no '-- fragment: {name}' of the file")
-            return fragments[name]
+                raise ValueError(f"{path}: {use.group(0)} names no '-- fragment: {name}' of the file")
+            shift = int(use.group("shift") or 0)
+            if not shift:
+                return fragments[name]
+            return _PARAMETER.sub(lambda p: f"${int(p.group('n')) + shift}", fragments[name])
 
         self._queries = {name: _FRAGMENT_USE.sub(fragment, body) for name, body in queries.items()}
         self.fragments: Mapping[str, str] = fragments

@@ -1061,15 +1061,10 @@ WITH before AS (
 )
 SELECT up.*, (SELECT status FROM before) AS status_before FROM up;
 
--- name: run_context
--- ReadRunContext's whole view of room $2 for agent $1 in one statement (one snapshot): the agent with its
--- key, whether its company is a member, and its company's default and its own rights (default_*, own_*;
--- NULL where not set); then, as arrays, the room's agents (never their keys; by membership then
--- registration, at most $7), the $3 newest messages (newest first), the agent's open tasks (at most $8)
--- with their updates, the memory its company may read (newest first, at most $9), the wake's text ($4: the
--- wake kind, $5: the message or task id, else NULL) and up to $6 passages matching that text cut to $10
--- bytes: every term, or else any term (search_passages_all_terms, search_passages_any_term).
-WITH agent AS (
+-- fragment: run_context_view
+-- run_context's CTEs (agent, open_tasks, wake, search, all_terms, any_term), with its parameters $1..$10;
+-- run_context_with_run names them shifted past its own ({{run_context_view+21}}).
+agent AS (
     SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
         a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
         (SELECT c.name FROM companies c WHERE c.company_id = a.company_id) AS company_name,
@@ -1124,7 +1119,10 @@ WITH agent AS (
     ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
     LIMIT $6
 )
-SELECT agent.*,
+
+-- fragment: run_context_columns
+-- run_context's columns, read from the CTEs of run_context_view (the same parameters).
+agent.*,
     ARRAY(
         SELECT ROW(a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
             a.provider_key_encrypted IS NOT NULL, a.created_at)::room_context_agent
@@ -1156,6 +1154,17 @@ SELECT agent.*,
     ) AS memory,
     (SELECT text FROM wake) AS wake_text,
     ARRAY(SELECT passage FROM all_terms UNION ALL SELECT passage FROM any_term) AS passages
+
+-- name: run_context
+-- ReadRunContext's whole view of room $2 for agent $1 in one statement (one snapshot): the agent with its
+-- key, whether its company is a member, and its company's default and its own rights (default_*, own_*;
+-- NULL where not set); then, as arrays, the room's agents (never their keys; by membership then
+-- registration, at most $7), the $3 newest messages (newest first), the agent's open tasks (at most $8)
+-- with their updates, the memory its company may read (newest first, at most $9), the wake's text ($4: the
+-- wake kind, $5: the message or task id, else NULL) and up to $6 passages matching that text cut to $10
+-- bytes: every term, or else any term (search_passages_all_terms, search_passages_any_term).
+WITH {{run_context_view}}
+SELECT {{run_context_columns}}
 FROM agent;
 
 -- name: record_run
@@ -1202,93 +1211,8 @@ WITH admitted AS (
     INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
     SELECT e.room_id, next.last_event_seq, e.kind, e.snapshot, e.audience FROM next, run_event AS e
     RETURNING seq
-), agent AS (
-    SELECT a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
-        a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.provider_key_encrypted,
-        (SELECT c.name FROM companies c WHERE c.company_id = a.company_id) AS company_name,
-        EXISTS (SELECT 1 FROM room_members m WHERE m.room_id = $23 AND m.company_id = a.company_id) AS member,
-        d.remember AS default_remember, d.create_task AS default_create_task,
-        d.update_task AS default_update_task, d.close_task AS default_close_task,
-        d.cross_company_task AS default_cross_company_task,
-        o.remember AS own_remember, o.create_task AS own_create_task, o.update_task AS own_update_task,
-        o.close_task AS own_close_task, o.cross_company_task AS own_cross_company_task
-    FROM agents a
-    LEFT JOIN agent_rights d ON d.company_id = a.company_id AND d.agent_id IS NULL
-    LEFT JOIN agent_rights o ON o.company_id = a.company_id AND o.agent_id = a.agent_id
-    WHERE a.agent_id = $22
-), open_tasks AS (
-    SELECT t FROM tasks AS t
-    WHERE t.room_id = $23 AND t.to_agent_id = $22 AND t.status = 'open'
-    ORDER BY t.pos
-    LIMIT $29
-), wake AS (
-    SELECT body AS text FROM messages WHERE $25::text = 'message' AND room_id = $23 AND message_id = $26::uuid
-    UNION ALL
-    SELECT title || E'\n' || body FROM tasks WHERE $25::text = 'task' AND room_id = $23 AND task_id = $26::uuid
-    LIMIT 1
-), search AS (
-    -- The wake text cut to $31 bytes, whole characters only; none when it is blank.
-    SELECT CASE WHEN octet_length(w.text) <= $31 THEN w.text ELSE (
-        SELECT left(w.text, n) FROM generate_series(least(length(w.text), $31), 0, -1) AS n
-        WHERE octet_length(left(w.text, n)) <= $31
-        LIMIT 1
-    ) END AS query
-    FROM wake AS w
-    WHERE w.text ~ '[^[:space:]]'
-), all_terms AS (
-    SELECT ROW(p.passage_id, p.file_id, f.name, p.ordinal, p.text, ts_rank(p.tsv, q.query))::room_context_passage
-        AS passage
-    FROM search
-    CROSS JOIN websearch_to_tsquery('english', search.query) AS q (query)
-    JOIN passages p ON p.room_id = $23 AND p.tsv @@ q.query
-    JOIN files f ON f.file_id = p.file_id
-    ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
-    LIMIT $27
-), any_term AS (
-    SELECT ROW(p.passage_id, p.file_id, f.name, p.ordinal, p.text, ts_rank(p.tsv, q.query))::room_context_passage
-        AS passage
-    FROM search
-    CROSS JOIN LATERAL (
-        SELECT replace(plainto_tsquery('english', search.query)::text, ' & ', ' | ')::tsquery
-    ) AS q (query)
-    JOIN passages p ON p.room_id = $23 AND p.tsv @@ q.query
-    JOIN files f ON f.file_id = p.file_id
-    WHERE NOT EXISTS (SELECT 1 FROM all_terms)
-    ORDER BY ts_rank(p.tsv, q.query) DESC, f.pos, p.ordinal
-    LIMIT $27
-), context AS (
-    SELECT agent.*,
-        ARRAY(
-            SELECT ROW(a.agent_id, a.company_id, a.name, a.provider, a.model, a.base_url, a.system_prompt,
-                a.provider_key_encrypted IS NOT NULL, a.created_at)::room_context_agent
-            FROM room_members m
-            JOIN agents a ON a.company_id = m.company_id
-            WHERE m.room_id = $23
-            ORDER BY m.pos, a.pos
-            LIMIT $28
-        ) AS room_agents,
-        ARRAY(
-            SELECT m FROM messages AS m
-            WHERE m.room_id = $23
-            ORDER BY m.seq DESC
-            LIMIT $24
-        ) AS messages,
-        ARRAY(SELECT t FROM open_tasks) AS open_tasks,
-        ARRAY(
-            SELECT u FROM open_tasks AS o
-            JOIN task_updates AS u ON u.task_id = (o.t).task_id
-            ORDER BY u.pos
-        ) AS task_updates,
-        ARRAY(
-            SELECT ROW(l.memory_id, l.room_id, l.author_kind, l.author_company_id, l.author_person, l.author_agent_id,
-                l.text, l.visibility, l.run_id, l.created_at, l.pos)::room_context_memory
-            FROM memory_lines AS l
-            WHERE l.room_id = $23 AND (l.visibility = 'room' OR l.author_company_id = agent.company_id)
-            ORDER BY l.pos DESC
-            LIMIT $30
-        ) AS memory,
-        (SELECT text FROM wake) AS wake_text,
-        ARRAY(SELECT passage FROM all_terms UNION ALL SELECT passage FROM any_term) AS passages
+), {{run_context_view+21}}, context AS (
+    SELECT {{run_context_columns+21}}
     FROM agent
     WHERE EXISTS (SELECT 1 FROM up)
 )
