@@ -270,6 +270,25 @@ class StoreBase:
         row = await conn.fetchrow(self._q["record_run"], *_run_args(run), *_RUN_EVENT_ARGS)
         return await self._fenced_run(conn, row, run)
 
+    async def _answer_repeat(
+        self,
+        act: Act,
+        author: AuthorRef,
+        room_id: str,
+        row: Record,
+        repeat_of: Any,
+        run: RunRecord | None,
+        write_id: Any,
+    ) -> None:
+        """A repeat of an earlier write (its dedupe key held by company ``repeat_of``'s write ``write_id``;
+        ``row["member"]``: the author's company is a member): the author's right to write here first (the
+        rules checked on a repeat), then ``run``'s ledger row with the earlier write's id (record_run)."""
+        facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=str(repeat_of))
+        enforce(act, facts, repeat=True)
+        repeated = _with_write_id(run, write_id)
+        if repeated is not None:
+            await self._record_run(self._pool, repeated)
+
     async def _fenced_run(self, conn: asyncpg.Connection | asyncpg.Pool, row: Record, run: common_pb2.Run) -> Record:
         """The ledger row a fenced write (record_run, run_context_with_run, post_message) made of ``run``: the
         row written, or, when the fence refused it, the stored row if the write would leave it unchanged;

@@ -101,12 +101,8 @@ class MessagesAndTasks(StoreBase):
         author = _identified(author, row["agent_company_id"])
         earlier = row["earlier"]
         if earlier is not None:  # the author's right to write here first, then the answer
-            repeat = str(earlier["author_company_id"])
-            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
-            enforce(Act.POST_MESSAGE, facts, repeat=True)
-            repeated = _with_write_id(run, earlier["message_id"])
-            if repeated is not None:
-                await self._record_run(self._pool, repeated)
+            repeat_of, write_id = earlier["author_company_id"], earlier["message_id"]
+            await self._answer_repeat(Act.POST_MESSAGE, author, room_id, row, repeat_of, run, write_id)
             return Posted(earlier, list(row["earlier_wakes"]), True)
         companies = dict(zip(row["mentioned_agent_ids"], row["mentioned_company_ids"], strict=True))
         in_room = {str(a) for a, c in companies.items() if c in row["member_company_ids"]}
@@ -199,12 +195,8 @@ class MessagesAndTasks(StoreBase):
         author = _identified(author, row["agent_company_id"])
         earlier = row["earlier"]
         if earlier is not None:  # the author's right to write here first, then the answer
-            repeat = str(earlier["from_company_id"])
-            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
-            enforce(Act.CREATE_TASK, facts, repeat=True)
-            repeated = _with_write_id(run, earlier["task_id"])
-            if repeated is not None:
-                await self._record_run(self._pool, repeated)
+            repeat_of, write_id = earlier["from_company_id"], earlier["task_id"]
+            await self._answer_repeat(Act.CREATE_TASK, author, room_id, row, repeat_of, run, write_id)
             return Posted(earlier, list(row["earlier_wakes"]), True)
         facts = Facts(
             author.company_id,
@@ -286,12 +278,8 @@ class MessagesAndTasks(StoreBase):
         author = _identified(author, row["agent_company_id"])
         earlier = row["earlier"]
         if earlier is not None:  # the author's right to write here first, then the answer
-            repeat = str(earlier["author_company_id"])
-            facts = Facts(author.company_id, task_room, member=row["member"], repeat_of_company_id=repeat)
-            enforce(Act.UPDATE_TASK, facts, repeat=True)
-            repeated = _with_write_id(run, earlier["update_id"])
-            if repeated is not None:
-                await self._record_run(self._pool, repeated)
+            repeat_of, write_id = earlier["author_company_id"], earlier["update_id"]
+            await self._answer_repeat(Act.UPDATE_TASK, author, task_room, row, repeat_of, run, write_id)
             return TaskUpdated(task, earlier, list(row["updates"]), True)
         facts = Facts(
             author.company_id,
