@@ -390,8 +390,8 @@ async def test_an_update_that_waited_for_another_is_sent_again(
     room: Stub, world: World, statements: Statements, database_url: str
 ) -> None:
     # Another update of the task commits while this one's statement waits for the task's lock: the statement
-    # read the task's updates before that one, so it writes nothing and is sent again, and the update's answer
-    # and event carry both updates.
+    # read the task's updates before that one, so it writes nothing and is sent again in a transaction that
+    # locks the task first; the update's answer and event carry both updates.
     task = await new_task(room, world, "write the copy")
     await room.UpdateTask(update_request(world, task.task_id, "warm up"))
     other = await asyncpg.connect(database_url)
@@ -414,7 +414,7 @@ async def test_an_update_that_waited_for_another_is_sent_again(
         else:
             raise AssertionError("the update never waited for the task's lock")
         await tx.commit()
-        assert await mine == ["update_task", "update_task"]
+        assert await mine == ["update_task", "BEGIN", "lock_task", "update_task", "COMMIT"]
     finally:
         await other.close()
     updated = statements.result

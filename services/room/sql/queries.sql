@@ -541,7 +541,7 @@ FROM tasks WHERE task_id = $1;
 -- order: the task row, the membership row, the ledger row, then the room row (the event cursor) last, by
 -- the UPDATE of rooms. The task's other facts are read in the statement's snapshot, taken before it
 -- waited for the task's lock: stale says an update committed in between (the task row locked is not the
--- one the snapshot holds); then nothing is written and the caller asks again.
+-- one the snapshot holds); then nothing is written, and the caller sends it again after lock_task.
 WITH task AS (
     SELECT t, t.xmin AS version FROM tasks AS t WHERE t.task_id = $22 FOR NO KEY UPDATE OF t
 ), author_agent AS (
@@ -608,6 +608,11 @@ SELECT f.*, (SELECT t FROM written) AS written, (SELECT u FROM added) AS added,
     ARRAY(SELECT u FROM updates ORDER BY (u).pos) AS updates,
     (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events
 FROM facts AS f;
+
+-- name: lock_task
+-- Task $1 locked to the end of the transaction (FOR NO KEY UPDATE, as update_task locks it): an update_task
+-- sent after it in the transaction reads the task's updates in a snapshot taken with the lock held.
+SELECT true FROM tasks WHERE task_id = $1 FOR NO KEY UPDATE;
 
 -- name: list_tasks
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,

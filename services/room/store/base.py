@@ -184,7 +184,8 @@ class RunContext:
 @dataclass(frozen=True)
 class EventsPage:
     """Events read after a cursor (read_room_events rows: seq, kind, created_at, audience_company_id,
-    visible, and where visible what changed: detail, message or run; see ``convert.room_event``)."""
+    visible, and where visible what changed: detail, message, run, memory, or task with task_updates; see
+    ``convert.room_event``)."""
 
     rows: list[Record]
     next_after: int

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import asyncpg
 
-from quayutec.errors import FailedPrecondition, NotFound, Unavailable
+from quayutec.errors import FailedPrecondition, NotFound
 from quayutec.telemetry import current_traceparent
 from quayutec.v1 import common_pb2
 from services.room.rules import Act, Facts, enforce
@@ -27,9 +27,6 @@ from services.room.store.base import (
     _run_args,
     _with_write_id,
 )
-
-# How many times UpdateTask's statement is sent while other updates of the task commit as it waits for it.
-_UPDATE_TASK_TRIES = 5
 
 
 class MessagesAndTasks(StoreBase):
@@ -230,35 +227,38 @@ class MessagesAndTasks(StoreBase):
         Round trips: 1 (update_task, as create_task: the rules' facts, with the task locked, and the writes
         when they are those of an update the rules allow); a repeat with a ledger row 2 (record_run). When
         another update of the task committed while the statement waited for the task's lock, it wrote
-        nothing and is sent again (one more round trip each time, at most _UPDATE_TASK_TRIES in all)."""
-        if run is not None:  # its room is checked against the task's once the statement has read the task
+        nothing and is sent again in a transaction that locks the task first: 4 more (BEGIN, lock_task,
+        update_task, COMMIT)."""
+        # The ledger row's agent and action now; its room against the task's once the statement has read the
+        # task (the statement writes no update with a row of another room).
+        if run is not None:
             self._require_run_of(run, run.run.room_id, author)
-        for _ in range(_UPDATE_TASK_TRIES):
-            update_id = uuid.uuid4()
-            ledger = _with_write_id(run, update_id)
-            agent_id = author.agent_id if author.kind == "agent" else None
-            row = await self._pool.fetchrow(
-                self._q["update_task"],
-                *(_NO_RUN if ledger is None else _run_args(ledger)),
-                *_RUN_EVENT_ARGS,
-                task_id,
-                author.company_id or None,
-                agent_id,
-                room_id,
-                dedupe_key,
-                update_id,
-                author.kind,
-                author.person,
-                note,
-                status or "open",
-                run_id,
-            )
-            if not row["stale"]:
-                return await self._task_updated(row, task_id, room_id, author, run, ledger)
-        raise Unavailable(
-            f"task {task_id} was updated by others while this update waited for it, {_UPDATE_TASK_TRIES} times; "
-            "nothing was written, try again"
+        update_id = uuid.uuid4()
+        ledger = _with_write_id(run, update_id)
+        args = (
+            *(_NO_RUN if ledger is None else _run_args(ledger)),
+            *_RUN_EVENT_ARGS,
+            task_id,
+            author.company_id or None,
+            author.agent_id if author.kind == "agent" else None,
+            room_id,
+            dedupe_key,
+            update_id,
+            author.kind,
+            author.person,
+            note,
+            status or "open",
+            run_id,
         )
+        row = await self._pool.fetchrow(self._q["update_task"], *args)
+        if row["stale"]:
+            # Another update of the task committed while the statement waited for the task's lock, after the
+            # snapshot it read the rest in: it wrote nothing. Sent again with the task locked first, its
+            # snapshot follows every update before it.
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute(self._q["lock_task"], task_id)
+                row = await conn.fetchrow(self._q["update_task"], *args)
+        return await self._task_updated(row, task_id, room_id, author, run, ledger)
 
     async def _task_updated(
         self,
