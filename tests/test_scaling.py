@@ -81,6 +81,7 @@ HOT_PATH: dict[tuple[str, str], bool] = {
     ("room", "run_context_with_run"): False,
     ("room", "write_memory"): False,
     ("room", "create_task"): False,
+    ("room", "update_task"): False,
 }
 
 

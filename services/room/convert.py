@@ -303,8 +303,8 @@ def waitpoint(row: Row, held: Sequence[Row]) -> common_pb2.Waitpoint:
 
 def room_event(row: Row) -> common_pb2.RoomEvent | None:
     """A read_room_events row as the event it records (None when the reader may not see it): its serialized
-    RoomEvent, or its kind with the row it carries (a message, a ledger row, a memory line or a new task,
-    stored as a snapshot).
+    RoomEvent, or its kind with the row it carries (a message, a ledger row, a memory line, or a task with
+    its updates, stored as a snapshot).
     The cursor, room and time are the caller's to fill in."""
     if not row["visible"]:
         return None
@@ -318,7 +318,7 @@ def room_event(row: Row) -> common_pb2.RoomEvent | None:
     elif row["memory"] is not None:
         event.memory.CopyFrom(memory_line(row["memory"]))
     elif row["task"] is not None:
-        event.task.CopyFrom(task(row["task"]))
+        event.task.CopyFrom(task(row["task"], row["task_updates"] or ()))
     else:
         raise ValueError(f"room event {row['seq']} ({row['kind']}) carries neither a RoomEvent nor a row it knows")
     return event

@@ -195,3 +195,30 @@ async def test_a_run_event_carries_the_row_as_written(room: Stub, world: World) 
     got = await read(room, world.room_id, world.acme.company_id, after=start)
     assert [e.event.run for e in got.entries] == [written, ended]
     assert [e.audience_company_id for e in got.entries] == [world.acme.company_id] * 2
+
+
+async def test_a_task_update_event_reads_back_as_before_from_either_form(
+    room: Stub, world: World, pool: asyncpg.Pool
+) -> None:
+    # An update's event is appended by the update's own statement, carrying the task and its updates as a
+    # snapshot; events written before carry a serialized RoomEvent (detail). Both read back as the task
+    # with all its updates, oldest first, as UpdateTask answered it.
+    start = (await read(room, world.room_id)).last_cursor
+    task = (await create(room, world)).task
+    noted = await update(room, task.task_id, world, note="on it")
+    closed = await update(room, task.task_id, world, note="done", status=K.TASK_STATUS_DONE)
+    got = (await read(room, world.room_id, after=start)).entries
+    assert [e.event.task for e in got] == [task, noted.task, closed.task]
+    assert [u.note for u in got[2].event.task.updates] == ["on it", "done"]
+
+    # The same event as older code stored it (its bytes, as append_room_events wrote them) reads the same.
+    stored = K.RoomEvent(kind=K.ROOM_EVENT_KIND_TASK_CLOSED, task=closed.task)
+    await pool.execute(
+        "WITH next AS (UPDATE rooms SET last_event_seq = last_event_seq + 1 WHERE room_id = $1"
+        " RETURNING last_event_seq)"
+        " INSERT INTO room_events (room_id, seq, kind, detail) SELECT $1, last_event_seq, 'task_closed', $2 FROM next",
+        uuid.UUID(world.room_id),
+        stored.SerializeToString(),
+    )
+    old = (await read(room, world.room_id, after=got[-1].event.cursor)).entries[0].event
+    assert old.kind == got[2].event.kind and old.task == got[2].event.task

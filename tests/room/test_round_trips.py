@@ -279,36 +279,149 @@ async def test_create_task_with_its_ledger_row_round_trips(room: Stub, world: Wo
     tasks = await room.ListTasks(room_pb2.RoomServiceListTasksRequest(room_id=world.room_id))
     assert sorted(t.title for t in tasks.tasks) == ["warm up", "write the copy"]
 
-    # An update (here closing the task) with its ledger row: still a transaction, of the facts (the task
-    # locked, the author's membership FOR SHARE), the update with the task's status, the row and the event.
-    bolt_run = a_run(world, "run-close", agent=world.bolt_agent)
-    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=bolt_run))
 
-    def close(note: str, task_id: str) -> Any:
-        request = room_pb2.RoomServiceUpdateTaskRequest(
-            task_id=task_id,
-            author=agent_author(world.bolt_agent),
-            note=note,
-            status=common_pb2.TASK_STATUS_DONE,
-            run_id=bolt_run.run_id,
-            dedupe_key=f"close:{task_id}",
-            run=bolt_run,
-            run_action_index=2,
-        )
-        return room.UpdateTask(request)
+def update_request(
+    world: World, task_id: str, note: str, run: common_pb2.Run | None = None, **fields: Any
+) -> room_pb2.RoomServiceUpdateTaskRequest:
+    """An update of ``task_id`` by Bolt's agent, with ``run``'s ledger row (its action 2) when given."""
+    request: dict[str, Any] = {"task_id": task_id, "author": agent_author(world.bolt_agent), "note": note}
+    if run is not None:
+        request.update(run_id=run.run_id, dedupe_key=f"run:{run.run_id}:update:{note}", run=run, run_action_index=2)
+    return room_pb2.RoomServiceUpdateTaskRequest(**{**request, **fields})
 
-    warm = next(t for t in tasks.tasks if t.title == "warm up")
-    await close("warm up", warm.task_id)
-    assert await statements.of(close("done", created.task.task_id)) == [
-        "BEGIN",
-        "update_task_facts",
-        "write_task_update",
-        "upsert_run_with_before",
-        "append_room_events",
-        "COMMIT",
+
+async def new_task(room: Stub, world: World, title: str, to: common_pb2.Agent | None = None) -> common_pb2.Task:
+    """A task Acme's person sends (to Bolt's agent unless ``to``)."""
+    assignee = (to or world.bolt_agent).agent_id
+    request: dict[str, Any] = {"room_id": world.room_id, "from": person(world.acme.company_id), "title": title}
+    request["to_agent_id"] = assignee
+    task: common_pb2.Task = (await room.CreateTask(room_pb2.RoomServiceCreateTaskRequest(**request))).task
+    return task
+
+
+async def test_update_task_with_its_ledger_row_round_trips(room: Stub, world: World, statements: Statements) -> None:
+    run = a_run(world, "run-update", agent=world.bolt_agent)
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
+    warm, task = await new_task(room, world, "warm up"), await new_task(room, world, "write the copy")
+    await room.UpdateTask(update_request(world, warm.task_id, "warm up", run))
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.bolt.company_id)
+    start = (await room.ReadRoomEvents(events)).last_cursor
+    # The facts (the task locked, the author's membership FOR SHARE, the dedupe key), the ledger row through
+    # the fence, the update, the task's status and the event: one statement.
+    assert await statements.of(room.UpdateTask(update_request(world, task.task_id, "on it", run))) == ["update_task"]
+    noted = statements.result
+    assert noted.task.status == common_pb2.TASK_STATUS_OPEN and [u.note for u in noted.task.updates] == ["on it"]
+    assert noted.update == noted.task.updates[0] and not noted.deduplicated
+    # A repeat answers the earlier update, and records the row with its id: one more statement.
+    again = room.UpdateTask(update_request(world, task.task_id, "on it", run))
+    assert await statements.of(again) == ["update_task", "record_run"]
+    assert statements.result.deduplicated and statements.result.update == noted.update
+    assert statements.result.task == noted.task
+
+    run.status = common_pb2.RUN_STATUS_SUCCEEDED  # a status change: the run's event too, no more round trips
+    run.step = common_pb2.RUN_STEP_ENDED
+    run.ended_at.GetCurrentTime()
+    close = update_request(world, task.task_id, "done", run, status=common_pb2.TASK_STATUS_DONE)
+    assert await statements.of(room.UpdateTask(close)) == ["update_task"]
+    closed = statements.result
+    assert closed.task.status == common_pb2.TASK_STATUS_DONE
+    assert [u.note for u in closed.task.updates] == ["on it", "done"] and closed.update == closed.task.updates[-1]
+    stored = (await room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=run.run_id))).run
+    assert stored.status == common_pb2.RUN_STATUS_SUCCEEDED and stored.actions[2].result_id == closed.update.update_id
+
+    # Each event carries the task with every update so far, as the update's answer did.
+    events.after = start
+    got = [e.event for e in (await room.ReadRoomEvents(events)).entries]
+    assert [e.kind for e in got] == [
+        common_pb2.ROOM_EVENT_KIND_TASK_UPDATED,
+        common_pb2.ROOM_EVENT_KIND_RUN_ENDED,
+        common_pb2.ROOM_EVENT_KIND_TASK_CLOSED,
     ]
-    assert statements.result.task.status == common_pb2.TASK_STATUS_DONE
-    assert [u.note for u in statements.result.task.updates] == ["done"]
+    assert got[0].task == noted.task and got[2].task == closed.task
+    assert got[1].run.actions[2].result_id == closed.update.update_id
+
+
+async def test_an_update_the_rules_refuse_writes_nothing(
+    room: Stub, world: World, statements: Statements, pool: asyncpg.Pool
+) -> None:
+    # The update's statement writes only under facts the rules allow; the rules decide, here, from the facts
+    # it returns. Each refusal: one statement, and nothing of it written (no update, event, status or row).
+    run = a_run(world, "run-held", agent=world.bolt_agent)
+    await room.RecordRun(room_pb2.RoomServiceRecordRunRequest(run=run))
+    task, acmes = await new_task(room, world, "write the copy"), await new_task(room, world, "ours", world.acme_agent)
+    done = await new_task(room, world, "already done")
+    await room.UpdateTask(update_request(world, task.task_id, "taken", dedupe_key="taken"))
+    await room.UpdateTask(update_request(world, done.task_id, "", status=common_pb2.TASK_STATUS_DONE))
+
+    async def written() -> tuple[int, int, list[tuple[str, int]], int]:
+        counts = await pool.fetchrow(
+            "SELECT (SELECT count(*) FROM task_updates) AS updates, (SELECT count(*) FROM room_events) AS events"
+        )
+        statuses = await pool.fetch("SELECT title, status FROM tasks ORDER BY pos")
+        runs = await pool.fetchval("SELECT count(*) FROM runs")
+        return counts["updates"], counts["events"], [(r["title"], r["status"]) for r in statuses], runs
+
+    before = await written()
+    held = a_run(world, "run-held", agent=world.bolt_agent, attempt="another delivery")
+    elsewhere = a_run(world, "run-elsewhere", agent=world.bolt_agent, room_id=str(uuid.uuid4()))
+    crow = person(world.crow.company_id)
+    cases: list[tuple[grpc.StatusCode, room_pb2.RoomServiceUpdateTaskRequest]] = [
+        (grpc.StatusCode.PERMISSION_DENIED, update_request(world, task.task_id, "outsider", author=crow)),
+        (grpc.StatusCode.PERMISSION_DENIED, update_request(world, acmes.task_id, "neither sender nor assignee")),
+        (grpc.StatusCode.FAILED_PRECONDITION, update_request(world, done.task_id, "again")),
+        (grpc.StatusCode.NOT_FOUND, update_request(world, str(uuid.uuid4()), "no such task")),
+        (grpc.StatusCode.NOT_FOUND, update_request(world, task.task_id, "wrong room", room_id=str(uuid.uuid4()))),
+        (
+            grpc.StatusCode.ALREADY_EXISTS,  # another company's dedupe key
+            update_request(world, task.task_id, "mine", author=person(world.acme.company_id), dedupe_key="taken"),
+        ),
+        (grpc.StatusCode.ALREADY_EXISTS, update_request(world, task.task_id, "fenced", held)),  # the fence
+        (grpc.StatusCode.INVALID_ARGUMENT, update_request(world, task.task_id, "run of another room", elsewhere)),
+    ]
+    for code, request in cases:
+        assert await statements.of(room.UpdateTask(request)) == ["update_task"], request.note
+        assert statements.error == code, request.note
+    assert await written() == before
+    stored = (await room.GetRun(room_pb2.RoomServiceGetRunRequest(run_id=run.run_id))).run
+    assert stored.attempt == run.attempt and not stored.actions[2].result_id  # the fenced row is as it was
+
+
+async def test_an_update_that_waited_for_another_is_sent_again(
+    room: Stub, world: World, statements: Statements, database_url: str
+) -> None:
+    # Another update of the task commits while this one's statement waits for the task's lock: the statement
+    # read the task's updates before that one, so it writes nothing and is sent again in a transaction that
+    # locks the task first; the update's answer and event carry both updates.
+    task = await new_task(room, world, "write the copy")
+    await room.UpdateTask(update_request(world, task.task_id, "warm up"))
+    other = await asyncpg.connect(database_url)
+    try:
+        tx = other.transaction()
+        await tx.start()
+        await other.execute(
+            "INSERT INTO task_updates (task_id, author_kind, author_company_id, author_person, note, status)"
+            " VALUES ($1, 'person', $2, 'ana', 'meanwhile', 'open')",
+            uuid.UUID(task.task_id),
+            uuid.UUID(world.acme.company_id),
+        )
+        await other.execute("UPDATE tasks SET updated_at = now() WHERE task_id = $1", uuid.UUID(task.task_id))
+        mine = asyncio.ensure_future(statements.of(room.UpdateTask(update_request(world, task.task_id, "mine"))))
+        for _ in range(1000):  # until the update's statement waits for the task's lock (10 s at most)
+            waiting = "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND pid <> pg_backend_pid()"
+            if await other.fetchval(waiting):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the update never waited for the task's lock")
+        await tx.commit()
+        assert await mine == ["update_task", "BEGIN", "lock_task", "update_task", "COMMIT"]
+    finally:
+        await other.close()
+    updated = statements.result
+    assert [u.note for u in updated.task.updates] == ["warm up", "meanwhile", "mine"]
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, company_id=world.bolt.company_id)
+    last = (await room.ReadRoomEvents(events)).entries[-1].event
+    assert last.kind == common_pb2.ROOM_EVENT_KIND_TASK_UPDATED and last.task == updated.task
 
 
 async def test_read_run_context_round_trips(room: Stub, world: World, statements: Statements) -> None:
@@ -369,7 +482,7 @@ def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it(tmp_path: 
     queries = Queries(QUERIES_PATH)
     fence = queries.fragments["fenced_run_write"]
     assert "WHERE r.ended_at IS NULL" in fence and "up AS (" in fence
-    for name in ("record_run", "run_context_with_run", "post_message", "write_memory", "create_task"):
+    for name in ("record_run", "run_context_with_run", "post_message", "write_memory", "create_task", "update_task"):
         assert queries[name].count(fence) == 1, name
         assert "{{" not in queries[name]
     # A statement naming a fragment the file does not have is refused when the file is loaded.

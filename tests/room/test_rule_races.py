@@ -104,3 +104,27 @@ async def test_a_repeat_is_answered_only_after_the_rules_pass(room: Stub, world:
     # A company that left cannot get its own earlier write answered either: the member rule comes first.
     outsider = await make_company(room, "Dove")
     await expect_error(grpc.StatusCode.PERMISSION_DENIED, post(person(outsider.company_id)))
+
+
+async def test_concurrent_updates_of_one_task_each_land_once_in_order(room: Stub, world: World) -> None:
+    """16 updates of one task at once: each is written once, and each one's event carries the task with
+    every update before it and itself last (an update whose statement waited for another's lock is sent
+    again with the task locked first, so none misses the updates committed while it waited)."""
+    task = (await create(room, world)).task
+    events = room_pb2.RoomServiceReadRoomEventsRequest(room_id=world.room_id, limit=1000)
+    start = (await room.ReadRoomEvents(events)).last_cursor
+    notes = [f"note {n}" for n in range(16)]
+
+    async def note(text: str) -> Any:
+        request = room_pb2.RoomServiceUpdateTaskRequest(task_id=task.task_id, author=person(world.bolt.company_id))
+        request.note, request.dedupe_key = text, text
+        return await room.UpdateTask(request)
+
+    answers = await asyncio.gather(*(note(n) for n in notes))
+    final = (await room.GetTask(room_pb2.RoomServiceGetTaskRequest(task_id=task.task_id))).task
+    assert sorted(u.note for u in final.updates) == sorted(notes)
+    events.after = start
+    got = [e.event.task for e in (await room.ReadRoomEvents(events)).entries]
+    assert [list(t.updates) for t in got] == [list(final.updates[: n + 1]) for n in range(len(notes))]
+    for answer in answers:  # each answer is its event's task
+        assert answer.task == got[[u.update_id for u in final.updates].index(answer.update.update_id)]

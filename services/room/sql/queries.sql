@@ -526,48 +526,93 @@ SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id,
     status, run_id, created_at, updated_at, pos, from_verified_by
 FROM tasks WHERE task_id = $1;
 
--- name: update_task_facts
--- UpdateTask's facts in one statement: task $1 locked (FOR NO KEY UPDATE: updates of one task are
--- serialized) with its assignee's company (which the room's rule on updating a task looks at); the author
--- agent's company (agent $4, NULL for a person); whether the author's company ($3, or the agent's) is a
--- member of the task's room, its membership row locked FOR SHARE to commit (see lock_membership; task row,
--- then membership row, then the room row last); and the earlier update with dedupe key $2 (a task_updates
--- row, or NULL). No row when the task is unknown.
+-- name: update_task
+-- UpdateTask in one statement, as create_task: the rules' facts (task $22 locked FOR NO KEY UPDATE, so the
+-- updates of one task are serialized, with its assignee's company; the author agent's company, agent $24,
+-- NULL for a person; whether the author's company, $23 or the agent's, is a member of the task's room, its
+-- membership row locked FOR SHARE to commit; the earlier update with dedupe key $26, a task_updates row or
+-- NULL), and the writes only when the task exists (in room $25 when given), the ledger row is of its room,
+-- the author agent exists (of company $23 when given), its company is a member and the task's sender's or
+-- its assignee's company, the task is open and no update holds the dedupe key: the ledger row $1..$19 when
+-- given, through the fence with its event (as record_run; the fence refusing it writes nothing else
+-- either), then update $27 ($28 author kind, $29 person, $30 note, $31 the task's status after it, $32 run
+-- id), the task's status, and the events (the run's, when its status changed, then TASK_UPDATED, or
+-- TASK_CLOSED when $31 is not 'open', carrying the task with all its updates, the new one last). Lock
+-- order: the task row, the membership row, the ledger row, then the room row (the event cursor) last, by
+-- the UPDATE of rooms. The task's other facts are read in the statement's snapshot, taken before it
+-- waited for the task's lock: stale says an update committed in between (the task row locked is not the
+-- one the snapshot holds); then nothing is written, and the caller sends it again after lock_task.
 WITH task AS (
-    SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-        status, run_id, created_at, updated_at, pos, from_verified_by,
-        (SELECT a.company_id FROM agents a WHERE a.agent_id = tasks.to_agent_id) AS assignee_company_id
-    FROM tasks WHERE task_id = $1
-    FOR NO KEY UPDATE OF tasks
+    SELECT t, t.xmin AS version FROM tasks AS t WHERE t.task_id = $22 FOR NO KEY UPDATE OF t
 ), author_agent AS (
-    SELECT company_id FROM agents WHERE agent_id = $4::uuid
+    SELECT company_id FROM agents WHERE agent_id = $24::uuid
 ), author_member AS (
     SELECT company_id FROM room_members
-    WHERE room_id = (SELECT room_id FROM task) AND company_id = COALESCE($3::uuid, (SELECT company_id FROM author_agent))
+    WHERE room_id = (SELECT (t).room_id FROM task)
+        AND company_id = COALESCE($23::uuid, (SELECT company_id FROM author_agent))
     FOR SHARE
-)
-SELECT task.*, (SELECT company_id FROM author_agent) AS agent_company_id,
-    (SELECT count(*) FROM author_member) > 0 AS member,
-    (SELECT u FROM task_updates AS u WHERE u.task_id = $1 AND u.dedupe_key = $2) AS earlier
-FROM task;
-
--- name: write_task_update
--- The update of task $1 ($2..$5 its author, $6 note, $7 the task's status after it, $8 run id, $9 dedupe key)
--- and the task's new status, in one statement; returns the task as it now stands, the update (a
--- task_updates row) and all the task's updates, oldest first (the new one last).
-WITH added AS (
-    INSERT INTO task_updates AS u (task_id, author_kind, author_company_id, author_person, author_agent_id, note,
-        status, run_id, dedupe_key)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)
+), earlier AS (
+    SELECT u FROM task_updates AS u WHERE u.task_id = $22 AND u.dedupe_key = $26
+), facts AS (
+    SELECT (SELECT t FROM task) AS task,
+        (SELECT version FROM task) IS DISTINCT FROM (SELECT xmin FROM tasks WHERE task_id = $22) AS stale,
+        (SELECT a.company_id FROM agents AS a WHERE a.agent_id = (SELECT (t).to_agent_id FROM task))
+            AS assignee_company_id,
+        (SELECT company_id FROM author_agent) AS agent_company_id,
+        (SELECT count(*) FROM author_member) > 0 AS member,
+        (SELECT u FROM earlier) AS earlier
+), allowed AS (
+    SELECT (f.task).task_id IS NOT NULL AND NOT f.stale AND f.member AND f.earlier IS NULL
+        AND ($25::uuid IS NULL OR (f.task).room_id = $25)
+        AND ($1::text IS NULL OR (f.task).room_id = $4::uuid)
+        AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id))
+        AND COALESCE($23::uuid, f.agent_company_id) IN ((f.task).from_company_id, f.assignee_company_id)
+        AND (f.task).status = 'open' AS ok
+    FROM facts AS f
+), admitted AS (
+    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
+), {{fenced_run_write}}
+), next AS (
+    UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
+    WHERE room_id = (SELECT (t).room_id FROM task) AND (SELECT ok FROM allowed)
+        AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    RETURNING room_id, last_event_seq
+), added AS (
+    INSERT INTO task_updates AS u (update_id, task_id, author_kind, author_company_id, author_person, author_agent_id,
+        note, status, run_id, dedupe_key)
+    SELECT $27, $22, $28, COALESCE($23::uuid, (SELECT company_id FROM author_agent)), $29, $24, $30, $31, $32, $26
+    FROM next
     RETURNING u
-), task AS (
-    UPDATE tasks SET status = $7, updated_at = now() WHERE task_id = $1
-    RETURNING task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
-        status, run_id, created_at, updated_at, pos, from_verified_by
+), written AS (
+    UPDATE tasks AS t SET status = $31, updated_at = now()
+    FROM next
+    WHERE t.task_id = $22
+    RETURNING t
+), updates AS (
+    SELECT u FROM task_updates AS u WHERE u.task_id = $22
+    UNION ALL
+    SELECT u FROM added
+), appended AS (
+    INSERT INTO room_events (room_id, seq, kind, snapshot, audience_company_id)
+    SELECT next.room_id, next.last_event_seq - 1, e.kind, e.snapshot, e.audience FROM next, run_event AS e
+    UNION ALL
+    SELECT next.room_id, next.last_event_seq, CASE WHEN $31 = 'open' THEN 'task_updated' ELSE 'task_closed' END,
+        (to_jsonb(written.t) - 'dedupe_key') || jsonb_build_object(
+            'updates', (SELECT jsonb_agg(to_jsonb(u) - 'dedupe_key' ORDER BY (u).pos) FROM updates)
+        ),
+        NULL
+    FROM next, written
+    RETURNING seq
 )
-SELECT task.*, (SELECT u FROM added) AS added,
-    ARRAY(SELECT u FROM task_updates AS u WHERE u.task_id = $1 ORDER BY u.pos) || ARRAY(SELECT u FROM added) AS updates
-FROM task;
+SELECT f.*, (SELECT t FROM written) AS written, (SELECT u FROM added) AS added,
+    ARRAY(SELECT u FROM updates ORDER BY (u).pos) AS updates,
+    (SELECT r FROM up) AS run, (SELECT r FROM before) AS stored, (SELECT count(*) FROM appended) AS events
+FROM facts AS f;
+
+-- name: lock_task
+-- Task $1 locked to the end of the transaction (FOR NO KEY UPDATE, as update_task locks it): an update_task
+-- sent after it in the transaction reads the task's updates in a snapshot taken with the lock held.
+SELECT true FROM tasks WHERE task_id = $1 FOR NO KEY UPDATE;
 
 -- name: list_tasks
 SELECT task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id, title, body,
@@ -954,8 +999,9 @@ SELECT last_event_seq, events_pruned_through FROM rooms WHERE room_id = $1;
 -- is and nothing after cursor $2 was removed, up to $4 events after $2, oldest first. No row when the room
 -- is unknown; one row with a NULL seq when no event is read. Where $3 may see an event (visible), what
 -- changed: its serialized RoomEvent (detail), or the row it carries rebuilt from its snapshot (message for
--- a posted message, run for a ledger row, memory for a memory line, task for a created task); none of
--- these where it may not.
+-- a posted message, run for a ledger row, memory for a memory line, task for a created, updated or closed
+-- task, with task_updates, its updates oldest first, which an update's snapshot carries); none of these
+-- where it may not.
 WITH room AS (
     SELECT r.last_event_seq, r.events_pruned_through,
         $3::uuid IS NULL OR EXISTS (SELECT 1 FROM room_members AS m WHERE m.room_id = $1 AND m.company_id = $3)
@@ -972,8 +1018,13 @@ SELECT room.last_event_seq, room.events_pruned_through, room.member, e.seq, e.ki
         THEN jsonb_populate_record(NULL::runs, e.snapshot) END AS run,
     CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind = 'memory_written'
         THEN jsonb_populate_record(NULL::room_context_memory, e.snapshot) END AS memory,
-    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind = 'task_created'
-        THEN jsonb_populate_record(NULL::tasks, e.snapshot) END AS task
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind IN ('task_created', 'task_updated', 'task_closed')
+        THEN jsonb_populate_record(NULL::tasks, e.snapshot) END AS task,
+    CASE WHEN e.visible AND e.snapshot IS NOT NULL AND e.kind IN ('task_updated', 'task_closed') THEN ARRAY(
+        SELECT jsonb_populate_record(NULL::task_updates, u.value)
+        FROM jsonb_array_elements(e.snapshot -> 'updates') WITH ORDINALITY AS u (value, n)
+        ORDER BY u.n
+    ) END AS task_updates
 FROM room
 LEFT JOIN LATERAL (
     SELECT ev.seq, ev.kind, ev.created_at, ev.audience_company_id, ev.detail, ev.snapshot,

@@ -184,7 +184,8 @@ class RunContext:
 @dataclass(frozen=True)
 class EventsPage:
     """Events read after a cursor (read_room_events rows: seq, kind, created_at, audience_company_id,
-    visible, and where visible what changed: detail, message or run; see ``convert.room_event``)."""
+    visible, and where visible what changed: detail, message, run, memory, or task with task_updates; see
+    ``convert.room_event``)."""
 
     rows: list[Record]
     next_after: int
@@ -269,6 +270,25 @@ class StoreBase:
         as ``_fenced_run`` answers it."""
         row = await conn.fetchrow(self._q["record_run"], *_run_args(run), *_RUN_EVENT_ARGS)
         return await self._fenced_run(conn, row, run)
+
+    async def _answer_repeat(
+        self,
+        act: Act,
+        author: AuthorRef,
+        room_id: str,
+        row: Record,
+        repeat_of: Any,
+        run: RunRecord | None,
+        write_id: Any,
+    ) -> None:
+        """A repeat of an earlier write (its dedupe key held by company ``repeat_of``'s write ``write_id``;
+        ``row["member"]``: the author's company is a member): the author's right to write here first (the
+        rules checked on a repeat), then ``run``'s ledger row with the earlier write's id (record_run)."""
+        facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=str(repeat_of))
+        enforce(act, facts, repeat=True)
+        repeated = _with_write_id(run, write_id)
+        if repeated is not None:
+            await self._record_run(self._pool, repeated)
 
     async def _fenced_run(self, conn: asyncpg.Connection | asyncpg.Pool, row: Record, run: common_pb2.Run) -> Record:
         """The ledger row a fenced write (record_run, run_context_with_run, post_message) made of ``run``: the

@@ -87,12 +87,8 @@ class MemoryAndFiles(StoreBase):
         author = _identified(author, row["agent_company_id"])
         earlier = row["earlier"]
         if earlier is not None:  # the author's right to write here first, then the answer
-            repeat = str(earlier["author_company_id"])
-            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
-            enforce(Act.WRITE_MEMORY, facts, repeat=True)
-            repeated = _with_write_id(run, earlier["memory_id"])
-            if repeated is not None:
-                await self._record_run(self._pool, repeated)
+            repeat_of, write_id = earlier["author_company_id"], earlier["memory_id"]
+            await self._answer_repeat(Act.WRITE_MEMORY, author, room_id, row, repeat_of, run, write_id)
             return earlier, True
         enforce(Act.WRITE_MEMORY, Facts(author.company_id, room_id, member=row["member"]))
         if row["line"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written

@@ -10,7 +10,6 @@ import asyncpg
 from quayutec.errors import FailedPrecondition, NotFound
 from quayutec.telemetry import current_traceparent
 from quayutec.v1 import common_pb2
-from services.room import convert
 from services.room.rules import Act, Facts, enforce
 from services.room.store.base import (
     _MAX_KEY,
@@ -23,7 +22,6 @@ from services.room.store.base import (
     RunRecord,
     StoreBase,
     TaskUpdated,
-    _Events,
     _identified,
     _page,
     _run_args,
@@ -100,12 +98,8 @@ class MessagesAndTasks(StoreBase):
         author = _identified(author, row["agent_company_id"])
         earlier = row["earlier"]
         if earlier is not None:  # the author's right to write here first, then the answer
-            repeat = str(earlier["author_company_id"])
-            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
-            enforce(Act.POST_MESSAGE, facts, repeat=True)
-            repeated = _with_write_id(run, earlier["message_id"])
-            if repeated is not None:
-                await self._record_run(self._pool, repeated)
+            repeat_of, write_id = earlier["author_company_id"], earlier["message_id"]
+            await self._answer_repeat(Act.POST_MESSAGE, author, room_id, row, repeat_of, run, write_id)
             return Posted(earlier, list(row["earlier_wakes"]), True)
         companies = dict(zip(row["mentioned_agent_ids"], row["mentioned_company_ids"], strict=True))
         in_room = {str(a) for a, c in companies.items() if c in row["member_company_ids"]}
@@ -198,12 +192,8 @@ class MessagesAndTasks(StoreBase):
         author = _identified(author, row["agent_company_id"])
         earlier = row["earlier"]
         if earlier is not None:  # the author's right to write here first, then the answer
-            repeat = str(earlier["from_company_id"])
-            facts = Facts(author.company_id, room_id, member=row["member"], repeat_of_company_id=repeat)
-            enforce(Act.CREATE_TASK, facts, repeat=True)
-            repeated = _with_write_id(run, earlier["task_id"])
-            if repeated is not None:
-                await self._record_run(self._pool, repeated)
+            repeat_of, write_id = earlier["from_company_id"], earlier["task_id"]
+            await self._answer_repeat(Act.CREATE_TASK, author, room_id, row, repeat_of, run, write_id)
             return Posted(earlier, list(row["earlier_wakes"]), True)
         facts = Facts(
             author.company_id,
@@ -232,56 +222,81 @@ class MessagesAndTasks(StoreBase):
         run: RunRecord | None = None,
     ) -> TaskUpdated:
         """Adds a note and optionally closes the task; a closed task stays closed. ``run``'s ledger row
-        is recorded in the same transaction with the update id.
+        is recorded in the same statement with the update id.
 
-        Round trips: BEGIN, the facts (update_task_facts: the task locked, the author's membership FOR
-        SHARE, the earlier update), the update with the task's status (write_task_update), the ledger row
-        when given, the event (the room row's lock, last), COMMIT."""
-        agent_id = author.agent_id if author.kind == "agent" else None
-        async with self._pool.acquire() as conn, conn.transaction():
-            task = await conn.fetchrow(
-                self._q["update_task_facts"], task_id, dedupe_key, author.company_id or None, agent_id
-            )
-            if task is None or (room_id is not None and str(task["room_id"]) != room_id):
-                raise NotFound(f"task {task_id} not found")
-            task_room = str(task["room_id"])
-            self._require_run_of(run, task_room, author)
-            author = _identified(author, task["agent_company_id"])
-            events = _Events()
-            earlier = task["earlier"]
-            if earlier is not None:  # the author's right to write here first, then the answer
-                repeat = str(earlier["author_company_id"])
-                facts = Facts(author.company_id, task_room, member=task["member"], repeat_of_company_id=repeat)
-                enforce(Act.UPDATE_TASK, facts, repeat=True)
-                await self._record_write(conn, events, run, earlier["update_id"])
-                await self._append_events(conn, events)
-                updates = await conn.fetch(self._q["updates_of_tasks"], [task_id])
-                return TaskUpdated(task, earlier, list(updates), True)
-            facts = Facts(
-                author.company_id,
-                task_room,
-                member=task["member"],
-                task_id=task_id,
-                sender_id=str(task["from_company_id"]),
-                assignee_company_id=str(task["assignee_company_id"] or ""),
-            )
-            enforce(Act.UPDATE_TASK, facts)
-            if task["status"] != "open":
-                raise FailedPrecondition(f"task {task_id} is already {task['status']}")
-            new_status = status or "open"
-            written = await conn.fetchrow(
-                self._q["write_task_update"], task_id, *author.columns(), note, new_status, run_id, dedupe_key
-            )
-            update, updates = written["added"], list(written["updates"])
-            await self._record_write(conn, events, run, update["update_id"])
-            kind = (
-                common_pb2.ROOM_EVENT_KIND_TASK_UPDATED
-                if new_status == "open"
-                else common_pb2.ROOM_EVENT_KIND_TASK_CLOSED
-            )
-            events.add(task_room, kind, convert.task(written, updates))
-            await self._append_events(conn, events)
-            return TaskUpdated(written, update, updates, False)
+        Round trips: 1 (update_task, as create_task: the rules' facts, with the task locked, and the writes
+        when they are those of an update the rules allow); a repeat with a ledger row 2 (record_run). When
+        another update of the task committed while the statement waited for the task's lock, it wrote
+        nothing and is sent again in a transaction that locks the task first: 4 more (BEGIN, lock_task,
+        update_task, COMMIT)."""
+        # The ledger row's agent and action now; its room against the task's once the statement has read the
+        # task (the statement writes no update with a row of another room).
+        if run is not None:
+            self._require_run_of(run, run.run.room_id, author)
+        update_id = uuid.uuid4()
+        ledger = _with_write_id(run, update_id)
+        args = (
+            *(_NO_RUN if ledger is None else _run_args(ledger)),
+            *_RUN_EVENT_ARGS,
+            task_id,
+            author.company_id or None,
+            author.agent_id if author.kind == "agent" else None,
+            room_id,
+            dedupe_key,
+            update_id,
+            author.kind,
+            author.person,
+            note,
+            status or "open",
+            run_id,
+        )
+        row = await self._pool.fetchrow(self._q["update_task"], *args)
+        if row["stale"]:
+            # Another update of the task committed while the statement waited for the task's lock, after the
+            # snapshot it read the rest in: it wrote nothing. Sent again with the task locked first, its
+            # snapshot follows every update before it.
+            async with self._pool.acquire() as conn, conn.transaction():
+                await conn.execute(self._q["lock_task"], task_id)
+                row = await conn.fetchrow(self._q["update_task"], *args)
+        return await self._task_updated(row, task_id, room_id, author, run, ledger)
+
+    async def _task_updated(
+        self,
+        row: Record,
+        task_id: str,
+        room_id: str | None,
+        author: AuthorRef,
+        run: RunRecord | None,
+        ledger: common_pb2.Run | None,
+    ) -> TaskUpdated:
+        """The rules' answer to an update_task statement's facts: the update it wrote, or the earlier one."""
+        task = row["task"]
+        if task is None or (room_id is not None and str(task["room_id"]) != room_id):
+            raise NotFound(f"task {task_id} not found")
+        task_room = str(task["room_id"])
+        self._require_run_of(run, task_room, author)
+        author = _identified(author, row["agent_company_id"])
+        earlier = row["earlier"]
+        if earlier is not None:  # the author's right to write here first, then the answer
+            repeat_of, write_id = earlier["author_company_id"], earlier["update_id"]
+            await self._answer_repeat(Act.UPDATE_TASK, author, task_room, row, repeat_of, run, write_id)
+            return TaskUpdated(task, earlier, list(row["updates"]), True)
+        facts = Facts(
+            author.company_id,
+            task_room,
+            member=row["member"],
+            task_id=task_id,
+            sender_id=str(task["from_company_id"]),
+            assignee_company_id=str(row["assignee_company_id"] or ""),
+        )
+        enforce(Act.UPDATE_TASK, facts)
+        if task["status"] != "open":
+            raise FailedPrecondition(f"task {task_id} is already {task['status']}")
+        if row["written"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
+            if ledger is not None:
+                await self._fenced_run(self._pool, row, ledger)
+            raise FailedPrecondition(f"task {task_id} not updated: its ledger row was refused")
+        return TaskUpdated(row["written"], row["added"], list(row["updates"]), False)
 
     async def get_task(self, task_id: str, room_id: str | None) -> tuple[Record, list[Record]]:
         async with self._pool.acquire() as conn:
