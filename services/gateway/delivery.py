@@ -100,6 +100,10 @@ class _BatchStart:
         self._call: asyncio.Task[None] | None = None
         self._waiting = 0
 
+    def when_answered(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the call has answered, failed or been cancelled."""
+        self._answers.add_done_callback(lambda _: callback())
+
     async def start(self, request: runtime_pb2.StartRunRequest) -> _Started | None:
         """This wake's answer from the call; None when the Runtime has no StartRuns."""
         carrier: dict[str, str] = {}
@@ -178,6 +182,10 @@ class WakeDelivery:
         self._released = asyncio.Event()
         # Places asked for by the LeaseWakes call in flight (its wakes are not yet tasks).
         self._leasing = 0
+        # Wakes leased by posts while the StartRuns call of earlier such wakes is in flight, each with when
+        # its lease ends: they go together in the next call, in their places (still in ``_reserved``).
+        self._adopted: list[tuple[common_pb2.Wake, float]] = []
+        self._adopted_call: _BatchStart | None = None
         # Settlements, answered True when the Room settled the wake. A settlement queued by a delivery
         # cancelled meanwhile is still sent; a batch's call links to every wake it settles.
         self._settler: Coalescer[_Settlement, bool] = Coalescer(
@@ -250,15 +258,21 @@ class WakeDelivery:
             if len(wakes) < want:
                 await self._idle(self._config.poll_interval_seconds)
 
-    def _start_deliveries(self, wakes: list[common_pb2.Wake]) -> None:
+    def _start_deliveries(
+        self, wakes: list[common_pb2.Wake], lease_ends: float | None = None
+    ) -> tuple[_BatchStart | None, list[asyncio.Task[None]]]:
         """Deliver wakes leased to us: one StartRuns call for the batch; each wake still has its own task
-        (the cap counts wakes)."""
+        (the cap counts wakes). Their leases end at ``lease_ends`` (default: a lease from now)."""
         batch = self._new_batch(len(wakes)) if wakes else None
-        lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
+        if lease_ends is None:
+            lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
+        tasks = []
         for wake in wakes:
             task = asyncio.create_task(self._deliver(wake, lease_ends, batch))
             self._in_flight.add(task)
             task.add_done_callback(self._in_flight.discard)
+            tasks.append(task)
+        return batch, tasks
 
     @property
     def lease_seconds(self) -> int:
@@ -287,14 +301,44 @@ class WakeDelivery:
         ``reserved`` places held for them (the places not used are given back). A loop stopping by then
         leaves them: their leases expire and another replica delivers them."""
         taken = wakes[:reserved]
-        self.release(reserved)
-        if self._task is None or self._stopping.is_set():
-            if wakes:
-                _log.info("stopping: %d wakes leased by a post are left to expire and be delivered again", len(wakes))
-            return
+        self.release(reserved - len(taken))
         if len(taken) < len(wakes):  # more wakes than places: the rest wait for their leases to expire
             _log.warning("a post leased %d wakes to %d places; the rest wait for their leases", len(wakes), reserved)
-        self._start_deliveries(taken)
+        lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
+        self._adopted.extend((wake, lease_ends) for wake in taken)
+        if self._adopted_call is None:
+            self._start_adopted()
+
+    def _start_adopted(self) -> None:
+        """Start the wakes adopted so far in one StartRuns call; those adopted while it is in flight wait
+        for its answer and go together in the next (as settlements do: an idle loop adds no delay, a busy
+        one sends fewer, larger calls)."""
+        gathered, self._adopted = self._adopted, []
+        self._adopted_call = None
+        self.release(len(gathered))
+        if not gathered:
+            return
+        if self._task is None or self._stopping.is_set():
+            _log.info("stopping: %d wakes leased by posts are left to expire and be delivered again", len(gathered))
+            return
+        batch, tasks = self._start_deliveries([w for w, _ in gathered], min(ends for _, ends in gathered))
+        if batch is None:  # one StartRun per wake: nothing to gather behind
+            return
+        self._adopted_call = batch
+        unfinished = set(tasks)
+
+        def ended() -> None:
+            if self._adopted_call is batch:
+                self._start_adopted()
+
+        def task_done(task: asyncio.Task[None]) -> None:
+            unfinished.discard(task)
+            if not unfinished:  # every delivery ended, even one that never reached the call
+                ended()
+
+        batch.when_answered(ended)
+        for task in tasks:
+            task.add_done_callback(task_done)
 
     async def _drain(self) -> None:
         if self._in_flight:

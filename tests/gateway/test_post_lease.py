@@ -100,6 +100,28 @@ async def test_a_post_through_a_delivering_gateway_delivers_its_own_wakes(
     assert runtime.answers("ACCEPTED") == Counter(leased + control)
 
 
+async def test_wakes_leased_by_posts_during_a_start_runs_call_go_together_in_the_next(
+    database_url: str, room_addr: str, claims_addr: str, acme: CompanyKey, acme_gw: GatewayStub
+) -> None:
+    room = await create_room(acme_gw)
+    agents = [(await register_agent(acme_gw, f"agent-{n}")).agent_id for n in range(3)]
+    async with (
+        running_standin_runtime(claims_addr, room_addr, batching=True) as (runtime_addr, runtime),
+        running_gateway(database_url, room_addr, runtime_addr, **SLOW_POLL) as addr,
+        authed_gateway(addr, acme.secret) as gw,
+    ):
+        assert isinstance(runtime, BatchingStandinRuntime)
+        runtime.open.clear()  # the first post's StartRuns call is held
+        first = await post(gw, room.room_id, "first", agents[:1])
+        await runtime.wait_until(lambda: runtime.batches == [first])
+        # Answered while that call is in flight: their wakes wait for it, then go in one call.
+        later = [w for n in (1, 2) for w in await post(gw, room.room_id, f"post {n}", agents[n : n + 1])]
+        runtime.open.set()
+        await runtime.wait_until(lambda: len(runtime.answers("ACCEPTED")) == 3)
+    assert [sorted(b) for b in runtime.batches] == [first, sorted(later)]
+    assert runtime.answers("ACCEPTED") == Counter(first + later)
+
+
 async def _none_pending(room: room_pb2_grpc.RoomServiceStub) -> bool:
     return await pending(room) == 0
 
