@@ -422,7 +422,8 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_GATEWAY_DELIVERY_CONCURRENCY",
         64,
-        "wakes being started at once (the items of StartRuns calls in flight)",
+        "wakes being started at once (the items of StartRuns calls in flight; a person's post through this "
+        "replica leases its wakes to it only while it has a place for each)",
         ["gateway"],
     ),
     _g(

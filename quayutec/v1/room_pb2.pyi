@@ -936,12 +936,21 @@ class RoomServicePostMessageRequest(_message.Message):
     RUN_ID_FIELD_NUMBER: _builtins.int
     DEDUPE_KEY_FIELD_NUMBER: _builtins.int
     RUN_FIELD_NUMBER: _builtins.int
+    LEASE_OWNER_FIELD_NUMBER: _builtins.int
+    LEASE_SECONDS_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     body: _builtins.str
     run_id: _builtins.str
     """Set by Runtime for agent replies."""
     dedupe_key: _builtins.str
     """Optional; a repeat returns the first message."""
+    lease_owner: _builtins.str
+    """Optional (a Gateway replica's delivery loop): the new wakes are written already leased to this
+    owner for lease_seconds, as LeaseWakes would lease them (delivery_attempts 1), and no new-wakes
+    notification is sent for them. Empty: the wakes wait unleased for LeaseWakes. A repeat leases nothing.
+    """
+    lease_seconds: _builtins.int
+    """1..3600 when lease_owner is set; ignored otherwise."""
     @_builtins.property
     def author(self) -> _common_pb2.Author: ...
     @_builtins.property
@@ -962,10 +971,12 @@ class RoomServicePostMessageRequest(_message.Message):
         run_id: _builtins.str = ...,
         dedupe_key: _builtins.str = ...,
         run: _common_pb2.Run | None = ...,
+        lease_owner: _builtins.str = ...,
+        lease_seconds: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "run", b"run"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "body", b"body", "dedupe_key", b"dedupe_key", "mention_agent_ids", b"mention_agent_ids", "room_id", b"room_id", "run", b"run", "run_id", b"run_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["author", b"author", "body", b"body", "dedupe_key", b"dedupe_key", "lease_owner", b"lease_owner", "lease_seconds", b"lease_seconds", "mention_agent_ids", b"mention_agent_ids", "room_id", b"room_id", "run", b"run", "run_id", b"run_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -978,8 +989,11 @@ class RoomServicePostMessageResponse(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     WAKES_FIELD_NUMBER: _builtins.int
     DEDUPLICATED_FIELD_NUMBER: _builtins.int
+    LEASED_FIELD_NUMBER: _builtins.int
     deduplicated: _builtins.bool
     """True when dedupe_key matched an earlier message."""
+    leased: _builtins.bool
+    """True when wakes are leased to the request's lease_owner: its caller delivers and settles them."""
     @_builtins.property
     def message(self) -> _common_pb2.Message: ...
     @_builtins.property
@@ -992,10 +1006,11 @@ class RoomServicePostMessageResponse(_message.Message):
         message: _common_pb2.Message | None = ...,
         wakes: _abc.Iterable[_common_pb2.Wake] | None = ...,
         deduplicated: _builtins.bool = ...,
+        leased: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "message", b"message", "wakes", b"wakes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deduplicated", b"deduplicated", "leased", b"leased", "message", b"message", "wakes", b"wakes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -456,8 +456,10 @@ class RoomServiceServicer:
 
     def PostMessage(self, request, context):
         """PostMessage appends a message and, in the same transaction, a wake for each mentioned agent.
-        A repeated dedupe_key returns the first message and records nothing new.
-        Errors: INVALID_ARGUMENT (empty body, body over 64 KiB, over 50 mentions), NOT_FOUND (room,
+        A repeated dedupe_key returns the first message and records nothing new. With lease_owner, the
+        new wakes are leased to it in the same statement (the caller delivers them without LeaseWakes).
+        Errors: INVALID_ARGUMENT (empty body, body over 64 KiB, over 50 mentions, lease_seconds out of
+        1..3600 with a lease_owner), NOT_FOUND (room,
         author agent, mentioned agent, or a mentioned agent whose company is not a member),
         PERMISSION_DENIED (author's company is not a member).
         """

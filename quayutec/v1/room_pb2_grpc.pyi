@@ -124,8 +124,10 @@ class RoomServiceStub:
     """
     PostMessage: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServicePostMessageRequest, _room_pb2.RoomServicePostMessageResponse]
     """PostMessage appends a message and, in the same transaction, a wake for each mentioned agent.
-    A repeated dedupe_key returns the first message and records nothing new.
-    Errors: INVALID_ARGUMENT (empty body, body over 64 KiB, over 50 mentions), NOT_FOUND (room,
+    A repeated dedupe_key returns the first message and records nothing new. With lease_owner, the
+    new wakes are leased to it in the same statement (the caller delivers them without LeaseWakes).
+    Errors: INVALID_ARGUMENT (empty body, body over 64 KiB, over 50 mentions, lease_seconds out of
+    1..3600 with a lease_owner), NOT_FOUND (room,
     author agent, mentioned agent, or a mentioned agent whose company is not a member),
     PERMISSION_DENIED (author's company is not a member).
     """
@@ -363,8 +365,10 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """
     PostMessage: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServicePostMessageRequest, _room_pb2.RoomServicePostMessageResponse]  # type: ignore[assignment]
     """PostMessage appends a message and, in the same transaction, a wake for each mentioned agent.
-    A repeated dedupe_key returns the first message and records nothing new.
-    Errors: INVALID_ARGUMENT (empty body, body over 64 KiB, over 50 mentions), NOT_FOUND (room,
+    A repeated dedupe_key returns the first message and records nothing new. With lease_owner, the
+    new wakes are leased to it in the same statement (the caller delivers them without LeaseWakes).
+    Errors: INVALID_ARGUMENT (empty body, body over 64 KiB, over 50 mentions, lease_seconds out of
+    1..3600 with a lease_owner), NOT_FOUND (room,
     author agent, mentioned agent, or a mentioned agent whose company is not a member),
     PERMISSION_DENIED (author's company is not a member).
     """
@@ -713,8 +717,10 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServicePostMessageResponse, _abc.Awaitable[_room_pb2.RoomServicePostMessageResponse]]:
         """PostMessage appends a message and, in the same transaction, a wake for each mentioned agent.
-        A repeated dedupe_key returns the first message and records nothing new.
-        Errors: INVALID_ARGUMENT (empty body, body over 64 KiB, over 50 mentions), NOT_FOUND (room,
+        A repeated dedupe_key returns the first message and records nothing new. With lease_owner, the
+        new wakes are leased to it in the same statement (the caller delivers them without LeaseWakes).
+        Errors: INVALID_ARGUMENT (empty body, body over 64 KiB, over 50 mentions, lease_seconds out of
+        1..3600 with a lease_owner), NOT_FOUND (room,
         author agent, mentioned agent, or a mentioned agent whose company is not a member),
         PERMISSION_DENIED (author's company is not a member).
         """

@@ -100,6 +100,10 @@ class _BatchStart:
         self._call: asyncio.Task[None] | None = None
         self._waiting = 0
 
+    def when_answered(self, callback: Callable[[], None]) -> None:
+        """Call ``callback`` once the call has answered, failed or been cancelled."""
+        self._answers.add_done_callback(lambda _: callback())
+
     async def start(self, request: runtime_pb2.StartRunRequest) -> _Started | None:
         """This wake's answer from the call; None when the Runtime has no StartRuns."""
         carrier: dict[str, str] = {}
@@ -172,6 +176,16 @@ class WakeDelivery:
         self._stopping = asyncio.Event()
         self._nudged = asyncio.Event()
         self._in_flight: set[asyncio.Task[None]] = set()
+        # Places of the cap held for posts whose wakes the Room leases to us in the post (``reserve``),
+        # until their wakes are adopted or the places released; set when places are released.
+        self._reserved = 0
+        self._released = asyncio.Event()
+        # Places asked for by the LeaseWakes call in flight (its wakes are not yet tasks).
+        self._leasing = 0
+        # Wakes leased by posts while the StartRuns call of earlier such wakes is in flight, each with when
+        # its lease ends: they go together in the next call, in their places (still in ``_reserved``).
+        self._adopted: list[tuple[common_pb2.Wake, float]] = []
+        self._adopted_call: _BatchStart | None = None
         # Settlements, answered True when the Room settled the wake. A settlement queued by a delivery
         # cancelled meanwhile is still sent; a batch's call links to every wake it settles.
         self._settler: Coalescer[_Settlement, bool] = Coalescer(
@@ -216,33 +230,115 @@ class WakeDelivery:
     async def _poll_until_stopped(self) -> None:
         room_failures = 0
         while not self._stopping.is_set():
-            free = self._config.concurrency - len(self._in_flight)
+            free = self._config.concurrency - len(self._in_flight) - self._reserved
             if free <= 0:
+                self._released.clear()
                 stopping = asyncio.ensure_future(self._stopping.wait())
-                await asyncio.wait({*self._in_flight, stopping}, return_when=asyncio.FIRST_COMPLETED)
+                released = asyncio.ensure_future(self._released.wait())
+                await asyncio.wait({*self._in_flight, stopping, released}, return_when=asyncio.FIRST_COMPLETED)
                 stopping.cancel()
+                released.cancel()
                 continue
             want = min(self._config.batch_size, free)
+            self._leasing = want
             try:
                 wakes = await self._lease(want)
             except Exception as exc:
+                self._leasing = 0
                 room_failures += 1
                 delay = self._config.retry_delay_seconds(room_failures)
                 _log.warning("leasing wakes failed (%s); retrying in %.2f s", _describe(exc), delay)
                 await self._sleep(delay)
                 continue
             room_failures = 0
-            # One StartRuns call for the batch; each wake still has its own task (the cap counts wakes).
-            batch = self._new_batch(len(wakes)) if wakes else None
-            lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
-            for wake in wakes:
-                task = asyncio.create_task(self._deliver(wake, lease_ends, batch))
-                self._in_flight.add(task)
-                task.add_done_callback(self._in_flight.discard)
+            self._leasing = 0
+            self._start_deliveries(wakes)
             # After the deliveries are under way: the backlog gauges' Room call is not on their path.
             await self._metrics.refresh_wake_backlog(self._room, rpc_timeout_seconds=_ROOM_TIMEOUT_SECONDS)
             if len(wakes) < want:
                 await self._idle(self._config.poll_interval_seconds)
+
+    def _start_deliveries(
+        self, wakes: list[common_pb2.Wake], lease_ends: float | None = None
+    ) -> tuple[_BatchStart | None, list[asyncio.Task[None]]]:
+        """Deliver wakes leased to us: one StartRuns call for the batch; each wake still has its own task
+        (the cap counts wakes). Their leases end at ``lease_ends`` (default: a lease from now)."""
+        batch = self._new_batch(len(wakes)) if wakes else None
+        if lease_ends is None:
+            lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
+        tasks = []
+        for wake in wakes:
+            task = asyncio.create_task(self._deliver(wake, lease_ends, batch))
+            self._in_flight.add(task)
+            task.add_done_callback(self._in_flight.discard)
+            tasks.append(task)
+        return batch, tasks
+
+    @property
+    def lease_seconds(self) -> int:
+        """How long the leases this loop takes last."""
+        return self._config.lease_seconds
+
+    def reserve(self, wakes: int) -> bool:
+        """Hold ``wakes`` places of the cap for a post whose wakes the Room is to lease to us; False (nothing
+        held) when the loop is not running or has not that many free places. Every place held is given
+        back by ``adopt`` or ``release``."""
+        if self._task is None or self._stopping.is_set() or wakes <= 0:
+            return False
+        if self._config.concurrency - len(self._in_flight) - self._reserved - self._leasing < wakes:
+            return False
+        self._reserved += wakes
+        return True
+
+    def release(self, wakes: int) -> None:
+        """Give back ``wakes`` places held by ``reserve`` and not used."""
+        if wakes > 0:
+            self._reserved -= wakes
+            self._released.set()
+
+    def adopt(self, wakes: list[common_pb2.Wake], reserved: int) -> None:
+        """Deliver wakes the Room leased to us in a post, as if LeaseWakes had returned them, in the
+        ``reserved`` places held for them (the places not used are given back). A loop stopping by then
+        leaves them: their leases expire and another replica delivers them."""
+        taken = wakes[:reserved]
+        self.release(reserved - len(taken))
+        if len(taken) < len(wakes):  # more wakes than places: the rest wait for their leases to expire
+            _log.warning("a post leased %d wakes to %d places; the rest wait for their leases", len(wakes), reserved)
+        lease_ends = asyncio.get_running_loop().time() + self._config.lease_seconds
+        self._adopted.extend((wake, lease_ends) for wake in taken)
+        if self._adopted_call is None:
+            self._start_adopted()
+
+    def _start_adopted(self) -> None:
+        """Start the wakes adopted so far in one StartRuns call; those adopted while it is in flight wait
+        for its answer and go together in the next (as settlements do: an idle loop adds no delay, a busy
+        one sends fewer, larger calls)."""
+        gathered, self._adopted = self._adopted, []
+        self._adopted_call = None
+        self.release(len(gathered))
+        if not gathered:
+            return
+        if self._task is None or self._stopping.is_set():
+            _log.info("stopping: %d wakes leased by posts are left to expire and be delivered again", len(gathered))
+            return
+        batch, tasks = self._start_deliveries([w for w, _ in gathered], min(ends for _, ends in gathered))
+        if batch is None:  # one StartRun per wake: nothing to gather behind
+            return
+        self._adopted_call = batch
+        unfinished = set(tasks)
+
+        def ended() -> None:
+            if self._adopted_call is batch:
+                self._start_adopted()
+
+        def task_done(task: asyncio.Task[None]) -> None:
+            unfinished.discard(task)
+            if not unfinished:  # every delivery ended, even one that never reached the call
+                ended()
+
+        batch.when_answered(ended)
+        for task in tasks:
+            task.add_done_callback(task_done)
 
     async def _drain(self) -> None:
         if self._in_flight:

@@ -114,6 +114,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         limiter=limiter,
         throttle=config.auth_throttle,
     )
+    delivery = WakeDelivery(room, runtime_pb2_grpc.RuntimeServiceStub(runtime_channel), config.delivery)
     servicer = GatewayServicer(
         room,
         caller,
@@ -125,6 +126,7 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         max_api_keys=config.max_api_keys,
         cipher=config.cipher,
         oidc=oidc,
+        delivery=delivery,
     )
 
     def card_url() -> str:
@@ -147,7 +149,6 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
             watch=hub,
         )
     )
-    delivery = WakeDelivery(room, runtime_pb2_grpc.RuntimeServiceStub(runtime_channel), config.delivery)
     listener = WakeListener(pool, delivery.nudge)
 
     def register(server: grpc.aio.Server) -> None:

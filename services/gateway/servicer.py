@@ -24,6 +24,7 @@ from quayutec.ratelog import RateLimitedLog
 from quayutec.telemetry import annotate
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2
 from services.gateway.auth import CallerContext
+from services.gateway.delivery import WakeDelivery
 from services.gateway.keys import KeyRpcs
 from services.gateway.oidc import OidcClient
 from services.gateway.ratelimit import PostRateLimiter
@@ -134,8 +135,11 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
         max_api_keys: int = 100,
         cipher: MultiFernet | None = None,
         oidc: OidcClient | None = None,
+        delivery: WakeDelivery | None = None,
     ) -> None:
         self._room = room
+        # This replica's delivery loop: a person's post leases its wakes to it (None: never).
+        self._delivery = delivery
         self._cipher = cipher
         self._oidc = oidc
         self._caller = caller
@@ -537,19 +541,36 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
         for agent_id in request.mention_agent_ids:
             _required_id(agent_id, "mention_agent_ids")
         key = _idempotency_key(request.idempotency_key)
-        response = await self._write_to_room(
-            self._room.PostMessage,
-            room_pb2.RoomServicePostMessageRequest(
-                room_id=request.room_id,
-                author=author,
-                body=request.body,
-                mention_agent_ids=request.mention_agent_ids,
-                dedupe_key=self._dedupe_key(company_id, key),
-            ),
-            company_id,
-            request.room_id,
-            AGENT_NOT_IN_ROOM,
+        room_request = room_pb2.RoomServicePostMessageRequest(
+            room_id=request.room_id,
+            author=author,
+            body=request.body,
+            mention_agent_ids=request.mention_agent_ids,
+            dedupe_key=self._dedupe_key(company_id, key),
         )
+        # The post leases its own wakes to this replica's delivery loop when the loop has places for them
+        # all (held until the answer, so concurrent posts and the loop's own leasing never pass its cap):
+        # delivered at once, with no LeaseWakes and no wait for the new-wakes notification. Otherwise the
+        # wakes wait unleased for whichever replica's loop leases them first.
+        delivery = self._delivery
+        places = len(set(request.mention_agent_ids))
+        if delivery is None or not delivery.reserve(places):
+            places = 0
+        if places and delivery is not None:
+            room_request.lease_owner = delivery.lease_owner
+            room_request.lease_seconds = delivery.lease_seconds
+        try:
+            response = await self._write_to_room(
+                self._room.PostMessage, room_request, company_id, request.room_id, AGENT_NOT_IN_ROOM
+            )
+        except BaseException:
+            # Had the Room committed (a timeout after it did), the wakes stay leased to us until their
+            # leases expire, and are delivered then: as after a replica that stopped holding leases.
+            if places and delivery is not None:
+                delivery.release(places)
+            raise
+        if places and delivery is not None:
+            delivery.adopt(list(response.wakes) if response.leased else [], places)
         wake_ids = [w.wake_id for w in response.wakes]
         annotate(
             company_id=company_id, room_id=request.room_id, message_id=response.message.message_id, wake_ids=wake_ids

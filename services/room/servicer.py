@@ -380,6 +380,8 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
                 f"at most {v.MAX_MENTIONS} mentions are allowed, got {len(request.mention_agent_ids)}"
             )
         mentions = list(dict.fromkeys(v.required_id(a, "mention_agent_ids") for a in request.mention_agent_ids))
+        lease_owner = v.text(request.lease_owner, "lease_owner", v.MAX_KEY_BYTES) if request.lease_owner else None
+        lease_seconds = v.in_range(request.lease_seconds, "lease_seconds", 1, 3600) if lease_owner else 0
         posted = await self._store.post_message(
             room_id=room_id,
             author=author,
@@ -388,11 +390,15 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             run_id=v.optional_key(request.run_id, "run_id"),
             dedupe_key=v.dedupe_key(request.dedupe_key),
             run=RunRecord(_checked_run(request.run)) if request.HasField("run") else None,
+            lease_owner=lease_owner,
+            lease_seconds=lease_seconds,
         )
         response = room_pb2.RoomServicePostMessageResponse(
             message=convert.message(posted.row),
             wakes=[convert.wake(w) for w in posted.wakes],
             deduplicated=posted.deduplicated,
+            # The new wakes are the caller's to deliver; a repeat's are whoever's they were.
+            leased=lease_owner is not None and not posted.deduplicated and bool(posted.wakes),
         )
         _annotate_post(response.message.message_id, room_id, response.wakes, request.run_id)
         return response

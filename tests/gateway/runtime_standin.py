@@ -135,9 +135,14 @@ class BatchingStandinRuntime(StandinRuntime, runtime_pb2_grpc.RuntimeServiceServ
         super().__init__(claims, room)
         self.batches: list[list[str]] = []
         self.traceparents: dict[str, str] = {}
+        # While cleared, every StartRuns call is recorded and then held until it is set.
+        self.open = asyncio.Event()
+        self.open.set()
 
     async def StartRuns(self, request: runtime_pb2.StartRunsRequest, context: Any) -> runtime_pb2.StartRunsResponse:
         self.batches.append([item.request.wake_id for item in request.items])
+        self.changed.set()
+        await self.open.wait()
         for item in request.items:
             self.traceparents[item.request.wake_id] = item.traceparent
         answers = await asyncio.gather(*(self._item(item.request, context) for item in request.items))

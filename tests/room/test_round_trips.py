@@ -490,3 +490,13 @@ def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it(tmp_path: 
     broken.write_text("-- name: q\nSELECT 1 FROM {{no_such_part}};\n", encoding="utf-8")
     with pytest.raises(ValueError, match="no_such_part"):
         Queries(broken)
+
+
+async def test_a_post_that_leases_its_wakes_is_still_one_statement(
+    room: Stub, world: World, statements: Statements
+) -> None:
+    await post(room, world, "warm up", [world.bolt_agent.agent_id], dedupe_key="warm-up")  # statements prepared
+    leased = post(room, world, "@writer", [world.bolt_agent.agent_id], lease_owner="gw-1", lease_seconds=30)
+    # The lease is set by the post's own statement: no LeaseWakes, no second statement.
+    assert await statements.of(leased) == ["post_message"]
+    assert statements.result.leased and [w.delivery_attempts for w in statements.result.wakes] == [1]

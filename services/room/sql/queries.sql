@@ -347,9 +347,12 @@ before AS (
 -- holds the dedupe key: then the ledger row $1..$19 when given, through the fence with its event (as
 -- record_run; the fence refusing it writes nothing else either), then the message $27 with the room's
 -- next seq, a wake for each agent in $32 (source id $33, traceparent $34) and the events (the run's, when
--- its status changed, then MESSAGE_POSTED carrying the message). The room row's lock (seq and event
--- cursor) is taken by the UPDATE of rooms, which reads the facts and the ledger row first: membership
--- rows, then the ledger row, then the room row, held to commit, so seq order is commit order.
+-- its status changed, then MESSAGE_POSTED carrying the message). With lease owner $36 (NULL: none) the wakes
+-- are written leased to it for $37 seconds, attempt 1, as lease_wakes would lease them after the commit
+-- (lease_expires_at NULL without an owner); notify_new_wakes sends nothing for leased wakes. The room
+-- row's lock (seq and event cursor) is taken by the UPDATE of rooms, which reads the facts and the ledger
+-- row first: membership rows, then the ledger row, then the room row, held to commit, so seq order is
+-- commit order.
 WITH author_agent AS (
     SELECT company_id FROM agents WHERE agent_id = $24::uuid
 ), author_member AS (
@@ -398,8 +401,11 @@ WITH author_agent AS (
     FROM next
     RETURNING m
 ), woken AS (
-    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent)
-    SELECT a.agent_id, $22, 'message', $33, $34 FROM message, unnest($32::uuid[]) AS a (agent_id)
+    INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent, lease_owner, lease_expires_at,
+        delivery_attempts)
+    SELECT a.agent_id, $22, 'message', $33, $34, $36::text, now() + $37::integer * interval '1 second',
+        CASE WHEN $36::text IS NULL THEN 0 ELSE 1 END
+    FROM message, unnest($32::uuid[]) AS a (agent_id)
     ON CONFLICT (agent_id, kind, source_id) DO NOTHING
     RETURNING w
 ), appended AS (

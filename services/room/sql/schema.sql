@@ -303,9 +303,11 @@ CREATE TABLE held_actions (
     CONSTRAINT held_actions_decided_check CHECK ((decision = 'pending') = (decided_at IS NULL))
 );
 
+-- New wakes notify listening Gateways at commit (LISTEN quayutec_wakes), so delivery need not wait for its
+-- next poll; wakes written already leased (a post's, leased to the posting Gateway) notify no one.
 CREATE FUNCTION notify_new_wakes() RETURNS trigger LANGUAGE plpgsql AS $$
 BEGIN
-    IF EXISTS (SELECT 1 FROM new_wakes) THEN
+    IF EXISTS (SELECT 1 FROM new_wakes WHERE lease_owner IS NULL) THEN
         PERFORM pg_notify('quayutec_wakes', '');
     END IF;
     RETURN NULL;

@@ -42,9 +42,13 @@ class MessagesAndTasks(StoreBase):
         run_id: str | None,
         dedupe_key: str | None,
         run: RunRecord | None = None,
+        lease_owner: str | None = None,
+        lease_seconds: int = 0,
     ) -> Posted:
         """Appends a message with, in the same statement, a wake for each mentioned agent but the author, its
         event, and ``run``'s ledger row (with the message id as its posted_message_id) through the fence.
+        With ``lease_owner`` the new wakes are written leased to it for ``lease_seconds`` (attempt 1, as
+        lease_wakes leases); a repeat leases nothing.
 
         Round trips: 1 (post_message: the rules' facts, and the writes when the facts are those of a post
         the rules allow); a repeat with a ledger row 2 (the row with the earlier message's id, record_run).
@@ -52,13 +56,17 @@ class MessagesAndTasks(StoreBase):
         facts they allow (tests/room/test_round_trips.py tries each refusal and finds nothing written)."""
         self._require_run_of(run, room_id, author)
         try:
-            return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run)
+            return await self._post_message(
+                room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, lease_owner, lease_seconds
+            )
         except asyncpg.UniqueViolationError as exc:
             if dedupe_key is None or exc.constraint_name != "messages_room_dedupe_key":
                 raise
         # A concurrent post with the same dedupe_key committed between our facts and our insert (which
         # waited for its room lock); the statement wrote nothing, and the retry finds that message.
-        return await self._post_message(room_id, author, body, mention_agent_ids, run_id, dedupe_key, run)
+        return await self._post_message(
+            room_id, author, body, mention_agent_ids, run_id, dedupe_key, run, lease_owner, lease_seconds
+        )
 
     async def _post_message(
         self,
@@ -69,6 +77,8 @@ class MessagesAndTasks(StoreBase):
         run_id: str | None,
         dedupe_key: str | None,
         run: RunRecord | None,
+        lease_owner: str | None = None,
+        lease_seconds: int = 0,
     ) -> Posted:
         message_id = uuid.uuid4()
         ledger = _with_write_id(run, message_id)
@@ -92,6 +102,8 @@ class MessagesAndTasks(StoreBase):
             str(message_id),
             current_traceparent(),
             author.verified_by,
+            lease_owner,
+            lease_seconds if lease_owner is not None else None,
         )
         if not row["room_found"]:
             raise NotFound(f"room {room_id} not found")
