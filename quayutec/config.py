@@ -69,6 +69,10 @@ class ConnectionBudget:
         return f"{' + '.join(parts)} + reserved {self.reserved} = {self.total}"
 
 
+# The values PostgreSQL takes for plan_cache_mode.
+PLAN_CACHE_MODES = ("force_generic_plan", "auto", "force_custom_plan")
+
+
 @dataclass(frozen=True)
 class DatabaseConfig:
     """``DATABASE_URL`` (or the service's own ``QUAYUTEC_<SVC>_DATABASE_URL``) when set; otherwise an
@@ -82,6 +86,8 @@ class DatabaseConfig:
     budget: ConnectionBudget | None = None
     # PostgreSQL ends a session left idle inside a transaction this long (0: never).
     idle_in_transaction_seconds: float = 10.0
+    # PostgreSQL's plan_cache_mode for the sessions (PLAN_CACHE_MODES).
+    plan_cache_mode: str = "force_generic_plan"
     role: str | None = None
     # Bounded waits (quayutec.db.create_pool): for a pooled connection, a statement, a new
     # connection, and unacknowledged data or silence on a connection's socket.
@@ -109,6 +115,11 @@ class DatabaseConfig:
             raise ConfigError(f"{prefix}DB_POOL_MIN ({pool_min}) exceeds {prefix}DB_POOL_MAX ({pool_max})")
         budget = ConnectionBudget.from_env(env)
         idle = env_float(env, setting("QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS"), minimum=0.0)
+        plan_cache_mode = env_str(env, setting("QUAYUTEC_DB_PLAN_CACHE_MODE")).strip()
+        if plan_cache_mode not in PLAN_CACHE_MODES:
+            raise ConfigError(
+                f"QUAYUTEC_DB_PLAN_CACHE_MODE must be one of {', '.join(PLAN_CACHE_MODES)}, not {plan_cache_mode!r}"
+            )
         service = prefix.removeprefix("QUAYUTEC_").rstrip("_").lower()
         return cls(
             url=url or shared_url,
@@ -117,6 +128,7 @@ class DatabaseConfig:
             pool_max=pool_max,
             budget=budget,
             idle_in_transaction_seconds=idle,
+            plan_cache_mode=plan_cache_mode,
             role=service_role(service) if service else None,
             acquire_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_ACQUIRE_TIMEOUT_SECONDS"), minimum=0.1),
             command_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS"), minimum=0.1),

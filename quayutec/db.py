@@ -257,6 +257,7 @@ async def create_pool(
     min_size: int = 1,
     max_size: int = 10,
     idle_in_transaction_seconds: float = 10.0,
+    plan_cache_mode: str = "force_generic_plan",
     role: str | None = None,
     acquire_timeout: float | None = 5.0,
     command_timeout: float = 30.0,
@@ -271,12 +272,17 @@ async def create_pool(
     holding its row locks (a room's sequence row, a run's ledger row) until TCP notices, which can
     take minutes. Nothing of ours keeps a transaction open between statements for long.
 
+    They also carry ``plan_cache_mode`` (QUAYUTEC_DB_PLAN_CACHE_MODE): with ``force_generic_plan`` a
+    prepared statement is planned once per connection. Under ``auto`` PostgreSQL kept planning the
+    wake's long one-statement writes and room read again at every call, for their values.
+
     Every wait is bounded: ``acquire_timeout`` for a pooled connection, ``command_timeout`` for a
     statement, ``connect_timeout`` for a new connection (each host of a multi-host URL in turn, ``HostByHost``), and
     ``tcp`` for a socket whose peer fell silent. ``role``: the role every session runs as (sent at
     connection start, so even ``RESET ROLE`` keeps it; ``quayutec.roles``)."""
     settings = {
         "idle_in_transaction_session_timeout": str(round(idle_in_transaction_seconds * 1000)),
+        "plan_cache_mode": plan_cache_mode,
         **tcp.server_settings(),
     }
     if role is not None:
@@ -326,6 +332,7 @@ async def open_pool(config: DatabaseConfig) -> Pool:
         min_size=config.pool_min,
         max_size=config.pool_max,
         idle_in_transaction_seconds=config.idle_in_transaction_seconds,
+        plan_cache_mode=config.plan_cache_mode,
         role=config.role,
         acquire_timeout=config.acquire_timeout_seconds,
         command_timeout=config.command_timeout_seconds,

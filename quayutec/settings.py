@@ -218,6 +218,14 @@ _DECLARED: list[Setting] = [
         shown="10",
     ),
     _g(
+        "QUAYUTEC_DB_PLAN_CACHE_MODE",
+        "force_generic_plan",
+        "PostgreSQL's plan_cache_mode for our sessions: force_generic_plan plans each prepared statement once "
+        "per connection (the wake's one-statement writes and room read would otherwise be planned again at "
+        "every call); auto or force_custom_plan to plan by each call's values",
+        [*WITH_DATABASE, "cli"],
+    ),
+    _g(
         "QUAYUTEC_DB_ACQUIRE_TIMEOUT_SECONDS",
         5.0,
         "longest wait for a pooled database connection; past it the call answers UNAVAILABLE",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import asyncpg
@@ -37,6 +38,35 @@ def test_the_setting_is_read_and_checked() -> None:
         with pytest.raises(ConfigError) as refused:
             DatabaseConfig.from_env({"QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS": bad})
         assert "QUAYUTEC_DB_IDLE_IN_TRANSACTION_SECONDS" in str(refused.value) and says in str(refused.value)
+
+
+def test_the_plan_cache_mode_is_read_and_checked() -> None:
+    assert DatabaseConfig.from_env({}).plan_cache_mode == "force_generic_plan"
+    assert DatabaseConfig.from_env({"QUAYUTEC_DB_PLAN_CACHE_MODE": "auto"}).plan_cache_mode == "auto"
+    with pytest.raises(ConfigError) as refused:
+        DatabaseConfig.from_env({"QUAYUTEC_DB_PLAN_CACHE_MODE": "generic"})
+    assert "QUAYUTEC_DB_PLAN_CACHE_MODE must be one of force_generic_plan, auto, force_custom_plan" in str(
+        refused.value
+    )
+
+
+async def test_every_service_pool_plans_as_configured(database_url: str) -> None:
+    config = DatabaseConfig(url=database_url, data_dir=Path("."), pool_min=1, pool_max=1)
+    generic, auto = await open_pool(config), await open_pool(replace(config, plan_cache_mode="auto"))
+    try:
+        assert await generic.fetchval("SHOW plan_cache_mode") == "force_generic_plan"
+        assert await auto.fetchval("SHOW plan_cache_mode") == "auto"
+        # A statement prepared on a forced session is planned once, for any value: its plan keeps the
+        # parameter ($1); under auto its first executions are planned for their value (7).
+        for pool, shows in ((generic, "$1"), (auto, "7")):
+            async with pool.acquire() as conn:
+                await conn.execute("PREPARE probe_plan(int) AS SELECT n FROM generate_series(1, 10) AS n WHERE n = $1")
+                plan = "\n".join(r[0] for r in await conn.fetch("EXPLAIN EXECUTE probe_plan(7)"))
+                await conn.execute("DEALLOCATE probe_plan")
+            assert f"(n = {shows})" in plan, plan
+    finally:
+        await generic.close()
+        await auto.close()
 
 
 async def test_every_service_pool_carries_the_timeout(database_url: str) -> None:
