@@ -7,8 +7,8 @@ A part several queries share is written once, under a ``-- fragment: <name>`` li
 query that uses it as ``{{<name>}}``, replaced by its text when the file is loaded (the Room's fenced
 ledger write, for one, is the same CTEs in every statement that writes a run's row). ``{{<name>+<n>}}``
 shifts the fragment's parameters by ``n`` (``$1`` becomes ``$<1+n>``), for a statement whose own
-parameters come first. A fragment is not a query; a name that is not a fragment of the file is an
-error when it is loaded.
+parameters come first. A fragment may name other fragments (not itself, however indirectly). A
+fragment is not a query; a name that is not a fragment of the file is an error when it is loaded.
 """
 
 from __future__ import annotations
@@ -48,16 +48,20 @@ class Queries(Mapping[str, str]):
         if not queries:
             raise ValueError(f"{path}: no '-- name: ...' queries found")
 
-        def fragment(use: re.Match[str]) -> str:
-            name = use.group("name")
-            if name not in fragments:
-                raise ValueError(f"{path}: {use.group(0)} names no '-- fragment: {name}' of the file")
-            shift = int(use.group("shift") or 0)
-            if not shift:
-                return fragments[name]
-            return _PARAMETER.sub(lambda p: f"${int(p.group('n')) + shift}", fragments[name])
+        def expand(text: str, within: tuple[str, ...]) -> str:
+            def fragment(use: re.Match[str]) -> str:
+                name = use.group("name")
+                if name not in fragments:
+                    raise ValueError(f"{path}: {use.group(0)} names no '-- fragment: {name}' of the file")
+                if name in within:
+                    raise ValueError(f"{path}: fragment {name!r} names itself (through {' -> '.join(within)})")
+                body = expand(fragments[name], (*within, name))
+                shift = int(use.group("shift") or 0)
+                return _PARAMETER.sub(lambda p: f"${int(p.group('n')) + shift}", body) if shift else body
 
-        self._queries = {name: _FRAGMENT_USE.sub(fragment, body) for name, body in queries.items()}
+            return _FRAGMENT_USE.sub(fragment, text)
+
+        self._queries = {name: expand(body, ()) for name, body in queries.items()}
         self.fragments: Mapping[str, str] = fragments
         component = path.parent.parent.name if path.parent.name == "sql" else path.stem
         for name, body in self._queries.items():

@@ -31,6 +31,17 @@ def test_a_fragment_is_named_as_is_or_with_its_parameters_shifted(tmp_path: Path
     assert queries.fragments["pair"] == "x = $1 AND y = $2 AND z = $10"
 
 
+def test_a_fragment_may_name_another_but_never_itself(tmp_path: Path) -> None:
+    queries = load(
+        tmp_path,
+        "-- fragment: inner\nb = $2\n\n-- fragment: outer\na = $1 AND {{inner}}\n\n"
+        "-- name: q\nSELECT 1 FROM t WHERE {{outer+1}};\n",
+    )
+    assert queries["q"] == "SELECT 1 FROM t WHERE a = $2 AND b = $3"
+    with pytest.raises(ValueError, match="names itself"):
+        load(tmp_path, "-- fragment: a\nx AND {{b}}\n\n-- fragment: b\ny AND {{a}}\n\n-- name: q\nSELECT {{a}};\n")
+
+
 @pytest.mark.parametrize("use", ["{{missing}}", "{{missing+2}}"])
 def test_a_name_that_is_no_fragment_is_refused_at_load(tmp_path: Path, use: str) -> None:
     with pytest.raises(ValueError, match=re.escape(use)):

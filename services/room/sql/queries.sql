@@ -278,6 +278,14 @@ WITH next AS (
 )
 SELECT message.*, ARRAY(SELECT w FROM woken) AS wakes FROM message;
 
+-- fragment: allowed_fenced_run_write
+-- The fence as the writes of content use it (post_message, create_task, update_task, write_memory): the
+-- ledger row $1..$19 is written when a run is given ($1) and the statement's rules allow the write
+-- (its CTE allowed, defined before).
+admitted AS (
+    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
+), {{fenced_run_write}}
+
 -- fragment: fenced_run_write
 -- The ledger row $1..$19 written through the fence, and its room event, as CTEs every statement that
 -- writes a run's row shares (named {{fenced_run_write}} in them; the statement defines admitted.ok,
@@ -386,9 +394,7 @@ WITH author_agent AS (
             )
         ) AS ok
     FROM facts AS f
-), admitted AS (
-    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
-), {{fenced_run_write}}
+), {{allowed_fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_seq = last_seq + 1, last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
     WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
@@ -491,9 +497,7 @@ WITH author_agent AS (
     SELECT f.room_found AND f.member AND f.assignee_in_room AND f.earlier IS NULL
         AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id)) AS ok
     FROM facts AS f
-), admitted AS (
-    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
-), {{fenced_run_write}}
+), {{allowed_fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
     WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
@@ -575,9 +579,7 @@ WITH task AS (
         AND COALESCE($23::uuid, f.agent_company_id) IN ((f.task).from_company_id, f.assignee_company_id)
         AND (f.task).status = 'open' AS ok
     FROM facts AS f
-), admitted AS (
-    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
-), {{fenced_run_write}}
+), {{allowed_fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
     WHERE room_id = (SELECT (t).room_id FROM task) AND (SELECT ok FROM allowed)
@@ -666,9 +668,7 @@ WITH author_agent AS (
     SELECT f.room_found AND f.member AND f.earlier IS NULL
         AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id)) AS ok
     FROM facts AS f
-), admitted AS (
-    SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
-), {{fenced_run_write}}
+), {{allowed_fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
     WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
