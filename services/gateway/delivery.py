@@ -230,7 +230,7 @@ class WakeDelivery:
     async def _poll_until_stopped(self) -> None:
         room_failures = 0
         while not self._stopping.is_set():
-            free = self._config.concurrency - len(self._in_flight) - self._reserved
+            free = self._free_places()
             if free <= 0:
                 self._released.clear()
                 stopping = asyncio.ensure_future(self._stopping.wait())
@@ -279,13 +279,17 @@ class WakeDelivery:
         """How long the leases this loop takes last."""
         return self._config.lease_seconds
 
+    def _free_places(self) -> int:
+        """Places of the cap not taken by deliveries, posts' reservations or the LeaseWakes call in flight."""
+        return self._config.concurrency - len(self._in_flight) - self._reserved - self._leasing
+
     def reserve(self, wakes: int) -> bool:
         """Hold ``wakes`` places of the cap for a post whose wakes the Room is to lease to us; False (nothing
         held) when the loop is not running or has not that many free places. Every place held is given
         back by ``adopt`` or ``release``."""
         if self._task is None or self._stopping.is_set() or wakes <= 0:
             return False
-        if self._config.concurrency - len(self._in_flight) - self._reserved - self._leasing < wakes:
+        if self._free_places() < wakes:
             return False
         self._reserved += wakes
         return True

@@ -552,11 +552,9 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
         # all (held until the answer, so concurrent posts and the loop's own leasing never pass its cap):
         # delivered at once, with no LeaseWakes and no wait for the new-wakes notification. Otherwise the
         # wakes wait unleased for whichever replica's loop leases them first.
-        delivery = self._delivery
         places = len(set(request.mention_agent_ids))
-        if delivery is None or not delivery.reserve(places):
-            places = 0
-        if places and delivery is not None:
+        delivery = self._delivery if self._delivery is not None and self._delivery.reserve(places) else None
+        if delivery is not None:
             room_request.lease_owner = delivery.lease_owner
             room_request.lease_seconds = delivery.lease_seconds
         try:
@@ -566,10 +564,10 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
         except BaseException:
             # Had the Room committed (a timeout after it did), the wakes stay leased to us until their
             # leases expire, and are delivered then: as after a replica that stopped holding leases.
-            if places and delivery is not None:
+            if delivery is not None:
                 delivery.release(places)
             raise
-        if places and delivery is not None:
+        if delivery is not None:
             delivery.adopt(list(response.wakes) if response.leased else [], places)
         wake_ids = [w.wake_id for w in response.wakes]
         annotate(

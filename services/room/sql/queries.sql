@@ -223,14 +223,11 @@ WHERE a.agent_id = ANY ($1::uuid[]);
 -- name: agent_company
 SELECT company_id FROM agents WHERE agent_id = $1;
 
--- name: post_check
--- PostMessage's checks in one statement, taking no lock on the room row: whether room $1 exists; the
--- author agent's company (agent $3, NULL for a person); whether the author's company ($2, or the agent's
--- when NULL) is a member, its membership row locked FOR SHARE (see lock_membership); the mentioned agents
--- $4 that exist with their companies, and which of those companies are members (rows locked FOR SHARE
--- too: a mentioned agent's company cannot leave before the post commits); and the earlier message with
--- dedupe key $5 (a messages row, or NULL) with its wakes.
-WITH author_agent AS (
+-- fragment: post_facts
+-- A post's facts as CTEs (author_agent, author_member, mentioned, mentioned_members, earlier; see
+-- post_check), with post_check's parameters: $1 room, $2 company, $3 author agent, $4 mentions, $5
+-- dedupe key. post_message names them shifted past its own ({{post_facts+21}}).
+author_agent AS (
     SELECT company_id FROM agents WHERE agent_id = $3::uuid
 ), author_member AS (
     SELECT company_id FROM room_members
@@ -245,13 +242,27 @@ WITH author_agent AS (
 ), earlier AS (
     SELECT m FROM messages AS m WHERE m.room_id = $1 AND m.dedupe_key = $5
 )
-SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $1) AS room_found,
+
+-- fragment: post_fact_columns
+-- The facts the rules look at, read from post_facts' CTEs (the same parameters).
+EXISTS (SELECT 1 FROM rooms WHERE room_id = $1) AS room_found,
     (SELECT company_id FROM author_agent) AS agent_company_id,
     (SELECT count(*) FROM author_member) > 0 AS member,
     ARRAY(SELECT agent_id FROM mentioned) AS mentioned_agent_ids,
     ARRAY(SELECT company_id FROM mentioned) AS mentioned_company_ids,
     ARRAY(SELECT company_id FROM mentioned_members) AS member_company_ids,
-    (SELECT m FROM earlier) AS earlier,
+    (SELECT m FROM earlier) AS earlier
+
+-- name: post_check
+-- A post's checks alone, as the Room made them before post_message (the benches' floor and the statements
+-- bench run it; the Room itself no longer does), in one statement, taking no lock on the room row: whether room $1 exists; the
+-- author agent's company (agent $3, NULL for a person); whether the author's company ($2, or the agent's
+-- when NULL) is a member, its membership row locked FOR SHARE (see lock_membership); the mentioned agents
+-- $4 that exist with their companies, and which of those companies are members (rows locked FOR SHARE
+-- too: a mentioned agent's company cannot leave before the post commits); and the earlier message with
+-- dedupe key $5 (a messages row, or NULL) with its wakes.
+WITH {{post_facts}}
+SELECT {{post_fact_columns}},
     ARRAY(
         SELECT w FROM wake_outbox AS w
         WHERE w.source_id = (SELECT (m).message_id::text FROM earlier) AND w.kind = 'message'
@@ -361,28 +372,8 @@ before AS (
 -- row's lock (seq and event cursor) is taken by the UPDATE of rooms, which reads the facts and the ledger
 -- row first: membership rows, then the ledger row, then the room row, held to commit, so seq order is
 -- commit order.
-WITH author_agent AS (
-    SELECT company_id FROM agents WHERE agent_id = $24::uuid
-), author_member AS (
-    SELECT company_id FROM room_members
-    WHERE room_id = $22 AND company_id = COALESCE($23::uuid, (SELECT company_id FROM author_agent))
-    FOR SHARE
-), mentioned AS (
-    SELECT agent_id, company_id FROM agents WHERE agent_id = ANY ($25::uuid[])
-), mentioned_members AS (
-    SELECT company_id FROM room_members
-    WHERE room_id = $22 AND company_id IN (SELECT company_id FROM mentioned)
-    FOR SHARE
-), earlier AS (
-    SELECT m FROM messages AS m WHERE m.room_id = $22 AND m.dedupe_key = $26
-), facts AS (
-    SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $22) AS room_found,
-        (SELECT company_id FROM author_agent) AS agent_company_id,
-        (SELECT count(*) FROM author_member) > 0 AS member,
-        ARRAY(SELECT agent_id FROM mentioned) AS mentioned_agent_ids,
-        ARRAY(SELECT company_id FROM mentioned) AS mentioned_company_ids,
-        ARRAY(SELECT company_id FROM mentioned_members) AS member_company_ids,
-        (SELECT m FROM earlier) AS earlier
+WITH {{post_facts+21}}, facts AS (
+    SELECT {{post_fact_columns+21}}
 ), allowed AS (
     SELECT f.room_found AND f.member AND f.earlier IS NULL
         AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id))
