@@ -21,7 +21,7 @@ OIDC_STAMP := $(OIDC_PROVIDER)/node_modules/.installed
 # fresh venv without reaching any index.
 WHEELHOUSE := $(VENV)/wheelhouse
 
-.PHONY: demo test test-cluster ha-packages test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
+.PHONY: demo test test-cluster jaeger-bin jaeger jaeger-stop ha-packages test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
 # The venv itself, once; pip's cache (~/.cache/pip) serves what was downloaded before.
 $(BIN)/python:
@@ -110,6 +110,23 @@ ha-packages:
 	  sudo=""; if [ "$$(id -u)" != 0 ]; then sudo="sudo"; fi; \
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $(HA_PACKAGES); \
 	fi
+
+# Jaeger v2, built here from its Go module (tools/jaeger pins it in go.mod/go.sum): into an ignored
+# folder, once per version of the pins, then reused. Nothing comes from anywhere but the Go module
+# proxy; the Go module and build caches (~/go/pkg/mod, ~/.cache/go-build) make a rebuild in a new
+# clone on the same machine quick (README: the cold and warm build times). A plain build embeds no
+# UI: the query API (/api/v3) answers, and the UI's page is a placeholder.
+GO ?= go
+JAEGER_PINS := $(shell cat tools/jaeger/go.mod tools/jaeger/go.sum | sha1sum | cut -c1-12)
+JAEGER_BIN := build/jaeger-$(JAEGER_PINS)/jaeger
+JAEGER_CONFIG := deploy/k8s/base/jaeger-config.yaml
+
+$(JAEGER_BIN): tools/jaeger/go.mod tools/jaeger/go.sum
+	cd tools/jaeger && GOTOOLCHAIN=local GOFLAGS=-mod=readonly $(GO) build -trimpath -o $(CURDIR)/$@.tmp github.com/jaegertracing/jaeger/cmd/jaeger
+	mv $@.tmp $@
+
+jaeger-bin: $(JAEGER_BIN)
+	@echo $(JAEGER_BIN)
 
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
