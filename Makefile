@@ -21,7 +21,11 @@ OIDC_STAMP := $(OIDC_PROVIDER)/node_modules/.installed
 # fresh venv without reaching any index.
 WHEELHOUSE := $(VENV)/wheelhouse
 
-.PHONY: demo test test-cluster jaeger-bin jaeger jaeger-stop ha-packages test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
+.PHONY: help demo test test-cluster jaeger-bin jaeger jaeger-stop ha-packages test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
+
+# `make` alone, or `make help`: each target a person runs, with its one line (the `## ` after the target).
+help:  ## list the targets with one line each
+	@awk -F':.*## ' '/^[a-z][a-z0-9-]*:.*## / { printf "  make %-14s %s\n", $$1, $$2 }' $(MAKEFILE_LIST)
 
 # The venv itself, once; pip's cache (~/.cache/pip) serves what was downloaded before.
 $(BIN)/python:
@@ -40,28 +44,28 @@ $(RUN_STAMP): pyproject.toml | $(BIN)/python
 	if [ ! -e $(STAMP) ]; then $(BIN)/pip install --quiet --no-compile -e .; fi
 	touch $(RUN_STAMP)
 
-demo: $(RUN_STAMP)
+demo: $(RUN_STAMP)  ## the two-company demo on an embedded PostgreSQL; the stack stays up until Ctrl-C (CI=true: it stops)
 	$(BIN)/quayutec demo
 
-test: $(STAMP) lint typecheck check-protos secrets pytest
+test: $(STAMP) lint typecheck check-protos secrets pytest  ## everything: ruff, buf lint, mypy, proto check, secret scan, pytest
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff check, ruff format --check, buf lint
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/buf lint
 
-typecheck: $(STAMP)
+typecheck: $(STAMP)  ## mypy --strict
 	$(BIN)/mypy
 
-check-protos: $(STAMP)
+check-protos: $(STAMP)  ## fails when the generated code in quayutec/v1 is stale
 	$(BIN)/python scripts/gen_protos.py --check
 
 # No private key or token in any file git would commit (detect-secrets; see the script).
-secrets: $(STAMP)
+secrets: $(STAMP)  ## no private key or token in any file git would commit
 	$(BIN)/python scripts/scan_secrets.py
 
 # The dev overlay's mutual-TLS files, made before `kubectl apply -k deploy/k8s/overlays/dev`.
-k8s-dev-mtls: $(STAMP)
+k8s-dev-mtls: $(STAMP)  ## the Kubernetes dev overlay's mutual-TLS files
 	$(BIN)/python scripts/dev_k8s_mtls.py
 
 # The API guide's Node example (docs/api.md), run by tests/test_docs.py: its packages from the lock file.
@@ -86,26 +90,26 @@ $(WHEELHOUSE)/.complete: $(STAMP) clients/python/pyproject.toml
 	$(BIN)/pip download --quiet -d $(WHEELHOUSE) setuptools==80.9.0 ./clients/python
 	touch $@
 
-pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(OIDC_STAMP) $(WHEELHOUSE)/.complete
+pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(OIDC_STAMP) $(WHEELHOUSE)/.complete  ## the tests alone (npm ci for the Node parts)
 	$(BIN)/pytest
 
 # The flake check: the console, delivery and held-action tests N times (default 20) under one
 # busy-loop process per core; prints the pass count. `make test-repeat N=5`.
 N ?= 20
-test-repeat: $(STAMP)
+test-repeat: $(STAMP)  ## the flake check: load-sensitive tests N times (default 20) under a CPU hog
 	$(BIN)/python scripts/repeat_tests.py --rounds $(N)
 
 # The multi-host bed's tests (tests/cluster): faults across a network of namespaces, as root, in
 # namespaces of their own (`unshare`); about 8 minutes, then the database failovers on the HA bed
 # (tests/cluster/test_failover.py), about 2 more. `.ci/run` runs them after `make test`.
-test-cluster: $(STAMP) ha-packages
+test-cluster: $(STAMP) ha-packages  ## as root: the multi-host bed's faults and database failovers (~10 minutes)
 	$(BIN)/python -m scripts.cluster test -s
 
 # The HA bed's database hosts run Debian's PostgreSQL 15, Patroni and etcd (tests/cluster/ha.py), installed
 # here when missing. Tested with bookworm's postgresql-15 15.18, patroni 3.0.2-1, etcd-server 3.4.23;
 # the bed uses none of the services these packages may set up, only their programs.
 HA_PACKAGES := postgresql-15 patroni python3-etcd etcd-server
-ha-packages:
+ha-packages:  ## installs the HA bed's Debian packages when missing
 	if [ ! -x /usr/lib/postgresql/15/bin/postgres ] || [ ! -x /usr/bin/patroni ] || [ ! -x /usr/bin/etcd ]; then \
 	  sudo=""; if [ "$$(id -u)" != 0 ]; then sudo="sudo"; fi; \
 	  $$sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -q $(HA_PACKAGES); \
@@ -125,13 +129,13 @@ $(JAEGER_BIN): tools/jaeger/go.mod tools/jaeger/go.sum
 	cd tools/jaeger && GOTOOLCHAIN=local GOFLAGS=-mod=readonly $(GO) build -trimpath -o $(CURDIR)/$@.tmp github.com/jaegertracing/jaeger/cmd/jaeger
 	mv $@.tmp $@
 
-jaeger-bin: $(JAEGER_BIN)
+jaeger-bin: $(JAEGER_BIN)  ## builds Jaeger v2 from tools/jaeger once, prints its path
 	@echo $(JAEGER_BIN)
 
-protos: $(STAMP)
+protos: $(STAMP)  ## regenerates quayutec/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
 
-bench: $(STAMP)
+bench: $(STAMP)  ## all nine benchmarks (about 30 minutes)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/claims.py
 	$(BIN)/python bench/runs.py
@@ -144,8 +148,10 @@ bench: $(STAMP)
 	$(BIN)/python bench/statements.py
 
 # Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
-# a server that no command can reach.
-clean:
+# a server that no command can reach. Leaves the tree as a clone has it (tests/test_make.py checks),
+# but for the dev overlay's mTLS files (`make k8s-dev-mtls`); the Go caches outside the tree stay.
+clean:  ## removes everything made here (.venv, .quayutec, build/, caches, node_modules, egg-info)
 	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
 	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules \
-		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist $(OIDC_PROVIDER)/node_modules
+		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist $(OIDC_PROVIDER)/node_modules build dist
+	find . -path ./.git -prune -o \( -name '*.egg-info' -o -name __pycache__ \) -type d -prune -exec rm -rf {} +
