@@ -33,6 +33,8 @@ from services.client import (
     CommandError,
     GatewayClient,
     format_run,
+    known_companies,
+    own_rooms,
     resolve_company,
     resolve_mentions,
     resolve_own_agent,
@@ -95,7 +97,7 @@ async def _run_up(stack: Any, with_standin: bool) -> int:
         if standin is not None:
             print(
                 f"  standin  {standin.base_url} (stand-in model provider; scripting its answers: README, "
-                '"See an approval yourself")',
+                '"See an approval yourself", and docs/local.md)',
                 flush=True,
             )
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
@@ -132,7 +134,7 @@ def _first_steps(*, same_database: bool) -> str:
     where = " (with the same DATABASE_URL as this terminal)" if same_database else ""
     steps = [
         (f"{me} company create Acme", "prints: company <company-id> Acme"),
-        (f"{me} keys create --company <company-id>", "prints the key, once"),
+        (f"{me} keys create --company Acme", "a name or id; prints the key, once"),
         ("export QUAYUTEC_API_KEY=<the key>", "then the client commands, and the console's sign-in"),
         (f"{me} company list", "every company and its id"),
     ]
@@ -208,7 +210,7 @@ async def cmd_config(opts: argparse.Namespace) -> int:
 async def cmd_demo(opts: argparse.Namespace) -> int:
     from services.demo import run_demo
 
-    return await run_demo()
+    return await run_demo(then_stop=opts.then_stop)
 
 
 async def cmd_pki_init(opts: argparse.Namespace) -> int:
@@ -415,20 +417,28 @@ async def cmd_post(opts: argparse.Namespace) -> int:
                 room_id=room_id, person=opts.person, body=opts.body, mention_agent_ids=mentions
             )
         )
-    print(f"message {posted.message.message_id} #{posted.message.seq}; wakes {list(posted.wake_ids)}")
+    woke = len(posted.wake_ids)
+    wakes = f"woke {woke} agent{'s' if woke != 1 else ''}" + (f": wakes {', '.join(posted.wake_ids)}" if woke else "")
+    print(f"message {posted.message.message_id} #{posted.message.seq}; {wakes}")
     return 0
 
 
 async def cmd_room_list(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).ListRooms(gateway_pb2.ListRoomsRequest(page_size=opts.limit))
+        client = _client(channel)
+        got = await client.ListRooms(gateway_pb2.ListRoomsRequest(page_size=opts.limit))
+        companies: dict[str, str] = {}
+        for r in got.rooms:
+            if r.created_by_company_id not in companies:
+                companies |= await known_companies(client, r.room_id)
     rows = [
         {
             "room_id": r.room_id,
             "name": r.name,
-            "created_by": r.created_by_company_id,
+            "created_by": companies.get(r.created_by_company_id, r.created_by_company_id),
             "created_at": _when(r.created_at),
         }
+        | ({"created_by_company_id": r.created_by_company_id} if opts.json else {})
         for r in got.rooms
     ]
     _print_rows(rows, opts.json, empty="no rooms: `quayutec room create <name>` makes one, or accept an invitation")
@@ -465,15 +475,19 @@ async def cmd_runs(opts: argparse.Namespace) -> int:
         agents = {
             a.agent_id: a.name for a in (await client.ListAgents(gateway_pb2.ListAgentsRequest(page_size=500))).agents
         }
+        rooms = {r.room_id: r.name for r in await own_rooms(client)}
     rows = [
         {
             "run_id": run.run_id,
             "agent": agents.get(run.agent_id, run.agent_id),
+            "room": rooms.get(run.room_id, run.room_id),
+            "started": _when(run.started_at) if run.HasField("started_at") else ("" if not opts.json else None),
             "status": STATUS_NAMES[run.status],
             "last_step": STEP_NAMES[run.step],
-            "trace": run.trace_id or NOT_TRACED,
+            # --json carries data: null when the run has no trace; the table says so in words.
+            "trace": run.trace_id or (None if opts.json else NOT_TRACED),
         }
-        | ({"agent_id": run.agent_id} if opts.json else {})
+        | ({"agent_id": run.agent_id, "room_id": run.room_id} if opts.json else {})
         for run in runs.runs
     ]
     _print_rows(rows, opts.json, empty="no runs")
@@ -482,8 +496,13 @@ async def cmd_runs(opts: argparse.Namespace) -> int:
 
 async def cmd_run(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        run = (await _client(channel).GetRun(gateway_pb2.GetRunRequest(run_id=opts.run_id))).run
-    print(format_run(run))
+        client = _client(channel)
+        run = (await client.GetRun(gateway_pb2.GetRunRequest(run_id=opts.run_id))).run
+        agents = {
+            a.agent_id: a.name for a in (await client.ListAgents(gateway_pb2.ListAgentsRequest(page_size=500))).agents
+        }
+        rooms = {r.room_id: r.name for r in await own_rooms(client)}
+    print(format_run(run, agent=agents.get(run.agent_id, ""), room=rooms.get(run.room_id, "")))
     return 0
 
 
@@ -965,6 +984,17 @@ def _json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help=AS_JSON)
 
 
+def version() -> str:
+    """This checkout's version, as installed (pyproject.toml's), or "unknown" when not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("quayutec-rooms")
+    except PackageNotFoundError:
+        return "unknown (not installed: `make demo` or `pip install -e .` installs it)"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="quayutec",
@@ -973,12 +1003,13 @@ def parser() -> argparse.ArgumentParser:
         epilog=f"Client commands authenticate with {API_KEY_ENV}; admin commands use the services' database "
         "(DATABASE_URL, or the embedded PostgreSQL of QUAYUTEC_DATA_DIR). `quayutec config` lists every setting.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up = sub.add_parser("up", help="run the embedded PostgreSQL, the four services and the console here until Ctrl-C")
     up.add_argument(
         "--standin",
         action="store_true",
-        help="point Runtime at a local stand-in model provider (its scripted answers: README)",
+        help="point Runtime at a local stand-in model provider (its scripted answers: docs/local.md)",
     )
     up.add_argument(
         "--base-port",
@@ -1004,9 +1035,17 @@ def parser() -> argparse.ArgumentParser:
     )
     _json(cf)
     cf.set_defaults(handler=cmd_config)
-    sub.add_parser("demo", help="run the two-company demo: a Runtime crash, then an approval").set_defaults(
-        handler=cmd_demo
+    dm = sub.add_parser(
+        "demo",
+        help="run the two-company demo (a Runtime crash, then an approval); the stack then stays up for the "
+        "console until Ctrl-C",
     )
+    dm.add_argument(
+        "--then-stop",
+        action="store_true",
+        help="stop the stack as soon as the demo is done (also when CI=true is in the environment)",
+    )
+    dm.set_defaults(handler=cmd_demo)
     sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
     pki = sub.add_parser("pki", help="the development certificates of the data folder (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
