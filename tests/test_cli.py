@@ -695,3 +695,10 @@ async def test_watch_names_things_and_rooms_and_companies_are_given_by_name(data
         [pending] = json.loads(ops_invitation)
         await ok(globex, "invitation", "accept", pending["invitation_id"])
         assert "your company left room 'ops'" in await ok(globex, "room", "leave", "ops")
+
+
+async def test_version_prints_the_installed_version() -> None:
+    from importlib.metadata import version
+
+    done = await quayutec("--version", env={})
+    assert done.returncode == 0 and done.stdout == f"quayutec {version('quayutec-rooms')}\n", done
