@@ -105,12 +105,16 @@ def _typed(method: F) -> F:
     ]
     where = method.__name__
 
+    position = {name: i for i, name in enumerate(sig.parameters)}  # "self" is 0
+
     def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        bound = sig.bind(*args, **kwargs)
         for param, types, what in checks:
-            if param not in bound.arguments:
-                continue
-            value = bound.arguments[param]
+            if param in kwargs:
+                value = kwargs[param]
+            elif position[param] < len(args):
+                value = args[position[param]]
+            else:
+                continue  # its default
             if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
                 raise TypeError(f"{where}: {param} must be {what}, not {type(value).__name__} ({value!r:.40})")
 
