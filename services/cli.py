@@ -311,11 +311,11 @@ async def cmd_keys_list(opts: argparse.Namespace) -> int:
                 "key_id": k.key_id,
                 "label": k.label,
                 "created_at": k.created_at.isoformat(timespec="seconds"),
-                "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
+                "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else None,
                 **(
                     {
-                        "session_of": k.parent_key_id or "",
-                        "expires_at": k.expires_at.isoformat(timespec="seconds") if k.expires_at else "",
+                        "session_of": k.parent_key_id or None,
+                        "expires_at": k.expires_at.isoformat(timespec="seconds") if k.expires_at else None,
                     }
                     if opts.sessions
                     else {}
@@ -385,7 +385,8 @@ async def _company_id(pool: Any, company: str) -> str:
 
 
 def _print_rows(rows: Sequence[Mapping[str, Any]], as_json: bool, *, empty: str) -> None:
-    """A list command's output: an aligned table with a header, or JSON (one array) with ``--json``."""
+    """A list command's output: an aligned table with a header, or JSON (one array) with ``--json``. An
+    absent value is None: null in JSON, an empty cell in the table."""
     if as_json:
         print(json.dumps(list(rows), indent=2))
         return
@@ -393,7 +394,7 @@ def _print_rows(rows: Sequence[Mapping[str, Any]], as_json: bool, *, empty: str)
         print(f"({empty})")
         return
     columns = list(rows[0])
-    cells = [[str(row[c]) for c in columns] for row in rows]
+    cells = [["" if row[c] is None else str(row[c]) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
     for r in cells:
@@ -481,7 +482,7 @@ async def cmd_runs(opts: argparse.Namespace) -> int:
             "run_id": run.run_id,
             "agent": agents.get(run.agent_id, run.agent_id),
             "room": rooms.get(run.room_id, run.room_id),
-            "started": _when(run.started_at) if run.HasField("started_at") else ("" if not opts.json else None),
+            "started": _when(run.started_at) if run.HasField("started_at") else None,
             "status": STATUS_NAMES[run.status],
             "last_step": STEP_NAMES[run.step],
             # --json carries data: null when the run has no trace; the table says so in words.

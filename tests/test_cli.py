@@ -121,7 +121,7 @@ async def test_keys_are_made_listed_and_revoked(database_url: str) -> None:
     assert key_id in listed.stdout and secret not in listed.stdout
     assert listed.stdout.splitlines()[0].split() == ["KEY_ID", "LABEL", "CREATED_AT", "REVOKED_AT"]
     [row] = json.loads((await quayutec("keys", "list", "--company", company.company_id, "--json", env=env)).stdout)
-    assert row["key_id"] == key_id and row["label"] == "ci" and row["revoked_at"] == ""
+    assert row["key_id"] == key_id and row["label"] == "ci" and row["revoked_at"] is None  # --json: null when absent
     # The company by its name, regardless of case, as well as by its id.
     assert (await quayutec("keys", "list", "--company", "acme", env=env)).stdout == listed.stdout
     by_name = await quayutec("keys", "create", "--company", "Acme", "--label", "by name", env=env)
@@ -428,7 +428,10 @@ async def test_agents_rooms_and_companies_are_listed_and_agents_mentioned_by_nam
         invitation_id = (await ok(acme, "room", "invite", room_id, globex_id)).split()[1].rstrip(":")
         await ok(globex, "invitation", "accept", invitation_id)
         [room] = json.loads(await ok(globex, "room", "list", "--json"))
-        assert (room["room_id"], room["name"], room["created_by"]) == (room_id, "launch", acme_id)
+        # The creator by name, as another member sees it; its id beside it in --json.
+        assert (room["room_id"], room["name"], room["created_by"]) == (room_id, "launch", "Acme")
+        assert room["created_by_company_id"] == acme_id
+        assert (await ok(globex, "room", "list")).splitlines()[1].split()[:3] == [room_id, "launch", "Acme"]
 
         async def register(key: str, name: str) -> str:
             made = await ok(key, "agent", "register", "--name", name, "--provider", "openai", "--model", "m")
@@ -455,7 +458,7 @@ async def test_agents_rooms_and_companies_are_listed_and_agents_mentioned_by_nam
         try:
 
             async def woken(posted: str) -> list[str]:
-                wake_ids = re.findall(r"'([0-9a-f-]{36})'", posted)
+                wake_ids = re.findall(r"[0-9a-f]{8}-[0-9a-f-]{27}", posted.partition("wakes ")[2])
                 rows = await pool.fetch(
                     "SELECT agent_id FROM wake_outbox WHERE wake_id = ANY($1::uuid[]) ORDER BY agent_id", wake_ids
                 )
