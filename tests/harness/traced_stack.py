@@ -128,9 +128,7 @@ async def traced_world(stack: LocalStack, standin: StandinProvider) -> AsyncIter
                 )
             )
         ).agent
-        yield World(
-            stack, a, b, key_a, key_b, acme.company_id, bolt.company_id, r.room_id, agent.agent_id, agent.model
-        )
+        yield World(stack, a, b, key_a, key_b, acme.company_id, bolt.company_id, r.room_id, agent.agent_id, agent.model)
 
 
 def code_of(exc: BaseException) -> grpc.StatusCode | None:
