@@ -20,6 +20,11 @@ OIDC_STAMP := $(OIDC_PROVIDER)/node_modules/.installed
 # The Python client SDK and what it installs, downloaded once, so that tests/clients installs it into a
 # fresh venv without reaching any index.
 WHEELHOUSE := $(VENV)/wheelhouse
+# Jaeger v2's binary, built from tools/jaeger (the jaeger-bin target below).
+GO ?= go
+JAEGER_PINS := $(shell cat tools/jaeger/go.mod tools/jaeger/go.sum | sha1sum | cut -c1-12)
+JAEGER_BIN := build/jaeger-$(JAEGER_PINS)/jaeger
+JAEGER_CONFIG := deploy/k8s/base/jaeger-config.yaml
 
 .PHONY: demo test test-cluster jaeger-bin jaeger jaeger-stop ha-packages test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
@@ -86,8 +91,10 @@ $(WHEELHOUSE)/.complete: $(STAMP) clients/python/pyproject.toml
 	$(BIN)/pip download --quiet -d $(WHEELHOUSE) setuptools==80.9.0 ./clients/python
 	touch $@
 
-pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(OIDC_STAMP) $(WHEELHOUSE)/.complete
-	$(BIN)/pytest
+# The trace tests (tests/jaeger) run a real Jaeger v2: built before pytest starts, so its first build
+# is not counted against a test's timeout.
+pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(OIDC_STAMP) $(WHEELHOUSE)/.complete $(JAEGER_BIN)
+	QUAYUTEC_TEST_JAEGER_BIN=$(CURDIR)/$(JAEGER_BIN) $(BIN)/pytest
 
 # The flake check: the console, delivery and held-action tests N times (default 20) under one
 # busy-loop process per core; prints the pass count. `make test-repeat N=5`.
@@ -116,10 +123,6 @@ ha-packages:
 # proxy; the Go module and build caches (~/go/pkg/mod, ~/.cache/go-build) make a rebuild in a new
 # clone on the same machine quick (README: the cold and warm build times). A plain build embeds no
 # UI: the query API (/api/v3) answers, and the UI's page is a placeholder.
-GO ?= go
-JAEGER_PINS := $(shell cat tools/jaeger/go.mod tools/jaeger/go.sum | sha1sum | cut -c1-12)
-JAEGER_BIN := build/jaeger-$(JAEGER_PINS)/jaeger
-JAEGER_CONFIG := deploy/k8s/base/jaeger-config.yaml
 
 $(JAEGER_BIN): tools/jaeger/go.mod tools/jaeger/go.sum
 	cd tools/jaeger && GOTOOLCHAIN=local GOFLAGS=-mod=readonly $(GO) build -trimpath -o $(CURDIR)/$@.tmp github.com/jaegertracing/jaeger/cmd/jaeger
