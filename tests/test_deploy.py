@@ -464,8 +464,9 @@ def resolve_env_refs(text: str, env: dict[str, Any]) -> str:
 
 
 def jaeger_container(r: Rendered) -> Obj:
-    (container,) = r.pod_spec(r.get("Deployment", "jaeger"))["containers"]
-    return container
+    containers: list[Obj] = r.pod_spec(r.get("Deployment", "jaeger"))["containers"]
+    assert len(containers) == 1, f"the Jaeger pod runs {len(containers)} containers"
+    return containers[0]
 
 
 def jaeger_config(r: Rendered) -> tuple[Obj, str]:
