@@ -29,8 +29,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+from opentelemetry.proto.trace.v1.trace_pb2 import Span, Status
 
 from services.stack import free_port
+from tests.harness.otlp import Got
 
 REPO = Path(__file__).resolve().parent.parent.parent
 CONFIG = REPO / "deploy" / "k8s" / "base" / "jaeger-config.yaml"
@@ -122,6 +125,52 @@ class JSpan:
 
     def attr(self, key: str) -> Any:
         return self.attributes.get(key)
+
+
+def _any(value: Any) -> AnyValue:
+    if isinstance(value, bool):
+        return AnyValue(bool_value=value)
+    if isinstance(value, int):
+        return AnyValue(int_value=value)
+    if isinstance(value, float):
+        return AnyValue(double_value=value)
+    if isinstance(value, tuple):
+        return AnyValue(array_value=ArrayValue(values=[_any(v) for v in value]))
+    return AnyValue(string_value=str(value))
+
+
+def _key_values(attributes: Mapping[str, Any]) -> list[KeyValue]:
+    return [KeyValue(key=key, value=_any(value)) for key, value in attributes.items()]
+
+
+def got_of(span: JSpan) -> Got:
+    """A span Jaeger returned as the in-process receiver's ``Got`` (the OTLP protobuf it was sent
+    as), so the checks written for that receiver (``tests.harness.walk``) read Jaeger's answer too."""
+    kind = {name: number for number, name in KINDS.items()}[span.kind]
+    return Got(
+        scope=span.scope,
+        resource=dict(span.resource),
+        span=Span(
+            trace_id=bytes.fromhex(span.trace_id),
+            span_id=bytes.fromhex(span.span_id),
+            parent_span_id=bytes.fromhex(span.parent_span_id),
+            name=span.name,
+            kind=kind,  # type: ignore[arg-type]
+            start_time_unix_nano=span.start_ns,
+            end_time_unix_nano=span.end_ns,
+            attributes=_key_values(span.attributes),
+            events=[Span.Event(name=e.name, attributes=_key_values(e.attributes)) for e in span.events],
+            links=[
+                Span.Link(
+                    trace_id=bytes.fromhex(link.trace_id),
+                    span_id=bytes.fromhex(link.span_id),
+                    attributes=_key_values(link.attributes),
+                )
+                for link in span.links
+            ],
+            status=Status(code=span.status_code),  # type: ignore[arg-type]
+        ),
+    )
 
 
 def spans_of(answer: Mapping[str, Any]) -> list[JSpan]:
