@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import re
 import secrets
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -44,6 +46,10 @@ from tests.harness.jaeger import Jaeger, JSpan, rfc3339, spans_of
 from tests.harness.traced_stack import SERVICE_NAMES, World, traced_stack, traced_world
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+REPO = Path(__file__).resolve().parent.parent.parent
+# The docs' excerpt of a real answer: a JSON block after this marker.
+DOCS_EXCERPT = re.compile(r"<!-- jaeger-excerpt -->\n```json\n(.*?)```", re.S)
 
 GATEWAY, ROOM, RUNTIME = "quayutec-gateway", "quayutec-room", "quayutec-runtime"
 SERVER, CLIENT = "server", "client"
@@ -211,13 +217,29 @@ async def _flows_on(
     async with a2a_client(addr, tenant_of(world.room_id, world.agent_id), world.bolt_key) as (client, card):
         task = await send_once(card, world.bolt_key, message, wait=False)
         seen.task_id = task.id
+        # The client retries the same message: the same task comes back.
+        assert (await send_once(card, world.bolt_key, message, wait=False)).id == task.id
         waiting = {a2a_pb2.TASK_STATE_SUBMITTED, a2a_pb2.TASK_STATE_WORKING}
         for _ in range(int(BOUND / 0.1)):  # a bound on polling, not a timing assertion
             got = await client.get_task(a2a_pb2.GetTaskRequest(id=task.id))
             if got.status.state not in waiting:
                 break
             await asyncio.sleep(0.1)
-        assert got.status.state not in waiting, got.status
+        assert got.status.state == a2a_pb2.TASK_STATE_INPUT_REQUIRED, got.status  # answered, still open
+        # Subscribed to, then cancelled: the subscription ends with the task.
+        followed: list[Any] = []
+        first = asyncio.Event()
+
+        async def follow() -> None:
+            async for event in client.subscribe(a2a_pb2.SubscribeToTaskRequest(id=task.id)):
+                followed.append(event)
+                first.set()
+
+        subscription = asyncio.create_task(follow())
+        await asyncio.wait_for(first.wait(), BOUND)
+        canceled = await client.cancel_task(a2a_pb2.CancelTaskRequest(id=task.id))
+        assert canceled.status.state == a2a_pb2.TASK_STATE_CANCELED
+        await asyncio.wait_for(subscription, BOUND)
 
     # A person's WatchRoom stream: opened (from cursor 0), a post made while it is open and seen on
     # it, then closed by the watcher.
@@ -231,13 +253,16 @@ async def _flows_on(
             ("x-request-id", seen.watch_request_id),
         ),
     )
+    # The stream is open once it answers (it replays the room's events from cursor 0).
+    await asyncio.wait_for(call.read(), BOUND)
     watched = await gw.PostMessage(gateway_pb2.PostMessageRequest(room_id=world.room_id, person="ana", body="watch me"))
     seen.watched_message_id = watched.message.message_id
 
     async def until_seen() -> None:
-        async for item in call:
-            if seen.watched_message_id in str(item):
+        for _ in range(10_000):  # a bound on the events read
+            if seen.watched_message_id in str(await call.read()):
                 return
+        raise AssertionError("the post never came on the stream")
 
     await asyncio.wait_for(until_seen(), BOUND)
     call.cancel()
@@ -347,17 +372,28 @@ async def test_an_a2a_task_is_found_by_its_task_id_and_message_id(jaeger: Jaeger
     spans = [s for trace_id in found for s in await jaeger.trace(trace_id)]
     show("A2A: search quayutec.task_id", spans)
     calls = {s.name for s in spans if s.attr("quayutec.task_id") == seen.task_id and s.kind == SERVER}
-    assert {"lf.a2a.v1.A2AService/SendMessage", "lf.a2a.v1.A2AService/GetTask"} <= calls, calls
-    (send,) = named(spans, "lf.a2a.v1.A2AService/SendMessage", SERVER)
-    assert send.attr("quayutec.a2a.message_id") == seen.a2a_message_id
-    assert send.attr("rpc.response.status_code") == "OK"
-    # The room task's write is in the same trace: the Room's CreateTask, under the Gateway's call.
-    assert [s.trace_id for s in named(spans, "quayutec.v1.RoomService/CreateTask", SERVER)] == [send.trace_id]
+    a2a = "lf.a2a.v1.A2AService/"
+    assert calls == {a2a + m for m in ("SendMessage", "GetTask", "SubscribeToTask", "CancelTask")}, calls
+    sends = named(spans, a2a + "SendMessage", SERVER)
+    assert len(sends) == 2  # the send and its retry, each a trace of its own
+    for send in sends:
+        assert send.attr("quayutec.a2a.message_id") == seen.a2a_message_id
+        assert send.attr("rpc.response.status_code") == "OK"
+    # The room task's write is under the Gateway's call: the Room's CreateTask (the retry's finds the
+    # task made), in the sends' traces.
+    created = named(spans, "quayutec.v1.RoomService/CreateTask", SERVER)
+    assert created and {c.trace_id for c in created} <= {send.trace_id for send in sends}
+    # The subscription is one span that ended with the task.
+    (subscribed,) = named(spans, a2a + "SubscribeToTask", SERVER)
+    (cancel,) = named(spans, a2a + "CancelTask", SERVER)
+    assert subscribed.start_ns < cancel.start_ns and subscribed.end_ns > cancel.end_ns
 
-    # The caller's messageId finds only the SendMessage that made the task.
-    _, by_message = await trace_with(jaeger, GATEWAY, {"quayutec.a2a.message_id": seen.a2a_message_id})
-    assert by_message[0].trace_id == send.trace_id
-    assert {s.name for s in by_message if s.attr("quayutec.a2a.message_id")} == {"lf.a2a.v1.A2AService/SendMessage"}
+    # The caller's messageId finds the SendMessage that made the task, and its retry: nothing else.
+    found = await jaeger.search_tags_until(GATEWAY, {"quayutec.a2a.message_id": seen.a2a_message_id}, sends[0].trace_id)
+    assert sorted(found) == sorted(send.trace_id for send in sends)
+    tagged = [s for t in found for s in await jaeger.trace(t) if s.attr("quayutec.a2a.message_id")]
+    assert {s.name for s in tagged} == {a2a + "SendMessage"}
+    assert await jaeger.search_tags(GATEWAY, {"quayutec.task_id": str(uuid.uuid4())}) == []
 
 
 async def test_a_watch_room_stream_is_one_span_that_ends_with_the_stream(jaeger: Jaeger, seen: Seen) -> None:
@@ -395,32 +431,56 @@ async def test_search_by_wake_id_finds_the_wakes_trace(jaeger: Jaeger, seen: See
         assert {s.attr("quayutec.wake_id") for s in named(spans, name)} == {wake_id}, name
     # A made-up wake id finds nothing.
     assert await jaeger.search_tags(GATEWAY, {"quayutec.wake_id": str(uuid.uuid4())}) == []
+    # The batched calls sit in one wake's trace; the other wake's trace links to each of them.
+    first, other = seen.batch_runs
+    batch_trace = await jaeger.trace(first.trace_id)
+    batches = {name: named(batch_trace, name) for name in ("StartRuns batch", "ClaimMany batch", "SettleWakes batch")}
+    if not all(batches.values()):
+        first, other = other, first
+        batch_trace = await jaeger.trace(first.trace_id)
+        batches = {name: named(batch_trace, name) for name in batches}
+    other_spans = await jaeger.trace(other.trace_id)
+    (delivery,) = named(other_spans, "deliver wake")
+    (start,) = named(other_spans, "StartRun")
+    for name, linker in (("StartRuns batch", delivery), ("SettleWakes batch", delivery), ("ClaimMany batch", start)):
+        (batch,) = batches[name]
+        assert linker.links_to(batch), name
 
 
 async def test_search_by_run_id_finds_every_trace_of_the_run(jaeger: Jaeger, seen: Seen) -> None:
     assert seen.approved_run is not None and seen.expired_run is not None
     approved, expired = seen.approved_run, seen.expired_run
     assert len(approved.trace_ids) == 2 and len(expired.trace_ids) == 2  # the wake's and the continuation's
+    runs = {"approved": approved, "expired": expired}
 
-    # An approved run: its wake's trace, its continuation's, and the decision's (DecideApproval).
-    decision = await jaeger.search_tags_until(GATEWAY, {"quayutec.run_id": approved.run_id}, approved.trace_ids[-1])
-    print(f"\n[search quayutec.run_id (approved) on {GATEWAY}] {len(decision)} traces")
-    assert set(approved.trace_ids) < set(decision) and len(decision) == 3, (approved.trace_ids, decision)
-    (decision_trace,) = set(decision) - set(approved.trace_ids)
+    # quayutec-runtime: the wake's and the continuation's traces, exactly the ledger's.
+    for what, run in runs.items():
+        found = await jaeger.search_tags_until(RUNTIME, {"quayutec.run_id": run.run_id}, run.trace_ids[-1])
+        print(f"\n[search quayutec.run_id ({what}) on {RUNTIME}] {len(found)} traces")
+        assert sorted(found) == sorted(run.trace_ids), (what, found)
+
+    # quayutec-room: besides the run's own traces (its room writes), the decision's trace ...
+    found = await jaeger.search_tags_until(ROOM, {"quayutec.run_id": approved.run_id}, approved.trace_ids[0])
+    others = set(found) - set(approved.trace_ids)
+    print(f"[search quayutec.run_id (approved) on {ROOM}] {len(found)} traces, {len(others)} not the run's own")
+    (decision_trace,) = others
     decided = await jaeger.trace(decision_trace)
     show("the decision's trace", decided)
-    assert named(decided, "quayutec.v1.GatewayService/DecideApproval", SERVER, **{"quayutec.run_id": approved.run_id})
-
-    # An expired run: its wake's and continuation's traces on the Gateway, and the expiry on the Room.
-    on_gateway = await jaeger.search_tags_until(GATEWAY, {"quayutec.run_id": expired.run_id}, expired.trace_ids[-1])
-    assert sorted(on_gateway) == sorted(expired.trace_ids), on_gateway
-    on_room = await jaeger.search_tags_until(ROOM, {"quayutec.run_id": expired.run_id}, expired.trace_ids[0])
-    print(f"\n[search quayutec.run_id (expired)] gateway {len(on_gateway)} traces, room {len(on_room)} traces")
-    (expiry_trace,) = set(on_room) - set(expired.trace_ids)
+    by_run = {"quayutec.run_id": approved.run_id}
+    assert named(decided, "quayutec.v1.RoomService/DecideHeldAction", SERVER, **by_run)
+    assert named(decided, "quayutec.v1.GatewayService/DecideApproval", SERVER, **by_run)
+    # ... and the expiry that expired only this run.
+    found = await jaeger.search_tags_until(ROOM, {"quayutec.run_id": expired.run_id}, expired.trace_ids[0])
+    others = set(found) - set(expired.trace_ids)
+    print(f"[search quayutec.run_id (expired) on {ROOM}] {len(found)} traces, {len(others)} not the run's own")
+    (expiry_trace,) = others
     expiry = await jaeger.trace(expiry_trace)
     show("the expiry's trace", expiry)
     (expire,) = named(expiry, "expire approvals", **{"quayutec.run_id": expired.run_id})
     assert expire.attr("quayutec.run_ids") == (expired.run_id,) and expire.scope == "quayutec.housekeeping"
+    # quayutec-gateway finds the wake's and the continuation's (deliver wake) and the decision's.
+    found = await jaeger.search_tags_until(GATEWAY, {"quayutec.run_id": approved.run_id}, decision_trace)
+    assert sorted(found) == sorted([*approved.trace_ids, decision_trace])
     # A made-up run id finds nothing, on any service.
     for service in SERVICE_NAMES:
         assert await jaeger.search_tags(service, {"quayutec.run_id": str(uuid.uuid4())}) == [], service
@@ -451,6 +511,10 @@ async def test_search_by_message_id_finds_the_post_and_the_reply(jaeger: Jaeger,
     run = seen.batch_runs[0]
     found = await jaeger.search_tags_until(ROOM, {"quayutec.message_id": run.posted_message_id}, run.trace_id)
     assert found == [run.trace_id] != [post_trace]
+    # Only on quayutec-room: the reply is the Runtime's call to the Room, no Gateway span names it.
+    assert await jaeger.search_tags(GATEWAY, {"quayutec.message_id": run.posted_message_id}) == []
+    # The post is found on quayutec-room too.
+    assert await jaeger.search_tags(ROOM, {"quayutec.message_id": seen.batch_message_id}) == [post_trace]
     (reply,) = named(await jaeger.trace(run.trace_id), "quayutec.v1.RoomService/PostMessage", SERVER)
     assert reply.attr("quayutec.run_id") == run.run_id
     assert await jaeger.search_tags(GATEWAY, {"quayutec.message_id": str(uuid.uuid4())}) == []
@@ -540,6 +604,140 @@ async def test_v3_services_operations_and_the_searchs_required_parameters(jaeger
             f"{len({s.trace_id for s in spans_of(ignored.json())}) if ignored.status_code == 200 else 0} traces"
         )
         assert ignored.status_code == 200 and spans_of(ignored.json())
+
+
+async def test_the_docs_query_forms_answer_as_the_docs_say(jaeger: Jaeger, seen: Seen) -> None:
+    """Each form of query docs/operations.md gives, run as written there, answering as it says."""
+    run, wake_id = seen.batch_runs[0], seen.batch_wake_ids[0]
+    await jaeger.search_tags_until(GATEWAY, {"quayutec.wake_id": wake_id}, run.trace_id)
+
+    def ids(answer: httpx.Response) -> list[str]:
+        assert answer.status_code == 200, answer.text[:300]
+        return [t["traceID"] for t in answer.json()["data"]]
+
+    now_us = int(datetime.now(UTC).timestamp() * 1e6)
+    started_us = int(seen.started.timestamp() * 1e6)
+    async with httpx.AsyncClient(base_url=jaeger.query, timeout=10.0) as client:
+        tags = {"service": GATEWAY, "tags": json.dumps({"quayutec.wake_id": wake_id})}
+        by_json = await client.get("/api/traces", params=tags)
+        # `tag=key:value` is the same filter as `tags` (JSON).
+        by_tag = await client.get("/api/traces", params={"service": GATEWAY, "tag": f"quayutec.wake_id:{wake_id}"})
+        assert ids(by_json) == ids(by_tag) == [run.trace_id]
+        # `start` and `end` in microseconds: a window holding the run finds it, one before it nothing.
+        inside = await client.get("/api/traces", params={**tags, "start": str(started_us), "end": str(now_us)})
+        before = {**tags, "start": str(started_us - 3_600_000_000), "end": str(started_us - 1)}
+        assert ids(inside) == [run.trace_id] and ids(await client.get("/api/traces", params=before)) == []
+        # Nothing matching: 200 with "data": [].
+        made_up = {"service": GATEWAY, "tags": json.dumps({"quayutec.wake_id": str(uuid.uuid4())})}
+        nothing = await client.get("/api/traces", params=made_up)
+        assert nothing.status_code == 200 and nothing.json()["data"] == [], nothing.text[:300]
+        no_service = await client.get("/api/traces", params={"tags": tags["tags"]})
+        print(f"\n[/api/traces without service] {no_service.status_code} {no_service.text[:160]}")
+        assert no_service.status_code >= 400 and "service" in no_service.text
+        # The answer is Jaeger's own model: spans with references, tags and a processID, the
+        # processes naming the services; a link is a FOLLOWS_FROM reference.
+        (found,) = by_json.json()["data"]
+        services = {p["serviceName"] for p in found["processes"].values()}
+        assert services == set(SERVICE_NAMES), services
+        (delivery,) = [s for s in found["spans"] if s["operationName"] == "deliver wake"]
+        assert {"quayutec.wake_id": wake_id}.items() <= {t["key"]: t["value"] for t in delivery["tags"]}.items()
+        post_trace = (await jaeger.search_tags(ROOM, {"quayutec.message_id": seen.batch_message_id}))[0]
+        (room_post,) = named(await jaeger.trace(post_trace), "quayutec.v1.RoomService/PostMessage", SERVER)
+        assert {"refType": "FOLLOWS_FROM", "traceID": post_trace, "spanID": room_post.span_id} in delivery["references"]
+        print(f"[/api/traces, the wake's trace] {len(found['spans'])} spans; deliver wake's references:")
+        print("  " + json.dumps(delivery["references"]))
+        # The same link in /api/v3: in `links`, with its attributes.
+        (v3_delivery,) = named(await jaeger.trace(run.trace_id), "deliver wake")
+        (link,) = [link for link in v3_delivery.links if link.trace_id == post_trace]
+        print(f"[/api/v3/traces/{{id}}, deliver wake's link to the post] {link}")
+
+        # /api/v3/traces/{id}: 404 "No traces found" for a trace Jaeger does not have.
+        missing = await client.get(f"/api/v3/traces/{secrets.token_hex(16)}")
+        assert missing.status_code == 404 and "No traces found" in missing.text, missing.text[:300]
+        # The v3 search by duration: every deliver wake is shorter than an hour, none longer.
+        window = {
+            "query.service_name": GATEWAY,
+            "query.operation_name": "deliver wake",
+            "query.start_time_min": rfc3339(seen.started - timedelta(minutes=1)),
+            "query.start_time_max": rfc3339(datetime.now(UTC) + timedelta(minutes=1)),
+            "query.num_traces": "100",
+        }
+        short = await client.get("/api/v3/traces", params={**window, "query.duration_max": "1h"})
+        assert run.trace_id in {s.trace_id for s in spans_of(short.json())}
+        long = await client.get("/api/v3/traces", params={**window, "query.duration_min": "1h"})
+        assert long.status_code == 404 and "No traces found" in long.text, long.text[:300]
+    # /api/v3/operations with span_kind: that kind only.
+    servers = await jaeger.operations(GATEWAY, span_kind="server")
+    assert servers and {kind for _, kind in servers} == {"server"}
+    assert ("quayutec.v1.GatewayService/PostMessage", "server") in servers
+    assert "deliver wake" not in {name for name, _ in servers}
+
+
+def excerpt(answer: Mapping[str, Any], span_name: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``answer`` (a ``/api/v3/traces/{id}`` answer) trimmed to the span ``span_name`` of its
+    resource, with only the attributes ``keys``."""
+    for resource_spans in answer["result"]["resourceSpans"]:
+        for scope_spans in resource_spans["scopeSpans"]:
+            for span in scope_spans["spans"]:
+                if span["name"] != span_name:
+                    continue
+                resource = resource_spans["resource"]
+                kept = [a for a in span["attributes"] if a["key"] in keys]
+                return {
+                    "result": {
+                        "resourceSpans": [
+                            {
+                                "resource": {
+                                    "attributes": [a for a in resource["attributes"] if a["key"] == "service.name"]
+                                },
+                                "scopeSpans": [
+                                    {
+                                        "scope": scope_spans["scope"],
+                                        "spans": [
+                                            {
+                                                **{k: span[k] for k in ("traceId", "spanId", "name", "kind")},
+                                                **{k: span[k] for k in ("startTimeUnixNano", "endTimeUnixNano")},
+                                                "attributes": kept,
+                                                "links": span.get("links", [])[:1],
+                                            }
+                                        ],
+                                    }
+                                ],
+                            }
+                        ]
+                    }
+                }
+    raise AssertionError(f"no span {span_name!r} in the answer")
+
+
+def within(part: Any, whole: Any) -> bool:
+    """Whether ``part`` (the docs' excerpt) has the shape of ``whole`` (a real answer): every key of
+    each object found in the real one, a list's items each matching some item, scalars of one type."""
+    if isinstance(part, dict):
+        return isinstance(whole, dict) and all(k in whole and within(v, whole[k]) for k, v in part.items())
+    if isinstance(part, list):
+        return isinstance(whole, list) and all(any(within(p, w) for w in whole) for p in part)
+    return type(part) is type(whole)
+
+
+async def test_the_docs_excerpt_has_the_shape_of_a_real_answer(jaeger: Jaeger, seen: Seen) -> None:
+    run = seen.batch_runs[0]
+    await jaeger.trace(run.trace_id)
+    answer = await jaeger.raw_trace(run.trace_id)
+    keys = ("quayutec.wake_id", "quayutec.run_id", "quayutec.wake.kind")
+    trimmed = excerpt(answer, "deliver wake", keys)
+    print("\n[the docs' excerpt, from this run's deliver wake]\n" + json.dumps(trimmed, indent=2))
+    assert within(trimmed, answer)
+    docs = (REPO / "docs" / "operations.md").read_text()
+    match = DOCS_EXCERPT.search(docs)
+    if match is None:
+        pytest.fail("docs/operations.md has no excerpt of a real answer (<!-- jaeger-excerpt --> and a json block)")
+    written = json.loads(match.group(1))
+    assert within(written, answer), "the docs' excerpt is not the shape of what Jaeger answers"
+    # And it is a deliver wake, with the ids the docs name on it.
+    (span,) = written["result"]["resourceSpans"][0]["scopeSpans"][0]["spans"]
+    assert span["name"] == "deliver wake"
+    assert {a["key"] for a in span["attributes"]} <= set(keys) and span["links"]
 
 
 # Flow 8: no secret, key, prompt or message text anywhere Jaeger stores.
