@@ -17,6 +17,7 @@ import base64
 import json
 import re
 import secrets
+import shlex
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 REPO = Path(__file__).resolve().parent.parent.parent
 # The docs' excerpt of a real answer: a JSON block after this marker.
 DOCS_EXCERPT = re.compile(r"<!-- jaeger-excerpt -->\n```json\n(.*?)```", re.S)
+# The docs' example queries: a shell block after this marker.
+DOCS_QUERIES = re.compile(r"<!-- jaeger-queries -->\n```sh\n(.*?)```", re.S)
 
 GATEWAY, ROOM, RUNTIME = "quayutec-gateway", "quayutec-room", "quayutec-runtime"
 SERVER, CLIENT = "server", "client"
@@ -671,6 +674,45 @@ async def test_the_docs_query_forms_answer_as_the_docs_say(jaeger: Jaeger, seen:
     assert servers and {kind for _, kind in servers} == {"server"}
     assert ("quayutec.v1.GatewayService/PostMessage", "server") in servers
     assert "deliver wake" not in {name for name, _ in servers}
+
+
+def docs_commands() -> list[str]:
+    """The commands of the docs' example block, each continued line joined, comments and the
+    variables' assignments left out (the test gives the variables its own values)."""
+    match = DOCS_QUERIES.search((REPO / "docs" / "operations.md").read_text())
+    assert match, "docs/operations.md has no example queries (<!-- jaeger-queries --> and a sh block)"
+    commands = [c.strip() for c in match.group(1).replace("\\\n", " ").splitlines()]
+    return [c for c in commands if c and not c.startswith("#") and not re.match(r"^[A-Z]+=", c)]
+
+
+async def test_every_query_the_docs_give_finds_the_wakes_trace(jaeger: Jaeger, seen: Seen) -> None:
+    run, wake_id = seen.batch_runs[0], seen.batch_wake_ids[0]
+    await jaeger.search_tags_until(GATEWAY, {"quayutec.wake_id": wake_id}, run.trace_id)
+    values = {
+        "$JAEGER": jaeger.query,
+        "$WAKE": wake_id,
+        "$TRACE": run.trace_id,
+        "$START": rfc3339(seen.started - timedelta(minutes=1)),
+        "$END": rfc3339(datetime.now(UTC) + timedelta(minutes=1)),
+    }
+    commands = docs_commands()
+    assert len(commands) >= 3, commands
+    async with httpx.AsyncClient(timeout=10.0) as client:
+        for command in commands:
+            for name, value in values.items():
+                command = command.replace(name, value)
+            words = shlex.split(command)
+            assert words[0] == "curl" and "$" not in command, command
+            (url,) = [w for w in words if w.startswith("http")]
+            pairs = [words[i + 1] for i, w in enumerate(words) if w == "--data-urlencode"]
+            # --data-urlencode without -G would be a POST: the docs' commands are GETs.
+            assert not pairs or any(w.startswith("-") and "G" in w for w in words[1:]), command
+            params = {key: value for key, _, value in (p.partition("=") for p in pairs)}
+            assert len(params) == len(pairs), command
+            answer = await client.get(url, params=params)
+            print(f"\n[docs: {command[:110]}] {answer.status_code}, {len(answer.text)} bytes")
+            assert answer.status_code == 200, (command, answer.text[:300])
+            assert run.trace_id in answer.text, command
 
 
 def excerpt(answer: Mapping[str, Any], span_name: str, keys: tuple[str, ...]) -> dict[str, Any]:
