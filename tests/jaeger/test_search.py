@@ -287,6 +287,10 @@ async def seen(template_ready: str, jaeger: Jaeger, module_standin: StandinProvi
         async with traced_stack(url, module_standin, jaeger, extra_env=env) as stack:
             async with traced_world(stack, module_standin) as world:
                 await _flows(world, module_standin, url, got)
+        # The services flushed their spans as they stopped; Jaeger has written every one it took.
+        counts = await jaeger.stored_all()
+        print(f"\n[Jaeger's span counters after the flows] {counts}")
+        assert counts["accepted"] <= counts["sent"] + counts["failed"], counts
         yield got
     finally:
         await drop_test_database(template_ready, url)
@@ -846,8 +850,9 @@ async def test_nothing_jaeger_stores_holds_a_secret_or_a_text(jaeger: Jaeger, se
             assert ui.status_code == 200, ui.text[:300]
             answers.append(ui.text)
     traces = {s.trace_id for s in spans}
+    unique = len({(s.trace_id, s.span_id) for s in spans})
     print(
-        f"\n[secrets scan] {len(spans)} spans of {len(traces)} traces, "
+        f"\n[secrets scan] {unique} spans ({len(spans)} read) of {len(traces)} traces, "
         f"{sum(len(s.events) for s in spans)} events, {sum(len(s.links) for s in spans)} links, "
         f"{sum(len(a) for a in answers)} bytes of answers; markers: {sorted(markers)}"
     )
