@@ -454,6 +454,15 @@ async def test_search_by_wake_id_finds_the_wakes_trace(jaeger: Jaeger, seen: See
         assert linker.links_to(batch), name
 
 
+async def other_trace_on_room(jaeger: Jaeger, run: common_pb2.Run, what: str) -> list[JSpan]:
+    """The one trace besides the run's own that quayutec-room's search by the run id finds, read whole."""
+    found = await jaeger.search_tags_until(ROOM, {"quayutec.run_id": run.run_id}, run.trace_ids[0])
+    others = set(found) - set(run.trace_ids)
+    print(f"[search quayutec.run_id ({what}) on {ROOM}] {len(found)} traces, {len(others)} not the run's own")
+    (other,) = others
+    return await jaeger.trace(other)
+
+
 async def test_search_by_run_id_finds_every_trace_of_the_run(jaeger: Jaeger, seen: Seen) -> None:
     assert seen.approved_run is not None and seen.expired_run is not None
     approved, expired = seen.approved_run, seen.expired_run
@@ -467,21 +476,14 @@ async def test_search_by_run_id_finds_every_trace_of_the_run(jaeger: Jaeger, see
         assert sorted(found) == sorted(run.trace_ids), (what, found)
 
     # quayutec-room: besides the run's own traces (its room writes), the decision's trace ...
-    found = await jaeger.search_tags_until(ROOM, {"quayutec.run_id": approved.run_id}, approved.trace_ids[0])
-    others = set(found) - set(approved.trace_ids)
-    print(f"[search quayutec.run_id (approved) on {ROOM}] {len(found)} traces, {len(others)} not the run's own")
-    (decision_trace,) = others
-    decided = await jaeger.trace(decision_trace)
+    decided = await other_trace_on_room(jaeger, approved, "approved")
     show("the decision's trace", decided)
     by_run = {"quayutec.run_id": approved.run_id}
     assert named(decided, "quayutec.v1.RoomService/DecideHeldAction", SERVER, **by_run)
     assert named(decided, "quayutec.v1.GatewayService/DecideApproval", SERVER, **by_run)
+    decision_trace = decided[0].trace_id
     # ... and the expiry that expired only this run.
-    found = await jaeger.search_tags_until(ROOM, {"quayutec.run_id": expired.run_id}, expired.trace_ids[0])
-    others = set(found) - set(expired.trace_ids)
-    print(f"[search quayutec.run_id (expired) on {ROOM}] {len(found)} traces, {len(others)} not the run's own")
-    (expiry_trace,) = others
-    expiry = await jaeger.trace(expiry_trace)
+    expiry = await other_trace_on_room(jaeger, expired, "expired")
     show("the expiry's trace", expiry)
     (expire,) = named(expiry, "expire approvals", **{"quayutec.run_id": expired.run_id})
     assert expire.attr("quayutec.run_ids") == (expired.run_id,) and expire.scope == "quayutec.housekeeping"
