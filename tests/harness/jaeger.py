@@ -393,6 +393,38 @@ class Jaeger:
                 return found
             await asyncio.sleep(0.2)
 
+    # Jaeger's own metrics.
+
+    async def span_counters(self) -> dict[str, float]:
+        """Jaeger's counters of spans (its Prometheus metrics, summed over their labels): ``accepted``
+        and ``refused`` by the OTLP receiver, ``sent`` (written) and ``failed`` by the storage exporter."""
+        names = {
+            "otelcol_receiver_accepted_spans_total": "accepted",
+            "otelcol_receiver_refused_spans_total": "refused",
+            "otelcol_exporter_sent_spans_total": "sent",
+            "otelcol_exporter_send_failed_spans_total": "failed",
+        }
+        async with httpx.AsyncClient(timeout=10.0) as client:
+            answer = await client.get(f"http://127.0.0.1:{self.ports['metrics']}/metrics")
+        answer.raise_for_status()
+        counts = dict.fromkeys(names.values(), 0.0)
+        for line in answer.text.splitlines():
+            name = line.split("{", 1)[0].split(" ", 1)[0]
+            if name in names:
+                counts[names[name]] += float(line.rsplit(" ", 1)[1])
+        return counts
+
+    async def stored_all(self, limit: float = APPEAR_LIMIT) -> dict[str, float]:
+        """Wait (bounded) until every span the OTLP receiver accepted is written to storage or failed
+        (Jaeger's batch processor holds spans a moment): then every span sent to it so far can be read.
+        Returns the counters."""
+        deadline = time.monotonic() + limit
+        while True:
+            counts = await self.span_counters()
+            if counts["accepted"] <= counts["sent"] + counts["failed"] or time.monotonic() > deadline:
+                return counts
+            await asyncio.sleep(0.1)
+
 
 def running_jaeger(max_traces: int = 20_000) -> Iterator[Jaeger]:
     """A started Jaeger, stopped at the end (the body of the session fixture)."""
