@@ -18,7 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quayutec.v1 import room_pb2, room_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from quayutec.telemetry import SpanCapture
+from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
+from services.client import format_run
 from services.gateway.auth import KEY_PREFIX
 from tests.harness.channels import mtls_env, service_channel
 from tests.harness.room import running_room
@@ -219,6 +223,94 @@ async def test_a_user_runs_the_product_from_the_command_line(database_url: str) 
             assert "create_task=hold" in rights
             assert (await ok("approvals")) == "(no held actions)\n"
             assert json.loads(await ok("approvals", "--json")) == []
+
+
+async def test_a_run_shows_its_trace_and_its_jaeger_page(
+    database_url: str, captured: tuple[InMemorySpanExporter, SpanCapture]
+) -> None:
+    """`quayutec run` against real services with telemetry on (``captured``): the ledger's trace id,
+    which is the trace of the run's own spans, and its Jaeger page when QUAYUTEC_CONSOLE_JAEGER_URL is
+    set; --json carries the same as data; a setting that is no http(s) URL is refused before any call."""
+    from services.runtime.standin import StandinProvider
+    from tests.harness.claims import running_claims
+    from tests.harness.gateway import running_gateway
+    from tests.harness.runtime import running_runtime
+
+    exporter, _ = captured
+    jaeger = "https://jaeger.ops.example/ui"  # only written into links, never dialled
+    with StandinProvider() as standin:
+        async with (
+            running_claims(database_url) as claims_addr,
+            running_room(database_url) as room_addr,
+            running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
+            running_gateway(
+                database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
+            ) as gateway_addr,
+        ):
+            env = client_env(database_url, room_addr, gateway_addr)
+            ok = succeeding(env)
+            company_id = (await ok("company", "create", "Acme")).split()[1]
+            env["QUAYUTEC_API_KEY"] = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
+            room_id = (await ok("room", "create", "launch")).split()[1]
+            agent_id = (
+                await ok(
+                    "agent", "register", "--name", "planner", "--provider", "anthropic", "--model", "claude-traced",
+                    QUAYUTEC_PROVIDER_KEY="sk-ant-cli-secret",
+                )
+            ).split()[1]  # fmt: skip
+            await ok("post", "--room", room_id, "--person", "ana", "--mention", agent_id, "plan it")
+            for _ in range(300):  # bounded: the Gateway delivers, the Runtime runs
+                listed = json.loads(await ok("runs", "--agent", agent_id, "--json"))
+                if listed and listed[0]["status"] == "succeeded":
+                    break
+                await asyncio.sleep(0.1)
+            assert [r["status"] for r in listed] == ["succeeded"]
+            run_id = listed[0]["run_id"]
+            record = json.loads(await ok("run", run_id, "--json", QUAYUTEC_CONSOLE_JAEGER_URL=jaeger + "/"))
+            trace_id = record["trace_id"]
+            assert len(trace_id) == 32 and record["run_id"] == run_id
+            # The ledger's trace id is the trace of the run's own span, as exported.
+            run_spans: list[Any] = []
+            for _ in range(100):  # bounded: the spans are exported after the run ends
+                run_spans = [
+                    s
+                    for s in exporter.get_finished_spans()
+                    if s.name == "run" and (s.attributes or {}).get("quayutec.run_id") == run_id
+                ]
+                if run_spans:
+                    break
+                await asyncio.sleep(0.1)
+            assert [format(s.context.trace_id, "032x") for s in run_spans] == [trace_id]
+            assert record["traces"] == [{"trace_id": trace_id, "link": f"{jaeger}/trace/{trace_id}"}]
+
+            shown = await ok("run", run_id, QUAYUTEC_CONSOLE_JAEGER_URL=jaeger)
+            assert f"  trace {trace_id}  {jaeger}/trace/{trace_id}\n" in shown, shown
+            # Without the setting: the id alone, and null for the link.
+            plain = await ok("run", run_id)
+            assert f"  trace {trace_id}\n" in plain and "/trace/" not in plain
+            bare = json.loads(await ok("run", run_id, "--json"))
+            assert bare["traces"] == [{"trace_id": trace_id, "link": None}]
+
+            for wrong in ("jaeger.ops.example:16686", "file:///etc/passwd", "http://"):
+                refused = await quayutec(
+                    "run",
+                    run_id,
+                    env={**env, "QUAYUTEC_CONSOLE_JAEGER_URL": wrong, "QUAYUTEC_GATEWAY_ADDR": "127.0.0.1:9"},
+                )
+                assert refused.returncode == 1 and refused.stdout == "", (refused.stdout, refused.stderr)
+                assert "error: QUAYUTEC_CONSOLE_JAEGER_URL must be the Jaeger UI's http(s) address" in refused.stderr
+                assert repr(wrong) in refused.stderr
+
+
+def test_a_continued_run_shows_each_of_its_traces() -> None:
+    first, continued = "a" * 32, "b" * 32
+    run = common_pb2.Run(run_id="r", trace_id=first, trace_ids=[first, continued])
+    lines = format_run(run, "http://127.0.0.1:16686").splitlines()
+    assert lines[2:4] == [
+        f"  trace {first}  http://127.0.0.1:16686/trace/{first}",
+        f"  trace of continuation 1 {continued}  http://127.0.0.1:16686/trace/{continued}",
+    ]
+    assert format_run(common_pb2.Run()).splitlines()[2] == "  trace (not traced)"
 
 
 @dataclass(frozen=True)
