@@ -80,9 +80,18 @@ def succeeding(env: dict[str, str]) -> Callable[..., Awaitable[str]]:
 
 
 async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path) -> None:
-    done = await quayutec("demo", env={"DATABASE_URL": empty_database_url, "QUAYUTEC_DATA_DIR": str(tmp_path)})
+    """With no Jaeger answering (tests/test_local_jaeger.py runs it with one): untraced, and it says so."""
+    from services.stack import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
+    done = await quayutec(
+        "demo",
+        env={"DATABASE_URL": empty_database_url, "QUAYUTEC_DATA_DIR": str(tmp_path), "JAEGER_HEALTH_ADDR": nobody},
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
+    assert f"not traced: no Jaeger answers at {nobody} (`make jaeger` starts one" in out
+    assert "  trace (not traced)\n" in out and "Jaeger's query API" not in out
     # Each of the five redeliveries went through the Gateway and was answered "already claimed".
     for n in range(1, 6):
         assert re.search(rf"redelivery {n}: delivery attempt \d+, Runtime answered ALREADY_CLAIMED", out), out
