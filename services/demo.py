@@ -7,6 +7,10 @@ Everything runs on this machine: an embedded PostgreSQL, the four services as pr
 stand-in model provider (no real provider key is needed or used), on ports of its own. The demo owns
 its data folder while it runs (quayutec.datadir): the default one when it is free, else, when a stack
 such as `quayutec up` uses it, a temporary folder removed at the end, so the two never meet.
+
+With `make jaeger` running (its health check answers at JAEGER_HEALTH_ADDR), the demo traces its
+services to that Jaeger through the standard OTEL_* variables, links the console's run pages to it,
+and shows where Jaeger's query API holds its first run's trace.
 """
 
 from __future__ import annotations
