@@ -131,6 +131,15 @@ $(JAEGER_BIN): tools/jaeger/go.mod tools/jaeger/go.sum
 jaeger-bin: $(JAEGER_BIN)
 	@echo $(JAEGER_BIN)
 
+# A local Jaeger to read the demo's traces in (README): `make jaeger` starts it in the background with
+# the same config, log and pid in .quayutec/jaeger/, and returns once it is healthy; `make demo` then
+# traces to it; `make jaeger-stop` stops it (scripts/jaeger.py; the system's Python, no .venv needed).
+jaeger: $(JAEGER_BIN)
+	$(PYTHON) scripts/jaeger.py up $(JAEGER_BIN) $(JAEGER_CONFIG)
+
+jaeger-stop:
+	$(PYTHON) scripts/jaeger.py down
+
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
@@ -150,5 +159,6 @@ bench: $(STAMP)
 # a server that no command can reach.
 clean:
 	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
+	QUAYUTEC_DATA_DIR=.quayutec $(PYTHON) scripts/jaeger.py down
 	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules \
 		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist $(OIDC_PROVIDER)/node_modules

@@ -22,6 +22,7 @@ from google.protobuf import json_format
 from quayutec.channels import channel_as
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, ConfigError, DatabaseConfig, service_addr
 from quayutec.db import open_pool
+from quayutec.jaeger import ui_base_url
 from quayutec.migrate import apply_all
 from quayutec.tls import ADMIN, CA_FOLDER, IDENTITIES, MtlsConfig, ensure_dev_pki, identity_dir
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
@@ -39,6 +40,7 @@ from services.client import (
     resolve_room,
     room_name,
     room_names,
+    run_traces,
 )
 
 Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
@@ -481,9 +483,16 @@ async def cmd_runs(opts: argparse.Namespace) -> int:
 
 
 async def cmd_run(opts: argparse.Namespace) -> int:
+    """One run's ledger record, each of its traces with its Jaeger page when QUAYUTEC_CONSOLE_JAEGER_URL
+    (the UI's base address) is set; refused before any call when that setting is not an http(s) URL."""
+    jaeger_url = ui_base_url(os.environ)
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         run = (await _client(channel).GetRun(gateway_pb2.GetRunRequest(run_id=opts.run_id))).run
-    print(format_run(run))
+    if opts.json:
+        record = json_format.MessageToDict(run, preserving_proto_field_name=True)
+        print(json.dumps({**record, "traces": run_traces(run, jaeger_url)}, indent=2))
+    else:
+        print(format_run(run, jaeger_url))
     return 0
 
 
@@ -999,7 +1008,7 @@ def parser() -> argparse.ArgumentParser:
     cf = sub.add_parser("config", help="list every setting: its default, the value in effect here, who reads it")
     cf.add_argument(
         "--service",
-        choices=["gateway", "room", "claims", "runtime", "console", "cli"],
+        choices=["gateway", "room", "claims", "runtime", "console", "cli", "jaeger"],
         help="only the settings this one reads",
     )
     _json(cf)
@@ -1058,8 +1067,14 @@ def parser() -> argparse.ArgumentParser:
     _limit(runs, 20)
     _json(runs)
     runs.set_defaults(handler=cmd_runs)
-    run = sub.add_parser("run", help="show one run's full ledger record")
+    run = sub.add_parser(
+        "run",
+        help="show one run's full ledger record, with its traces' Jaeger pages when QUAYUTEC_CONSOLE_JAEGER_URL is set",
+    )
     run.add_argument("run_id", help="a run id (as `runs` prints)")
+    run.add_argument(
+        "--json", action="store_true", help="print the record as one JSON object, with 'traces': each id and its link"
+    )
     run.set_defaults(handler=cmd_run)
     room = sub.add_parser("room", help="rooms (as your company)").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from quayutec.jaeger import trace_ids, trace_page
 from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 API_KEY_ENV = "QUAYUTEC_API_KEY"
@@ -40,12 +41,13 @@ OUTCOME_NAMES = {v: k.removeprefix("ACTION_OUTCOME_").lower() for k, v in common
 ACTION_NAMES = {v: k.removeprefix("ACTION_KIND_").lower() for k, v in common_pb2.ActionKind.items()}
 
 
-def format_run(run: common_pb2.Run) -> str:
-    """A run's ledger row as a person reads it: what was posted, written, not written, each request."""
+def format_run(run: common_pb2.Run, jaeger_url: str = "") -> str:
+    """A run's ledger row as a person reads it: its traces (each with its Jaeger page when
+    ``jaeger_url``, the UI's base address, is given), what was posted, written, not written, each request."""
     lines = [
         f"run {run.run_id}  status={STATUS_NAMES[run.status]}  last step={STEP_NAMES[run.step]}",
         f"  agent {run.agent_id}  wake {run.wake_id}  active {run.active_ms} ms",
-        f"  trace {run.trace_id or NOT_TRACED}",
+        *format_traces(run, jaeger_url),
         f"  posted: {run.posted_message_id or 'nothing'}",
     ]
     for action in run.actions:
@@ -62,6 +64,27 @@ def format_run(run: common_pb2.Run) -> str:
     if run.error:
         lines.append(f"  error: {run.error}")
     return "\n".join(lines)
+
+
+def run_traces(run: common_pb2.Run, jaeger_url: str = "") -> list[dict[str, str | None]]:
+    """Each trace of the run, its first first, then one per continuation: its id and its Jaeger
+    page (None without ``jaeger_url``)."""
+    return [
+        {"trace_id": trace_id, "link": trace_page(jaeger_url, trace_id) or None}
+        for trace_id in trace_ids(run.trace_id, run.trace_ids)
+    ]
+
+
+def format_traces(run: common_pb2.Run, jaeger_url: str = "") -> list[str]:
+    traces = run_traces(run, jaeger_url)
+    if not traces:
+        return [f"  trace {NOT_TRACED}"]
+    lines = []
+    for number, trace in enumerate(traces):
+        label = "trace" if number == 0 else f"trace of continuation {number}"
+        link = f"  {trace['link']}" if trace["link"] else ""
+        lines.append(f"  {label} {trace['trace_id']}{link}")
+    return lines
 
 
 async def resolve_mentions(client: GatewayClient, room_id: str, mentions: Sequence[str]) -> list[str]:
