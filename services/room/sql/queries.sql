@@ -300,16 +300,17 @@ admitted AS (
 -- fragment: kept_run_writes
 -- The SET items of a ledger row's upsert (ON CONFLICT, the stored row aliased r) that keep what a
 -- committed write recorded (docs/durability.md, "What the ledger keeps"): posted_message_id, once set,
--- stays (a reply is posted once per run, by its dedupe key; a later write that names none, or another,
--- leaves it), and each action recorded ACTION_OUTCOME_DONE stays done with its result id, whatever a
--- later write says of that action's index (a run whose answer was lost ends it not_done); an action
--- only the stored row has is kept. Everything else is the write's. Actions are stored as
--- MessageToDict objects, which leave out index 0.
-posted_message_id = CASE WHEN r.posted_message_id <> '' THEN r.posted_message_id
-            ELSE EXCLUDED.posted_message_id END,
+-- is never cleared (a write that names no reply leaves it; one that names a reply is the Room's own
+-- write of that reply, with its id filled in), and an action recorded ACTION_OUTCOME_DONE stays done
+-- with its result id unless the write itself records that action done (the Room's own write of it); a
+-- run whose answer was lost, which ends the action not_done, leaves it done. An action only the stored
+-- row has is kept. Everything else is the write's. Actions are stored as MessageToDict objects, which
+-- leave out index 0.
+posted_message_id = COALESCE(NULLIF(EXCLUDED.posted_message_id, ''), r.posted_message_id),
         actions = (
-            SELECT COALESCE(jsonb_agg(CASE WHEN incoming.a IS NULL OR kept.a->>'outcome' = 'ACTION_OUTCOME_DONE'
-                THEN kept.a ELSE incoming.a END ORDER BY n), '[]'::jsonb)
+            SELECT COALESCE(jsonb_agg(CASE WHEN incoming.a IS NULL OR (kept.a->>'outcome' = 'ACTION_OUTCOME_DONE'
+                AND incoming.a->>'outcome' IS DISTINCT FROM 'ACTION_OUTCOME_DONE') THEN kept.a ELSE incoming.a END
+                ORDER BY n), '[]'::jsonb)
             FROM (SELECT a, COALESCE((a->>'index')::int, 0) AS n FROM jsonb_array_elements(EXCLUDED.actions) AS a)
                 AS incoming
             FULL JOIN (SELECT a, COALESCE((a->>'index')::int, 0) AS n FROM jsonb_array_elements(r.actions) AS a)
