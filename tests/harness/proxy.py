@@ -135,7 +135,7 @@ class AnswerLosingProxy:
         return answer
 
 
-class _Forward(grpc.GenericRpcHandler):
+class _Forward(grpc.GenericRpcHandler):  # type: ignore[misc]
     def __init__(self, proxy: AnswerLosingProxy) -> None:
         self._proxy = proxy
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import asyncpg
 import grpc
@@ -49,10 +50,11 @@ CASES = [
 ]
 
 
-def declared(case: Case, w: World, task_id: str) -> list[dict[str, object]]:
-    remember = {"name": "remember", "arguments": {"text": "launch on Friday", "private": False}}
-    create = {"name": "create_task", "arguments": {"to_agent_id": w.agent_b.agent_id, "title": "Copy", "body": "x"}}
-    update = {"name": "update_task", "arguments": {"task_id": task_id, "note": "first numbers in"}}
+def declared(case: Case, w: World, task_id: str) -> list[dict[str, Any]]:
+    remember: dict[str, Any] = {"name": "remember", "arguments": {"text": "launch on Friday", "private": False}}
+    task = {"to_agent_id": w.agent_b.agent_id, "title": "Copy", "body": "x"}
+    create: dict[str, Any] = {"name": "create_task", "arguments": task}
+    update: dict[str, Any] = {"name": "update_task", "arguments": {"task_id": task_id, "note": "first numbers in"}}
     first = {"PostMessage": remember, "WriteMemory": remember, "CreateTask": create, "UpdateTask": update}[case.lost]
     return [first, create if first is remember else remember]
 
@@ -71,7 +73,7 @@ async def held_by_room(w: World, db: asyncpg.Connection, run_id: str, case: Case
         "CreateTask": ("tasks", "task_id"),
         "UpdateTask": ("task_updates", "update_id"),
     }[case.lost]
-    rows = await db.fetch(f"SELECT {column}::text AS id FROM {table} WHERE run_id = $1", run_id)  # noqa: S608
+    rows = await db.fetch(f"SELECT {column}::text AS id FROM {table} WHERE run_id = $1", run_id)
     return [r["id"] for r in rows]
 
 
