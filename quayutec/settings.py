@@ -218,6 +218,24 @@ _DECLARED: list[Setting] = [
         shown="10",
     ),
     _g(
+        "QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS",
+        30.0,
+        "PostgreSQL ends a statement of ours that runs, or waits on a lock, this long (statement_timeout), "
+        "rolling it back: no statement goes on for a caller that gave up on it; at least 0.1 and at most "
+        "QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS (refused at start otherwise)",
+        [*WITH_DATABASE, "cli"],
+        shown="30",
+    ),
+    _g(
+        "QUAYUTEC_DB_CLIENT_CHECK_SECONDS",
+        2.0,
+        "how often a PostgreSQL backend running a statement of ours checks that our side of its connection "
+        "is still open (client_connection_check_interval, PostgreSQL 14 or later), and stops, rolling back, "
+        "when it is not; 0 turns it off, at most 60",
+        [*WITH_DATABASE, "cli"],
+        shown="2",
+    ),
+    _g(
         "QUAYUTEC_DB_PLAN_CACHE_MODE",
         "force_generic_plan",
         "PostgreSQL's plan_cache_mode for our sessions: force_generic_plan plans each prepared statement once "

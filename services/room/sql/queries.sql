@@ -297,6 +297,26 @@ admitted AS (
     SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
 ), {{fenced_run_write}}
 
+-- fragment: kept_run_writes
+-- The SET items of a ledger row's upsert (ON CONFLICT, the stored row aliased r) that keep what a
+-- committed write recorded (docs/durability.md, "What the ledger keeps"): posted_message_id, once set,
+-- is never cleared (a write that names no reply leaves it; one that names a reply is the Room's own
+-- write of that reply, with its id filled in), and an action recorded ACTION_OUTCOME_DONE stays done
+-- with its result id unless the write itself records that action done (the Room's own write of it); a
+-- run whose answer was lost, which ends the action not_done, leaves it done. An action only the stored
+-- row has is kept. Everything else is the write's. Actions are stored as MessageToDict objects, which
+-- leave out index 0.
+posted_message_id = COALESCE(NULLIF(EXCLUDED.posted_message_id, ''), r.posted_message_id),
+        actions = (
+            SELECT COALESCE(jsonb_agg(CASE WHEN incoming.a IS NULL OR (kept.a->>'outcome' = 'ACTION_OUTCOME_DONE'
+                AND incoming.a->>'outcome' IS DISTINCT FROM 'ACTION_OUTCOME_DONE') THEN kept.a ELSE incoming.a END
+                ORDER BY n), '[]'::jsonb)
+            FROM (SELECT a, COALESCE((a->>'index')::int, 0) AS n FROM jsonb_array_elements(EXCLUDED.actions) AS a)
+                AS incoming
+            FULL JOIN (SELECT a, COALESCE((a->>'index')::int, 0) AS n FROM jsonb_array_elements(r.actions) AS a)
+                AS kept USING (n)
+        ),
+
 -- fragment: fenced_run_write
 -- The ledger row $1..$19 written through the fence, and its room event, as CTEs every statement that
 -- writes a run's row shares (named {{fenced_run_write}} in them; the statement defines admitted.ok,
@@ -323,8 +343,7 @@ before AS (
         wake_source_id = EXCLUDED.wake_source_id,
         status = EXCLUDED.status,
         step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
+        {{kept_run_writes}}
         model_attempts = EXCLUDED.model_attempts,
         error = EXCLUDED.error,
         trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
@@ -1064,7 +1083,7 @@ SELECT count(*) FROM removed;
 WITH before AS (
     SELECT status FROM runs WHERE run_id = $1
 ), up AS (
-    INSERT INTO runs (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
         posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
         trace_ids)
     VALUES ($1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
@@ -1078,28 +1097,27 @@ WITH before AS (
         wake_source_id = EXCLUDED.wake_source_id,
         status = EXCLUDED.status,
         step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
+        {{kept_run_writes}}
         model_attempts = EXCLUDED.model_attempts,
         error = EXCLUDED.error,
-        trace_id = COALESCE(NULLIF(runs.trace_id, ''), EXCLUDED.trace_id),
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
         -- Every trace id the row ever had, oldest first, then the write's new ones: none is lost.
         trace_ids = ARRAY(
-            SELECT t FROM unnest(runs.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
             GROUP BY t ORDER BY min(n)
         ),
         active_ms = EXCLUDED.active_ms,
-        started_at = COALESCE($16::timestamptz, runs.started_at),
+        started_at = COALESCE($16::timestamptz, r.started_at),
         updated_at = now(),
         ended_at = EXCLUDED.ended_at,
         attempt = EXCLUDED.attempt
-    WHERE runs.ended_at IS NULL
+    WHERE r.ended_at IS NULL
         AND (
-            runs.attempt = EXCLUDED.attempt
-            OR runs.status = 'not_started'
-            OR (runs.status = 'parked' AND EXISTS (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
                 SELECT 1 FROM waitpoints AS w
-                WHERE w.run_id = runs.run_id AND w.status <> 'pending'
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
                     AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
             ))
         )

@@ -477,7 +477,32 @@ def _same_run(stored: common_pb2.Run, incoming: common_pb2.Run) -> bool:
         ts.nanos -= ts.nanos % 1000  # PostgreSQL keeps microseconds
     if not incoming.HasField("ended_at"):
         candidate.ClearField("ended_at")
+    keep_recorded_writes(stored, candidate)
     current = common_pb2.Run()
     current.CopyFrom(stored)
     current.ClearField("updated_at")
     return candidate == current
+
+
+def keep_recorded_writes(stored: common_pb2.Run, incoming: common_pb2.Run) -> None:
+    """``incoming`` as a write of it leaves the stored row (the SQL fragment kept_run_writes, which the
+    Room's every ledger write applies): the stored posted_message_id when the write names none, each action stored
+    ACTION_OUTCOME_DONE (with its result id) in place of the write's action of that index unless the
+    write records it done itself, and an action
+    only the stored row has. Nothing a committed write recorded is dropped by a later write."""
+    if not incoming.posted_message_id:
+        incoming.posted_message_id = stored.posted_message_id
+    kept = {a.index: a for a in stored.actions}
+    merged: dict[int, common_pb2.DeclaredAction] = {a.index: a for a in incoming.actions}
+    for index, action in kept.items():
+        if index not in merged or (
+            action.outcome == common_pb2.ACTION_OUTCOME_DONE and merged[index].outcome != common_pb2.ACTION_OUTCOME_DONE
+        ):
+            merged[index] = action
+    actions = []
+    for index in sorted(merged):
+        action = common_pb2.DeclaredAction()
+        action.CopyFrom(merged[index])
+        actions.append(action)
+    incoming.ClearField("actions")
+    incoming.actions.extend(actions)
