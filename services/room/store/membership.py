@@ -18,6 +18,9 @@ from services.room.store.base import (
     _page,
 )
 
+# Where a refusal's details are read: the transaction's connection, or the pool.
+Reader = asyncpg.Connection | asyncpg.Pool
+
 
 class Membership(StoreBase):
     """Companies, rooms, members, invitations, departures, agents and their rights."""
@@ -58,7 +61,7 @@ class Membership(StoreBase):
             raise NotFound(f"company {company_id} not found")
         return row
 
-    async def _room_name_taken(self, conn: asyncpg.Connection | asyncpg.Pool, company_id: str, name: str) -> AlreadyExists:
+    async def _room_name_taken(self, conn: Reader, company_id: str, name: str) -> AlreadyExists:
         taken = await conn.fetchrow(self._q["find_room_by_name"], company_id, name)
         which = f"{taken['name']!r} (room {taken['room_id']})" if taken is not None else repr(name)
         return AlreadyExists(
@@ -66,7 +69,7 @@ class Membership(StoreBase):
             "company creates (case ignored): choose another name, or rename or use that room"
         )
 
-    async def _agent_name_taken(self, conn: asyncpg.Connection | asyncpg.Pool, company_id: str, name: str) -> AlreadyExists:
+    async def _agent_name_taken(self, conn: Reader, company_id: str, name: str) -> AlreadyExists:
         taken = await conn.fetchrow(self._q["find_agent_by_name"], company_id, name)
         which = f"{taken['name']!r} (agent {taken['agent_id']})" if taken is not None else repr(name)
         return AlreadyExists(
@@ -346,7 +349,8 @@ class Membership(StoreBase):
         encrypted = self._cipher.encrypt(provider_key.encode("utf-8")) if provider_key else None
         try:
             row = await self._pool.fetchrow(
-                self._q["register_agent"], company_id, name, provider, model, base_url, encrypted, system_prompt, dedupe_key
+                self._q["register_agent"],
+                *(company_id, name, provider, model, base_url, encrypted, system_prompt, dedupe_key),
             )
         except asyncpg.UniqueViolationError as exc:
             if exc.constraint_name != "agents_company_name":
