@@ -85,7 +85,8 @@ async def test_rooms_and_agents_are_renamed_and_a_taken_name_is_refused(
 ) -> None:
     room = await create_room(acme_gw, "launch")
     other = await create_room(acme_gw, "other")
-    renamed = await acme_gw.RenameRoom(gateway_pb2.RenameRoomRequest(room_id=room.room_id, name=" liftoff "), timeout=10)
+    rename = gateway_pb2.RenameRoomRequest(room_id=room.room_id, name=" liftoff ")
+    renamed = await acme_gw.RenameRoom(rename, timeout=10)
     assert renamed.room.name == "liftoff" and renamed.room.room_id == room.room_id
     listed = await acme_gw.ListRooms(gateway_pb2.ListRoomsRequest(page_size=500), timeout=10)
     assert sorted(r.name for r in listed.rooms) == ["liftoff", "other"]
@@ -249,9 +250,7 @@ async def test_an_archived_room_refuses_writes_and_keeps_its_history(
 
     # Its pending invitation was withdrawn.
     invitations = await acme_gw.ListRoomInvitations(
-        gateway_pb2.ListRoomInvitationsRequest(
-            room_id=room.room_id, status=common_pb2.INVITATION_STATUS_WITHDRAWN
-        ),
+        gateway_pb2.ListRoomInvitationsRequest(room_id=room.room_id, status=common_pb2.INVITATION_STATUS_WITHDRAWN),
         timeout=10,
     )
     assert [i.invitation_id for i in invitations.invitations] == [pending.invitation_id]
