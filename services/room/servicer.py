@@ -91,9 +91,11 @@ def _agent_as_seen(agent: common_pb2.Agent, reader: str) -> common_pb2.Agent:
         return agent
     seen = common_pb2.Agent()
     for name in fields:
-        if name in ("created_at", "retired_at"):
-            if agent.HasField(name):
-                getattr(seen, name).CopyFrom(getattr(agent, name))
+        if name == "created_at":
+            seen.created_at.CopyFrom(agent.created_at)
+        elif name == "retired_at":
+            if agent.HasField("retired_at"):
+                seen.retired_at.CopyFrom(agent.retired_at)
         else:
             setattr(seen, name, getattr(agent, name))
     return seen

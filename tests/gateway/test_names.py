@@ -5,6 +5,7 @@ answered exactly as a made-up one."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Awaitable, Callable
 
 import asyncpg
 import grpc
@@ -117,25 +118,20 @@ async def test_another_companys_agent_or_room_answers_as_a_made_up_id(
     agent = await register_agent(acme_gw, "planner")
     room = await create_room(acme_gw, "launch")
     made_up = str(uuid.uuid4())
+    gw = initech_gw
 
-    async def refusal(call: object, real: str) -> tuple[grpc.StatusCode, str]:
-        err = await expect_error(NOT_FOUND, call)  # type: ignore[arg-type]
+    async def refusal(call: Awaitable[object], real: str) -> tuple[grpc.StatusCode, str]:
+        err = await expect_error(NOT_FOUND, call)
         return err.code(), (err.details() or "").replace(real, "<id>")
 
-    for rpc, request in (
-        (initech_gw.RenameAgent, lambda a: gateway_pb2.RenameAgentRequest(agent_id=a, name="x")),
-        (initech_gw.RetireAgent, lambda a: gateway_pb2.RetireAgentRequest(agent_id=a)),
-    ):
-        theirs = await refusal(rpc(request(agent.agent_id), timeout=10), agent.agent_id)
-        unknown = await refusal(rpc(request(made_up), timeout=10), made_up)
-        assert theirs == unknown
-    for rpc, request in (
-        (initech_gw.RenameRoom, lambda r: gateway_pb2.RenameRoomRequest(room_id=r, name="x")),
-        (initech_gw.ArchiveRoom, lambda r: gateway_pb2.ArchiveRoomRequest(room_id=r)),
-    ):
-        theirs = await refusal(rpc(request(room.room_id), timeout=10), room.room_id)
-        unknown = await refusal(rpc(request(made_up), timeout=10), made_up)
-        assert theirs == unknown
+    calls: list[tuple[str, Callable[[str], Awaitable[object]]]] = [
+        (agent.agent_id, lambda a: gw.RenameAgent(gateway_pb2.RenameAgentRequest(agent_id=a, name="x"), timeout=10)),
+        (agent.agent_id, lambda a: gw.RetireAgent(gateway_pb2.RetireAgentRequest(agent_id=a), timeout=10)),
+        (room.room_id, lambda r: gw.RenameRoom(gateway_pb2.RenameRoomRequest(room_id=r, name="x"), timeout=10)),
+        (room.room_id, lambda r: gw.ArchiveRoom(gateway_pb2.ArchiveRoomRequest(room_id=r), timeout=10)),
+    ]
+    for real, call in calls:
+        assert await refusal(call(real), real) == await refusal(call(made_up), made_up)
     # Nothing changed.
     agents = await acme_gw.ListAgents(gateway_pb2.ListAgentsRequest(), timeout=10)
     assert [(a.name, a.HasField("retired_at")) for a in agents.agents] == [("planner", False)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeAlias
 
 import asyncpg
 
@@ -19,7 +20,7 @@ from services.room.store.base import (
 )
 
 # Where a refusal's details are read: the transaction's connection, or the pool.
-Reader = asyncpg.Connection | asyncpg.Pool
+Reader: TypeAlias = asyncpg.Connection | asyncpg.Pool
 
 
 class Membership(StoreBase):
