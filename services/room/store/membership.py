@@ -21,6 +21,14 @@ from services.room.store.base import (
 
 # Where a refusal's details are read: the transaction's connection, or the pool.
 Reader: TypeAlias = asyncpg.Connection | asyncpg.Pool
+# The unique index on each kind's names (compared trimmed, case ignored), and what a taken name answers.
+_NAME_INDEX = {"room": "rooms_creator_name", "agent": "agents_company_name"}
+_NAME_TAKEN = {
+    "room": "your company already created a room named {which}; room names are unique among the rooms a "
+    "company creates (case ignored): choose another name, or rename or use that room",
+    "agent": "your company already has an agent named {which}; agent names are unique within a company "
+    "(case ignored, retired agents included): choose another name, or rename that agent",
+}
 
 
 class Membership(StoreBase):
@@ -49,46 +57,41 @@ class Membership(StoreBase):
         try:
             row = await self._pool.fetchrow(self._q["create_room"], company_id, name, dedupe_key)
         except asyncpg.UniqueViolationError as exc:
-            if exc.constraint_name != "rooms_creator_name":
+            if exc.constraint_name != _NAME_INDEX["room"]:
                 raise
             row = None
             if dedupe_key is not None:  # a concurrent create with the same key and name committed first
                 row = await self._pool.fetchrow(self._q["find_room_by_dedupe"], company_id, dedupe_key)
             if row is None:
-                raise await self._room_name_taken(self._pool, company_id, name) from None
+                raise await self._name_taken(self._pool, "room", company_id, name) from None
         if row is None and dedupe_key is not None:  # a concurrent create with the same key committed first
             row = await self._pool.fetchrow(self._q["find_room_by_dedupe"], company_id, dedupe_key)
         if row is None:
             raise NotFound(f"company {company_id} not found")
         return row
 
-    async def _room_name_taken(self, conn: Reader, company_id: str, name: str) -> AlreadyExists:
-        taken = await conn.fetchrow(self._q["find_room_by_name"], company_id, name)
-        which = f"{taken['name']!r} (room {taken['room_id']})" if taken is not None else repr(name)
-        return AlreadyExists(
-            f"your company already created a room named {which}; room names are unique among the rooms a "
-            "company creates (case ignored): choose another name, or rename or use that room"
-        )
+    async def _name_taken(self, conn: Reader, what: str, company_id: str, name: str) -> AlreadyExists:
+        """ALREADY_EXISTS for ``name``, naming the ``what`` ("room" or "agent") of the company that has it."""
+        taken = await conn.fetchrow(self._q[f"find_{what}_by_name"], company_id, name)
+        which = f"{taken['name']!r} ({what} {taken[f'{what}_id']})" if taken is not None else repr(name)
+        return AlreadyExists(_NAME_TAKEN[what].format(which=which))
 
-    async def _agent_name_taken(self, conn: Reader, company_id: str, name: str) -> AlreadyExists:
-        taken = await conn.fetchrow(self._q["find_agent_by_name"], company_id, name)
-        which = f"{taken['name']!r} (agent {taken['agent_id']})" if taken is not None else repr(name)
-        return AlreadyExists(
-            f"your company already has an agent named {which}; agent names are unique within a company "
-            "(case ignored, retired agents included): choose another name, or rename that agent"
-        )
+    async def _rename(self, conn: asyncpg.Connection, what: str, object_id: str, company_id: str, name: str) -> Record:
+        """The ``what`` ("room" or "agent") ``object_id`` of ``company_id`` named ``name``, in the caller's
+        transaction (a savepoint, so a taken name leaves it usable to say which is taken)."""
+        try:
+            async with conn.transaction():
+                return await conn.fetchrow(self._q[f"rename_{what}"], object_id, name)
+        except asyncpg.UniqueViolationError as exc:
+            if exc.constraint_name != _NAME_INDEX[what]:
+                raise
+            raise await self._name_taken(conn, what, company_id, name) from None
 
     async def rename_room(self, room_id: str, company_id: str, name: str) -> Record:
         """Room ``room_id`` renamed by ``company_id``, once the room's rules let it (its creator)."""
         async with self._pool.acquire() as conn, conn.transaction():
             await self._manage_room(conn, room_id, company_id)
-            try:
-                async with conn.transaction():
-                    return await conn.fetchrow(self._q["rename_room"], room_id, name)
-            except asyncpg.UniqueViolationError as exc:
-                if exc.constraint_name != "rooms_creator_name":
-                    raise
-                raise await self._room_name_taken(conn, company_id, name) from None
+            return await self._rename(conn, "room", room_id, company_id, name)
 
     async def archive_room(self, room_id: str, company_id: str) -> Record:
         """Room ``room_id`` archived by ``company_id`` (its creator), its pending invitations withdrawn."""
@@ -109,13 +112,7 @@ class Membership(StoreBase):
         """Agent ``agent_id`` renamed by its own company (another company's agent: as an unknown id)."""
         async with self._pool.acquire() as conn, conn.transaction():
             await self._manage_agent(conn, agent_id, company_id)
-            try:
-                async with conn.transaction():
-                    return await conn.fetchrow(self._q["rename_agent"], agent_id, name)
-            except asyncpg.UniqueViolationError as exc:
-                if exc.constraint_name != "agents_company_name":
-                    raise
-                raise await self._agent_name_taken(conn, company_id, name) from None
+            return await self._rename(conn, "agent", agent_id, company_id, name)
 
     async def retire_agent(self, agent_id: str, company_id: str) -> Record:
         """Agent ``agent_id`` retired by its own company: it wakes no more (the statement retire_agent)."""
@@ -354,13 +351,13 @@ class Membership(StoreBase):
                 *(company_id, name, provider, model, base_url, encrypted, system_prompt, dedupe_key),
             )
         except asyncpg.UniqueViolationError as exc:
-            if exc.constraint_name != "agents_company_name":
+            if exc.constraint_name != _NAME_INDEX["agent"]:
                 raise
             row = None
             if dedupe_key is not None:  # a concurrent registration with the same key and name committed first
                 row = await self._pool.fetchrow(self._q["find_agent_by_dedupe"], company_id, dedupe_key)
             if row is None:
-                raise await self._agent_name_taken(self._pool, company_id, name) from None
+                raise await self._name_taken(self._pool, "agent", company_id, name) from None
         if row is None and dedupe_key is not None:  # a concurrent registration with the same key committed first
             row = await self._pool.fetchrow(self._q["find_agent_by_dedupe"], company_id, dedupe_key)
         if row is None:
