@@ -168,6 +168,13 @@ async def test_a_retired_agent_wakes_no_more_and_its_record_stays(acme_gw: Gatew
     )
     assert after.message.mention_agent_ids == [agent.agent_id, other.agent_id]
     assert len(after.wake_ids) == 1
+    # The wakes of the others keep the mentions' order, the retired one left out.
+    third = await register_agent(acme_gw, "reader")
+    mentions = [other.agent_id, agent.agent_id, third.agent_id]
+    ordered = await acme_gw.PostMessage(
+        gateway_pb2.PostMessageRequest(room_id=room.room_id, person="ana", body="all", mention_agent_ids=mentions),
+        timeout=10,
+    )
     task = await acme_gw.SendTask(
         gateway_pb2.SendTaskRequest(room_id=room.room_id, person="ana", to_agent_id=agent.agent_id, title="t"),
         timeout=10,
@@ -181,16 +188,27 @@ async def test_a_retired_agent_wakes_no_more_and_its_record_stays(acme_gw: Gatew
             " WHERE agent_id = $1::uuid",
             agent.agent_id,
         )
+        woken_for = {
+            str(r["wake_id"]): str(r["agent_id"])
+            for r in await conn.fetch(
+                "SELECT wake_id, agent_id FROM wake_outbox WHERE source_id = $1", ordered.message.message_id
+            )
+        }
     finally:
         await conn.close()
+    assert [woken_for[w] for w in ordered.wake_ids] == [other.agent_id, third.agent_id]
     # Its one wake, from before: settled by the retirement unless its delivery had begun.
     assert len(woken) == 1 and woken[0]["settled"]
 
     # Its record stays: listed, retired, and the messages that mention it.
     listed = await acme_gw.ListAgents(gateway_pb2.ListAgentsRequest(), timeout=10)
-    assert {a.name: a.HasField("retired_at") for a in listed.agents} == {"planner": True, "writer": False}
+    assert {a.name: a.HasField("retired_at") for a in listed.agents} == {
+        "planner": True,
+        "writer": False,
+        "reader": False,
+    }
     messages = await acme_gw.ListMessages(gateway_pb2.ListMessagesRequest(room_id=room.room_id), timeout=10)
-    assert [m.message_id for m in messages.messages] == [before.message.message_id, after.message.message_id]
+    assert [m.message_id for m in messages.messages][:2] == [before.message.message_id, after.message.message_id]
     # Its name stays taken until it is renamed.
     await expect_error(EXISTS, acme_gw.RegisterAgent(_agent("planner"), timeout=10), agent.agent_id)
     await acme_gw.RenameAgent(gateway_pb2.RenameAgentRequest(agent_id=agent.agent_id, name="planner (old)"), timeout=10)

@@ -410,24 +410,24 @@ before AS (
     WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
 
 -- name: post_message
--- PostMessage in one statement: the rules' facts, and the post written only when they are those of a new
--- post the rules allow (the store checks that claim against services/room/rules.py, and decides from the
--- facts returned). The facts, as post_check reads them: whether room $22 exists; the author agent's company
--- (agent $24, NULL for a person); whether the author's company ($23, or the agent's when NULL) is a member,
--- its membership row locked FOR SHARE to commit (see lock_membership); the mentioned agents $25 that exist
--- with their companies, and which of those are members (rows locked FOR SHARE too: a mentioned agent's
--- company cannot leave before the post commits); and the earlier message with dedupe key $26 (a messages
--- row, or NULL) with its wakes. Written only when the room exists, the author agent exists (of company
--- $23 when given), its company is a member, every mentioned agent's company is a member and no message
--- holds the dedupe key: then the ledger row $1..$19 when given, through the fence with its event (as
--- record_run; the fence refusing it writes nothing else either), then the message $27 with the room's
--- next seq, a wake for each agent in $32 (source id $33, traceparent $34) and the events (the run's, when
--- its status changed, then MESSAGE_POSTED carrying the message). With lease owner $36 (NULL: none) the wakes
--- are written leased to it for $37 seconds, attempt 1, as lease_wakes would lease them after the commit
--- (lease_expires_at NULL without an owner); notify_new_wakes sends nothing for leased wakes. The room
--- row's lock (seq and event cursor) is taken by the UPDATE of rooms, which reads the facts and the ledger
--- row first: membership rows, then the ledger row, then the room row, held to commit, so seq order is
--- commit order.
+-- PostMessage in one statement: the rules' facts, and the post written only when they are those of a new post
+-- the rules allow (the store checks that claim against services/room/rules.py, and decides from the facts
+-- returned). The facts, as post_check reads them: whether room $22 exists; the author agent's company (agent
+-- $24, NULL for a person); whether the author's company ($23, or the agent's when NULL) is a member, its
+-- membership row locked FOR SHARE to commit (see lock_membership); the mentioned agents $25 that exist with
+-- their companies, and which of those are members (rows locked FOR SHARE too: a mentioned agent's company
+-- cannot leave before the post commits); and the earlier message with dedupe key $26 (a messages row, or NULL)
+-- with its wakes. Written only when the room exists and is not archived, the author agent exists (of company
+-- $23 when given), its company is a member, every mentioned agent's company is a member and no message holds
+-- the dedupe key: then the ledger row $1..$19 when given, through the fence with its event (as record_run; the
+-- fence refusing it writes nothing else either), then the message $27 with the room's next seq (its UPDATE of
+-- the room row refusing an archived one), a wake for each agent in $32 that is not retired, in $32's order
+-- (source id $33, traceparent $34) and the events (the run's, when its status changed, then MESSAGE_POSTED
+-- carrying the message). With lease owner $36 (NULL: none) the wakes are written leased to it for $37 seconds,
+-- attempt 1, as lease_wakes would lease them after the commit (lease_expires_at NULL without an owner);
+-- notify_new_wakes sends nothing for leased wakes. The room row's lock (seq and event cursor) is taken by the
+-- UPDATE of rooms, which reads the facts and the ledger row first: membership rows, then the ledger row, then
+-- the room row, held to commit, so seq order is commit order.
 WITH {{post_facts+21}}, facts AS (
     SELECT {{post_fact_columns+21}}
 ), allowed AS (
@@ -459,8 +459,9 @@ WITH {{post_facts+21}}, facts AS (
         delivery_attempts)
     SELECT a.agent_id, $22, 'message', $33, $34, $36::text, now() + $37::integer * interval '1 second',
         CASE WHEN $36::text IS NULL THEN 0 ELSE 1 END
-    FROM message, unnest($32::uuid[]) AS a (agent_id)
+    FROM message, unnest($32::uuid[]) WITH ORDINALITY AS a (agent_id, n)
     WHERE NOT EXISTS (SELECT 1 FROM agents AS r WHERE r.agent_id = a.agent_id AND r.retired_at IS NOT NULL)
+    ORDER BY a.n
     ON CONFLICT (agent_id, kind, source_id) DO NOTHING
     RETURNING w
 ), appended AS (
