@@ -547,6 +547,28 @@ async def cmd_room_remove_member(opts: argparse.Namespace) -> int:
     return 0
 
 
+async def cmd_room_rename(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        old = await room_name(client, room_id)
+        room = (await client.RenameRoom(gateway_pb2.RenameRoomRequest(room_id=room_id, name=opts.name))).room
+    print(f"room {old!r} is now named {room.name!r}")
+    return 0
+
+
+async def cmd_room_archive(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        room = (await client.ArchiveRoom(gateway_pb2.ArchiveRoomRequest(room_id=room_id))).room
+    print(
+        f"room {room.name!r} is archived: read-only from now on (its history stays readable; "
+        "its pending invitations were withdrawn)"
+    )
+    return 0
+
+
 INVITATION_STATUSES = {
     "pending": common_pb2.INVITATION_STATUS_PENDING,
     "accepted": common_pb2.INVITATION_STATUS_ACCEPTED,
@@ -630,6 +652,27 @@ async def cmd_agent_register(opts: argparse.Namespace) -> int:
             )
         ).agent
     print(f"agent {agent.agent_id} {agent.name} ({opts.provider} {agent.model})")
+    return 0
+
+
+async def cmd_agent_rename(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        agent_id = await resolve_own_agent(client, opts.agent)
+        agent = (await client.RenameAgent(gateway_pb2.RenameAgentRequest(agent_id=agent_id, name=opts.name))).agent
+    print(f"agent {opts.agent!r} is now named {agent.name!r}")
+    return 0
+
+
+async def cmd_agent_retire(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        agent_id = await resolve_own_agent(client, opts.agent)
+        agent = (await client.RetireAgent(gateway_pb2.RetireAgentRequest(agent_id=agent_id))).agent
+    print(
+        f"agent {agent.name!r} is retired: it wakes no more (its runs and messages stay); its name stays "
+        "taken until you rename it"
+    )
     return 0
 
 
@@ -1093,6 +1136,13 @@ def parser() -> argparse.ArgumentParser:
     rr.add_argument("room", help=ROOM_ID)
     rr.add_argument("company", help="the member company's name or id")
     rr.set_defaults(handler=cmd_room_remove_member)
+    rn = room.add_parser("rename", help="rename a room (the room's creator only)")
+    rn.add_argument("room", help=ROOM_ID)
+    rn.add_argument("name", help="its new name (unique among the rooms your company created)")
+    rn.set_defaults(handler=cmd_room_rename)
+    ra = room.add_parser("archive", help="archive a room (its creator only): read-only from then on, history kept")
+    ra.add_argument("room", help=ROOM_ID)
+    ra.set_defaults(handler=cmd_room_archive)
     rls = room.add_parser("list", help="list the rooms your company is a member of")
     _limit(rls, 50)
     _json(rls)
@@ -1135,6 +1185,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ar.add_argument("--system-prompt", default="", metavar="TEXT", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
+    an = agent.add_parser("rename", help="rename one of your agents")
+    an.add_argument("agent", metavar="AGENT", help="the agent: its name or id")
+    an.add_argument("name", help="its new name (unique within your company)")
+    an.set_defaults(handler=cmd_agent_rename)
+    at = agent.add_parser("retire", help="retire one of your agents: it wakes no more; its record stays")
+    at.add_argument("agent", metavar="AGENT", help="the agent: its name or id")
+    at.set_defaults(handler=cmd_agent_retire)
     al = agent.add_parser("list", help="list your company's agents, or with --room every agent in that room")
     al.add_argument("--room", metavar="ROOM", help="the agents in this room (its name or id), of every member company")
     _limit(al, 50)

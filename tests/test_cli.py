@@ -788,3 +788,44 @@ async def test_an_approval_is_seen_by_following_the_readme_alone(database_url: s
         assert token, "the README's steps never showed a held action"
         [asked] = [r for r in standin.requests("scripted") if r.answer == "reply"]
         assert "note the venue" in json.dumps(asked.body)
+
+
+async def test_names_stay_unique_and_agents_and_rooms_are_renamed_retired_and_archived(database_url: str) -> None:
+    """Issue 49: the README's blocks run twice create nothing twice; rename, retire and archive by name."""
+    async with companies_cli(database_url) as cli:
+        run, ok, company = cli.run, cli.ok, cli.company
+        (_, acme), (globex_id, globex) = await company("Acme"), await company("Globex")
+        register = ("agent", "register", "--provider", "anthropic", "--model", "m")
+        env = {**cli.env, "QUAYUTEC_API_KEY": acme, "QUAYUTEC_PROVIDER_KEY": "sk-ant-cli"}
+        agent_id = (await quayutec(*register, "--name", "planner", env=env)).stdout.split()[1]
+        room_id = (await ok(acme, "room", "create", "launch")).split()[1]
+
+        # A second create of either name is refused, naming the first; names still resolve.
+        twice = await quayutec(*register, "--name", "Planner", env=env)
+        assert twice.returncode == 2 and "ALREADY_EXISTS" in twice.stderr and agent_id in twice.stderr
+        again = await run(acme, "room", "create", "launch")
+        assert again.returncode == 2 and "ALREADY_EXISTS" in again.stderr and room_id in again.stderr
+        assert "wakes" in await ok(acme, "post", "--room", "launch", "--person", "ana", "--mention", "planner", "hi")
+
+        # Renames, by name; the new names resolve and the old ones are free.
+        assert "'liftoff'" in await ok(acme, "room", "rename", "launch", "liftoff")
+        assert "'lead'" in await ok(acme, "agent", "rename", "planner", "lead")
+        await ok(acme, "post", "--room", "liftoff", "--person", "ana", "--mention", "lead", "again")
+        assert (await quayutec(*register, "--name", "planner", env=env)).returncode == 0
+        taken = await run(acme, "agent", "rename", "lead", "PLANNER")
+        assert taken.returncode == 2 and "ALREADY_EXISTS" in taken.stderr
+
+        # Retired: a mention makes no wake.
+        assert "retired" in await ok(acme, "agent", "retire", "lead")
+        assert "wakes []" in await ok(acme, "post", "--room", "liftoff", "--person", "ana", "--mention", "lead", "x")
+
+        # Archived by its creator only; writes refused after, reads still work.
+        await ok(acme, "room", "invite", "liftoff", globex_id)
+        invitation_id = json.loads(await ok(globex, "invitations", "--json"))[0]["invitation_id"]
+        await ok(globex, "invitation", "accept", invitation_id)
+        not_creator = await run(globex, "room", "archive", "liftoff")
+        assert not_creator.returncode == 2 and "PERMISSION_DENIED" in not_creator.stderr
+        assert "archived" in await ok(acme, "room", "archive", "liftoff")
+        refused = await run(acme, "post", "--room", "liftoff", "--person", "ana", "late")
+        assert refused.returncode == 2 and "FAILED_PRECONDITION" in refused.stderr and "archived" in refused.stderr
+        assert "again" in await ok(globex, "messages", "--room", room_id)

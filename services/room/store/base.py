@@ -334,6 +334,13 @@ class StoreBase:
         if record.action_index is not None:
             _action_of(record.run, record.action_index)
 
+    async def _archived_since(self, act: Act, facts: Facts) -> None:
+        """A write its facts allowed but that wrote nothing: when the room was archived after its facts
+        were read (its UPDATE of the room row, waiting for the archiving, found it archived), the rule
+        `room-open` refuses it; otherwise the caller says why (its ledger row was refused)."""
+        if await self._pool.fetchval(self._q["room_archived"], facts.room_id):
+            enforce(act, replace(facts, archived=True))
+
     async def _require_room(self, conn: asyncpg.Connection, room_id: str) -> None:
         if not await conn.fetchval(self._q["room_exists"], room_id):
             raise NotFound(f"room {room_id} not found")
@@ -355,7 +362,10 @@ class StoreBase:
         if author.kind == "agent":
             author = _identified(author, await conn.fetchval(self._q["agent_company"], author.agent_id))
         member = bool(await conn.fetchval(self._q["lock_membership"], room_id, author.company_id))
-        facts = replace(facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member)
+        archived = bool(await conn.fetchval(self._q["room_archived"], room_id))
+        facts = replace(
+            facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member, archived=archived
+        )
         enforce(act, facts, repeat=repeat)
         return author
 
