@@ -3,8 +3,8 @@ span counted and said, and a shutdown that gives up on time.
 
 The SDK's BatchSpanProcessor keeps ended spans in a queue of ``OTEL_BSP_MAX_QUEUE_SIZE`` and one
 thread exports them in batches; its OTLP/gRPC exporter tries a batch for at most
-``OTEL_EXPORTER_OTLP_TIMEOUT`` seconds (retrying UNAVAILABLE and DEADLINE_EXCEEDED with a 1, 2, 4, 8 s
-backoff inside that time) and then drops it. A wake never waits on any of it: ``on_end`` only
+``OTEL_EXPORTER_OTLP_TIMEOUT`` seconds (retrying UNAVAILABLE and DEADLINE_EXCEEDED with a doubling
+backoff, 1, 2, 4 s, while it fits in that time) and then drops it. A wake never waits on any of it: ``on_end`` only
 appends to the queue. What the SDK does not do is say how much it lost (one deduplicated "Queue
 full" line, no count) or bound its shutdown (it waits up to 30 s for the queue to drain). So, with
 the SDK's own extension points and nothing patched:
