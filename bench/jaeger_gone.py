@@ -23,13 +23,11 @@ import argparse
 import asyncio
 import os
 import re
-import socket
 import statistics
 import sys
 import time
 import uuid
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,7 +54,7 @@ from bench.common import (
 from bench.wakes import REPLIES_QUERY, GatewayWorld, make_gateway_world
 from quayutec.db import create_pool
 from quayutec.tls import GATEWAY
-from tests.harness.jaeger import Jaeger, jaeger_binary
+from tests.harness.jaeger import Jaeger, black_hole, jaeger_binary
 
 SCENARIOS = ("no exporter", "live Jaeger", "Jaeger stopped", "black hole")
 BASELINE = "live Jaeger"
@@ -75,18 +73,6 @@ class Measured:
     @property
     def rate(self) -> float:
         return self.wakes / self.seconds if self.seconds > 0 else float("nan")
-
-
-@contextmanager
-def black_hole() -> Iterator[str]:
-    """A listening socket on 127.0.0.1 that never accepts: connections complete, nothing answers."""
-    hole = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(128)
-    try:
-        yield f"http://127.0.0.1:{hole.getsockname()[1]}"
-    finally:
-        hole.close()
 
 
 def otel_env(endpoint: str | None) -> dict[str, str]:

@@ -15,12 +15,11 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import socket
 import subprocess
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import asyncpg
@@ -35,7 +34,7 @@ from quayutec.spanqueue import DROPPED_METRIC, QUEUED_METRIC
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.runtime.standin import StandinProvider
 from services.stack import LocalStack
-from tests.harness.jaeger import Jaeger, jaeger_binary
+from tests.harness.jaeger import Jaeger, black_hole, jaeger_binary
 from tests.harness.traced_stack import World, traced_stack, traced_world
 
 BURST = 30
@@ -63,7 +62,7 @@ def exporter_env(metrics_endpoint: str, **extra: str) -> dict[str, str]:
     }
 
 
-class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):  # type: ignore[misc]
+class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):
     """An OTLP/gRPC metrics receiver: the latest value of each of our telemetry metrics per service
     and attribute set, and every value the queue gauge ever had."""
 
@@ -104,26 +103,13 @@ class MetricsReceiver(metrics_service_pb2_grpc.MetricsServiceServicer):  # type:
 async def metrics_receiver() -> AsyncIterator[tuple[MetricsReceiver, str]]:
     receiver = MetricsReceiver()
     server = grpc.aio.server()
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(receiver, server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(receiver, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         yield receiver, f"http://127.0.0.1:{port}"
     finally:
         await server.stop(0)
-
-
-@contextmanager
-def black_hole() -> Iterator[str]:
-    """A "Jaeger" on 127.0.0.1 that accepts TCP connections (the kernel completes them into the
-    backlog) and never reads or answers: its OTLP/gRPC endpoint."""
-    hole = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    hole.bind(("127.0.0.1", 0))
-    hole.listen(128)
-    try:
-        yield f"http://127.0.0.1:{hole.getsockname()[1]}"
-    finally:
-        hole.close()
 
 
 async def burst(world: World, count: int, tag: str) -> list[str]:
