@@ -143,7 +143,7 @@ jaeger-stop:
 protos: $(STAMP)
 	$(BIN)/python scripts/gen_protos.py
 
-bench: $(STAMP)
+bench: $(STAMP) $(JAEGER_BIN)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/claims.py
 	$(BIN)/python bench/runs.py
@@ -154,6 +154,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/tables.py
 	$(BIN)/python bench/clients.py
 	$(BIN)/python bench/statements.py
+	QUAYUTEC_TEST_JAEGER_BIN=$(CURDIR)/$(JAEGER_BIN) $(BIN)/python bench/jaeger_gone.py
 
 # Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
 # a server that no command can reach.

@@ -872,6 +872,29 @@ _DECLARED: list[Setting] = [
     ),
     _g("JAEGER_LOG_LEVEL", "info", "Jaeger's log level", ["jaeger"]),
     _g(
+        "OTEL_BSP_MAX_QUEUE_SIZE",
+        2048,
+        "most ended spans waiting for export while the collector is slow or away; more are dropped and "
+        "counted (quayutec.telemetry.spans_dropped)",
+        ALL,
+    ),
+    _g(
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+        10.0,
+        "seconds (this SDK reads seconds, not the spec's milliseconds) one export may take, retries "
+        "included; then its batch is dropped",
+        ALL,
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_TELEMETRY_SHUTDOWN_SECONDS",
+        5.0,
+        "on SIGTERM, after the gRPC drain: the longest spent exporting the spans still queued; the rest "
+        "are dropped and counted",
+        ALL,
+        shown="5",
+    ),
+    _g(
         "QUAYUTEC_GATEWAY_TRUST_TRACEPARENT",
         False,
         "true: a call's incoming traceparent is the parent of the Gateway's span (its flags decide the "

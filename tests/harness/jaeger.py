@@ -19,10 +19,12 @@ import asyncio
 import json
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -434,3 +436,16 @@ def running_jaeger(max_traces: int = 20_000) -> Iterator[Jaeger]:
         yield jaeger
     finally:
         jaeger.stop()
+
+
+@contextmanager
+def black_hole() -> Iterator[str]:
+    """A "Jaeger" on 127.0.0.1 that accepts TCP connections (the kernel completes them into the
+    listening socket's backlog) and never reads or answers: its OTLP/gRPC endpoint."""
+    hole = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    hole.bind(("127.0.0.1", 0))
+    hole.listen(128)
+    try:
+        yield f"http://127.0.0.1:{hole.getsockname()[1]}"
+    finally:
+        hole.close()

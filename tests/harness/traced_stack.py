@@ -33,11 +33,12 @@ from tests.harness.jaeger import Jaeger
 SERVICE_NAMES = ("quayutec-gateway", "quayutec-room", "quayutec-claims", "quayutec-runtime")
 
 
-def otel_env(jaeger: Jaeger) -> dict[str, str]:
-    """What an operator sets to trace to Jaeger: the endpoint and the exporter (metrics off: Jaeger
-    takes none). The batch processor's delay is shortened so the tests need not wait 5 s per flush."""
+def otel_env(jaeger: Jaeger | str) -> dict[str, str]:
+    """What an operator sets to trace to Jaeger (or to the OTLP/gRPC endpoint ``jaeger`` names): the
+    endpoint and the exporter (metrics off: Jaeger takes none). The batch processor's delay is
+    shortened so the tests need not wait 5 s per flush."""
     return {
-        "OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_grpc,
+        "OTEL_EXPORTER_OTLP_ENDPOINT": jaeger if isinstance(jaeger, str) else jaeger.otlp_grpc,
         "OTEL_TRACES_EXPORTER": "otlp",
         "OTEL_METRICS_EXPORTER": "none",
         "OTEL_BSP_SCHEDULE_DELAY": "200",
@@ -46,10 +47,10 @@ def otel_env(jaeger: Jaeger) -> dict[str, str]:
 
 @asynccontextmanager
 async def traced_stack(
-    database_url: str, standin: StandinProvider, jaeger: Jaeger, extra_env: Mapping[str, str] | None = None
+    database_url: str, standin: StandinProvider, jaeger: Jaeger | str, extra_env: Mapping[str, str] | None = None
 ) -> AsyncIterator[LocalStack]:
     """The four services, each its own process, on ``database_url`` (already migrated), exporting to
-    ``jaeger``; stopped (SIGTERM: each flushes its spans) at the end."""
+    ``jaeger`` (or to the OTLP/gRPC endpoint it names); stopped (SIGTERM: each flushes its spans) at the end."""
     folder = Path(tempfile.mkdtemp(prefix="qy-traced-", dir="/tmp"))
     stack = LocalStack.with_ports(
         ephemeral=True,
