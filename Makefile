@@ -20,6 +20,11 @@ OIDC_STAMP := $(OIDC_PROVIDER)/node_modules/.installed
 # The Python client SDK and what it installs, downloaded once, so that tests/clients installs it into a
 # fresh venv without reaching any index.
 WHEELHOUSE := $(VENV)/wheelhouse
+# Jaeger v2's binary, built from tools/jaeger (the jaeger-bin target below).
+GO ?= go
+JAEGER_PINS := $(shell cat tools/jaeger/go.mod tools/jaeger/go.sum | sha1sum | cut -c1-12)
+JAEGER_BIN := build/jaeger-$(JAEGER_PINS)/jaeger
+JAEGER_CONFIG := deploy/k8s/base/jaeger-config.yaml
 
 .PHONY: help demo test test-cluster jaeger-bin jaeger jaeger-stop ha-packages test-repeat lint typecheck pytest protos check-protos secrets k8s-dev-mtls clean bench
 
@@ -90,8 +95,10 @@ $(WHEELHOUSE)/.complete: $(STAMP) clients/python/pyproject.toml
 	$(BIN)/pip download --quiet -d $(WHEELHOUSE) setuptools==80.9.0 ./clients/python
 	touch $@
 
-pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(OIDC_STAMP) $(WHEELHOUSE)/.complete  ## the tests alone (npm ci for the Node parts)
-	$(BIN)/pytest
+# The trace tests (tests/jaeger) run a real Jaeger v2: built before pytest starts, so its first build
+# is not counted against a test's timeout.
+pytest: $(STAMP) $(NODE_STAMP) $(TS_STAMP) $(OIDC_STAMP) $(WHEELHOUSE)/.complete $(JAEGER_BIN)  ## the tests alone (npm ci for the Node parts, Jaeger built first)
+	QUAYUTEC_TEST_JAEGER_BIN=$(CURDIR)/$(JAEGER_BIN) $(BIN)/pytest
 
 # The flake check: the console, delivery and held-action tests N times (default 20) under one
 # busy-loop process per core; prints the pass count. `make test-repeat N=5`.
@@ -120,10 +127,6 @@ ha-packages:  ## installs the HA bed's Debian packages when missing
 # proxy; the Go module and build caches (~/go/pkg/mod, ~/.cache/go-build) make a rebuild in a new
 # clone on the same machine quick (README: the cold and warm build times). A plain build embeds no
 # UI: the query API (/api/v3) answers, and the UI's page is a placeholder.
-GO ?= go
-JAEGER_PINS := $(shell cat tools/jaeger/go.mod tools/jaeger/go.sum | sha1sum | cut -c1-12)
-JAEGER_BIN := build/jaeger-$(JAEGER_PINS)/jaeger
-JAEGER_CONFIG := deploy/k8s/base/jaeger-config.yaml
 
 $(JAEGER_BIN): tools/jaeger/go.mod tools/jaeger/go.sum
 	cd tools/jaeger && GOTOOLCHAIN=local GOFLAGS=-mod=readonly $(GO) build -trimpath -o $(CURDIR)/$@.tmp github.com/jaegertracing/jaeger/cmd/jaeger
@@ -132,10 +135,19 @@ $(JAEGER_BIN): tools/jaeger/go.mod tools/jaeger/go.sum
 jaeger-bin: $(JAEGER_BIN)  ## builds Jaeger v2 from tools/jaeger once, prints its path
 	@echo $(JAEGER_BIN)
 
+# A local Jaeger to read the demo's traces in (README): `make jaeger` starts it in the background with
+# the same config, log and pid in .quayutec/jaeger/, and returns once it is healthy; `make demo` then
+# traces to it; `make jaeger-stop` stops it (scripts/jaeger.py; the system's Python, no .venv needed).
+jaeger: $(JAEGER_BIN)  ## Jaeger v2 in the background on loopback, to read the demo's traces in
+	$(PYTHON) scripts/jaeger.py up $(JAEGER_BIN) $(JAEGER_CONFIG)
+
+jaeger-stop:  ## stops the Jaeger of make jaeger
+	$(PYTHON) scripts/jaeger.py down
+
 protos: $(STAMP)  ## regenerates quayutec/v1 from protos/
 	$(BIN)/python scripts/gen_protos.py
 
-bench: $(STAMP)  ## all nine benchmarks (about 30 minutes)
+bench: $(STAMP) $(JAEGER_BIN)  ## every benchmark (about 30 minutes and more)
 	$(BIN)/pip install --quiet -e '.[dev,bench]'
 	$(BIN)/python bench/claims.py
 	$(BIN)/python bench/runs.py
@@ -146,12 +158,14 @@ bench: $(STAMP)  ## all nine benchmarks (about 30 minutes)
 	$(BIN)/python bench/tables.py
 	$(BIN)/python bench/clients.py
 	$(BIN)/python bench/statements.py
+	QUAYUTEC_TEST_JAEGER_BIN=$(CURDIR)/$(JAEGER_BIN) $(BIN)/python bench/jaeger_gone.py
 
 # Stops the embedded PostgreSQL of .quayutec first: deleting its folder under a live server leaves
 # a server that no command can reach. Leaves the tree as a clone has it (tests/test_make.py checks),
 # but for the dev overlay's mTLS files (`make k8s-dev-mtls`); the Go caches outside the tree stay.
 clean:  ## removes everything made here (.venv, .quayutec, build/, caches, node_modules, egg-info)
 	if [ -x $(BIN)/quayutec ]; then QUAYUTEC_DATA_DIR=.quayutec $(BIN)/quayutec db stop; fi
+	QUAYUTEC_DATA_DIR=.quayutec $(PYTHON) scripts/jaeger.py down
 	rm -rf $(VENV) .quayutec .pytest_cache .mypy_cache .ruff_cache $(NODE_EXAMPLES)/node_modules \
 		$(TS_CLIENT)/node_modules $(TS_CLIENT)/dist $(OIDC_PROVIDER)/node_modules build dist
 	find . -path ./.git -prune -o \( -name '*.egg-info' -o -name __pycache__ \) -type d -prune -exec rm -rf {} +

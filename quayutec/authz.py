@@ -48,6 +48,8 @@ _ROOM: dict[str, frozenset[str]] = {
     "GetCompany": frozenset({GATEWAY, ADMIN}),
     # Rooms and membership: the public API only.
     "CreateRoom": _G,
+    "RenameRoom": _G,
+    "ArchiveRoom": _G,
     "GetRoom": _G,
     "ListRooms": _G,
     "CreateInvitation": _G,
@@ -63,6 +65,8 @@ _ROOM: dict[str, frozenset[str]] = {
     "ReadRoomEvents": _G,
     # Agents: registered and read through the public API; their provider key only by the Runtime.
     "RegisterAgent": _G,
+    "RenameAgent": _G,
+    "RetireAgent": _G,
     "GetAgent": _G,
     "ListAgents": _G,
     "GetAgentCredentials": _R,

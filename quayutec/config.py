@@ -73,6 +73,10 @@ class ConnectionBudget:
 PLAN_CACHE_MODES = ("force_generic_plan", "auto", "force_custom_plan")
 
 
+# The longest QUAYUTEC_DB_CLIENT_CHECK_SECONDS: a backend whose caller is gone stops within it.
+MAX_CLIENT_CHECK_SECONDS = 60.0
+
+
 @dataclass(frozen=True)
 class DatabaseConfig:
     """``DATABASE_URL`` (or the service's own ``QUAYUTEC_<SVC>_DATABASE_URL``) when set; otherwise an
@@ -86,6 +90,10 @@ class DatabaseConfig:
     budget: ConnectionBudget | None = None
     # PostgreSQL ends a session left idle inside a transaction this long (0: never).
     idle_in_transaction_seconds: float = 10.0
+    # PostgreSQL ends a statement of a session this long (statement_timeout; at most the command timeout).
+    statement_timeout_seconds: float = 30.0
+    # How often a backend running a statement checks that its client is still there (0: never).
+    client_check_seconds: float = 2.0
     # PostgreSQL's plan_cache_mode for the sessions (PLAN_CACHE_MODES).
     plan_cache_mode: str = "force_generic_plan"
     role: str | None = None
@@ -120,6 +128,20 @@ class DatabaseConfig:
             raise ConfigError(
                 f"QUAYUTEC_DB_PLAN_CACHE_MODE must be one of {', '.join(PLAN_CACHE_MODES)}, not {plan_cache_mode!r}"
             )
+        command_timeout = env_float(env, setting("QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS"), minimum=0.1)
+        statement_timeout = env_float(env, setting("QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS"), minimum=0.1)
+        if statement_timeout > command_timeout:
+            raise ConfigError(
+                f"QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS ({statement_timeout:g}) exceeds "
+                f"QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS ({command_timeout:g}): a statement the service stopped "
+                "waiting for would go on in PostgreSQL; set it to the command timeout or less"
+            )
+        client_check = env_float(env, setting("QUAYUTEC_DB_CLIENT_CHECK_SECONDS"), minimum=0.0)
+        if client_check > MAX_CLIENT_CHECK_SECONDS:
+            raise ConfigError(
+                f"QUAYUTEC_DB_CLIENT_CHECK_SECONDS must be at most {MAX_CLIENT_CHECK_SECONDS:g} (0 turns it off), "
+                f"got {client_check:g}: a backend whose caller is gone would run on that long"
+            )
         service = prefix.removeprefix("QUAYUTEC_").rstrip("_").lower()
         return cls(
             url=url or shared_url,
@@ -128,10 +150,12 @@ class DatabaseConfig:
             pool_max=pool_max,
             budget=budget,
             idle_in_transaction_seconds=idle,
+            statement_timeout_seconds=statement_timeout,
+            client_check_seconds=client_check,
             plan_cache_mode=plan_cache_mode,
             role=service_role(service) if service else None,
             acquire_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_ACQUIRE_TIMEOUT_SECONDS"), minimum=0.1),
-            command_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS"), minimum=0.1),
+            command_timeout_seconds=command_timeout,
             connect_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_CONNECT_TIMEOUT_SECONDS"), minimum=0.1),
             tcp_timeout_seconds=env_float(env, setting("QUAYUTEC_DB_TCP_TIMEOUT_SECONDS"), minimum=1.0),
             health_interval_seconds=env_float(env, setting("QUAYUTEC_DB_HEALTH_INTERVAL_SECONDS"), minimum=0.1),

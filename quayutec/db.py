@@ -15,6 +15,7 @@ from typing import Any, Literal
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
+from asyncpg import connect_utils
 
 from quayutec.config import ConfigError, ConnectionBudget, DatabaseConfig
 from quayutec.errors import is_connection_error
@@ -110,10 +111,51 @@ def _leaves_connection_unusable(exc: BaseException) -> bool:
     return isinstance(exc, (TimeoutError, asyncio.CancelledError)) or is_connection_error(exc)
 
 
+# The cancel requests in flight (a task is kept referenced until it is done).
+_CANCEL_REQUESTS: set[asyncio.Task[None]] = set()
+
+
+def send_cancel_request(conn: Any, bound: float) -> asyncio.Task[None] | None:
+    """Ask PostgreSQL, on a connection of its own, to cancel whatever statement ``conn``'s backend runs
+    (its CancelRequest), in the background within ``bound`` seconds; returns that task, or None when the
+    connection is already closed.
+
+    asyncpg sends this request itself when a statement's task is cancelled or times out, from a task
+    of the connection; but terminating the connection (what we do with a connection left in doubt)
+    cancels that task before it has even connected (``Connection.terminate`` cleans up its tasks).
+    Without the request, a backend waiting on a row lock does not notice its client left, and once the
+    lock is released its statement commits for a caller that is gone: a run's fenced ledger write for a
+    Runtime that was killed, say. So the request is sent here, from the connection's address and its
+    backend's key read before it is terminated (asyncpg 0.32's own fields and cancel routine; a pinned
+    version, and tests/test_db_sessions.py finds out when they change)."""
+    raw = getattr(conn, "_con", conn)  # a pool's connection proxy holds the connection
+    protocol = getattr(raw, "_protocol", None)
+    if raw is None or protocol is None or raw.is_closed():
+        return None
+    loop = asyncio.get_running_loop()
+    addr, params = raw._addr, raw._params
+    pid, secret = protocol.backend_pid, protocol.backend_secret
+
+    async def send() -> None:
+        try:
+            async with asyncio.timeout(bound):
+                await connect_utils._cancel(loop=loop, addr=addr, params=params, backend_pid=pid, backend_secret=secret)
+        except (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            _log.warning("could not ask PostgreSQL to cancel the statement of backend %s: %s", pid, exc)
+
+    task = loop.create_task(send(), name=f"cancel backend {pid}")
+    _CANCEL_REQUESTS.add(task)
+    task.add_done_callback(_CANCEL_REQUESTS.discard)
+    return task
+
+
 class _AcquireContext(asyncpg.pool.PoolAcquireContext):  # type: ignore[misc]
     async def __aexit__(self, *exc: object) -> None:
         error = exc[1]
         if isinstance(error, BaseException) and self.connection is not None and _leaves_connection_unusable(error):
+            if isinstance(error, (TimeoutError, asyncio.CancelledError)):
+                # The statement may still run (or wait on a lock) in its backend: cancel it there.
+                send_cancel_request(self.connection, self.pool.cancel_timeout)
             self.connection.terminate()
             if getattr(error, "sqlstate", None) in _SERVER_GONE_SQLSTATES:
                 await self.pool.expire_connections()
@@ -124,9 +166,11 @@ class Pool(asyncpg.Pool):  # type: ignore[misc]
     """asyncpg's pool with a bounded wait for a connection by default, and connections that a timed out,
     cancelled or failed statement left in doubt terminated instead of given back."""
 
-    def __init__(self, *args: Any, acquire_timeout: float | None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, acquire_timeout: float | None, cancel_timeout: float = 5.0, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.acquire_timeout = acquire_timeout
+        # How long a cancel request (send_cancel_request) may take to reach the server.
+        self.cancel_timeout = cancel_timeout
 
     def acquire(self, *, timeout: float | None = None) -> _AcquireContext:
         return _AcquireContext(self, self.acquire_timeout if timeout is None else timeout)
@@ -257,6 +301,8 @@ async def create_pool(
     min_size: int = 1,
     max_size: int = 10,
     idle_in_transaction_seconds: float = 10.0,
+    statement_timeout_seconds: float = 30.0,
+    client_check_seconds: float = 2.0,
     plan_cache_mode: str = "force_generic_plan",
     role: str | None = None,
     acquire_timeout: float | None = 5.0,
@@ -272,6 +318,14 @@ async def create_pool(
     holding its row locks (a room's sequence row, a run's ledger row) until TCP notices, which can
     take minutes. Nothing of ours keeps a transaction open between statements for long.
 
+    They bound every statement on the server's side too, so that no backend works on for a caller
+    that is gone: ``statement_timeout`` (``statement_timeout_seconds``, no longer than the statement's
+    own wait, ``command_timeout``) ends a statement that runs or waits on a lock that long, and
+    ``client_connection_check_interval`` (``client_check_seconds``; 0: off) has a backend that runs a
+    statement look at its client's socket that often and stop, rolling back, once the client has
+    closed it. A call the service gave up (cancelled, timed out) also has its statement cancelled
+    at once (``send_cancel_request``).
+
     They also carry ``plan_cache_mode`` (QUAYUTEC_DB_PLAN_CACHE_MODE): with ``force_generic_plan`` a
     prepared statement is planned once per connection. Under ``auto`` PostgreSQL kept planning the
     wake's long one-statement writes and room read again at every call, for their values.
@@ -282,6 +336,8 @@ async def create_pool(
     connection start, so even ``RESET ROLE`` keeps it; ``quayutec.roles``)."""
     settings = {
         "idle_in_transaction_session_timeout": str(round(idle_in_transaction_seconds * 1000)),
+        "statement_timeout": str(round(statement_timeout_seconds * 1000)),
+        "client_connection_check_interval": str(round(client_check_seconds * 1000)),
         "plan_cache_mode": plan_cache_mode,
         **tcp.server_settings(),
     }
@@ -308,6 +364,7 @@ async def create_pool(
         connection_class=asyncpg.Connection,
         record_class=asyncpg.Record,
         acquire_timeout=acquire_timeout,
+        cancel_timeout=connect_timeout,
         command_timeout=command_timeout,
         timeout=connect_timeout,
         server_settings=settings,
@@ -332,6 +389,8 @@ async def open_pool(config: DatabaseConfig) -> Pool:
         min_size=config.pool_min,
         max_size=config.pool_max,
         idle_in_transaction_seconds=config.idle_in_transaction_seconds,
+        statement_timeout_seconds=config.statement_timeout_seconds,
+        client_check_seconds=config.client_check_seconds,
         plan_cache_mode=config.plan_cache_mode,
         role=config.role,
         acquire_timeout=config.acquire_timeout_seconds,

@@ -226,6 +226,24 @@ _DECLARED: list[Setting] = [
         shown="10",
     ),
     _g(
+        "QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS",
+        30.0,
+        "PostgreSQL ends a statement of ours that runs, or waits on a lock, this long (statement_timeout), "
+        "rolling it back: no statement goes on for a caller that gave up on it; at least 0.1 and at most "
+        "QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS (refused at start otherwise)",
+        [*WITH_DATABASE, "cli"],
+        shown="30",
+    ),
+    _g(
+        "QUAYUTEC_DB_CLIENT_CHECK_SECONDS",
+        2.0,
+        "how often a PostgreSQL backend running a statement of ours checks that our side of its connection "
+        "is still open (client_connection_check_interval, PostgreSQL 14 or later), and stops, rolling back, "
+        "when it is not; 0 turns it off, at most 60",
+        [*WITH_DATABASE, "cli"],
+        shown="2",
+    ),
+    _g(
         "QUAYUTEC_DB_PLAN_CACHE_MODE",
         "force_generic_plan",
         "PostgreSQL's plan_cache_mode for our sessions: force_generic_plan plans each prepared statement once "
@@ -771,9 +789,10 @@ _DECLARED: list[Setting] = [
     _g(
         "QUAYUTEC_CONSOLE_JAEGER_URL",
         "",
-        "base URL of the Jaeger UI (as people's browsers reach it, e.g. http://localhost:16686) that a run's "
-        "page links its trace to (its /trace/TRACE_ID page); unset: the trace id is shown, not linked",
-        ["console"],
+        "base URL of the Jaeger UI (as people reach it, e.g. http://localhost:16686) that a run's page in the "
+        "console and `quayutec run` link each of its traces to (its /trace/TRACE_ID page); anything but an "
+        "http(s) URL with a host is refused at start; unset: the trace ids are shown, not linked",
+        ["console", "cli"],
     ),
     # Room
     _g(
@@ -821,6 +840,69 @@ _DECLARED: list[Setting] = [
         shown="1000",
     ),
     _g(
+        "OTEL_BSP_SCHEDULE_DELAY",
+        "",
+        "milliseconds between two exports of finished spans (read by the OpenTelemetry SDK); `quayutec demo` "
+        "sets 500 when it traces to Jaeger, unless set",
+        ALL,
+        shown="5000",
+    ),
+    # Jaeger v2's config (deploy/k8s/base/jaeger-config.yaml), as `make jaeger` runs it; `quayutec demo`
+    # traces to that Jaeger when its health check answers.
+    _g(
+        "JAEGER_OTLP_GRPC_ADDR",
+        "127.0.0.1:4317",
+        "where Jaeger receives OTLP over gRPC; `quayutec demo` exports its services' traces there",
+        ["jaeger", "cli"],
+    ),
+    _g("JAEGER_OTLP_HTTP_ADDR", "127.0.0.1:4318", "where Jaeger receives OTLP over HTTP", ["jaeger"]),
+    _g(
+        "JAEGER_QUERY_HTTP_ADDR",
+        "127.0.0.1:16686",
+        "Jaeger's query API (/api/v3) and UI; `quayutec demo` links the console's run pages to it",
+        ["jaeger", "cli"],
+    ),
+    _g("JAEGER_QUERY_GRPC_ADDR", "127.0.0.1:16685", "Jaeger's query gRPC API", ["jaeger"]),
+    _g(
+        "JAEGER_HEALTH_ADDR",
+        "127.0.0.1:13133",
+        "Jaeger's health check (GET /status answers 200 once it is up); `quayutec demo` traces to Jaeger when it "
+        "answers",
+        ["jaeger", "cli"],
+    ),
+    _g("JAEGER_METRICS_HOST", "127.0.0.1", "where Jaeger serves its own metrics (Prometheus)", ["jaeger"]),
+    _g("JAEGER_METRICS_PORT", "8888", "the port of Jaeger's own metrics", ["jaeger"]),
+    _g(
+        "JAEGER_MAX_TRACES",
+        50000,
+        "most traces Jaeger's in-memory storage keeps (the oldest goes first; all are lost when it stops)",
+        ["jaeger"],
+    ),
+    _g("JAEGER_LOG_LEVEL", "info", "Jaeger's log level", ["jaeger"]),
+    _g(
+        "OTEL_BSP_MAX_QUEUE_SIZE",
+        2048,
+        "most ended spans waiting for export while the collector is slow or away; more are dropped and "
+        "counted (quayutec.telemetry.spans_dropped)",
+        ALL,
+    ),
+    _g(
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+        10.0,
+        "seconds (this SDK reads seconds, not the spec's milliseconds) one export may take, retries "
+        "included; then its batch is dropped",
+        ALL,
+        shown="10",
+    ),
+    _g(
+        "QUAYUTEC_TELEMETRY_SHUTDOWN_SECONDS",
+        5.0,
+        "on SIGTERM, after the gRPC drain: the longest spent exporting the spans still queued; the rest "
+        "are dropped and counted",
+        ALL,
+        shown="5",
+    ),
+    _g(
         "QUAYUTEC_GATEWAY_TRUST_TRACEPARENT",
         False,
         "true: a call's incoming traceparent is the parent of the Gateway's span (its flags decide the "
@@ -850,11 +932,13 @@ def for_service(service: str) -> list[Setting]:
 
 
 def ordered() -> list[Setting]:
-    """Every setting: the shared ones first, then each service's, then OpenTelemetry's."""
+    """Every setting: the shared ones first, then each service's, then OpenTelemetry's, then Jaeger's."""
 
     def key(s: Setting) -> int:
         if s.name.startswith("OTEL_"):
             return 9
+        if s.name.startswith("JAEGER_"):
+            return 10
         for i, spec in enumerate(SERVICES):
             if s.name.startswith(spec.prefix):
                 return 1 + i

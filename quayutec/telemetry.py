@@ -54,8 +54,9 @@ from opentelemetry.trace import Link, SpanContext, SpanKind
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import Attributes
 
-from quayutec.config import ConfigError, env_bool, env_float
+from quayutec.config import ConfigError, env_bool, env_float, env_int
 from quayutec.settings import setting
+from quayutec.spanqueue import BoundedSpanQueue, SpanLosses
 from quayutec.sql import query_name
 from quayutec.v1 import common_pb2, room_pb2
 
@@ -133,6 +134,11 @@ class TelemetrySettings:
     housekeeping_ratio: float = 0.0
     # Whether an incoming traceparent at the Gateway's door is the parent of its span (else a link).
     trust_caller_trace: bool = False
+    # Most spans waiting for export (OTEL_BSP_MAX_QUEUE_SIZE), one export's time (OTEL_EXPORTER_OTLP_TIMEOUT,
+    # in seconds as this SDK reads it), and the longest spent exporting at shutdown.
+    max_queue_size: int = 2048
+    export_timeout_seconds: float = 10.0
+    shutdown_seconds: float = 5.0
 
     @classmethod
     def from_env(cls, service_name: str, env: Mapping[str, str] | None = None) -> TelemetrySettings:
@@ -150,6 +156,9 @@ class TelemetrySettings:
             metrics_endpoint=metrics_endpoint,
             housekeeping_ratio=_housekeeping_ratio(env),
             trust_caller_trace=env_bool(env, setting("QUAYUTEC_GATEWAY_TRUST_TRACEPARENT")),
+            max_queue_size=env_int(env, setting("OTEL_BSP_MAX_QUEUE_SIZE"), minimum=1),
+            export_timeout_seconds=env_float(env, setting("OTEL_EXPORTER_OTLP_TIMEOUT")),
+            shutdown_seconds=env_float(env, setting("QUAYUTEC_TELEMETRY_SHUTDOWN_SECONDS")),
         )
 
 
@@ -385,14 +394,37 @@ class Telemetry:
         return ok
 
     def shutdown(self) -> None:
-        """Flush and stop; safe to call twice."""
+        """Flush and stop within QUAYUTEC_TELEMETRY_SHUTDOWN_SECONDS (spans, then metrics in what is
+        left of it, each given up when the collector does not take them in time); safe to call twice."""
         if self._shut_down:
             return
         self._shut_down = True
+        seconds = self.settings.shutdown_seconds
+        deadline = time.monotonic() + seconds
+        meters: threading.Thread | None = None
+        if self.meter_provider is not None:  # its last export, beside the spans' flush
+            meters = threading.Thread(
+                target=_shutdown_meters,
+                args=(self.meter_provider, seconds),
+                name="quayutec-metrics-shutdown",
+                daemon=True,
+            )
+            meters.start()
         if self.tracer_provider is not None:
-            self.tracer_provider.shutdown()
-        if self.meter_provider is not None:
-            self.meter_provider.shutdown()
+            self.tracer_provider.shutdown()  # each BoundedSpanQueue keeps to shutdown_seconds
+        if meters is not None:
+            meters.join(max(0.0, deadline - time.monotonic()))
+
+
+def _shutdown_meters(provider: MeterProvider, seconds: float) -> None:
+    try:
+        provider.shutdown(timeout_millis=seconds * 1000)
+    except Exception as exc:  # the SDK raises when a reader's last export did not finish in time
+        _log.warning(
+            "telemetry: the last metrics export did not finish within QUAYUTEC_TELEMETRY_SHUTDOWN_SECONDS=%g: %s",
+            seconds,
+            str(exc).replace("\n", " "),
+        )
 
 
 # OpenTelemetry's providers and instrumentations are process-wide, so their one owner is too.
@@ -424,7 +456,7 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
             telemetry.tracer_provider.add_span_processor(telemetry._processors)
             exporter = _span_exporter(settings)
             if exporter is not None:
-                telemetry.add_span_processor(BatchSpanProcessor(exporter))
+                telemetry.add_span_processor(export_queue(exporter, settings))
             trace.set_tracer_provider(telemetry.tracer_provider)
             reader = _metric_reader(settings)
             if reader is not None:
@@ -438,6 +470,31 @@ def setup_telemetry(service_name: str, env: Mapping[str, str] | None = None) -> 
             settings.metrics_exporter,
         )
         return telemetry
+
+
+def export_queue(exporter: SpanExporter, settings: TelemetrySettings) -> BoundedSpanQueue:
+    """The batch span processor in front of ``exporter``: its queue bounded by OTEL_BSP_MAX_QUEUE_SIZE,
+    every span lost counted in quayutec.telemetry.spans_dropped{reason} and a warning, its shutdown
+    bounded (quayutec.spanqueue)."""
+    endpoint = settings.traces_endpoint or settings.traces_exporter
+    losses = SpanLosses(
+        endpoint=endpoint,
+        max_queue_size=settings.max_queue_size,
+        export_timeout_seconds=settings.export_timeout_seconds,
+    )
+    try:
+        return BoundedSpanQueue(
+            exporter,
+            losses=losses,
+            endpoint=endpoint,
+            max_queue_size=settings.max_queue_size,
+            shutdown_seconds=settings.shutdown_seconds,
+        )
+    except ValueError as exc:  # the SDK's own check of its OTEL_BSP_* values
+        raise ConfigError(
+            f"OTEL_BSP_MAX_QUEUE_SIZE={settings.max_queue_size} with the other OTEL_BSP_* settings: {exc} "
+            "(set OTEL_BSP_MAX_EXPORT_BATCH_SIZE at most OTEL_BSP_MAX_QUEUE_SIZE)"
+        ) from None
 
 
 def _span_limits(env: Mapping[str, str] | None) -> SpanLimits:

@@ -22,6 +22,7 @@ from google.protobuf import json_format
 from quayutec.channels import channel_as
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ROOM, ConfigError, DatabaseConfig, service_addr
 from quayutec.db import open_pool
+from quayutec.jaeger import ui_base_url
 from quayutec.migrate import apply_all
 from quayutec.tls import ADMIN, CA_FOLDER, IDENTITIES, MtlsConfig, ensure_dev_pki, identity_dir
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
@@ -41,6 +42,7 @@ from services.client import (
     resolve_room,
     room_name,
     room_names,
+    run_traces,
 )
 
 Handler = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
@@ -496,14 +498,21 @@ async def cmd_runs(opts: argparse.Namespace) -> int:
 
 
 async def cmd_run(opts: argparse.Namespace) -> int:
+    """One run's ledger record, each of its traces with its Jaeger page when QUAYUTEC_CONSOLE_JAEGER_URL
+    (the UI's base address) is set; refused before any call when that setting is not an http(s) URL."""
+    jaeger_url = ui_base_url(os.environ)
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
         client = _client(channel)
         run = (await client.GetRun(gateway_pb2.GetRunRequest(run_id=opts.run_id))).run
+        if opts.json:
+            record = json_format.MessageToDict(run, preserving_proto_field_name=True)
+            print(json.dumps({**record, "traces": run_traces(run, jaeger_url)}, indent=2))
+            return 0
         agents = {
             a.agent_id: a.name for a in (await client.ListAgents(gateway_pb2.ListAgentsRequest(page_size=500))).agents
         }
         rooms = {r.room_id: r.name for r in await own_rooms(client)}
-    print(format_run(run, agent=agents.get(run.agent_id, ""), room=rooms.get(run.room_id, "")))
+    print(format_run(run, jaeger_url, agent=agents.get(run.agent_id, ""), room=rooms.get(run.room_id, "")))
     return 0
 
 
@@ -555,6 +564,28 @@ async def cmd_room_remove_member(opts: argparse.Namespace) -> int:
         company_id, company = await resolve_company(client, opts.company, member_of=room_id)
         await client.RemoveMember(gateway_pb2.RemoveMemberRequest(room_id=room_id, company_id=company_id))
     print(f"{company} removed from room {name!r}")
+    return 0
+
+
+async def cmd_room_rename(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        old = await room_name(client, room_id)
+        room = (await client.RenameRoom(gateway_pb2.RenameRoomRequest(room_id=room_id, name=opts.name))).room
+    print(f"room {old!r} is now named {room.name!r}")
+    return 0
+
+
+async def cmd_room_archive(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        room_id = await resolve_room(client, opts.room)
+        room = (await client.ArchiveRoom(gateway_pb2.ArchiveRoomRequest(room_id=room_id))).room
+    print(
+        f"room {room.name!r} is archived: read-only from now on (its history stays readable; "
+        "its pending invitations were withdrawn)"
+    )
     return 0
 
 
@@ -641,6 +672,27 @@ async def cmd_agent_register(opts: argparse.Namespace) -> int:
             )
         ).agent
     print(f"agent {agent.agent_id} {agent.name} ({opts.provider} {agent.model})")
+    return 0
+
+
+async def cmd_agent_rename(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        agent_id = await resolve_own_agent(client, opts.agent)
+        agent = (await client.RenameAgent(gateway_pb2.RenameAgentRequest(agent_id=agent_id, name=opts.name))).agent
+    print(f"agent {opts.agent!r} is now named {agent.name!r}")
+    return 0
+
+
+async def cmd_agent_retire(opts: argparse.Namespace) -> int:
+    async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
+        client = _client(channel)
+        agent_id = await resolve_own_agent(client, opts.agent)
+        agent = (await client.RetireAgent(gateway_pb2.RetireAgentRequest(agent_id=agent_id))).agent
+    print(
+        f"agent {agent.name!r} is retired: it wakes no more (its runs and messages stay); its name stays "
+        "taken until you rename it"
+    )
     return 0
 
 
@@ -1031,7 +1083,7 @@ def parser() -> argparse.ArgumentParser:
     cf = sub.add_parser("config", help="list every setting: its default, the value in effect here, who reads it")
     cf.add_argument(
         "--service",
-        choices=["gateway", "room", "claims", "runtime", "console", "cli"],
+        choices=["gateway", "room", "claims", "runtime", "console", "cli", "jaeger"],
         help="only the settings this one reads",
     )
     _json(cf)
@@ -1098,8 +1150,14 @@ def parser() -> argparse.ArgumentParser:
     _limit(runs, 20)
     _json(runs)
     runs.set_defaults(handler=cmd_runs)
-    run = sub.add_parser("run", help="show one run's full ledger record")
+    run = sub.add_parser(
+        "run",
+        help="show one run's full ledger record, with its traces' Jaeger pages when QUAYUTEC_CONSOLE_JAEGER_URL is set",
+    )
     run.add_argument("run_id", help="a run id (as `runs` prints)")
+    run.add_argument(
+        "--json", action="store_true", help="print the record as one JSON object, with 'traces': each id and its link"
+    )
     run.set_defaults(handler=cmd_run)
     room = sub.add_parser("room", help="rooms (as your company)").add_subparsers(
         dest="action", required=True, metavar="ACTION"
@@ -1118,6 +1176,13 @@ def parser() -> argparse.ArgumentParser:
     rr.add_argument("room", help=ROOM_ID)
     rr.add_argument("company", help="the member company's name or id")
     rr.set_defaults(handler=cmd_room_remove_member)
+    rn = room.add_parser("rename", help="rename a room (the room's creator only)")
+    rn.add_argument("room", help=ROOM_ID)
+    rn.add_argument("name", help="its new name (unique among the rooms your company created)")
+    rn.set_defaults(handler=cmd_room_rename)
+    ra = room.add_parser("archive", help="archive a room (its creator only): read-only from then on, history kept")
+    ra.add_argument("room", help=ROOM_ID)
+    ra.set_defaults(handler=cmd_room_archive)
     rls = room.add_parser("list", help="list the rooms your company is a member of")
     _limit(rls, 50)
     _json(rls)
@@ -1160,6 +1225,13 @@ def parser() -> argparse.ArgumentParser:
     )
     ar.add_argument("--system-prompt", default="", metavar="TEXT", help="the agent's standing instructions")
     ar.set_defaults(handler=cmd_agent_register)
+    an = agent.add_parser("rename", help="rename one of your agents")
+    an.add_argument("agent", metavar="AGENT", help="the agent: its name or id")
+    an.add_argument("name", help="its new name (unique within your company)")
+    an.set_defaults(handler=cmd_agent_rename)
+    at = agent.add_parser("retire", help="retire one of your agents: it wakes no more; its record stays")
+    at.add_argument("agent", metavar="AGENT", help="the agent: its name or id")
+    at.set_defaults(handler=cmd_agent_retire)
     al = agent.add_parser("list", help="list your company's agents, or with --room every agent in that room")
     al.add_argument("--room", metavar="ROOM", help="the agents in this room (its name or id), of every member company")
     _limit(al, 50)

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from quayutec.jaeger import trace_ids, trace_page
 from quayutec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 API_KEY_ENV = "QUAYUTEC_API_KEY"
@@ -48,9 +49,10 @@ WAKE_NAMES = {
 TASK_STATUS_NAMES = {v: k.removeprefix("TASK_STATUS_").lower() for k, v in common_pb2.TaskStatus.items()}
 
 
-def format_run(run: common_pb2.Run, *, agent: str = "", room: str = "") -> str:
-    """A run's ledger row as a person reads it: what was posted, written, not written, each request.
-    ``agent`` and ``room`` are their names when the caller knows them (else the ids are shown)."""
+def format_run(run: common_pb2.Run, jaeger_url: str = "", *, agent: str = "", room: str = "") -> str:
+    """A run's ledger row as a person reads it: its traces (each with its Jaeger page when
+    ``jaeger_url``, the UI's base address, is given), what was posted, written, not written, each
+    request. ``agent`` and ``room`` are their names when the caller knows them (else the ids are shown)."""
     woken_by = WAKE_NAMES.get(run.wake_kind, "")
     lines = [
         f"run {run.run_id}  status={STATUS_NAMES[run.status]}  last step={STEP_NAMES[run.step]}",
@@ -58,7 +60,7 @@ def format_run(run: common_pb2.Run, *, agent: str = "", room: str = "") -> str:
         + (f"  room {room or run.room_id}" if room or run.room_id else "")
         + (f"  woken by {woken_by}" if woken_by else "")
         + f"  active {run.active_ms} ms",
-        f"  trace {run.trace_id or NOT_TRACED}",
+        *format_traces(run, jaeger_url),
         f"  posted: {'a reply' if run.posted_message_id else 'nothing'}",
     ]
     for action in run.actions:
@@ -72,6 +74,27 @@ def format_run(run: common_pb2.Run, *, agent: str = "", room: str = "") -> str:
     if run.error:
         lines.append(f"  error: {run.error}")
     return "\n".join(lines)
+
+
+def run_traces(run: common_pb2.Run, jaeger_url: str = "") -> list[dict[str, str | None]]:
+    """Each trace of the run, its first first, then one per continuation: its id and its Jaeger
+    page (None without ``jaeger_url``)."""
+    return [
+        {"trace_id": trace_id, "link": trace_page(jaeger_url, trace_id) or None}
+        for trace_id in trace_ids(run.trace_id, run.trace_ids)
+    ]
+
+
+def format_traces(run: common_pb2.Run, jaeger_url: str = "") -> list[str]:
+    traces = run_traces(run, jaeger_url)
+    if not traces:
+        return [f"  trace {NOT_TRACED}"]
+    lines = []
+    for number, trace in enumerate(traces):
+        label = "trace" if number == 0 else f"trace of continuation {number}"
+        link = f"  {trace['link']}" if trace["link"] else ""
+        lines.append(f"  {label} {trace['trace_id']}{link}")
+    return lines
 
 
 async def resolve_mentions(client: GatewayClient, room_id: str, mentions: Sequence[str]) -> list[str]:

@@ -8,6 +8,10 @@ Everything runs on this machine: an embedded PostgreSQL, the four services as pr
 stand-in model provider (no real provider key is needed or used), on ports of its own. The demo owns
 its data folder while it runs (quayutec.datadir): the default one when it is free, else, when a stack
 such as `quayutec up` uses it, a temporary folder removed at the end, so the two never meet.
+
+With `make jaeger` running (its health check answers at JAEGER_HEALTH_ADDR), the demo traces its
+services to that Jaeger through the standard OTEL_* variables, links the console's run pages to it,
+and shows where Jaeger's query API holds its first run's trace.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import grpc
 from quayutec.config import RUNTIME, DatabaseConfig
 from quayutec.datadir import DataDirLock, DataDirTaken, holder, own
 from quayutec.db import create_pool
+from quayutec.jaeger import UI_URL_ENV, LocalJaeger
 from quayutec.ledger import run_id_for
 from quayutec.tls import ADMIN, GATEWAY
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
@@ -165,7 +170,60 @@ async def free_names(pool: Any, wanted: tuple[str, ...]) -> tuple[str, ...]:
     raise RuntimeError("every demo company name up to 999 is taken in this database")
 
 
-async def demo(stack: LocalStack, standin: StandinProvider) -> None:
+# The services' names in traces (quayutec.telemetry: quayutec-<service> unless OTEL_SERVICE_NAME says otherwise).
+TRACED_SERVICES = frozenset({"quayutec-gateway", "quayutec-room", "quayutec-claims", "quayutec-runtime"})
+JAEGER_WAIT_SECONDS = 20.0
+
+
+def own_endpoint(env: Mapping[str, str]) -> bool:
+    return any(
+        env.get(name, "").strip() for name in ("OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    )
+
+
+def local_jaeger(env: Mapping[str, str]) -> LocalJaeger | None:
+    """The Jaeger `make jaeger` runs, when its health check answers and the environment names no
+    OTLP endpoint of its own (one named is the operator's choice, kept as it is)."""
+    if own_endpoint(env):
+        return None
+    jaeger = LocalJaeger.from_env(env)
+    return jaeger if jaeger.healthy() else None
+
+
+def tracing_env(jaeger: LocalJaeger, env: Mapping[str, str]) -> dict[str, str]:
+    """What the demo's services (and its console) are given to trace to ``jaeger``: the standard
+    OTLP variables, no metrics (Jaeger takes none) unless chosen, spans sent every half second
+    unless chosen (so a run's trace is whole in Jaeger before the demo kills Runtime), and the
+    console's run pages linked to Jaeger unless another address is set."""
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_endpoint,
+        "OTEL_TRACES_EXPORTER": "otlp",
+        "OTEL_METRICS_EXPORTER": env.get("OTEL_METRICS_EXPORTER", "").strip() or "none",
+        "OTEL_BSP_SCHEDULE_DELAY": env.get("OTEL_BSP_SCHEDULE_DELAY", "").strip() or "500",
+        UI_URL_ENV: env.get(UI_URL_ENV, "").strip() or jaeger.ui_url,
+    }
+
+
+async def show_trace(jaeger: LocalJaeger, run: common_pb2.Run) -> None:
+    """Say where to read ``run``'s trace in Jaeger, and wait (bounded) until Jaeger holds it whole."""
+    if not run.trace_id:
+        say("   this run recorded no trace id: its services did not trace")
+        return
+    say(f"   its trace {run.trace_id}, in Jaeger's query API: {jaeger.api_trace_url(run.trace_id)}")
+    deadline = time.monotonic() + JAEGER_WAIT_SECONDS
+    services: set[str] = set()
+    while time.monotonic() < deadline:
+        services = await asyncio.to_thread(jaeger.services_of, run.trace_id)
+        if TRACED_SERVICES <= services:
+            break
+        await asyncio.sleep(0.5)
+    if TRACED_SERVICES <= services:
+        say(f"   Jaeger holds it, with spans of {', '.join(sorted(services))}")
+    else:
+        say(f"   Jaeger does not hold it whole yet (services so far: {sorted(services) or 'none'}); read it later")
+
+
+async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger | None = None) -> None:
     tag = uuid.uuid4().hex[:6]  # the stand-in's answers are per model: this run's models are its own
     async with (
         stack.channel("room", ADMIN) as room_channel,
@@ -238,6 +296,8 @@ async def demo(stack: LocalStack, standin: StandinProvider) -> None:
         first_wake = posted.wake_ids[0]
         run1 = await ended_run(a, run_id_for(planner.agent_id, first_wake))
         say(shown(run1))
+        if jaeger is not None:
+            await show_trace(jaeger, run1)
 
         async def writer_done() -> common_pb2.Run | None:
             runs = (await b.ListRuns(gateway_pb2.ListRunsRequest(agent_id=writer.agent_id))).runs
@@ -342,6 +402,7 @@ def stops_when_done(then_stop: bool) -> str:
 
 async def run_demo(*, then_stop: bool = False) -> int:
     started = time.monotonic()
+    jaeger = local_jaeger(os.environ)
     folder, temporary = claim_folder(DatabaseConfig.from_env().data_dir)
     try:
         with StandinProvider() as standin:
@@ -351,6 +412,7 @@ async def run_demo(*, then_stop: bool = False) -> int:
                     "QUAYUTEC_RUNTIME_ANTHROPIC_BASE_URL": standin.base_url,
                     "QUAYUTEC_RUNTIME_OPENAI_BASE_URL": standin.base_url,
                     "QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS": "0.1",
+                    **(tracing_env(jaeger, os.environ) if jaeger is not None else {}),
                 },
                 data_dir=folder.data_dir,
             )
@@ -366,7 +428,13 @@ async def run_demo(*, then_stop: bool = False) -> int:
                 for name in stack.ports:
                     say(f"   {name:8s} {stack.addr(name)}")
                 say(f"   console  {stack.console_url}")
-                await demo(stack, standin)
+                if jaeger is not None:
+                    at = f"{jaeger.ui_url} (OTLP {jaeger.otlp_endpoint})"
+                    say(f"traced to the Jaeger at {at}; the console's run pages link to it")
+                elif not own_endpoint(os.environ):
+                    health = LocalJaeger.from_env(os.environ).health
+                    say(f"not traced: no Jaeger answers at {health} (`make jaeger` starts one to read the runs in)")
+                await demo(stack, standin, jaeger)
                 why = stops_when_done(then_stop)
                 if why:
                     say(f"\nstopping the stack ({why}) ...")

@@ -24,6 +24,7 @@ from quayutec.migrate import migrate
 from quayutec.telemetry import SpanCapture, configure_for_tests
 from services.runtime.standin import StandinProvider
 from tests.harness.channels import make_test_pki
+from tests.harness.jaeger import Jaeger, running_jaeger
 from tests.harness.otlp import Collector, otlp_collector
 
 # Fixtures shared by modules that own a PostgreSQL of their own (outage tests).
@@ -158,3 +159,10 @@ def standin() -> Iterator[StandinProvider]:
     """The stand-in model provider (a real HTTP server on 127.0.0.1)."""
     with StandinProvider() as provider:
         yield provider
+
+
+@pytest.fixture(scope="session")
+def jaeger() -> Iterator[Jaeger]:
+    """A real Jaeger v2 (tests.harness.jaeger) for the whole session: built by `make jaeger-bin` once,
+    started from deploy/k8s/base/jaeger-config.yaml on ephemeral loopback ports, stopped at the end."""
+    yield from running_jaeger()

@@ -54,6 +54,8 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
         "CreateCompany": _A,  # the operator's command line
         "GetCompany": frozenset({GATEWAY, ADMIN}),
         "CreateRoom": _G,
+        "RenameRoom": _G,
+        "ArchiveRoom": _G,
         "GetRoom": _G,
         "ListRooms": _G,
         "CreateInvitation": _G,
@@ -67,6 +69,8 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
         "ListMembers": _G,
         "ReadRoomEvents": _G,  # every audience when no company is named
         "RegisterAgent": _G,
+        "RenameAgent": _G,
+        "RetireAgent": _G,
         "GetAgent": _G,
         "ListAgents": _G,
         "GetAgentCredentials": _R,  # carries a provider key
@@ -112,6 +116,8 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
     GATEWAY_SERVICE: {
         "WhoAmI": _KEY,
         "CreateRoom": _KEY,
+        "RenameRoom": _KEY,
+        "ArchiveRoom": _KEY,
         "ListRooms": _KEY,
         "InviteCompany": _KEY,
         "ListInvitations": _KEY,
@@ -123,6 +129,8 @@ SPEC: dict[str, dict[str, frozenset[str]]] = {
         "RemoveMember": _KEY,
         "ListMembers": _KEY,
         "RegisterAgent": _KEY,
+        "RenameAgent": _KEY,
+        "RetireAgent": _KEY,
         "ListAgents": _KEY,
         "PostMessage": _KEY,
         "ListMessages": _KEY,

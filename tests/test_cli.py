@@ -18,8 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from quayutec.v1 import room_pb2, room_pb2_grpc
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from quayutec.telemetry import SpanCapture
+from quayutec.v1 import common_pb2, room_pb2, room_pb2_grpc
+from services.client import format_run
 from services.gateway.auth import KEY_PREFIX
+from services.runtime.standin import StandinProvider
 from tests.harness.channels import mtls_env, service_channel
 from tests.harness.room import running_room
 
@@ -64,6 +69,26 @@ async def room_and_gateway(database_url: str) -> AsyncIterator[dict[str, str]]:
         yield client_env(database_url, room_addr, gateway_addr)
 
 
+@asynccontextmanager
+async def four_services(database_url: str) -> AsyncIterator[tuple[dict[str, str], StandinProvider]]:
+    """The four services (the stand-in model provider answering) delivering wakes at once; yields
+    the client commands' environment for them and the stand-in."""
+    from tests.harness.claims import running_claims
+    from tests.harness.gateway import running_gateway
+    from tests.harness.runtime import running_runtime
+
+    with StandinProvider() as standin:
+        async with (
+            running_claims(database_url) as claims_addr,
+            running_room(database_url) as room_addr,
+            running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
+            running_gateway(
+                database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
+            ) as gateway_addr,
+        ):
+            yield client_env(database_url, room_addr, gateway_addr), standin
+
+
 def succeeding(env: dict[str, str]) -> Callable[..., Awaitable[str]]:
     """``ok(*args, **extra_env)``: runs the command with ``env`` (plus ``extra_env``); it must succeed."""
 
@@ -76,12 +101,20 @@ def succeeding(env: dict[str, str]) -> Callable[..., Awaitable[str]]:
 
 
 async def test_the_demo_runs_to_the_end(empty_database_url: str, tmp_path: Path) -> None:
+    """With no Jaeger answering (tests/test_local_jaeger.py runs it with one): untraced, and it says so."""
+    from services.stack import free_port
+
+    nobody = f"127.0.0.1:{free_port()}"
     done = await quayutec(
-        "demo", "--then-stop", env={"DATABASE_URL": empty_database_url, "QUAYUTEC_DATA_DIR": str(tmp_path)}
+        "demo",
+        "--then-stop",
+        env={"DATABASE_URL": empty_database_url, "QUAYUTEC_DATA_DIR": str(tmp_path), "JAEGER_HEALTH_ADDR": nobody},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert "stopping the stack (--then-stop) ..." in out
+    assert f"not traced: no Jaeger answers at {nobody} (`make jaeger` starts one" in out
+    assert "  trace (not traced)\n" in out and "Jaeger's query API" not in out
     # Each of the five redeliveries went through the Gateway and was answered "already claimed".
     for n in range(1, 6):
         assert re.search(rf"redelivery {n}: delivery attempt \d+, Runtime answered ALREADY_CLAIMED", out), out
@@ -168,76 +201,136 @@ async def test_client_commands_need_an_api_key(tmp_path: Path) -> None:
 async def test_a_user_runs_the_product_from_the_command_line(database_url: str) -> None:
     """The README's command-line flow against real services: company, key, room, agent, a message,
     then the agent's run in the ledger."""
-    from services.runtime.standin import StandinProvider
-    from tests.harness.claims import running_claims
-    from tests.harness.gateway import running_gateway
-    from tests.harness.runtime import running_runtime
+    async with four_services(database_url) as (env, _):
+        ok = succeeding(env)
 
-    with StandinProvider() as standin:
-        async with (
-            running_claims(database_url) as claims_addr,
-            running_room(database_url) as room_addr,
-            running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as runtime_addr,
-            running_gateway(
-                database_url, room_addr, runtime_addr, QUAYUTEC_GATEWAY_POLL_INTERVAL_SECONDS="0.05"
-            ) as gateway_addr,
-        ):
-            env = client_env(database_url, room_addr, gateway_addr)
-            ok = succeeding(env)
+        company_id = (await ok("company", "create", "Acme")).split()[1]
+        secret = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
+        env["QUAYUTEC_API_KEY"] = secret
+        room_id = (await ok("room", "create", "launch")).split()[1]
+        agent_line = await ok(
+            "agent", "register", "--name", "planner", "--provider", "anthropic", "--model", "claude-cli",
+            QUAYUTEC_PROVIDER_KEY="sk-ant-cli-secret",
+        )  # fmt: skip
+        agent_id = agent_line.split()[1]
+        missing_key = await quayutec(
+            "agent", "register", "--name", "x", "--provider", "openai", "--model", "m", env=env
+        )  # fmt: skip
+        assert missing_key.returncode != 0 and "QUAYUTEC_PROVIDER_KEY" in missing_key.stderr
+        posted = await ok("post", "--room", room_id, "--person", "ana", "--mention", agent_id, "plan it")
+        assert re.fullmatch(r"message \S+ #1; woke 1 agent: wakes [0-9a-f-]{36}\n", posted), posted
+        for _ in range(300):  # bounded: the Gateway delivers, the Runtime runs
+            runs = await ok("runs", "--agent", agent_id, "--json")
+            if '"status": "succeeded"' in runs:
+                break
+            await asyncio.sleep(0.1)
+        listed = json.loads(runs)
+        assert [r["status"] for r in listed] == ["succeeded"]
+        run_id = listed[0]["run_id"]
+        # --json carries data only: an absent trace is null, the room and agent by id beside their names.
+        assert listed[0]["trace"] is None and listed[0]["room_id"] == room_id and listed[0]["room"] == "launch"
+        assert listed[0]["agent_id"] == agent_id and listed[0]["started"].startswith("20")
+        table = await ok("runs", "--agent", agent_id)
+        header, row = table.splitlines()
+        assert header.split() == ["RUN_ID", "AGENT", "ROOM", "STARTED", "STATUS", "LAST_STEP", "TRACE"]
+        assert row.startswith(run_id) and "(not traced)" in row and " planner " in row and " launch " in row
+        assert listed[0]["started"] in row
+        assert (await ok("runs", "--agent", "Planner")) == table  # by name too
+        nobody = await quayutec("runs", "--agent", "nobody", env=env)
+        assert nobody.returncode == 1 and "no agent named 'nobody'; its agents: planner" in nobody.stderr
+        record = await ok("run", run_id)
+        assert "model request 1: 200 ok" in record and "posted: a reply" in record
+        assert "  agent planner  room launch  woken by a message  " in record, record
+        assert agent_id not in record and room_id not in record
+        [room_row] = (await ok("room", "list")).splitlines()[1:]
+        assert room_row.split()[:3] == [room_id, "launch", "Acme"], room_row  # CREATED_BY by name
+        [as_json] = json.loads(await ok("room", "list", "--json"))
+        assert as_json["created_by"] == "Acme" and as_json["created_by_company_id"] == company_id
+        messages = await ok("messages", "--room", room_id)
+        assert "ana (Acme, as stated)" in messages and 'Noted, you asked "plan it"' in messages
+        assert "planner (Acme's agent)" in messages
+        assert (await ok("messages", "--room", "Launch")) == messages  # a room by its name
+        unknown_room = await quayutec("messages", "--room", "nowhere", env=env)
+        assert unknown_room.returncode == 1 and "no room named 'nowhere'; its rooms: launch" in unknown_room.stderr
+        assert "sk-ant-cli-secret" not in record + messages + runs
+        rights = await ok("rights", "set", "--create-task", "hold")
+        assert "create_task=hold" in rights
+        assert (await ok("approvals")) == "(no held actions)\n"
+        assert json.loads(await ok("approvals", "--json")) == []
 
-            company_id = (await ok("company", "create", "Acme")).split()[1]
-            secret = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
-            env["QUAYUTEC_API_KEY"] = secret
-            room_id = (await ok("room", "create", "launch")).split()[1]
-            agent_line = await ok(
-                "agent", "register", "--name", "planner", "--provider", "anthropic", "--model", "claude-cli",
+
+async def test_a_run_shows_its_trace_and_its_jaeger_page(
+    database_url: str, captured: tuple[InMemorySpanExporter, SpanCapture]
+) -> None:
+    """`quayutec run` against real services with telemetry on (``captured``): the ledger's trace id,
+    which is the trace of the run's own spans, and its Jaeger page when QUAYUTEC_CONSOLE_JAEGER_URL is
+    set; --json carries the same as data; a setting that is no http(s) URL is refused before any call."""
+    exporter, _ = captured
+    jaeger = "https://jaeger.ops.example/ui"  # only written into links, never dialled
+    async with four_services(database_url) as (env, _):
+        ok = succeeding(env)
+        company_id = (await ok("company", "create", "Acme")).split()[1]
+        env["QUAYUTEC_API_KEY"] = (await ok("keys", "create", "--company", company_id)).splitlines()[1]
+        room_id = (await ok("room", "create", "launch")).split()[1]
+        agent_id = (
+            await ok(
+                "agent", "register", "--name", "planner", "--provider", "anthropic", "--model", "claude-traced",
                 QUAYUTEC_PROVIDER_KEY="sk-ant-cli-secret",
-            )  # fmt: skip
-            agent_id = agent_line.split()[1]
-            missing_key = await quayutec(
-                "agent", "register", "--name", "x", "--provider", "openai", "--model", "m", env=env
-            )  # fmt: skip
-            assert missing_key.returncode != 0 and "QUAYUTEC_PROVIDER_KEY" in missing_key.stderr
-            posted = await ok("post", "--room", room_id, "--person", "ana", "--mention", agent_id, "plan it")
-            assert re.fullmatch(r"message \S+ #1; woke 1 agent: wakes [0-9a-f-]{36}\n", posted), posted
-            for _ in range(300):  # bounded: the Gateway delivers, the Runtime runs
-                runs = await ok("runs", "--agent", agent_id, "--json")
-                if '"status": "succeeded"' in runs:
-                    break
-                await asyncio.sleep(0.1)
-            listed = json.loads(runs)
-            assert [r["status"] for r in listed] == ["succeeded"]
-            run_id = listed[0]["run_id"]
-            # --json carries data only: an absent trace is null, the room and agent by id beside their names.
-            assert listed[0]["trace"] is None and listed[0]["room_id"] == room_id and listed[0]["room"] == "launch"
-            assert listed[0]["agent_id"] == agent_id and listed[0]["started"].startswith("20")
-            table = await ok("runs", "--agent", agent_id)
-            header, row = table.splitlines()
-            assert header.split() == ["RUN_ID", "AGENT", "ROOM", "STARTED", "STATUS", "LAST_STEP", "TRACE"]
-            assert row.startswith(run_id) and "(not traced)" in row and " planner " in row and " launch " in row
-            assert listed[0]["started"] in row
-            assert (await ok("runs", "--agent", "Planner")) == table  # by name too
-            nobody = await quayutec("runs", "--agent", "nobody", env=env)
-            assert nobody.returncode == 1 and "no agent named 'nobody'; its agents: planner" in nobody.stderr
-            record = await ok("run", run_id)
-            assert "model request 1: 200 ok" in record and "posted: a reply" in record
-            assert "  agent planner  room launch  woken by a message  " in record, record
-            assert agent_id not in record and room_id not in record
-            [room_row] = (await ok("room", "list")).splitlines()[1:]
-            assert room_row.split()[:3] == [room_id, "launch", "Acme"], room_row  # CREATED_BY by name
-            [as_json] = json.loads(await ok("room", "list", "--json"))
-            assert as_json["created_by"] == "Acme" and as_json["created_by_company_id"] == company_id
-            messages = await ok("messages", "--room", room_id)
-            assert "ana (Acme, as stated)" in messages and 'Noted, you asked "plan it"' in messages
-            assert "planner (Acme's agent)" in messages
-            assert (await ok("messages", "--room", "Launch")) == messages  # a room by its name
-            unknown_room = await quayutec("messages", "--room", "nowhere", env=env)
-            assert unknown_room.returncode == 1 and "no room named 'nowhere'; its rooms: launch" in unknown_room.stderr
-            assert "sk-ant-cli-secret" not in record + messages + runs
-            rights = await ok("rights", "set", "--create-task", "hold")
-            assert "create_task=hold" in rights
-            assert (await ok("approvals")) == "(no held actions)\n"
-            assert json.loads(await ok("approvals", "--json")) == []
+            )
+        ).split()[1]  # fmt: skip
+        await ok("post", "--room", room_id, "--person", "ana", "--mention", agent_id, "plan it")
+        for _ in range(300):  # bounded: the Gateway delivers, the Runtime runs
+            listed = json.loads(await ok("runs", "--agent", agent_id, "--json"))
+            if listed and listed[0]["status"] == "succeeded":
+                break
+            await asyncio.sleep(0.1)
+        assert [r["status"] for r in listed] == ["succeeded"]
+        run_id = listed[0]["run_id"]
+        record = json.loads(await ok("run", run_id, "--json", QUAYUTEC_CONSOLE_JAEGER_URL=jaeger + "/"))
+        trace_id = record["trace_id"]
+        assert len(trace_id) == 32 and record["run_id"] == run_id
+        # The ledger's trace id is the trace of the run's own span, as exported.
+        run_spans: list[Any] = []
+        for _ in range(100):  # bounded: the spans are exported after the run ends
+            run_spans = [
+                s
+                for s in exporter.get_finished_spans()
+                if s.name == "run" and (s.attributes or {}).get("quayutec.run_id") == run_id
+            ]
+            if run_spans:
+                break
+            await asyncio.sleep(0.1)
+        assert [format(s.context.trace_id, "032x") for s in run_spans] == [trace_id]
+        assert record["traces"] == [{"trace_id": trace_id, "link": f"{jaeger}/trace/{trace_id}"}]
+
+        shown = await ok("run", run_id, QUAYUTEC_CONSOLE_JAEGER_URL=jaeger)
+        assert f"  trace {trace_id}  {jaeger}/trace/{trace_id}\n" in shown, shown
+        # Without the setting: the id alone, and null for the link.
+        plain = await ok("run", run_id)
+        assert f"  trace {trace_id}\n" in plain and "/trace/" not in plain
+        bare = json.loads(await ok("run", run_id, "--json"))
+        assert bare["traces"] == [{"trace_id": trace_id, "link": None}]
+
+        for wrong in ("jaeger.ops.example:16686", "file:///etc/passwd", "http://"):
+            refused = await quayutec(
+                "run",
+                run_id,
+                env={**env, "QUAYUTEC_CONSOLE_JAEGER_URL": wrong, "QUAYUTEC_GATEWAY_ADDR": "127.0.0.1:9"},
+            )
+            assert refused.returncode == 1 and refused.stdout == "", (refused.stdout, refused.stderr)
+            assert "error: QUAYUTEC_CONSOLE_JAEGER_URL must be the Jaeger UI's http(s) address" in refused.stderr
+            assert repr(wrong) in refused.stderr
+
+
+def test_a_continued_run_shows_each_of_its_traces() -> None:
+    first, continued = "a" * 32, "b" * 32
+    run = common_pb2.Run(run_id="r", trace_id=first, trace_ids=[first, continued])
+    lines = format_run(run, "http://127.0.0.1:16686").splitlines()
+    assert lines[2:4] == [
+        f"  trace {first}  http://127.0.0.1:16686/trace/{first}",
+        f"  trace of continuation 1 {continued}  http://127.0.0.1:16686/trace/{continued}",
+    ]
+    assert format_run(common_pb2.Run()).splitlines()[2] == "  trace (not traced)"
 
 
 @dataclass(frozen=True)
@@ -698,6 +791,49 @@ async def test_watch_names_things_and_rooms_and_companies_are_given_by_name(data
         [pending] = json.loads(ops_invitation)
         await ok(globex, "invitation", "accept", pending["invitation_id"])
         assert "your company left room 'ops'" in await ok(globex, "room", "leave", "ops")
+
+
+async def test_names_stay_unique_and_agents_and_rooms_are_renamed_retired_and_archived(database_url: str) -> None:
+    """Issue 49: the README's blocks run twice create nothing twice; rename, retire and archive by name."""
+    async with companies_cli(database_url) as cli:
+        run, ok, company = cli.run, cli.ok, cli.company
+        (_, acme), (globex_id, globex) = await company("Acme"), await company("Globex")
+        register = ("agent", "register", "--provider", "anthropic", "--model", "m")
+        env = {**cli.env, "QUAYUTEC_API_KEY": acme, "QUAYUTEC_PROVIDER_KEY": "sk-ant-cli"}
+        agent_id = (await quayutec(*register, "--name", "planner", env=env)).stdout.split()[1]
+        room_id = (await ok(acme, "room", "create", "launch")).split()[1]
+
+        # A second create of either name is refused, naming the first; names still resolve.
+        twice = await quayutec(*register, "--name", "Planner", env=env)
+        assert twice.returncode == 2 and "ALREADY_EXISTS" in twice.stderr and agent_id in twice.stderr
+        again = await run(acme, "room", "create", "launch")
+        assert again.returncode == 2 and "ALREADY_EXISTS" in again.stderr and room_id in again.stderr
+        assert "wakes" in await ok(acme, "post", "--room", "launch", "--person", "ana", "--mention", "planner", "hi")
+
+        # Renames, by name; the new names resolve and the old ones are free.
+        assert "'liftoff'" in await ok(acme, "room", "rename", "launch", "liftoff")
+        assert "'lead'" in await ok(acme, "agent", "rename", "planner", "lead")
+        await ok(acme, "post", "--room", "liftoff", "--person", "ana", "--mention", "lead", "again")
+        assert (await quayutec(*register, "--name", "planner", env=env)).returncode == 0
+        taken = await run(acme, "agent", "rename", "lead", "PLANNER")
+        assert taken.returncode == 2 and "ALREADY_EXISTS" in taken.stderr
+
+        # Retired: a mention makes no wake.
+        assert "retired" in await ok(acme, "agent", "retire", "lead")
+        assert "; woke 0 agents\n" in await ok(
+            acme, "post", "--room", "liftoff", "--person", "ana", "--mention", "lead", "x"
+        )
+
+        # Archived by its creator only; writes refused after, reads still work.
+        await ok(acme, "room", "invite", "liftoff", globex_id)
+        invitation_id = json.loads(await ok(globex, "invitations", "--json"))[0]["invitation_id"]
+        await ok(globex, "invitation", "accept", invitation_id)
+        not_creator = await run(globex, "room", "archive", "liftoff")
+        assert not_creator.returncode == 2 and "PERMISSION_DENIED" in not_creator.stderr
+        assert "archived" in await ok(acme, "room", "archive", "liftoff")
+        refused = await run(acme, "post", "--room", "liftoff", "--person", "ana", "late")
+        assert refused.returncode == 2 and "FAILED_PRECONDITION" in refused.stderr and "archived" in refused.stderr
+        assert "again" in await ok(globex, "messages", "--room", room_id)
 
 
 async def test_version_prints_the_installed_version() -> None:

@@ -113,3 +113,83 @@ async def test_a_transaction_whose_commit_never_comes_releases_its_locks(databas
         await others.close()
         await setup.execute(f"DROP TABLE {table}")
         await setup.close()
+
+
+def test_the_statement_bounds_are_read_and_refused_out_of_range() -> None:
+    default = DatabaseConfig.from_env({})
+    assert (default.statement_timeout_seconds, default.client_check_seconds) == (30.0, 2.0)
+    set_ = DatabaseConfig.from_env(
+        {"QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS": "12", "QUAYUTEC_DB_CLIENT_CHECK_SECONDS": "0"}
+    )
+    assert (set_.statement_timeout_seconds, set_.client_check_seconds) == (12.0, 0.0)
+    refused = (
+        ({"QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS": "0"}, "QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS must be at least 0.1"),
+        ({"QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS": "31"}, "exceeds QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS (30)"),
+        (
+            {"QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS": "20", "QUAYUTEC_DB_COMMAND_TIMEOUT_SECONDS": "10"},
+            "QUAYUTEC_DB_STATEMENT_TIMEOUT_SECONDS (20) exceeds",
+        ),
+        ({"QUAYUTEC_DB_CLIENT_CHECK_SECONDS": "-1"}, "QUAYUTEC_DB_CLIENT_CHECK_SECONDS must be at least 0"),
+        ({"QUAYUTEC_DB_CLIENT_CHECK_SECONDS": "61"}, "QUAYUTEC_DB_CLIENT_CHECK_SECONDS must be at most 60"),
+    )
+    for env, says in refused:
+        with pytest.raises(ConfigError) as error:
+            DatabaseConfig.from_env(env)
+        assert says in str(error.value), error.value
+
+
+async def test_every_service_pool_bounds_its_statements_on_the_server(database_url: str) -> None:
+    config = DatabaseConfig(url=database_url, data_dir=Path("."), pool_min=1, pool_max=1)
+    default, set_ = (
+        await open_pool(config),
+        await open_pool(replace(config, statement_timeout_seconds=1.5, client_check_seconds=0)),
+    )
+    try:
+        assert await default.fetchval("SHOW statement_timeout") == "30s"
+        assert await default.fetchval("SHOW client_connection_check_interval") == "2s"
+        assert await set_.fetchval("SHOW statement_timeout") == "1500ms"
+        assert await set_.fetchval("SHOW client_connection_check_interval") == "0"
+        # The server ends a statement that waits past the bound, however long its caller would wait.
+        with pytest.raises(asyncpg.QueryCanceledError):
+            await set_.fetchval("SELECT pg_sleep(60)", timeout=WAIT_SECONDS)
+    finally:
+        await default.close()
+        await set_.close()
+
+
+async def test_a_cancelled_call_cancels_its_statement_in_the_server(database_url: str) -> None:
+    # The server's own bounds off, so that only the cancel request can end the statement: a statement
+    # waiting on a row lock whose call is cancelled must not commit once the lock is released.
+    pool = await create_pool(
+        database_url, min_size=1, max_size=1, client_check_seconds=0, statement_timeout_seconds=600, command_timeout=600
+    )
+    holder = await asyncpg.connect(database_url)
+    table = f"cancel_probe_{uuid.uuid4().hex[:8]}"
+    try:
+        await holder.execute(f"CREATE TABLE {table} (n int PRIMARY KEY, v int NOT NULL)")
+        await holder.execute(f"INSERT INTO {table} VALUES (1, 0)")
+        lock = holder.transaction()
+        await lock.start()
+        await holder.execute(f"SELECT 1 FROM {table} WHERE n = 1 FOR UPDATE")
+        call = asyncio.ensure_future(pool.execute(f"UPDATE {table} SET v = 1 WHERE n = 1"))
+        waiting = (
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event_type = 'Lock'"
+        )
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAIT_SECONDS
+        while await holder.fetchval(waiting) != 1:
+            assert loop.time() < deadline, "the update never waited on the lock"
+            await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        deadline = loop.time() + WAIT_SECONDS
+        while await holder.fetchval(waiting) != 0:
+            assert loop.time() < deadline, "the cancelled call's statement still waits in PostgreSQL"
+            await asyncio.sleep(0.05)
+        await lock.rollback()
+        assert await holder.fetchval(f"SELECT v FROM {table} WHERE n = 1") == 0
+    finally:
+        await holder.execute(f"DROP TABLE IF EXISTS {table}")
+        await holder.close()
+        await pool.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import ipaddress
+import re
 import shutil
 import subprocess
 import sys
@@ -437,14 +438,150 @@ def test_pdbs_and_hpas(rendered: Rendered) -> None:
         assert "cpu" in app_container(rendered, name)["resources"]["requests"], "HPA on CPU needs a CPU request"
 
 
-def test_jaeger(rendered: Rendered) -> None:
-    deploy = rendered.get("Deployment", "jaeger")
-    (c,) = rendered.pod_spec(deploy)["containers"]
-    image, _, tag = c["image"].rpartition(":")
-    assert image == "jaegertracing/all-in-one" and tag and tag != "latest", "pin the Jaeger image"
-    env = {e["name"]: e.get("value") for e in c.get("env", [])}
-    assert env.get("COLLECTOR_OTLP_ENABLED") == "true"
-    assert {4317, 16686} <= {p["port"] for p in rendered.get("Service", "jaeger")["spec"]["ports"]}
+# Jaeger v2: the release the image runs, and its Go module's tag, which tools/jaeger pins for the tests'
+# Jaeger and `make jaeger` (Jaeger 2.x releases are tagged v1.(x+63) in the Go module).
+JAEGER_RELEASE = "2.12.0"
+JAEGER_MODULE = "v1.75.0"
+JAEGER_CONFIG = K8S / "base" / "jaeger-config.yaml"
+JAEGER_CONFIG_PATH = "/etc/jaeger/config.yaml"
+# ${env:NAME} or ${env:NAME:-default}, as the OpenTelemetry Collector's config resolver reads them.
+_ENV_REF = re.compile(r"\$\{env:([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+
+def resolve_env_refs(text: str, env: dict[str, Any]) -> str:
+    """The config as the collector would read it with ``env``: each reference replaced by its value,
+    else by its default; a reference with neither fails (the collector would read an empty string)."""
+
+    def value(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        if name in env:
+            assert isinstance(env[name], str), f"{name} must be a literal value, got {env[name]}"
+            return str(env[name])
+        assert default is not None, f"the Jaeger config reads {name}, which has no default and is not set"
+        return default
+
+    return _ENV_REF.sub(value, text)
+
+
+def jaeger_container(r: Rendered) -> Obj:
+    containers: list[Obj] = r.pod_spec(r.get("Deployment", "jaeger"))["containers"]
+    assert len(containers) == 1, f"the Jaeger pod runs {len(containers)} containers"
+    return containers[0]
+
+
+def jaeger_config(r: Rendered) -> tuple[Obj, str]:
+    """The config the Jaeger container reads (the ConfigMap mounted at --config's path) and its raw text."""
+    container = jaeger_container(r)
+    pod = r.pod_spec(r.get("Deployment", "jaeger"))
+    args = container.get("args", [])
+    assert args == ["--config", JAEGER_CONFIG_PATH], f"Jaeger must start with our config: args {args}"
+    directory, _, filename = JAEGER_CONFIG_PATH.rpartition("/")
+    (mount,) = [m for m in container.get("volumeMounts", []) if m["mountPath"] == directory]
+    assert mount.get("readOnly") is True
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert "configMap" in volume, f"{directory} is not a ConfigMap volume: {volume}"
+    items = {i["path"]: i["key"] for i in volume["configMap"].get("items", [])}
+    key = items.get(filename, filename)
+    data = r.configmap(volume["configMap"]["name"])
+    assert key in data, f"ConfigMap {volume['configMap']['name']} has no {key}"
+    text: str = data[key]
+    config: Obj = yaml.safe_load(resolve_env_refs(text, effective_env(r, container)))
+    return config, text
+
+
+def test_jaeger_is_v2_at_the_pinned_release(rendered: Rendered) -> None:
+    """The image is Jaeger v2 at the release whose Go module tools/jaeger pins: the cluster runs the
+    Jaeger the tests run."""
+    container = jaeger_container(rendered)
+    assert container["image"] == f"jaegertracing/jaeger:{JAEGER_RELEASE}", container["image"]
+    pinned = re.search(r"^\s*github\.com/jaegertracing/jaeger (v\S+)", (ROOT / "tools/jaeger/go.mod").read_text(), re.M)
+    assert pinned is not None and pinned.group(1) == JAEGER_MODULE, (
+        f"tools/jaeger pins {pinned and pinned.group(1)}, the image runs Jaeger {JAEGER_RELEASE} ({JAEGER_MODULE}): "
+        "move both together"
+    )
+    # Nothing of Jaeger v1 (all-in-one, its admin and collector ports, its env) is left in the manifests
+    # or their README.
+    rendered_overlays = "\n".join(render(name) for name in OVERLAYS)
+    assert "jaegertracing/jaeger:" in rendered_overlays
+    readme = (K8S / "README.md").read_text()
+    for where, text in (("the rendered overlays", rendered_overlays), ("deploy/k8s/README.md", readme)):
+        for v1 in ("all-in-one", "14269", "14250", "COLLECTOR_OTLP_ENABLED", "MEMORY_MAX_TRACES", "SPAN_STORAGE_TYPE"):
+            assert v1 not in text, f"{where} still names Jaeger v1's {v1}"
+
+
+def test_jaeger_runs_our_config_from_its_configmap(rendered: Rendered) -> None:
+    """--config names the mounted ConfigMap, generated from deploy/k8s/base/jaeger-config.yaml as it is:
+    the OTLP receiver, the jaeger_storage and jaeger_query extensions, the jaeger_storage_exporter."""
+    config, text = jaeger_config(rendered)
+    assert text == JAEGER_CONFIG.read_text(), "the mounted config is not deploy/k8s/base/jaeger-config.yaml"
+    service = config["service"]
+    assert {"jaeger_storage", "jaeger_query", "healthcheckv2"} <= set(service["extensions"])
+    traces = service["pipelines"]["traces"]
+    assert traces["receivers"] == ["otlp"] and traces["exporters"] == ["jaeger_storage_exporter"]
+    backend = config["exporters"]["jaeger_storage_exporter"]["trace_storage"]
+    assert config["extensions"]["jaeger_query"]["storage"]["traces"] == backend
+    # In-memory storage, bounded by JAEGER_MAX_TRACES as the Deployment sets it.
+    memory = config["extensions"]["jaeger_storage"]["backends"][backend]["memory"]
+    env = effective_env(rendered, jaeger_container(rendered))
+    assert "JAEGER_MAX_TRACES" in env, "the Deployment must bound the traces Jaeger keeps in memory"
+    assert int(memory["max_traces"]) == int(env["JAEGER_MAX_TRACES"])
+    assert 0 < int(memory["max_traces"]) <= 10_000, f"max_traces {memory['max_traces']}: too many for the 1Gi limit"
+    assert jaeger_container(rendered)["resources"]["limits"]["memory"] == "1Gi"
+
+
+def test_jaeger_listens_on_all_addresses_in_its_pod(rendered: Rendered) -> None:
+    """Every listener of the config (loopback unless told otherwise) is bound to all addresses by the
+    Deployment's env, on a port the container declares: the Service and the probes reach each one."""
+    container = jaeger_container(rendered)
+    config, text = jaeger_config(rendered)
+    declared = {p["containerPort"] for p in container["ports"]}
+    env = effective_env(rendered, container)
+    # Each address the config reads from the environment, with its loopback default, is overridden.
+    loopback = {m.group(1) for m in _ENV_REF.finditer(text) if (m.group(2) or "").startswith("127.0.0.1")}
+    assert loopback, "the Jaeger config reads no address from the environment"
+    for name in sorted(loopback):
+        assert name in env, f"the Deployment leaves {name} on loopback: nothing outside the pod would reach it"
+        assert str(env[name]).startswith("0.0.0.0"), f"{name}={env[name]} does not bind all addresses"
+    extensions = config["extensions"]
+    receivers = config["receivers"]["otlp"]["protocols"]
+    prometheus = config["service"]["telemetry"]["metrics"]["readers"][0]["pull"]["exporter"]["prometheus"]
+    endpoints = {
+        "otlp grpc": receivers["grpc"]["endpoint"],
+        "otlp http": receivers["http"]["endpoint"],
+        "query http": extensions["jaeger_query"]["http"]["endpoint"],
+        "query grpc": extensions["jaeger_query"]["grpc"]["endpoint"],
+        "health": extensions["healthcheckv2"]["http"]["endpoint"],
+        "metrics": f"{prometheus['host']}:{prometheus['port']}",
+    }
+    for what, endpoint in endpoints.items():
+        host, _, port = str(endpoint).rpartition(":")
+        assert host == "0.0.0.0", f"Jaeger's {what} listens on {endpoint}, not on all addresses"
+        assert int(port) in declared, f"Jaeger's {what} port {port} is not a containerPort ({sorted(declared)})"
+    assert int(endpoints["otlp grpc"].rpartition(":")[2]) == 4317
+    assert int(endpoints["otlp http"].rpartition(":")[2]) == 4318
+    assert int(endpoints["query http"].rpartition(":")[2]) == 16686
+    # The Service: OTLP gRPC and HTTP, the query API and UI, each to the container's port.
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    ports = rendered.get("Service", "jaeger")["spec"]["ports"]
+    service = {p["port"]: named.get(p["targetPort"], p["targetPort"]) for p in ports}
+    assert service == {4317: 4317, 4318: 4318, 16686: 16686}, service
+
+
+def test_jaeger_probes_ask_its_health_endpoint(rendered: Rendered) -> None:
+    """Readiness and liveness ask the healthcheckv2 extension's GET /status, on the port its config binds."""
+    container = jaeger_container(rendered)
+    config, _ = jaeger_config(rendered)
+    health = config["extensions"]["healthcheckv2"]
+    assert health.get("use_v2") is True, "healthcheckv2 answers /status only with use_v2"
+    port = int(health["http"]["endpoint"].rpartition(":")[2])
+    # The extension's default status path (opentelemetry-collector-contrib internal/healthcheck).
+    path = health["http"].get("status", {}).get("path", "/status")
+    named = {p["name"]: p["containerPort"] for p in container["ports"]}
+    for probe in ("readinessProbe", "livenessProbe"):
+        get = container[probe].get("httpGet")
+        assert get is not None, f"Jaeger's {probe} is not an HTTP GET: {container[probe]}"
+        assert get["path"] == path == "/status", f"{probe} asks {get['path']}"
+        assert named.get(get["port"], get["port"]) == port, f"{probe} asks port {get['port']}, health is on {port}"
 
 
 def test_gateway_tls_paths_are_mounted(rendered: Rendered, overlay: str) -> None:
@@ -684,6 +821,32 @@ def test_internal_services_admit_only_their_callers(rendered: Rendered) -> None:
             assert ingress_allowed(
                 rendered, rendered.pod_labels(pg), 5432, _ports(rendered, pg), Peer(rendered.pod_labels(pods[source]))
             ), f"{source} cannot reach postgres"
+
+
+def test_jaeger_admits_the_services_otlp_and_nothing_needless(rendered: Rendered) -> None:
+    """Jaeger's OTLP/gRPC port admits the four services that export traces, and no other pod; no pod
+    reaches its OTLP/HTTP, query gRPC, health or metrics ports; its UI (16686) stays reachable."""
+    pods = {w["metadata"]["name"]: w for w in rendered.workloads()}
+    jaeger = pods["jaeger"]
+    labels, named = rendered.pod_labels(jaeger), _ports(rendered, jaeger)
+
+    def admitted(port: int, peer: Peer) -> bool:
+        return ingress_allowed(rendered, labels, port, named, peer)
+
+    exporters = set(SPECS)
+    others = {name for name in pods if name not in exporters}
+    assert {"console", "quayutec-migrate", "jaeger"} <= others
+    for name in sorted(exporters):
+        assert admitted(4317, Peer(rendered.pod_labels(pods[name]))), f"{name} cannot export to Jaeger"
+    for name in sorted(others):
+        assert not admitted(4317, Peer(rendered.pod_labels(pods[name]))), f"{name} may send OTLP to Jaeger"
+    for peer in (OUTSIDE, OTHER_NAMESPACE_POD, UNLABELED_POD):
+        assert not admitted(4317, peer)
+    assert set(named.values()) == {4317, 4318, 16685, 16686, 13133, 8888}, named
+    for port in (4318, 16685, 13133, 8888):
+        for name in sorted(pods):
+            assert not admitted(port, Peer(rendered.pod_labels(pods[name]))), f"{name} reaches Jaeger's {port}"
+    assert admitted(16686, OUTSIDE) and admitted(16686, Peer(rendered.pod_labels(pods["console"])))
 
 
 def test_console(rendered: Rendered, overlay: str) -> None:

@@ -3,6 +3,7 @@ clone has it. Run on a copy of the Makefile in a folder of its own, so this chec
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -12,7 +13,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _make(folder: Path, *targets: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(["make", "-s", *targets], cwd=folder, capture_output=True, text=True, timeout=120)
+    # scripts/jaeger.py (make clean stops a Jaeger first) imports the quayutec package: this checkout's.
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run(["make", "-s", *targets], cwd=folder, env=env, capture_output=True, text=True, timeout=120)
 
 
 def _tree(folder: Path) -> set[str]:
@@ -27,6 +30,7 @@ def _copy(tmp_path: Path) -> Path:
         "clients/python/pyproject.toml",
         "tools/jaeger/go.mod",
         "tools/jaeger/go.sum",
+        "scripts/jaeger.py",  # make clean stops a Jaeger of make jaeger first
     ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / name, tmp_path / name)

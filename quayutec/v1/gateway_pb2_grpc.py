@@ -52,6 +52,16 @@ class GatewayServiceStub:
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.CreateRoomRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.CreateRoomResponse.FromString,
                 _registered_method=True)
+        self.RenameRoom = channel.unary_unary(
+                '/quayutec.v1.GatewayService/RenameRoom',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.RenameRoomRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.RenameRoomResponse.FromString,
+                _registered_method=True)
+        self.ArchiveRoom = channel.unary_unary(
+                '/quayutec.v1.GatewayService/ArchiveRoom',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.ArchiveRoomRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.ArchiveRoomResponse.FromString,
+                _registered_method=True)
         self.ListRooms = channel.unary_unary(
                 '/quayutec.v1.GatewayService/ListRooms',
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.ListRoomsRequest.SerializeToString,
@@ -101,6 +111,16 @@ class GatewayServiceStub:
                 '/quayutec.v1.GatewayService/ListMembers',
                 request_serializer=quayutec_dot_v1_dot_gateway__pb2.ListMembersRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListMembersResponse.FromString,
+                _registered_method=True)
+        self.RenameAgent = channel.unary_unary(
+                '/quayutec.v1.GatewayService/RenameAgent',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.RenameAgentRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.RenameAgentResponse.FromString,
+                _registered_method=True)
+        self.RetireAgent = channel.unary_unary(
+                '/quayutec.v1.GatewayService/RetireAgent',
+                request_serializer=quayutec_dot_v1_dot_gateway__pb2.RetireAgentRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_gateway__pb2.RetireAgentResponse.FromString,
                 _registered_method=True)
         self.RegisterAgent = channel.unary_unary(
                 '/quayutec.v1.GatewayService/RegisterAgent',
@@ -268,7 +288,29 @@ class GatewayServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateRoom(self, request, context):
-        """CreateRoom; the caller's company becomes its first member. Errors: INVALID_ARGUMENT.
+        """CreateRoom; the caller's company becomes its first member. A room's name is unique among the rooms
+        its creating company created (trimmed, case ignored). Errors: INVALID_ARGUMENT, ALREADY_EXISTS
+        (the company created a room of that name already: the message names it and its id; a retry with
+        the same idempotency_key answers the first room instead).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenameRoom(self, request, context):
+        """RenameRoom, by the company that created it (the rule `creator-manages-room`).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or one the caller is not a member of), PERMISSION_DENIED
+        (the caller did not create it), ALREADY_EXISTS (another room it created has that name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ArchiveRoom(self, request, context):
+        """ArchiveRoom, by the company that created it: the room becomes read-only (posts, tasks, memory,
+        files and invitations answer FAILED_PRECONDITION saying it is archived; its pending invitations
+        are withdrawn); its history stays readable. Archiving again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (the caller did not create it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -371,11 +413,32 @@ class GatewayServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenameAgent(self, request, context):
+        """RenameAgent of the caller's company: unique within the company (trimmed, case ignored).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's: the same answer),
+        ALREADY_EXISTS (another agent of the company has that name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetireAgent(self, request, context):
+        """RetireAgent of the caller's company: it wakes no more (a mention of it, or a task sent to it, makes
+        no wake); its runs and messages stay in the record and its name stays taken (rename it to reuse
+        the name). Retiring again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's: the same answer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RegisterAgent(self, request, context):
         """RegisterAgent registers an always-on agent of the caller's company.
         Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
         base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
-        could not be resolved just now).
+        could not be resolved just now), ALREADY_EXISTS (the company has an agent of that name, retired
+        or not, compared trimmed and case ignored: the message names it and its id; a retry with the same
+        idempotency_key answers the first agent instead).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -672,6 +735,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.CreateRoomRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.CreateRoomResponse.SerializeToString,
             ),
+            'RenameRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenameRoom,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.RenameRoomRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.RenameRoomResponse.SerializeToString,
+            ),
+            'ArchiveRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArchiveRoom,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.ArchiveRoomRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.ArchiveRoomResponse.SerializeToString,
+            ),
             'ListRooms': grpc.unary_unary_rpc_method_handler(
                     servicer.ListRooms,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListRoomsRequest.FromString,
@@ -721,6 +794,16 @@ def add_GatewayServiceServicer_to_server(servicer, server):
                     servicer.ListMembers,
                     request_deserializer=quayutec_dot_v1_dot_gateway__pb2.ListMembersRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_gateway__pb2.ListMembersResponse.SerializeToString,
+            ),
+            'RenameAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenameAgent,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.RenameAgentRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.RenameAgentResponse.SerializeToString,
+            ),
+            'RetireAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireAgent,
+                    request_deserializer=quayutec_dot_v1_dot_gateway__pb2.RetireAgentRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_gateway__pb2.RetireAgentResponse.SerializeToString,
             ),
             'RegisterAgent': grpc.unary_unary_rpc_method_handler(
                     servicer.RegisterAgent,
@@ -930,6 +1013,60 @@ class GatewayService:
             '/quayutec.v1.GatewayService/CreateRoom',
             quayutec_dot_v1_dot_gateway__pb2.CreateRoomRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.CreateRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenameRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/RenameRoom',
+            quayutec_dot_v1_dot_gateway__pb2.RenameRoomRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.RenameRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArchiveRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/ArchiveRoom',
+            quayutec_dot_v1_dot_gateway__pb2.ArchiveRoomRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.ArchiveRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1200,6 +1337,60 @@ class GatewayService:
             '/quayutec.v1.GatewayService/ListMembers',
             quayutec_dot_v1_dot_gateway__pb2.ListMembersRequest.SerializeToString,
             quayutec_dot_v1_dot_gateway__pb2.ListMembersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenameAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/RenameAgent',
+            quayutec_dot_v1_dot_gateway__pb2.RenameAgentRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.RenameAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.GatewayService/RetireAgent',
+            quayutec_dot_v1_dot_gateway__pb2.RetireAgentRequest.SerializeToString,
+            quayutec_dot_v1_dot_gateway__pb2.RetireAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,

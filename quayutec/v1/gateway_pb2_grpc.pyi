@@ -44,7 +44,22 @@ class GatewayServiceStub:
     WhoAmI: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.WhoAmIRequest, _gateway_pb2.WhoAmIResponse]
     """WhoAmI names the calling company."""
     CreateRoom: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.CreateRoomRequest, _gateway_pb2.CreateRoomResponse]
-    """CreateRoom; the caller's company becomes its first member. Errors: INVALID_ARGUMENT."""
+    """CreateRoom; the caller's company becomes its first member. A room's name is unique among the rooms
+    its creating company created (trimmed, case ignored). Errors: INVALID_ARGUMENT, ALREADY_EXISTS
+    (the company created a room of that name already: the message names it and its id; a retry with
+    the same idempotency_key answers the first room instead).
+    """
+    RenameRoom: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RenameRoomRequest, _gateway_pb2.RenameRoomResponse]
+    """RenameRoom, by the company that created it (the rule `creator-manages-room`).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or one the caller is not a member of), PERMISSION_DENIED
+    (the caller did not create it), ALREADY_EXISTS (another room it created has that name).
+    """
+    ArchiveRoom: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ArchiveRoomRequest, _gateway_pb2.ArchiveRoomResponse]
+    """ArchiveRoom, by the company that created it: the room becomes read-only (posts, tasks, memory,
+    files and invitations answer FAILED_PRECONDITION saying it is archived; its pending invitations
+    are withdrawn); its history stays readable. Archiving again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (the caller did not create it).
+    """
     ListRooms: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListRoomsRequest, _gateway_pb2.ListRoomsResponse]
     """ListRooms the caller is a member of. Errors: INVALID_ARGUMENT (bad page token)."""
     InviteCompany: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.InviteCompanyRequest, _gateway_pb2.InviteCompanyResponse]
@@ -100,11 +115,24 @@ class GatewayServiceStub:
     """
     ListMembers: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListMembersRequest, _gateway_pb2.ListMembersResponse]
     """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    RenameAgent: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RenameAgentRequest, _gateway_pb2.RenameAgentResponse]
+    """RenameAgent of the caller's company: unique within the company (trimmed, case ignored).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's: the same answer),
+    ALREADY_EXISTS (another agent of the company has that name).
+    """
+    RetireAgent: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RetireAgentRequest, _gateway_pb2.RetireAgentResponse]
+    """RetireAgent of the caller's company: it wakes no more (a mention of it, or a task sent to it, makes
+    no wake); its runs and messages stay in the record and its name stays taken (rename it to reuse
+    the name). Retiring again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's: the same answer).
+    """
     RegisterAgent: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]
     """RegisterAgent registers an always-on agent of the caller's company.
     Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
     base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
-    could not be resolved just now).
+    could not be resolved just now), ALREADY_EXISTS (the company has an agent of that name, retired
+    or not, compared trimmed and case ignored: the message names it and its id; a retry with the same
+    idempotency_key answers the first agent instead).
     """
     ListAgents: _grpc.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]
     """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
@@ -282,7 +310,22 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     WhoAmI: _aio.UnaryUnaryMultiCallable[_gateway_pb2.WhoAmIRequest, _gateway_pb2.WhoAmIResponse]  # type: ignore[assignment]
     """WhoAmI names the calling company."""
     CreateRoom: _aio.UnaryUnaryMultiCallable[_gateway_pb2.CreateRoomRequest, _gateway_pb2.CreateRoomResponse]  # type: ignore[assignment]
-    """CreateRoom; the caller's company becomes its first member. Errors: INVALID_ARGUMENT."""
+    """CreateRoom; the caller's company becomes its first member. A room's name is unique among the rooms
+    its creating company created (trimmed, case ignored). Errors: INVALID_ARGUMENT, ALREADY_EXISTS
+    (the company created a room of that name already: the message names it and its id; a retry with
+    the same idempotency_key answers the first room instead).
+    """
+    RenameRoom: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RenameRoomRequest, _gateway_pb2.RenameRoomResponse]  # type: ignore[assignment]
+    """RenameRoom, by the company that created it (the rule `creator-manages-room`).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (room, or one the caller is not a member of), PERMISSION_DENIED
+    (the caller did not create it), ALREADY_EXISTS (another room it created has that name).
+    """
+    ArchiveRoom: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ArchiveRoomRequest, _gateway_pb2.ArchiveRoomResponse]  # type: ignore[assignment]
+    """ArchiveRoom, by the company that created it: the room becomes read-only (posts, tasks, memory,
+    files and invitations answer FAILED_PRECONDITION saying it is archived; its pending invitations
+    are withdrawn); its history stays readable. Archiving again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (the caller did not create it).
+    """
     ListRooms: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListRoomsRequest, _gateway_pb2.ListRoomsResponse]  # type: ignore[assignment]
     """ListRooms the caller is a member of. Errors: INVALID_ARGUMENT (bad page token)."""
     InviteCompany: _aio.UnaryUnaryMultiCallable[_gateway_pb2.InviteCompanyRequest, _gateway_pb2.InviteCompanyResponse]  # type: ignore[assignment]
@@ -338,11 +381,24 @@ class GatewayServiceAsyncStub(GatewayServiceStub):
     """
     ListMembers: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListMembersRequest, _gateway_pb2.ListMembersResponse]  # type: ignore[assignment]
     """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    RenameAgent: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RenameAgentRequest, _gateway_pb2.RenameAgentResponse]  # type: ignore[assignment]
+    """RenameAgent of the caller's company: unique within the company (trimmed, case ignored).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's: the same answer),
+    ALREADY_EXISTS (another agent of the company has that name).
+    """
+    RetireAgent: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RetireAgentRequest, _gateway_pb2.RetireAgentResponse]  # type: ignore[assignment]
+    """RetireAgent of the caller's company: it wakes no more (a mention of it, or a task sent to it, makes
+    no wake); its runs and messages stay in the record and its name stays taken (rename it to reuse
+    the name). Retiring again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's: the same answer).
+    """
     RegisterAgent: _aio.UnaryUnaryMultiCallable[_gateway_pb2.RegisterAgentRequest, _gateway_pb2.RegisterAgentResponse]  # type: ignore[assignment]
     """RegisterAgent registers an always-on agent of the caller's company.
     Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
     base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
-    could not be resolved just now).
+    could not be resolved just now), ALREADY_EXISTS (the company has an agent of that name, retired
+    or not, compared trimmed and case ignored: the message names it and its id; a retry with the same
+    idempotency_key answers the first agent instead).
     """
     ListAgents: _aio.UnaryUnaryMultiCallable[_gateway_pb2.ListAgentsRequest, _gateway_pb2.ListAgentsResponse]  # type: ignore[assignment]
     """ListAgents of the caller's company; with room_id, the agents in that room instead (those of
@@ -529,7 +585,34 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _gateway_pb2.CreateRoomRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_gateway_pb2.CreateRoomResponse, _abc.Awaitable[_gateway_pb2.CreateRoomResponse]]:
-        """CreateRoom; the caller's company becomes its first member. Errors: INVALID_ARGUMENT."""
+        """CreateRoom; the caller's company becomes its first member. A room's name is unique among the rooms
+        its creating company created (trimmed, case ignored). Errors: INVALID_ARGUMENT, ALREADY_EXISTS
+        (the company created a room of that name already: the message names it and its id; a retry with
+        the same idempotency_key answers the first room instead).
+        """
+
+    @_abc_1.abstractmethod
+    def RenameRoom(
+        self,
+        request: _gateway_pb2.RenameRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RenameRoomResponse, _abc.Awaitable[_gateway_pb2.RenameRoomResponse]]:
+        """RenameRoom, by the company that created it (the rule `creator-manages-room`).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (room, or one the caller is not a member of), PERMISSION_DENIED
+        (the caller did not create it), ALREADY_EXISTS (another room it created has that name).
+        """
+
+    @_abc_1.abstractmethod
+    def ArchiveRoom(
+        self,
+        request: _gateway_pb2.ArchiveRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.ArchiveRoomResponse, _abc.Awaitable[_gateway_pb2.ArchiveRoomResponse]]:
+        """ArchiveRoom, by the company that created it: the room becomes read-only (posts, tasks, memory,
+        files and invitations answer FAILED_PRECONDITION saying it is archived; its pending invitations
+        are withdrawn); its history stays readable. Archiving again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (the caller did not create it).
+        """
 
     @_abc_1.abstractmethod
     def ListRooms(
@@ -647,6 +730,29 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         """ListMembers of a room, each with its company's name. Errors: INVALID_ARGUMENT, NOT_FOUND."""
 
     @_abc_1.abstractmethod
+    def RenameAgent(
+        self,
+        request: _gateway_pb2.RenameAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RenameAgentResponse, _abc.Awaitable[_gateway_pb2.RenameAgentResponse]]:
+        """RenameAgent of the caller's company: unique within the company (trimmed, case ignored).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's: the same answer),
+        ALREADY_EXISTS (another agent of the company has that name).
+        """
+
+    @_abc_1.abstractmethod
+    def RetireAgent(
+        self,
+        request: _gateway_pb2.RetireAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_gateway_pb2.RetireAgentResponse, _abc.Awaitable[_gateway_pb2.RetireAgentResponse]]:
+        """RetireAgent of the caller's company: it wakes no more (a mention of it, or a task sent to it, makes
+        no wake); its runs and messages stay in the record and its name stays taken (rename it to reuse
+        the name). Retiring again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's: the same answer).
+        """
+
+    @_abc_1.abstractmethod
     def RegisterAgent(
         self,
         request: _gateway_pb2.RegisterAgentRequest,
@@ -655,7 +761,9 @@ class GatewayServiceServicer(metaclass=_abc_1.ABCMeta):
         """RegisterAgent registers an always-on agent of the caller's company.
         Errors: INVALID_ARGUMENT (provider, model, base URL, name or key missing or malformed, or the
         base URL refused by the egress rules: not https, or a non-public address), UNAVAILABLE (its host
-        could not be resolved just now).
+        could not be resolved just now), ALREADY_EXISTS (the company has an agent of that name, retired
+        or not, compared trimmed and case ignored: the message names it and its id; a retry with the same
+        idempotency_key answers the first agent instead).
         """
 
     @_abc_1.abstractmethod

@@ -164,6 +164,95 @@ class RoomServiceCreateRoomResponse(_message.Message):
 Global___RoomServiceCreateRoomResponse: _TypeAlias = RoomServiceCreateRoomResponse  # noqa: Y015
 
 @_typing.final
+class RoomServiceRenameRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    company_id: _builtins.str
+    """The company that renames (its creator)."""
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "name", b"name", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRenameRoomRequest: _TypeAlias = RoomServiceRenameRoomRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceRenameRoomResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def room(self) -> _common_pb2.Room: ...
+    def __init__(
+        self,
+        *,
+        room: _common_pb2.Room | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRenameRoomResponse: _TypeAlias = RoomServiceRenameRoomResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceArchiveRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    company_id: _builtins.str
+    """The company that archives (its creator)."""
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["company_id", b"company_id", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceArchiveRoomRequest: _TypeAlias = RoomServiceArchiveRoomRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceArchiveRoomResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def room(self) -> _common_pb2.Room: ...
+    def __init__(
+        self,
+        *,
+        room: _common_pb2.Room | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceArchiveRoomResponse: _TypeAlias = RoomServiceArchiveRoomResponse  # noqa: Y015
+
+@_typing.final
 class RoomServiceGetRoomRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -817,6 +906,95 @@ class RoomServiceGetAgentResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RoomServiceGetAgentResponse: _TypeAlias = RoomServiceGetAgentResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceRenameAgentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    company_id: _builtins.str
+    """The company that renames (the agent's own)."""
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRenameAgentRequest: _TypeAlias = RoomServiceRenameAgentRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceRenameAgentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> _common_pb2.Agent: ...
+    def __init__(
+        self,
+        *,
+        agent: _common_pb2.Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRenameAgentResponse: _TypeAlias = RoomServiceRenameAgentResponse  # noqa: Y015
+
+@_typing.final
+class RoomServiceRetireAgentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    COMPANY_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    company_id: _builtins.str
+    """The company that retires (the agent's own)."""
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        company_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "company_id", b"company_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRetireAgentRequest: _TypeAlias = RoomServiceRetireAgentRequest  # noqa: Y015
+
+@_typing.final
+class RoomServiceRetireAgentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> _common_pb2.Agent: ...
+    def __init__(
+        self,
+        *,
+        agent: _common_pb2.Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RoomServiceRetireAgentResponse: _TypeAlias = RoomServiceRetireAgentResponse  # noqa: Y015
 
 @_typing.final
 class RoomServiceListAgentsRequest(_message.Message):

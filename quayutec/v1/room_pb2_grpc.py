@@ -57,6 +57,16 @@ class RoomServiceStub:
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateRoomRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateRoomResponse.FromString,
                 _registered_method=True)
+        self.RenameRoom = channel.unary_unary(
+                '/quayutec.v1.RoomService/RenameRoom',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRenameRoomRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRenameRoomResponse.FromString,
+                _registered_method=True)
+        self.ArchiveRoom = channel.unary_unary(
+                '/quayutec.v1.RoomService/ArchiveRoom',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceArchiveRoomRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceArchiveRoomResponse.FromString,
+                _registered_method=True)
         self.GetRoom = channel.unary_unary(
                 '/quayutec.v1.RoomService/GetRoom',
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetRoomRequest.SerializeToString,
@@ -121,6 +131,16 @@ class RoomServiceStub:
                 '/quayutec.v1.RoomService/GetAgent',
                 request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRequest.SerializeToString,
                 response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentResponse.FromString,
+                _registered_method=True)
+        self.RenameAgent = channel.unary_unary(
+                '/quayutec.v1.RoomService/RenameAgent',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRenameAgentRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRenameAgentResponse.FromString,
+                _registered_method=True)
+        self.RetireAgent = channel.unary_unary(
+                '/quayutec.v1.RoomService/RetireAgent',
+                request_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRetireAgentRequest.SerializeToString,
+                response_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRetireAgentResponse.FromString,
                 _registered_method=True)
         self.ListAgents = channel.unary_unary(
                 '/quayutec.v1.RoomService/ListAgents',
@@ -316,6 +336,24 @@ class RoomServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenameRoom(self, request, context):
+        """RenameRoom, by its creator: the name is trimmed and unique among the rooms the creator created
+        (case ignored). Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member),
+        PERMISSION_DENIED (not its creator), ALREADY_EXISTS (another room of the creator has that name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ArchiveRoom(self, request, context):
+        """ArchiveRoom, by its creator: read-only from then on (posts, tasks, memory, files and invitations
+        refused with FAILED_PRECONDITION), its pending invitations withdrawn; archiving again changes
+        nothing. Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (not its creator).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetRoom(self, request, context):
         """GetRoom. With member_company_id set, a company that is not a member gets NOT_FOUND.
         Errors: INVALID_ARGUMENT, NOT_FOUND.
@@ -428,6 +466,23 @@ class RoomServiceServicer:
 
     def GetAgent(self, request, context):
         """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenameAgent(self, request, context):
+        """RenameAgent, by its company: the name is trimmed and unique within the company (case ignored).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's), ALREADY_EXISTS.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetireAgent(self, request, context):
+        """RetireAgent, by its company: it wakes no more (its pending wakes not yet leased are settled
+        undelivered); its runs and messages stay. Retiring again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -746,6 +801,16 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateRoomRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceCreateRoomResponse.SerializeToString,
             ),
+            'RenameRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenameRoom,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRenameRoomRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRenameRoomResponse.SerializeToString,
+            ),
+            'ArchiveRoom': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArchiveRoom,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceArchiveRoomRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceArchiveRoomResponse.SerializeToString,
+            ),
             'GetRoom': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRoom,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetRoomRequest.FromString,
@@ -810,6 +875,16 @@ def add_RoomServiceServicer_to_server(servicer, server):
                     servicer.GetAgent,
                     request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRequest.FromString,
                     response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentResponse.SerializeToString,
+            ),
+            'RenameAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenameAgent,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRenameAgentRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRenameAgentResponse.SerializeToString,
+            ),
+            'RetireAgent': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireAgent,
+                    request_deserializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRetireAgentRequest.FromString,
+                    response_serializer=quayutec_dot_v1_dot_room__pb2.RoomServiceRetireAgentResponse.SerializeToString,
             ),
             'ListAgents': grpc.unary_unary_rpc_method_handler(
                     servicer.ListAgents,
@@ -1061,6 +1136,60 @@ class RoomService:
             '/quayutec.v1.RoomService/CreateRoom',
             quayutec_dot_v1_dot_room__pb2.RoomServiceCreateRoomRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceCreateRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenameRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/RenameRoom',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRenameRoomRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRenameRoomResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArchiveRoom(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/ArchiveRoom',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceArchiveRoomRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceArchiveRoomResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1412,6 +1541,60 @@ class RoomService:
             '/quayutec.v1.RoomService/GetAgent',
             quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentRequest.SerializeToString,
             quayutec_dot_v1_dot_room__pb2.RoomServiceGetAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenameAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/RenameAgent',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRenameAgentRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRenameAgentResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireAgent(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/quayutec.v1.RoomService/RetireAgent',
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRetireAgentRequest.SerializeToString,
+            quayutec_dot_v1_dot_room__pb2.RoomServiceRetireAgentResponse.FromString,
             options,
             channel_credentials,
             insecure,

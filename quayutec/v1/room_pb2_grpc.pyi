@@ -47,6 +47,16 @@ class RoomServiceStub:
     """GetCompany. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     CreateRoom: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateRoomRequest, _room_pb2.RoomServiceCreateRoomResponse]
     """CreateRoom; the creating company becomes its first member. Errors: INVALID_ARGUMENT, NOT_FOUND (company)."""
+    RenameRoom: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRenameRoomRequest, _room_pb2.RoomServiceRenameRoomResponse]
+    """RenameRoom, by its creator: the name is trimmed and unique among the rooms the creator created
+    (case ignored). Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member),
+    PERMISSION_DENIED (not its creator), ALREADY_EXISTS (another room of the creator has that name).
+    """
+    ArchiveRoom: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceArchiveRoomRequest, _room_pb2.RoomServiceArchiveRoomResponse]
+    """ArchiveRoom, by its creator: read-only from then on (posts, tasks, memory, files and invitations
+    refused with FAILED_PRECONDITION), its pending invitations withdrawn; archiving again changes
+    nothing. Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (not its creator).
+    """
     GetRoom: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetRoomRequest, _room_pb2.RoomServiceGetRoomResponse]
     """GetRoom. With member_company_id set, a company that is not a member gets NOT_FOUND.
     Errors: INVALID_ARGUMENT, NOT_FOUND.
@@ -109,6 +119,15 @@ class RoomServiceStub:
     """
     GetAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    RenameAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRenameAgentRequest, _room_pb2.RoomServiceRenameAgentResponse]
+    """RenameAgent, by its company: the name is trimmed and unique within the company (case ignored).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's), ALREADY_EXISTS.
+    """
+    RetireAgent: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRetireAgentRequest, _room_pb2.RoomServiceRetireAgentResponse]
+    """RetireAgent, by its company: it wakes no more (its pending wakes not yet leased are settled
+    undelivered); its runs and messages stay. Retiring again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's).
+    """
     ListAgents: _grpc.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListAgentsRequest, _room_pb2.RoomServiceListAgentsResponse]
     """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
     With reader_company_id, the room's rule `room-agents` (services/room/rules.py, docs/rules.md)
@@ -288,6 +307,16 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """GetCompany. Errors: INVALID_ARGUMENT, NOT_FOUND."""
     CreateRoom: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceCreateRoomRequest, _room_pb2.RoomServiceCreateRoomResponse]  # type: ignore[assignment]
     """CreateRoom; the creating company becomes its first member. Errors: INVALID_ARGUMENT, NOT_FOUND (company)."""
+    RenameRoom: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRenameRoomRequest, _room_pb2.RoomServiceRenameRoomResponse]  # type: ignore[assignment]
+    """RenameRoom, by its creator: the name is trimmed and unique among the rooms the creator created
+    (case ignored). Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member),
+    PERMISSION_DENIED (not its creator), ALREADY_EXISTS (another room of the creator has that name).
+    """
+    ArchiveRoom: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceArchiveRoomRequest, _room_pb2.RoomServiceArchiveRoomResponse]  # type: ignore[assignment]
+    """ArchiveRoom, by its creator: read-only from then on (posts, tasks, memory, files and invitations
+    refused with FAILED_PRECONDITION), its pending invitations withdrawn; archiving again changes
+    nothing. Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (not its creator).
+    """
     GetRoom: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetRoomRequest, _room_pb2.RoomServiceGetRoomResponse]  # type: ignore[assignment]
     """GetRoom. With member_company_id set, a company that is not a member gets NOT_FOUND.
     Errors: INVALID_ARGUMENT, NOT_FOUND.
@@ -350,6 +379,15 @@ class RoomServiceAsyncStub(RoomServiceStub):
     """
     GetAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceGetAgentRequest, _room_pb2.RoomServiceGetAgentResponse]  # type: ignore[assignment]
     """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
+    RenameAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRenameAgentRequest, _room_pb2.RoomServiceRenameAgentResponse]  # type: ignore[assignment]
+    """RenameAgent, by its company: the name is trimmed and unique within the company (case ignored).
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's), ALREADY_EXISTS.
+    """
+    RetireAgent: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceRetireAgentRequest, _room_pb2.RoomServiceRetireAgentResponse]  # type: ignore[assignment]
+    """RetireAgent, by its company: it wakes no more (its pending wakes not yet leased are settled
+    undelivered); its runs and messages stay. Retiring again changes nothing.
+    Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's).
+    """
     ListAgents: _aio.UnaryUnaryMultiCallable[_room_pb2.RoomServiceListAgentsRequest, _room_pb2.RoomServiceListAgentsResponse]  # type: ignore[assignment]
     """ListAgents of one company, or (room_id) the agents in one room: those of its member companies.
     With reader_company_id, the room's rule `room-agents` (services/room/rules.py, docs/rules.md)
@@ -546,6 +584,28 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         """CreateRoom; the creating company becomes its first member. Errors: INVALID_ARGUMENT, NOT_FOUND (company)."""
 
     @_abc_1.abstractmethod
+    def RenameRoom(
+        self,
+        request: _room_pb2.RoomServiceRenameRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceRenameRoomResponse, _abc.Awaitable[_room_pb2.RoomServiceRenameRoomResponse]]:
+        """RenameRoom, by its creator: the name is trimmed and unique among the rooms the creator created
+        (case ignored). Errors: INVALID_ARGUMENT, NOT_FOUND (room, or the company is not a member),
+        PERMISSION_DENIED (not its creator), ALREADY_EXISTS (another room of the creator has that name).
+        """
+
+    @_abc_1.abstractmethod
+    def ArchiveRoom(
+        self,
+        request: _room_pb2.RoomServiceArchiveRoomRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceArchiveRoomResponse, _abc.Awaitable[_room_pb2.RoomServiceArchiveRoomResponse]]:
+        """ArchiveRoom, by its creator: read-only from then on (posts, tasks, memory, files and invitations
+        refused with FAILED_PRECONDITION), its pending invitations withdrawn; archiving again changes
+        nothing. Errors: INVALID_ARGUMENT, NOT_FOUND, PERMISSION_DENIED (not its creator).
+        """
+
+    @_abc_1.abstractmethod
     def GetRoom(
         self,
         request: _room_pb2.RoomServiceGetRoomRequest,
@@ -684,6 +744,27 @@ class RoomServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_room_pb2.RoomServiceGetAgentResponse, _abc.Awaitable[_room_pb2.RoomServiceGetAgentResponse]]:
         """GetAgent (never returns the key). Errors: INVALID_ARGUMENT, NOT_FOUND."""
+
+    @_abc_1.abstractmethod
+    def RenameAgent(
+        self,
+        request: _room_pb2.RoomServiceRenameAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceRenameAgentResponse, _abc.Awaitable[_room_pb2.RoomServiceRenameAgentResponse]]:
+        """RenameAgent, by its company: the name is trimmed and unique within the company (case ignored).
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's), ALREADY_EXISTS.
+        """
+
+    @_abc_1.abstractmethod
+    def RetireAgent(
+        self,
+        request: _room_pb2.RoomServiceRetireAgentRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_room_pb2.RoomServiceRetireAgentResponse, _abc.Awaitable[_room_pb2.RoomServiceRetireAgentResponse]]:
+        """RetireAgent, by its company: it wakes no more (its pending wakes not yet leased are settled
+        undelivered); its runs and messages stay. Retiring again changes nothing.
+        Errors: INVALID_ARGUMENT, NOT_FOUND (unknown agent, or another company's).
+        """
 
     @_abc_1.abstractmethod
     def ListAgents(

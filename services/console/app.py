@@ -238,7 +238,7 @@ def create_app(config: ConsoleConfig, *, channel: grpc.aio.Channel | None = None
         Route("/approvals/events", approval_events),
         Route("/runs", runs.runs),
         Route("/runs/{run_id}", runs.run),
-        Route("/agents", company.agents),
+        Route("/agents", company.agents, methods=["GET", "POST"]),
         Route("/rights", company.rights, methods=["GET", "POST"]),
         Route("/keys", company.keys, methods=["GET", "POST"]),
         Route("/invitations", company.invitations, methods=["GET", "POST"]),

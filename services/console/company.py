@@ -48,8 +48,24 @@ def _effective(rights: common_pb2.AgentRights) -> dict[str, str]:
     return {f: RIGHT_NAMES[getattr(rights, f)] for f, _ in RIGHTS}
 
 
+async def _manage_agent(s: Session, form: Any) -> str:
+    """Rename or retire the form's agent (its own company only: the Room's rule `own-agent`)."""
+    agent_id = field(form, "agent_id", "The agent", limit=64)
+    if form.get("action") == "retire":
+        got = await s.call("RetireAgent", gateway_pb2.RetireAgentRequest(agent_id=agent_id))
+        return f"{got.agent.name} is retired: it wakes no more; its runs and messages stay."
+    name = field(form, "name", "The new name", limit=200)
+    got = await s.call("RenameAgent", gateway_pb2.RenameAgentRequest(agent_id=agent_id, name=name))
+    return f"Renamed to {got.agent.name}."
+
+
 async def agents(request: Request) -> Response:
     s = Session(request)
+    notice = error = ""
+    if request.method == "POST":
+        with Refusal() as refused:
+            notice = await _manage_agent(s, await form_of(request))
+        error = refused.text
     token = request.query_params.get("page", "")[:500]
     listed = await s.call("ListAgents", gateway_pb2.ListAgentsRequest(page_size=AGENTS_PAGE, page_token=token))
 
@@ -67,8 +83,10 @@ async def agents(request: Request) -> Response:
         "providers": PROVIDERS,
         "right_labels": SHORT_RIGHTS,
         "next_page": listed.next_page_token,
+        "notice": notice,
+        "error": error,
     }
-    return page(request, "agents.html", context)
+    return page(request, "agents.html", context, 400 if error else 200)
 
 
 async def rights(request: Request) -> Response:

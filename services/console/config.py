@@ -10,6 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from quayutec.config import DATA_DIR_ENV, GATEWAY, ConfigError, env_bool, env_float, env_int, env_str, service_addr
+from quayutec.jaeger import ui_base_url
 from quayutec.settings import setting
 from quayutec.throttle import ThrottleConfig
 from quayutec.tls import CONSOLE, Identity, MtlsConfig, load_identity
@@ -73,7 +74,7 @@ class ConsoleConfig:
             session_secret=secret,
             secure_cookie=env_bool(env, setting("QUAYUTEC_CONSOLE_SECURE_COOKIE")),
             session_seconds=int(hours * 3600),
-            jaeger_url=env_str(env, setting("QUAYUTEC_CONSOLE_JAEGER_URL")).rstrip("/"),
+            jaeger_url=ui_base_url(env),
             gateway_ca=gateway_ca,
             gateway_tls_name=env_str(env, setting("QUAYUTEC_CONSOLE_GATEWAY_TLS_NAME")),
             gateway_console_addr=console_addr,

@@ -50,11 +50,25 @@ async def answer_invitation(s: Session, form: FormData) -> str:
     return f"You declined the invitation to {got.invitation.room_name}."
 
 
+async def _manage_room(s: Session, form: FormData) -> str:
+    """Rename or archive the form's room (its creator only: the Room's rule `creator-manages-room`)."""
+    room_id = field(form, "room_id", "The room", limit=64)
+    if form.get("action") == "archive":
+        got = await s.call("ArchiveRoom", gateway_pb2.ArchiveRoomRequest(room_id=room_id))
+        return f"{got.room.name} is archived: read-only from now on; its history stays."
+    name = field(form, "name", "The new name", limit=200)
+    got = await s.call("RenameRoom", gateway_pb2.RenameRoomRequest(room_id=room_id, name=name))
+    return f"Renamed to {got.room.name}."
+
+
 async def rooms(request: Request) -> Response:
     s = Session(request)
-    notice = ""
+    notice = error = ""
     if request.method == "POST":
-        notice = await answer_invitation(s, await form_of(request))
+        form = await form_of(request)
+        with Refusal() as refused:
+            notice = await (_manage_room(s, form) if form.get("room_id") else answer_invitation(s, form))
+        error = refused.text
     listed, invited = await asyncio.gather(
         s.call("ListRooms", gateway_pb2.ListRoomsRequest(page_size=PAGE)),
         s.call(
@@ -62,11 +76,8 @@ async def rooms(request: Request) -> Response:
             gateway_pb2.ListInvitationsRequest(status=common_pb2.INVITATION_STATUS_PENDING, page_size=PAGE),
         ),
     )
-    return page(
-        request,
-        "rooms.html",
-        {"title": "Rooms", "rooms": listed.rooms, "invitations": invited.invitations, "notice": notice},
-    )
+    context = {"title": "Rooms", "rooms": listed.rooms, "invitations": invited.invitations, "notice": notice}
+    return page(request, "rooms.html", context | {"error": error}, 400 if error else 200)
 
 
 async def _post(s: Session, room_id: str, form: FormData) -> str:

@@ -12,6 +12,7 @@ import grpc
 from starlette.requests import Request
 from starlette.responses import Response
 
+from quayutec.jaeger import trace_ids, trace_page
 from quayutec.v1 import common_pb2, gateway_pb2
 from services.client import STATUS_NAMES
 from services.console.live import encode_cursors, first_cursor, first_cursors
@@ -118,15 +119,14 @@ def trace_links(jaeger_url: str, run: common_pb2.Run) -> list[dict[str, str]]:
     """Each trace of the run, oldest first (its first, then one per continuation after a decision):
     its id, its label and, when QUAYUTEC_CONSOLE_JAEGER_URL is set, Jaeger's page of it (``href``;
     empty otherwise). Another trace viewer is one more href here."""
-    trace_ids = list(dict.fromkeys(t for t in (run.trace_id, *run.trace_ids) if t))
+    ids = trace_ids(run.trace_id, run.trace_ids)
     links = []
-    for number, trace_id in enumerate(trace_ids):
+    for number, trace_id in enumerate(ids):
         if number == 0:
-            label = "the trace" if len(trace_ids) == 1 else "the first trace"
+            label = "the trace" if len(ids) == 1 else "the first trace"
         else:
-            label = "the continuation's trace" if len(trace_ids) == 2 else f"continuation {number}'s trace"
-        href = f"{jaeger_url}/trace/{trace_id}" if jaeger_url else ""
-        links.append({"trace_id": trace_id, "label": label, "href": href})
+            label = "the continuation's trace" if len(ids) == 2 else f"continuation {number}'s trace"
+        links.append({"trace_id": trace_id, "label": label, "href": trace_page(jaeger_url, trace_id)})
     return links
 
 

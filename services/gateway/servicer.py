@@ -277,6 +277,29 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
         await self._rooms_changed(company_id)
         return gateway_pb2.CreateRoomResponse(room=response.room)
 
+    async def RenameRoom(self, request: gateway_pb2.RenameRoomRequest, context: Any) -> gateway_pb2.RenameRoomResponse:
+        company_id = self._caller.company_id()
+        name = _required_text(request.name, "name", MAX_NAME_BYTES)
+        response = await self._write_to_room(
+            self._room.RenameRoom,
+            room_pb2.RoomServiceRenameRoomRequest(room_id=request.room_id, company_id=company_id, name=name),
+            company_id,
+            request.room_id,
+        )
+        return gateway_pb2.RenameRoomResponse(room=response.room)
+
+    async def ArchiveRoom(
+        self, request: gateway_pb2.ArchiveRoomRequest, context: Any
+    ) -> gateway_pb2.ArchiveRoomResponse:
+        company_id = self._caller.company_id()
+        response = await self._write_to_room(
+            self._room.ArchiveRoom,
+            room_pb2.RoomServiceArchiveRoomRequest(room_id=request.room_id, company_id=company_id),
+            company_id,
+            request.room_id,
+        )
+        return gateway_pb2.ArchiveRoomResponse(room=response.room)
+
     async def ListRooms(self, request: gateway_pb2.ListRoomsRequest, context: Any) -> gateway_pb2.ListRoomsResponse:
         company_id = self._caller.company_id()
         response = await self._room.ListRooms(
@@ -500,6 +523,29 @@ class GatewayServicer(KeyRpcs, SignInProviderRpcs):
             self._refusals.warning("RegisterAgent refused for company %s: %s %s", company_id, code.name, details)
             await context.abort(code, details)
         return gateway_pb2.RegisterAgentResponse(agent=response.agent)
+
+    async def RenameAgent(
+        self, request: gateway_pb2.RenameAgentRequest, context: Any
+    ) -> gateway_pb2.RenameAgentResponse:
+        # The Room answers another company's agent exactly as an unknown id (the rule `own-agent`).
+        company_id = self._caller.company_id()
+        agent_id = _required_id(request.agent_id, "agent_id")
+        name = _required_text(request.name, "name", MAX_NAME_BYTES)
+        response = await self._room.RenameAgent(
+            room_pb2.RoomServiceRenameAgentRequest(agent_id=agent_id, company_id=company_id, name=name),
+            timeout=self._timeout,
+        )
+        return gateway_pb2.RenameAgentResponse(agent=response.agent)
+
+    async def RetireAgent(
+        self, request: gateway_pb2.RetireAgentRequest, context: Any
+    ) -> gateway_pb2.RetireAgentResponse:
+        company_id = self._caller.company_id()
+        agent_id = _required_id(request.agent_id, "agent_id")
+        response = await self._room.RetireAgent(
+            room_pb2.RoomServiceRetireAgentRequest(agent_id=agent_id, company_id=company_id), timeout=self._timeout
+        )
+        return gateway_pb2.RetireAgentResponse(agent=response.agent)
 
     async def ListAgents(self, request: gateway_pb2.ListAgentsRequest, context: Any) -> gateway_pb2.ListAgentsResponse:
         company_id = self._caller.company_id()

@@ -83,6 +83,7 @@ def room(row: Row) -> common_pb2.Room:
         name=row["name"],
         created_by_company_id=str(row["created_by_company_id"]),
         created_at=timestamp(row["created_at"]),
+        archived_at=timestamp(row.get("archived_at")),
     )
 
 
@@ -122,6 +123,7 @@ def agent(row: Row) -> common_pb2.Agent:
         has_provider_key=bool(row["has_provider_key"]),
         created_at=timestamp(row["created_at"]),
         company_name=_s(row.get("company_name")),
+        retired_at=timestamp(row.get("retired_at")),
     )
 
 

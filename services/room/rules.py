@@ -39,6 +39,8 @@ class Act(enum.Enum):
     REMOVE_MEMBER = ("membership", "remove a member")
     SET_RIGHTS = ("agent rights", "set or read")
     SEE_ROOM_AGENTS = ("agent", "see in a room")
+    MANAGE_AGENT = ("agent", "rename or retire")
+    MANAGE_ROOM = ("room", "rename or archive")
 
     @property
     def object(self) -> str:
@@ -77,6 +79,8 @@ class Facts:
     owner_id: str = ""
     # On a repeat: the company whose earlier write holds the dedupe key ("" when the write is new).
     repeat_of_company_id: str = ""
+    # The room was archived by its creator (read-only).
+    archived: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,6 +114,14 @@ RULES: tuple[Rule, ...] = (
         "company {company_id} is not a member of room {room_id}",
         lambda f: f.member,
         on_repeat=True,
+    ),
+    Rule(
+        "room-open",
+        (*CONTENT, Act.INVITE),
+        "in a room that is not archived (an archived room is read-only; its history stays readable)",
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "room {room_id} is archived: it is read-only (its messages, tasks, memory and files stay readable)",
+        lambda f: not f.archived,
     ),
     Rule(
         "repeat-own-write",
@@ -155,7 +167,7 @@ RULES: tuple[Rule, ...] = (
     ),
     Rule(
         "member-manages",
-        (Act.INVITE, Act.LEAVE, Act.REMOVE_MEMBER, Act.MANAGE_INVITATIONS),
+        (Act.INVITE, Act.LEAVE, Act.REMOVE_MEMBER, Act.MANAGE_INVITATIONS, Act.MANAGE_ROOM),
         "a member company of the room",
         grpc.StatusCode.NOT_FOUND,
         "room {room_id} not found",
@@ -203,6 +215,14 @@ RULES: tuple[Rule, ...] = (
         lambda f: f.target_id != f.creator_id,
     ),
     Rule(
+        "creator-manages-room",
+        (Act.MANAGE_ROOM,),
+        "the room's creator",
+        grpc.StatusCode.PERMISSION_DENIED,
+        "only the company that created room {room_id} may rename or archive it; company {company_id} did not",
+        lambda f: f.company_id == f.creator_id,
+    ),
+    Rule(
         "room-agents",
         (Act.SEE_ROOM_AGENTS,),
         "a member company of the room sees every member company's agents by id, name and company; an "
@@ -219,12 +239,20 @@ RULES: tuple[Rule, ...] = (
         "agent {object_id} not found in company {company_id}",
         _owner,
     ),
+    Rule(
+        "own-agent",
+        (Act.MANAGE_AGENT,),
+        "the agent's own company",
+        grpc.StatusCode.NOT_FOUND,
+        "agent {object_id} not found in company {company_id}",
+        _owner,
+    ),
 )
 
 
 # What a member company sees of another member company's agent in the room (the rule `room-agents`);
 # its own agents it sees whole. The names are the fields of quayutec.v1.Agent.
-AGENT_FIELDS_SEEN_BY_OTHERS = ("agent_id", "company_id", "company_name", "name", "created_at")
+AGENT_FIELDS_SEEN_BY_OTHERS = ("agent_id", "company_id", "company_name", "name", "created_at", "retired_at")
 
 
 def agent_fields_seen(reader_id: str, owner_id: str) -> tuple[str, ...] | None:

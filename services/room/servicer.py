@@ -93,6 +93,9 @@ def _agent_as_seen(agent: common_pb2.Agent, reader: str) -> common_pb2.Agent:
     for name in fields:
         if name == "created_at":
             seen.created_at.CopyFrom(agent.created_at)
+        elif name == "retired_at":
+            if agent.HasField("retired_at"):
+                seen.retired_at.CopyFrom(agent.retired_at)
         else:
             setattr(seen, name, getattr(agent, name))
     return seen
@@ -154,10 +157,26 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
         company_id = v.required_id(request.company_id, "company_id")
         row = await self._store.create_room(
             company_id,
-            v.text(request.name, "name", v.MAX_NAME_BYTES),
+            v.text(request.name, "name", v.MAX_NAME_BYTES).strip(),
             v.dedupe_key(request.dedupe_key),
         )
         return room_pb2.RoomServiceCreateRoomResponse(room=convert.room(row))
+
+    async def RenameRoom(
+        self, request: room_pb2.RoomServiceRenameRoomRequest, context: Ctx
+    ) -> room_pb2.RoomServiceRenameRoomResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        company_id = v.required_id(request.company_id, "company_id")
+        name = v.text(request.name, "name", v.MAX_NAME_BYTES).strip()
+        row = await self._store.rename_room(room_id, company_id, name)
+        return room_pb2.RoomServiceRenameRoomResponse(room=convert.room(row))
+
+    async def ArchiveRoom(
+        self, request: room_pb2.RoomServiceArchiveRoomRequest, context: Ctx
+    ) -> room_pb2.RoomServiceArchiveRoomResponse:
+        room_id = v.required_id(request.room_id, "room_id")
+        row = await self._store.archive_room(room_id, v.required_id(request.company_id, "company_id"))
+        return room_pb2.RoomServiceArchiveRoomResponse(room=convert.room(row))
 
     async def GetRoom(
         self, request: room_pb2.RoomServiceGetRoomRequest, context: Ctx
@@ -306,7 +325,7 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
                 await context.abort(error.code, error.message)
         row = await self._store.register_agent(
             company_id=company_id,
-            name=v.text(request.name, "name", v.MAX_NAME_BYTES),
+            name=v.text(request.name, "name", v.MAX_NAME_BYTES).strip(),
             provider=provider,
             model=v.text(request.model, "model", v.MAX_NAME_BYTES),
             base_url=base_url,
@@ -315,6 +334,22 @@ class RoomServicer(room_pb2_grpc.RoomServiceServicer):
             dedupe_key=v.dedupe_key(request.dedupe_key),
         )
         return room_pb2.RoomServiceRegisterAgentResponse(agent=convert.agent(row))
+
+    async def RenameAgent(
+        self, request: room_pb2.RoomServiceRenameAgentRequest, context: Ctx
+    ) -> room_pb2.RoomServiceRenameAgentResponse:
+        agent_id = v.required_id(request.agent_id, "agent_id")
+        company_id = v.required_id(request.company_id, "company_id")
+        name = v.text(request.name, "name", v.MAX_NAME_BYTES).strip()
+        row = await self._store.rename_agent(agent_id, company_id, name)
+        return room_pb2.RoomServiceRenameAgentResponse(agent=convert.agent(row))
+
+    async def RetireAgent(
+        self, request: room_pb2.RoomServiceRetireAgentRequest, context: Ctx
+    ) -> room_pb2.RoomServiceRetireAgentResponse:
+        agent_id = v.required_id(request.agent_id, "agent_id")
+        row = await self._store.retire_agent(agent_id, v.required_id(request.company_id, "company_id"))
+        return room_pb2.RoomServiceRetireAgentResponse(agent=convert.agent(row))
 
     async def _egress_refusal(self, base_url: str) -> tuple[ServiceError, str] | None:
         """The Runtime's egress rules, applied now so a refused address is refused at registration

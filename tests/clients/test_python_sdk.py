@@ -639,3 +639,39 @@ async def test_the_edges_an_outside_developer_meets(stack: SdkStack, acme: Compa
     assert first_page + rest == [f"m{i}" for i in range(7)]
     again = [m.body async for m in client.messages(room.room_id, page_size=3, page_token=pages.page_token)]
     assert again == [f"m{i}" for i in range(7)]
+
+
+async def test_names_renames_retirement_and_archiving(
+    stack: SdkStack, acme: CompanyKey, bolt: CompanyKey, connect: ClientFactory
+) -> None:
+    """Issue 49: a taken name is the typed AlreadyExists naming the first; renames, retirement and
+    archiving, each refused to another company as the Room's rules say."""
+    a, b = connect(acme, retry=NO_RETRY), connect(bolt, retry=NO_RETRY)
+    room = await a.create_room("names")
+    with pytest.raises(errors.AlreadyExists) as taken:
+        await a.create_room(" NAMES ")
+    assert taken.value.code == grpc.StatusCode.ALREADY_EXISTS and room.room_id in taken.value.message
+    agent = await a.register_agent("namer", provider="anthropic", model="m", provider_key="sk-test")
+    with pytest.raises(errors.AlreadyExists) as twice:
+        await a.register_agent("Namer", provider="anthropic", model="m", provider_key="sk-test")
+    assert agent.agent_id in twice.value.message
+
+    assert (await a.rename_room(room.room_id, "renamed")).name == "renamed"
+    assert (await a.rename_agent(agent.agent_id, "renamer")).name == "renamer"
+    with pytest.raises(errors.NotFound):
+        await b.rename_agent(agent.agent_id, "theirs")
+    with pytest.raises(errors.NotFound):
+        await b.archive_room(room.room_id)
+    with pytest.raises(errors.InvalidArgument, match="name"):
+        await a.rename_agent(agent.agent_id, "  ")
+
+    retired = await a.retire_agent(agent.agent_id)
+    assert retired.HasField("retired_at")
+    posted = await a.post_message(room.room_id, "hi", person="ana", mentions=[agent.agent_id])
+    assert list(posted.wake_ids) == []
+
+    archived = await a.archive_room(room.room_id)
+    assert archived.HasField("archived_at")
+    with pytest.raises(errors.FailedPrecondition, match="archived"):
+        await a.post_message(room.room_id, "late", person="ana")
+    assert [m.body async for m in a.messages(room.room_id)] == ["hi"]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,8 @@ from cryptography.fernet import InvalidToken
 from quayutec.config import ConfigError
 from services.console.app import session_box
 from services.console.config import SECRET_FILE, ConsoleConfig
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_and_the_dev_secret(tmp_path: Path) -> None:
@@ -57,3 +62,53 @@ def test_the_key_is_sealed_with_the_secret() -> None:
     assert session_box("a" * 40).decrypt(sealed) == b"qyk_secret"
     with pytest.raises(InvalidToken):
         session_box("b" * 40).decrypt(sealed)
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "localhost:16686",  # no scheme: a browser would read it as a path
+        "ftp://jaeger.example:16686",
+        "javascript:alert(1)",
+        "http://",
+        "http:///trace",
+        "https://jaeger.example/?a=b",
+        "http://jaeger.example:port",
+    ],
+)
+def test_a_jaeger_url_that_is_not_an_http_address_is_refused(tmp_path: Path, given: str) -> None:
+    with pytest.raises(ConfigError, match="QUAYUTEC_CONSOLE_JAEGER_URL") as refused:
+        ConsoleConfig.from_env({"QUAYUTEC_DATA_DIR": str(tmp_path), "QUAYUTEC_CONSOLE_JAEGER_URL": given})
+    assert repr(given) in str(refused.value)
+
+
+def test_the_jaeger_url_is_kept_without_its_trailing_slash(tmp_path: Path) -> None:
+    def jaeger_url(value: str) -> str:
+        return ConsoleConfig.from_env(
+            {"QUAYUTEC_DATA_DIR": str(tmp_path), "QUAYUTEC_CONSOLE_JAEGER_URL": value}
+        ).jaeger_url
+
+    assert jaeger_url("") == ""
+    assert jaeger_url("http://127.0.0.1:16686/") == "http://127.0.0.1:16686"
+    assert jaeger_url("https://ops.example/jaeger") == "https://ops.example/jaeger"
+
+
+def test_the_console_does_not_start_with_a_wrong_jaeger_url(tmp_path: Path) -> None:
+    """The console's process itself: it exits at once, naming the setting and what was given."""
+    done = subprocess.run(
+        [sys.executable, "-m", "services.console"],
+        cwd=REPO,
+        env={
+            **os.environ,
+            "PYTHONPATH": str(REPO),
+            "QUAYUTEC_DATA_DIR": str(tmp_path),
+            "QUAYUTEC_CONSOLE_LISTEN": "127.0.0.1:0",
+            "QUAYUTEC_CONSOLE_JAEGER_URL": "jaeger:16686",
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert "QUAYUTEC_CONSOLE_JAEGER_URL must be the Jaeger UI's http(s) address" in done.stdout
+    assert "got 'jaeger:16686'" in done.stdout

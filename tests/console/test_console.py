@@ -62,7 +62,9 @@ async def test_two_companies_in_the_console(
                 running_console(gateway_addr, QUAYUTEC_CONSOLE_JAEGER_URL=JAEGER) as base,
                 chromium() as browser,
             ):
-                await _scenario(browser, base, acme_key.secret, globex_key.secret, acme_gw, globex_gw, standin, shots)
+                await _scenario(
+                    browser, base, acme_key.secret, globex_key.secret, acme_gw, globex_gw, standin, shots, captured[0]
+                )
     print(f"console screenshots in {shots.folder}")
 
 
@@ -75,6 +77,7 @@ async def _scenario(
     globex_gw: GatewayStub,
     standin: StandinProvider,
     shots: Shots,
+    exporter: InMemorySpanExporter,
 ) -> None:
     launch = await create_room(acme_gw, "Friday launch")
     private = await create_room(globex_gw, "Globex only")
@@ -212,6 +215,24 @@ async def _scenario(
     done = (await acme_gw.GetRun(gateway_pb2.GetRunRequest(run_id=run_id), timeout=10)).run
     assert [x.outcome for x in done.actions] == [common_pb2.ACTION_OUTCOME_DONE, common_pb2.ACTION_OUTCOME_DENIED]
     assert "Ana" in done.actions[1].detail
+    # The ended run's page links each of the ledger's traces, the first and the continuation's, to
+    # Jaeger's page of it; and each is the trace of one of the run's own `run` spans, as exported.
+    assert len(done.trace_ids) == 2 and done.trace_ids[0] == done_trace, list(done.trace_ids)
+    await run_page.reload()
+    links = run_page.locator("#trace-links a")
+    await expect(links).to_have_count(2)
+    assert [await link.get_attribute("href") for link in await links.all()] == [
+        f"{JAEGER}/trace/{trace_id}" for trace_id in done.trace_ids
+    ]
+    await expect(run_page.get_by_role("link", name="Open the continuation's trace in Jaeger")).to_have_attribute(
+        "href", f"{JAEGER}/trace/{done.trace_ids[1]}"
+    )
+    exporter_traces = {
+        format(span.context.trace_id, "032x")
+        for span in exporter.get_finished_spans()
+        if span.name == "run" and (span.attributes or {}).get("quayutec.run_id") == run_id
+    }
+    assert exporter_traces == set(done.trace_ids)
     assert len((await acme_gw.ListRuns(gateway_pb2.ListRunsRequest(), timeout=10)).runs) == 1
     # Globex may not open Acme's run.
     answer = await g.goto(f"{base}/runs/{run_id}")

@@ -370,3 +370,36 @@ async def test_a2a_spans_name_the_task_and_the_message_id(
     assert send.attr("quayutec.task_id") == sent.id
     assert send.attr("quayutec.a2a.message_id") == message.message_id
     assert servers[f"{A2A_SERVICE}/GetTask"].attr("quayutec.task_id") == sent.id
+
+
+async def test_an_archived_room_refuses_a2a_tasks_and_keeps_them_readable(
+    database_url: str, room_addr: str, acme_gw: GatewayStub, globex_gw: GatewayStub, globex: CompanyKey
+) -> None:
+    """Issue 49: archiving is the Room's rule `room-open`, for the A2A door as for the Gateway's API."""
+    room = await create_room(acme_gw, "archived over a2a")
+    agent = await register_agent(acme_gw, "helper")
+    invited = await invite(acme_gw, room.room_id, globex.company_id)
+    await globex_gw.AcceptInvitation(
+        gateway_pb2.AcceptInvitationRequest(invitation_id=invited.invitation_id), timeout=10
+    )
+    tenant = tenant_of(room.room_id, agent.agent_id)
+    async with running_gateway(
+        database_url, room_addr, "127.0.0.1:9", QUAYUTEC_GATEWAY_DELIVERY_ENABLED="false", **FAST
+    ) as addr:
+        async with a2a_client(addr, tenant, globex.secret) as (_, card):
+            sent = await send_once(card, globex.secret, _message("before the archiving"), wait=False)
+        await acme_gw.ArchiveRoom(gateway_pb2.ArchiveRoomRequest(room_id=room.room_id), timeout=10)
+        async with grpc.aio.insecure_channel(addr) as channel:
+            from a2a.types import a2a_pb2_grpc
+
+            stub = a2a_pb2_grpc.A2AServiceStub(channel)  # type: ignore[no-untyped-call]
+            metadata = (("authorization", f"Bearer {globex.secret}"),)
+            request = a2a_pb2.SendMessageRequest(tenant=tenant, message=_message("after it"))
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.SendMessage(request, metadata=metadata)
+            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "is archived" in (err.value.details() or "")
+            got = await stub.GetTask(a2a_pb2.GetTaskRequest(tenant=tenant, id=sent.id), metadata=metadata)
+            assert got.id == sent.id
+    tasks = await acme_gw.ListTasks(gateway_pb2.ListTasksRequest(room_id=room.room_id), timeout=10)
+    assert [t.title for t in tasks.tasks] == ["before the archiving"]

@@ -326,7 +326,7 @@ async def test_tasks(
     )
     await expect_error(INVALID, acme_gw.GetTask(gateway_pb2.GetTaskRequest(room_id=room.room_id), timeout=10))
     # A task of another room is not found through this room.
-    other_room = await create_room(acme_gw)
+    other_room = await create_room(acme_gw, "other room")
     await expect_error(
         NOT_FOUND,
         acme_gw.GetTask(gateway_pb2.GetTaskRequest(room_id=other_room.room_id, task_id=task.task_id), timeout=10),

@@ -87,9 +87,10 @@ async def room_as_gateway(database_url: str, resolver: TableResolver) -> AsyncIt
 
 
 def registration(company_id: str, base_url: str) -> room_pb2.RoomServiceRegisterAgentRequest:
+    # Named after its address: a company's agent names are unique.
     return room_pb2.RoomServiceRegisterAgentRequest(
         company_id=company_id,
-        name="own",
+        name=f"own {base_url}",
         provider=common_pb2.PROVIDER_OPENAI_COMPATIBLE,
         model="own-1",
         base_url=base_url,

@@ -480,7 +480,9 @@ def test_the_fenced_write_is_the_same_in_each_statement_that_makes_it(tmp_path: 
     # Each statement that writes a ledger row carries the fence (and the run's event) as CTEs, written once in
     # queries.sql as the fragment fenced_run_write.
     queries = Queries(QUERIES_PATH)
-    fence = queries.fragments["fenced_run_write"]
+    # The fence keeps what a committed write recorded (the fragment kept_run_writes, named in it).
+    assert "{{kept_run_writes}}" in queries.fragments["fenced_run_write"]
+    fence = queries.fragments["fenced_run_write"].replace("{{kept_run_writes}}", queries.fragments["kept_run_writes"])
     assert "WHERE r.ended_at IS NULL" in fence and "up AS (" in fence
     for name in ("record_run", "run_context_with_run", "post_message", "write_memory", "create_task", "update_task"):
         assert queries[name].count(fence) == 1, name

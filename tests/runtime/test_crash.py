@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import asyncpg
 import grpc
 import pytest
 
@@ -18,6 +19,7 @@ from quayutec.ledger import run_id_for
 from quayutec.v1 import common_pb2, runtime_pb2
 from services.runtime.standin import StandinProvider
 from tests.harness.claims import running_claims
+from tests.harness.ledger_check import ledger_disagreements
 from tests.harness.room import running_room
 from tests.harness.runtime import RuntimeProcess, running_runtime
 from tests.runtime.world import World, make_world, runtime_stub, start_request
@@ -57,7 +59,9 @@ async def counts(w: World) -> tuple[int, int, int]:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.kill_at for c in CASES])
-async def test_killed_run_is_never_redone(case: Case, backends: tuple[str, str], standin: StandinProvider) -> None:
+async def test_killed_run_is_never_redone(
+    case: Case, backends: tuple[str, str], standin: StandinProvider, database_url: str
+) -> None:
     claims_addr, room_addr = backends
     channels: list[grpc.aio.Channel] = []
     w = await make_world(room_addr, claims_addr, channels)
@@ -92,6 +96,7 @@ async def test_killed_run_is_never_redone(case: Case, backends: tuple[str, str],
     if case.kill_at == "action_written":
         outcomes = [a.outcome for a in dead.actions]
         assert outcomes == [common_pb2.ACTION_OUTCOME_DONE, common_pb2.ACTION_OUTCOME_PENDING]
+    assert await disagreements(database_url) == []
 
     async with running_runtime(claims_addr, room_addr, standin_url=standin.base_url) as fresh_addr:
         fresh = runtime_stub(fresh_addr, channels)
@@ -112,8 +117,18 @@ async def test_killed_run_is_never_redone(case: Case, backends: tuple[str, str],
 
     replies, memory, tasks = await counts(w)
     assert (replies, memory, tasks) == (case.replies + 1, case.memory, case.tasks)
+    assert await disagreements(database_url) == []
     for channel in channels:
         await channel.close()
+
+
+async def disagreements(database_url: str) -> list[str]:
+    """Every ledger row against the room's rows of its run (tests/harness/ledger_check.py)."""
+    db = await asyncpg.connect(database_url)
+    try:
+        return await ledger_disagreements(db)
+    finally:
+        await db.close()
 
 
 async def wait_until(predicate: object, limit: float = 30.0) -> None:

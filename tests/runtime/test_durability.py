@@ -25,6 +25,7 @@ from services.stack import free_port
 from tests.harness.channels import service_channel
 from tests.harness.claims import claims_stub, running_claims
 from tests.harness.gateway import running_gateway
+from tests.harness.ledger_check import ledger_disagreements
 from tests.harness.postgres import OwnPostgres
 from tests.harness.room import TEST_ENCRYPTION_KEY, running_room
 from tests.harness.runtime import RuntimeProcess, ServiceProcess, running_runtime
@@ -114,6 +115,8 @@ async def count_from_database(database_url: str, w: World, run_ids: list[str]) -
         claims = await conn.fetchval(
             "SELECT count(*) FROM agent_run_locks WHERE agent_id = $1", str(w.agent_a.agent_id)
         )
+        # Every run's ledger row names what the room holds of it (tests/harness/ledger_check.py).
+        assert await ledger_disagreements(conn, [w.room_id]) == []
     finally:
         await conn.close()
     acted = lost = doubled = 0

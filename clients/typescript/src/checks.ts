@@ -22,6 +22,10 @@ const id = (field: string, snake: string): Rule => [field, snake, "id", 0];
 /** Per RPC (its gRPC name), in the Gateway's order; the same table as the Python client's. */
 const FIELDS: Readonly<Record<string, readonly Rule[]>> = {
   CreateRoom: [["name", "name", "text", MAX_NAME_BYTES]],
+  RenameRoom: [["name", "name", "text", MAX_NAME_BYTES], id("roomId", "room_id")],
+  ArchiveRoom: [id("roomId", "room_id")],
+  RenameAgent: [id("agentId", "agent_id"), ["name", "name", "text", MAX_NAME_BYTES]],
+  RetireAgent: [id("agentId", "agent_id")],
   InviteCompany: [id("companyId", "company_id"), id("roomId", "room_id")],
   AcceptInvitation: [id("invitationId", "invitation_id")],
   DeclineInvitation: [id("invitationId", "invitation_id")],

@@ -187,6 +187,20 @@ export class Client {
     return required((await this.unary(call, "createRoom", request)).room);
   }
 
+  /** Rename a room your company created (its creator only). Names are unique among the rooms a
+   * company creates, trimmed and case ignored: a taken one rejects with AlreadyExists naming the room
+   * that has it. Safe to retry: renaming again to the same name changes nothing. */
+  async renameRoom(roomId: string, name: string, call: PerCall = {}): Promise<Room> {
+    return required((await this.unary(call, "renameRoom", { roomId, name })).room);
+  }
+
+  /** Archive a room your company created: read-only from then on (writes reject with
+   * FailedPrecondition saying it is archived), its history readable; `archivedAt` is set. Safe to
+   * retry: archiving again changes nothing. */
+  async archiveRoom(roomId: string, call: PerCall = {}): Promise<Room> {
+    return required((await this.unary(call, "archiveRoom", { roomId })).room);
+  }
+
   /** The rooms your company is a member of. */
   rooms(options: { pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<Room, void, undefined> {
     return this.paged(call, "listRooms", { ...options }, (p) => p.rooms);
@@ -273,6 +287,19 @@ export class Client {
       idempotencyKey: agent.idempotencyKey ?? newIdempotencyKey(),
     };
     return required((await this.unary(call, "registerAgent", request)).agent);
+  }
+
+  /** Rename one of your company's agents. Names are unique within a company, trimmed and case
+   * ignored (retired agents' too): a taken one rejects with AlreadyExists naming the agent that has
+   * it. Safe to retry: renaming again to the same name changes nothing. */
+  async renameAgent(agentId: string, name: string, call: PerCall = {}): Promise<Agent> {
+    return required((await this.unary(call, "renameAgent", { agentId, name })).agent);
+  }
+
+  /** Retire one of your company's agents: it wakes no more (a mention of it makes no wake); its runs
+   * and messages stay, and `retiredAt` is set. Safe to retry: retiring again changes nothing. */
+  async retireAgent(agentId: string, call: PerCall = {}): Promise<Agent> {
+    return required((await this.unary(call, "retireAgent", { agentId })).agent);
   }
 
   /** Your company's agents. */
@@ -625,6 +652,8 @@ function required<T>(value: T | undefined): T {
 export const WRAPS: { readonly [K in RpcKey]: keyof Client } = {
   whoAmI: "whoAmI",
   createRoom: "createRoom",
+  renameRoom: "renameRoom",
+  archiveRoom: "archiveRoom",
   listRooms: "rooms",
   inviteCompany: "inviteCompany",
   listInvitations: "invitations",
@@ -636,6 +665,8 @@ export const WRAPS: { readonly [K in RpcKey]: keyof Client } = {
   removeMember: "removeMember",
   listMembers: "members",
   registerAgent: "registerAgent",
+  renameAgent: "renameAgent",
+  retireAgent: "retireAgent",
   listAgents: "agents",
   postMessage: "postMessage",
   listMessages: "messages",

@@ -45,6 +45,9 @@ export enum Safety {
 export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   whoAmI: Safety.Read,
   createRoom: Safety.KeyedWrite,
+  // Renaming to the same name, archiving or retiring again, leaves it as it is.
+  renameRoom: Safety.IdempotentWrite,
+  archiveRoom: Safety.IdempotentWrite,
   listRooms: Safety.Read,
   inviteCompany: Safety.KeyedWrite,
   listInvitations: Safety.Read,
@@ -56,6 +59,8 @@ export const SAFETY: { readonly [K in RpcKey]: Safety } = {
   removeMember: Safety.UnkeyedWrite,
   listMembers: Safety.Read,
   registerAgent: Safety.KeyedWrite,
+  renameAgent: Safety.IdempotentWrite,
+  retireAgent: Safety.IdempotentWrite,
   listAgents: Safety.Read,
   postMessage: Safety.KeyedWrite,
   listMessages: Safety.Read,

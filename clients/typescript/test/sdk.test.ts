@@ -471,6 +471,34 @@ async function logOf(roomId: string, companyId: string, after: bigint): Promise<
   return log.events.filter((e) => BigInt(e.cursor) > after).map((e) => [e.cursor, e.kind]);
 }
 
+test("names stay unique; rooms and agents are renamed, an agent retired, a room archived", async () => {
+  const [acme, bolt] = [await stack.company(), await stack.company()];
+  const a = client(acme, { retry: NO_RETRY });
+  const b = client(bolt, { retry: NO_RETRY });
+  const room = await a.createRoom("names");
+  const taken = await a.createRoom(" NAMES ").then(() => undefined, (e: unknown) => e);
+  assert.ok(taken instanceof AlreadyExists, String(taken));
+  assert.ok(taken.rawMessage.includes(room.roomId), taken.message);
+  const agent = await a.registerAgent({ name: "namer", provider: "anthropic", model: "m", providerKey: "sk-test" });
+  await assert.rejects(a.registerAgent({ name: "Namer", provider: "anthropic", model: "m", providerKey: "sk-test" }), AlreadyExists);
+
+  assert.equal((await a.renameRoom(room.roomId, "renamed")).name, "renamed");
+  assert.equal((await a.renameAgent(agent.agentId, "renamer")).name, "renamer");
+  await assert.rejects(b.renameAgent(agent.agentId, "theirs"), NotFound);
+  await assert.rejects(b.archiveRoom(room.roomId), NotFound);
+  await assert.rejects(a.renameAgent(agent.agentId, "  "), /name/);
+
+  const retired = await a.retireAgent(agent.agentId);
+  assert.ok(retired.retiredAt !== undefined);
+  const posted = await a.postMessage(room.roomId, "hi", { person: "ana", mentions: [agent.agentId] });
+  assert.deepEqual(posted.wakeIds, []);
+
+  const archived = await a.archiveRoom(room.roomId);
+  assert.ok(archived.archivedAt !== undefined);
+  await assert.rejects(a.postMessage(room.roomId, "late", { person: "ana" }), FailedPrecondition);
+  assert.deepEqual((await collect(a.messages(room.roomId))).map((m) => m.body), ["hi"]);
+});
+
 test("watchRooms across two Gateway kills, a cut, joins and a departure yields every event of every room once, in order", async () => {
   const [acme, bolt] = [await stack.company(), await stack.company()];
   const [a, b, watcher] = [client(acme), client(bolt), client(acme)];

@@ -18,19 +18,44 @@ WITH room AS (
     INSERT INTO rooms (name, created_by_company_id, dedupe_key)
     SELECT $2, company_id, $3 FROM companies WHERE company_id = $1
     ON CONFLICT (created_by_company_id, dedupe_key) DO NOTHING
-    RETURNING room_id, name, created_by_company_id, created_at
+    RETURNING room_id, name, created_by_company_id, created_at, archived_at
 ), member AS (
     INSERT INTO room_members (room_id, company_id)
     SELECT room_id, created_by_company_id FROM room
 )
-SELECT room_id, name, created_by_company_id, created_at FROM room;
+SELECT room_id, name, created_by_company_id, created_at, archived_at FROM room;
 
 -- name: find_room_by_dedupe
-SELECT room_id, name, created_by_company_id, created_at FROM rooms
+SELECT room_id, name, created_by_company_id, created_at, archived_at FROM rooms
 WHERE created_by_company_id = $1 AND dedupe_key = $2;
 
 -- name: get_room
-SELECT room_id, name, created_by_company_id, created_at FROM rooms WHERE room_id = $1;
+SELECT room_id, name, created_by_company_id, created_at, archived_at FROM rooms WHERE room_id = $1;
+
+-- name: find_room_by_name
+-- The room company $1 created named $2 as the unique index rooms_creator_name compares names.
+SELECT room_id, name FROM rooms WHERE created_by_company_id = $1 AND lower(name) = lower($2);
+
+-- name: room_archived
+SELECT archived_at IS NOT NULL FROM rooms WHERE room_id = $1;
+
+-- name: rename_room
+-- Room $1 named $2 (its row locked by lock_room_for_membership first); a name another room of its creator
+-- holds fails on rooms_creator_name.
+UPDATE rooms SET name = $2 WHERE room_id = $1
+RETURNING room_id, name, created_by_company_id, created_at, archived_at;
+
+-- name: archive_room
+-- Room $1 archived (once: archiving again keeps the first time) and its pending invitations withdrawn, in
+-- one statement (its row locked by lock_room_for_membership first).
+WITH room AS (
+    UPDATE rooms SET archived_at = COALESCE(archived_at, now()) WHERE room_id = $1
+    RETURNING room_id, name, created_by_company_id, created_at, archived_at
+), withdrawn AS (
+    UPDATE room_invitations SET status = 'withdrawn', responded_at = now()
+    WHERE room_id = $1 AND status = 'pending'
+)
+SELECT * FROM room;
 
 -- name: room_exists
 SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $1);
@@ -39,7 +64,7 @@ SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $1);
 SELECT EXISTS (SELECT 1 FROM room_members WHERE room_id = $1 AND company_id = $2);
 
 -- name: list_rooms
-SELECT r.room_id, r.name, r.created_by_company_id, r.created_at, m.pos
+SELECT r.room_id, r.name, r.created_by_company_id, r.created_at, r.archived_at, m.pos
 FROM room_members m
 JOIN rooms r ON r.room_id = m.room_id
 WHERE m.company_id = $1 AND m.pos > $2
@@ -48,7 +73,8 @@ LIMIT $3;
 
 -- name: lock_room_for_membership
 -- Serializes invitations into one room with each other (CreateInvitation appends no event).
-SELECT room_id, created_by_company_id FROM rooms WHERE room_id = $1 FOR NO KEY UPDATE;
+SELECT room_id, created_by_company_id, archived_at IS NOT NULL AS archived FROM rooms WHERE room_id = $1
+FOR NO KEY UPDATE;
 
 -- name: lock_membership
 -- The company's membership of the room, locked FOR SHARE until the writing transaction ends: a departure
@@ -169,32 +195,61 @@ WITH company AS (
     SELECT company_id, $2, $3, $4, $5, $6, $7, $8 FROM company
     ON CONFLICT (company_id, dedupe_key) DO NOTHING
     RETURNING agent_id, company_id, name, provider, model, base_url, system_prompt,
-        provider_key_encrypted IS NOT NULL AS has_provider_key, created_at
+        provider_key_encrypted IS NOT NULL AS has_provider_key, created_at, retired_at
 )
 SELECT made.*, company.name AS company_name FROM made, company;
 
 -- name: find_agent_by_dedupe
 SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
-    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.retired_at
 FROM agents a JOIN companies c ON c.company_id = a.company_id
 WHERE a.company_id = $1 AND a.dedupe_key = $2;
 
+-- name: find_agent_by_name
+-- The agent of company $1 named $2 as the unique index agents_company_name compares names.
+SELECT agent_id, name FROM agents WHERE company_id = $1 AND lower(name) = lower($2);
+
+-- name: lock_agent
+SELECT company_id FROM agents WHERE agent_id = $1 FOR NO KEY UPDATE;
+
+-- name: rename_agent
+-- Agent $1 named $2; a name another agent of its company holds fails on agents_company_name.
+WITH a AS (
+    UPDATE agents SET name = $2 WHERE agent_id = $1
+    RETURNING agent_id, company_id, name, provider, model, base_url, system_prompt,
+        provider_key_encrypted IS NOT NULL AS has_provider_key, created_at, retired_at
+)
+SELECT a.*, c.name AS company_name FROM a JOIN companies c ON c.company_id = a.company_id;
+
+-- name: retire_agent
+-- Agent $1 retired (once: retiring again keeps the first time), and its wakes not yet delivered and not
+-- leased now settled as delivered with a last_error saying why, so no run starts from them.
+WITH a AS (
+    UPDATE agents SET retired_at = COALESCE(retired_at, now()) WHERE agent_id = $1
+    RETURNING agent_id, company_id, name, provider, model, base_url, system_prompt,
+        provider_key_encrypted IS NOT NULL AS has_provider_key, created_at, retired_at
+), settled AS (
+    UPDATE wake_outbox SET delivered_at = now(), lease_expires_at = NULL, last_error = 'its agent was retired'
+    WHERE agent_id = $1 AND delivered_at IS NULL AND (lease_expires_at IS NULL OR lease_expires_at < now())
+)
+SELECT a.*, c.name AS company_name FROM a JOIN companies c ON c.company_id = a.company_id;
+
 -- name: get_agent
 SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
-    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.retired_at
 FROM agents a JOIN companies c ON c.company_id = a.company_id
 WHERE a.agent_id = $1;
 
 -- name: get_agent_credentials
 SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
-    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at,
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.retired_at,
     a.provider_key_encrypted
 FROM agents a JOIN companies c ON c.company_id = a.company_id
 WHERE a.agent_id = $1;
 
 -- name: list_agents
 SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
-    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.pos
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.retired_at, a.pos
 FROM agents a
 JOIN companies c ON c.company_id = a.company_id
 WHERE a.company_id = $1 AND a.pos > $2
@@ -205,7 +260,7 @@ LIMIT $3;
 -- The agents in room $1: those of its member companies (only company $4's when not NULL), in
 -- registration order.
 SELECT a.agent_id, a.company_id, c.name AS company_name, a.name, a.provider, a.model, a.base_url,
-    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.pos
+    a.system_prompt, a.provider_key_encrypted IS NOT NULL AS has_provider_key, a.created_at, a.retired_at, a.pos
 FROM agents a
 JOIN room_members m ON m.company_id = a.company_id AND m.room_id = $1
 JOIN companies c ON c.company_id = a.company_id
@@ -246,6 +301,7 @@ author_agent AS (
 -- fragment: post_fact_columns
 -- The facts the rules look at, read from post_facts' CTEs (the same parameters).
 EXISTS (SELECT 1 FROM rooms WHERE room_id = $1) AS room_found,
+    EXISTS (SELECT 1 FROM rooms WHERE room_id = $1 AND archived_at IS NOT NULL) AS archived,
     (SELECT company_id FROM author_agent) AS agent_company_id,
     (SELECT count(*) FROM author_member) > 0 AS member,
     ARRAY(SELECT agent_id FROM mentioned) AS mentioned_agent_ids,
@@ -297,6 +353,26 @@ admitted AS (
     SELECT ok AND $1::text IS NOT NULL AS ok FROM allowed
 ), {{fenced_run_write}}
 
+-- fragment: kept_run_writes
+-- The SET items of a ledger row's upsert (ON CONFLICT, the stored row aliased r) that keep what a
+-- committed write recorded (docs/durability.md, "What the ledger keeps"): posted_message_id, once set,
+-- is never cleared (a write that names no reply leaves it; one that names a reply is the Room's own
+-- write of that reply, with its id filled in), and an action recorded ACTION_OUTCOME_DONE stays done
+-- with its result id unless the write itself records that action done (the Room's own write of it); a
+-- run whose answer was lost, which ends the action not_done, leaves it done. An action only the stored
+-- row has is kept. Everything else is the write's. Actions are stored as MessageToDict objects, which
+-- leave out index 0.
+posted_message_id = COALESCE(NULLIF(EXCLUDED.posted_message_id, ''), r.posted_message_id),
+        actions = (
+            SELECT COALESCE(jsonb_agg(CASE WHEN incoming.a IS NULL OR (kept.a->>'outcome' = 'ACTION_OUTCOME_DONE'
+                AND incoming.a->>'outcome' IS DISTINCT FROM 'ACTION_OUTCOME_DONE') THEN kept.a ELSE incoming.a END
+                ORDER BY n), '[]'::jsonb)
+            FROM (SELECT a, COALESCE((a->>'index')::int, 0) AS n FROM jsonb_array_elements(EXCLUDED.actions) AS a)
+                AS incoming
+            FULL JOIN (SELECT a, COALESCE((a->>'index')::int, 0) AS n FROM jsonb_array_elements(r.actions) AS a)
+                AS kept USING (n)
+        ),
+
 -- fragment: fenced_run_write
 -- The ledger row $1..$19 written through the fence, and its room event, as CTEs every statement that
 -- writes a run's row shares (named {{fenced_run_write}} in them; the statement defines admitted.ok,
@@ -323,8 +399,7 @@ before AS (
         wake_source_id = EXCLUDED.wake_source_id,
         status = EXCLUDED.status,
         step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
+        {{kept_run_writes}}
         model_attempts = EXCLUDED.model_attempts,
         error = EXCLUDED.error,
         trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
@@ -354,28 +429,28 @@ before AS (
     WHERE up.company_id IS NOT NULL AND up.status IS DISTINCT FROM (SELECT (b.r).status FROM before AS b)
 
 -- name: post_message
--- PostMessage in one statement: the rules' facts, and the post written only when they are those of a new
--- post the rules allow (the store checks that claim against services/room/rules.py, and decides from the
--- facts returned). The facts, as post_check reads them: whether room $22 exists; the author agent's company
--- (agent $24, NULL for a person); whether the author's company ($23, or the agent's when NULL) is a member,
--- its membership row locked FOR SHARE to commit (see lock_membership); the mentioned agents $25 that exist
--- with their companies, and which of those are members (rows locked FOR SHARE too: a mentioned agent's
--- company cannot leave before the post commits); and the earlier message with dedupe key $26 (a messages
--- row, or NULL) with its wakes. Written only when the room exists, the author agent exists (of company
--- $23 when given), its company is a member, every mentioned agent's company is a member and no message
--- holds the dedupe key: then the ledger row $1..$19 when given, through the fence with its event (as
--- record_run; the fence refusing it writes nothing else either), then the message $27 with the room's
--- next seq, a wake for each agent in $32 (source id $33, traceparent $34) and the events (the run's, when
--- its status changed, then MESSAGE_POSTED carrying the message). With lease owner $36 (NULL: none) the wakes
--- are written leased to it for $37 seconds, attempt 1, as lease_wakes would lease them after the commit
--- (lease_expires_at NULL without an owner); notify_new_wakes sends nothing for leased wakes. The room
--- row's lock (seq and event cursor) is taken by the UPDATE of rooms, which reads the facts and the ledger
--- row first: membership rows, then the ledger row, then the room row, held to commit, so seq order is
--- commit order.
+-- PostMessage in one statement: the rules' facts, and the post written only when they are those of a new post
+-- the rules allow (the store checks that claim against services/room/rules.py, and decides from the facts
+-- returned). The facts, as post_check reads them: whether room $22 exists; the author agent's company (agent
+-- $24, NULL for a person); whether the author's company ($23, or the agent's when NULL) is a member, its
+-- membership row locked FOR SHARE to commit (see lock_membership); the mentioned agents $25 that exist with
+-- their companies, and which of those are members (rows locked FOR SHARE too: a mentioned agent's company
+-- cannot leave before the post commits); and the earlier message with dedupe key $26 (a messages row, or NULL)
+-- with its wakes. Written only when the room exists and is not archived, the author agent exists (of company
+-- $23 when given), its company is a member, every mentioned agent's company is a member and no message holds
+-- the dedupe key: then the ledger row $1..$19 when given, through the fence with its event (as record_run; the
+-- fence refusing it writes nothing else either), then the message $27 with the room's next seq (its UPDATE of
+-- the room row refusing an archived one), a wake for each agent in $32 that is not retired, in $32's order
+-- (source id $33, traceparent $34) and the events (the run's, when its status changed, then MESSAGE_POSTED
+-- carrying the message). With lease owner $36 (NULL: none) the wakes are written leased to it for $37 seconds,
+-- attempt 1, as lease_wakes would lease them after the commit (lease_expires_at NULL without an owner);
+-- notify_new_wakes sends nothing for leased wakes. The room row's lock (seq and event cursor) is taken by the
+-- UPDATE of rooms, which reads the facts and the ledger row first: membership rows, then the ledger row, then
+-- the room row, held to commit, so seq order is commit order.
 WITH {{post_facts+21}}, facts AS (
     SELECT {{post_fact_columns+21}}
 ), allowed AS (
-    SELECT f.room_found AND f.member AND f.earlier IS NULL
+    SELECT f.room_found AND NOT f.archived AND f.member AND f.earlier IS NULL
         AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id))
         AND NOT EXISTS (
             SELECT 1 FROM unnest($25::uuid[]) AS x (agent_id)
@@ -388,7 +463,8 @@ WITH {{post_facts+21}}, facts AS (
 ), {{allowed_fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_seq = last_seq + 1, last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
-    WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    WHERE room_id = $22 AND archived_at IS NULL AND (SELECT ok FROM allowed)
+        AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
     RETURNING last_seq, last_event_seq
 ), message AS (
     INSERT INTO messages AS m (message_id, room_id, seq, author_kind, author_company_id, author_person,
@@ -402,7 +478,9 @@ WITH {{post_facts+21}}, facts AS (
         delivery_attempts)
     SELECT a.agent_id, $22, 'message', $33, $34, $36::text, now() + $37::integer * interval '1 second',
         CASE WHEN $36::text IS NULL THEN 0 ELSE 1 END
-    FROM message, unnest($32::uuid[]) AS a (agent_id)
+    FROM message, unnest($32::uuid[]) WITH ORDINALITY AS a (agent_id, n)
+    WHERE NOT EXISTS (SELECT 1 FROM agents AS r WHERE r.agent_id = a.agent_id AND r.retired_at IS NOT NULL)
+    ORDER BY a.n
     ON CONFLICT (agent_id, kind, source_id) DO NOTHING
     RETURNING w
 ), appended AS (
@@ -480,18 +558,20 @@ WITH author_agent AS (
     SELECT t FROM tasks AS t WHERE t.room_id = $22 AND t.dedupe_key = $26
 ), facts AS (
     SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $22) AS room_found,
+        EXISTS (SELECT 1 FROM rooms WHERE room_id = $22 AND archived_at IS NOT NULL) AS archived,
         (SELECT company_id FROM author_agent) AS agent_company_id,
         (SELECT count(*) FROM author_member) > 0 AS member,
         (SELECT count(*) FROM assignee_member) > 0 AS assignee_in_room,
         (SELECT t FROM earlier) AS earlier
 ), allowed AS (
-    SELECT f.room_found AND f.member AND f.assignee_in_room AND f.earlier IS NULL
+    SELECT f.room_found AND NOT f.archived AND f.member AND f.assignee_in_room AND f.earlier IS NULL
         AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id)) AS ok
     FROM facts AS f
 ), {{allowed_fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
-    WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    WHERE room_id = $22 AND archived_at IS NULL AND (SELECT ok FROM allowed)
+        AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
     RETURNING last_event_seq
 ), task AS (
     INSERT INTO tasks AS t (task_id, room_id, from_kind, from_company_id, from_person, from_agent_id, to_agent_id,
@@ -503,6 +583,7 @@ WITH author_agent AS (
 ), woken AS (
     INSERT INTO wake_outbox AS w (agent_id, room_id, kind, source_id, traceparent)
     SELECT a.agent_id, $22, 'task', (task.t).task_id::text, $34 FROM task, unnest($33::uuid[]) AS a (agent_id)
+    WHERE NOT EXISTS (SELECT 1 FROM agents AS r WHERE r.agent_id = a.agent_id AND r.retired_at IS NOT NULL)
     ON CONFLICT (agent_id, kind, source_id) DO NOTHING
     RETURNING w
 ), appended AS (
@@ -557,13 +638,16 @@ WITH task AS (
 ), facts AS (
     SELECT (SELECT t FROM task) AS task,
         (SELECT version FROM task) IS DISTINCT FROM (SELECT xmin FROM tasks WHERE task_id = $22) AS stale,
+        EXISTS (
+            SELECT 1 FROM rooms WHERE room_id = (SELECT (t).room_id FROM task) AND archived_at IS NOT NULL
+        ) AS archived,
         (SELECT a.company_id FROM agents AS a WHERE a.agent_id = (SELECT (t).to_agent_id FROM task))
             AS assignee_company_id,
         (SELECT company_id FROM author_agent) AS agent_company_id,
         (SELECT count(*) FROM author_member) > 0 AS member,
         (SELECT u FROM earlier) AS earlier
 ), allowed AS (
-    SELECT (f.task).task_id IS NOT NULL AND NOT f.stale AND f.member AND f.earlier IS NULL
+    SELECT (f.task).task_id IS NOT NULL AND NOT f.stale AND NOT f.archived AND f.member AND f.earlier IS NULL
         AND ($25::uuid IS NULL OR (f.task).room_id = $25)
         AND ($1::text IS NULL OR (f.task).room_id = $4::uuid)
         AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id))
@@ -573,7 +657,7 @@ WITH task AS (
 ), {{allowed_fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
-    WHERE room_id = (SELECT (t).room_id FROM task) AND (SELECT ok FROM allowed)
+    WHERE room_id = (SELECT (t).room_id FROM task) AND archived_at IS NULL AND (SELECT ok FROM allowed)
         AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
     RETURNING room_id, last_event_seq
 ), added AS (
@@ -652,17 +736,19 @@ WITH author_agent AS (
     WHERE l.room_id = $22 AND l.dedupe_key = $25
 ), facts AS (
     SELECT EXISTS (SELECT 1 FROM rooms WHERE room_id = $22) AS room_found,
+        EXISTS (SELECT 1 FROM rooms WHERE room_id = $22 AND archived_at IS NOT NULL) AS archived,
         (SELECT company_id FROM author_agent) AS agent_company_id,
         (SELECT count(*) FROM author_member) > 0 AS member,
         (SELECT line FROM earlier) AS earlier
 ), allowed AS (
-    SELECT f.room_found AND f.member AND f.earlier IS NULL
+    SELECT f.room_found AND NOT f.archived AND f.member AND f.earlier IS NULL
         AND ($24::uuid IS NULL OR f.agent_company_id = COALESCE($23::uuid, f.agent_company_id)) AS ok
     FROM facts AS f
 ), {{allowed_fenced_run_write}}
 ), next AS (
     UPDATE rooms SET last_event_seq = last_event_seq + 1 + (SELECT count(*) FROM run_event)
-    WHERE room_id = $22 AND (SELECT ok FROM allowed) AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
+    WHERE room_id = $22 AND archived_at IS NULL AND (SELECT ok FROM allowed)
+        AND ($1::text IS NULL OR EXISTS (SELECT 1 FROM up))
     RETURNING last_event_seq
 ), line AS (
     INSERT INTO memory_lines AS l (memory_id, room_id, author_kind, author_company_id, author_person,
@@ -1064,7 +1150,7 @@ SELECT count(*) FROM removed;
 WITH before AS (
     SELECT status FROM runs WHERE run_id = $1
 ), up AS (
-    INSERT INTO runs (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
+    INSERT INTO runs AS r (run_id, agent_id, company_id, room_id, wake_id, wake_kind, wake_source_id, status, step,
         posted_message_id, actions, model_attempts, error, trace_id, active_ms, started_at, ended_at, attempt,
         trace_ids)
     VALUES ($1, $2, COALESCE($3::uuid, (SELECT company_id FROM agents WHERE agent_id = $2)), $4, $5, $6, $7, $8,
@@ -1078,28 +1164,27 @@ WITH before AS (
         wake_source_id = EXCLUDED.wake_source_id,
         status = EXCLUDED.status,
         step = EXCLUDED.step,
-        posted_message_id = EXCLUDED.posted_message_id,
-        actions = EXCLUDED.actions,
+        {{kept_run_writes}}
         model_attempts = EXCLUDED.model_attempts,
         error = EXCLUDED.error,
-        trace_id = COALESCE(NULLIF(runs.trace_id, ''), EXCLUDED.trace_id),
+        trace_id = COALESCE(NULLIF(r.trace_id, ''), EXCLUDED.trace_id),
         -- Every trace id the row ever had, oldest first, then the write's new ones: none is lost.
         trace_ids = ARRAY(
-            SELECT t FROM unnest(runs.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
+            SELECT t FROM unnest(r.trace_ids || EXCLUDED.trace_ids) WITH ORDINALITY AS u (t, n)
             GROUP BY t ORDER BY min(n)
         ),
         active_ms = EXCLUDED.active_ms,
-        started_at = COALESCE($16::timestamptz, runs.started_at),
+        started_at = COALESCE($16::timestamptz, r.started_at),
         updated_at = now(),
         ended_at = EXCLUDED.ended_at,
         attempt = EXCLUDED.attempt
-    WHERE runs.ended_at IS NULL
+    WHERE r.ended_at IS NULL
         AND (
-            runs.attempt = EXCLUDED.attempt
-            OR runs.status = 'not_started'
-            OR (runs.status = 'parked' AND EXISTS (
+            r.attempt = EXCLUDED.attempt
+            OR r.status = 'not_started'
+            OR (r.status = 'parked' AND EXISTS (
                 SELECT 1 FROM waitpoints AS w
-                WHERE w.run_id = runs.run_id AND w.status <> 'pending'
+                WHERE w.run_id = r.run_id AND w.status <> 'pending'
                     AND starts_with(EXCLUDED.attempt, 'continue:' || w.token::text || ':')
             ))
         )

@@ -19,9 +19,14 @@ CREATE TABLE rooms (
     -- The newest cursor removed by retention cleanup: a watcher resuming from an older cursor has lost events.
     events_pruned_through bigint NOT NULL DEFAULT 0,
     -- The creator's idempotency key: a repeat with it answers this room.
-    dedupe_key text
+    dedupe_key text,
+    -- Set when its creator archived it: read-only from then on (NULL: open).
+    archived_at timestamptz
 );
 CREATE UNIQUE INDEX rooms_company_dedupe_key ON rooms (created_by_company_id, dedupe_key);
+-- A room's name is unique among the rooms its creator created, compared as the CLI resolves names
+-- (stored trimmed, case ignored).
+CREATE UNIQUE INDEX rooms_creator_name ON rooms (created_by_company_id, lower(name));
 
 CREATE TABLE room_members (
     room_id uuid NOT NULL REFERENCES rooms (room_id),
@@ -72,9 +77,14 @@ CREATE TABLE agents (
     system_prompt text NOT NULL DEFAULT '',
     created_at timestamptz NOT NULL DEFAULT now(),
     -- The company's idempotency key: a repeat with it answers this agent.
-    dedupe_key text
+    dedupe_key text,
+    -- Set when its company retired it: it wakes no more; its runs and messages stay (NULL: active).
+    retired_at timestamptz
 );
 CREATE UNIQUE INDEX agents_company_dedupe_key ON agents (company_id, dedupe_key);
+-- An agent's name is unique within its company (retired agents' too), compared as the CLI resolves
+-- names (stored trimmed, case ignored).
+CREATE UNIQUE INDEX agents_company_name ON agents (company_id, lower(name));
 CREATE INDEX agents_company_pos ON agents (company_id, pos);
 
 CREATE TABLE messages (

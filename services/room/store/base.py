@@ -334,6 +334,13 @@ class StoreBase:
         if record.action_index is not None:
             _action_of(record.run, record.action_index)
 
+    async def _archived_since(self, act: Act, facts: Facts) -> None:
+        """A write its facts allowed but that wrote nothing: when the room was archived after its facts
+        were read (its UPDATE of the room row, waiting for the archiving, found it archived), the rule
+        `room-open` refuses it; otherwise the caller says why (its ledger row was refused)."""
+        if await self._pool.fetchval(self._q["room_archived"], facts.room_id):
+            enforce(act, replace(facts, archived=True))
+
     async def _require_room(self, conn: asyncpg.Connection, room_id: str) -> None:
         if not await conn.fetchval(self._q["room_exists"], room_id):
             raise NotFound(f"room {room_id} not found")
@@ -355,7 +362,10 @@ class StoreBase:
         if author.kind == "agent":
             author = _identified(author, await conn.fetchval(self._q["agent_company"], author.agent_id))
         member = bool(await conn.fetchval(self._q["lock_membership"], room_id, author.company_id))
-        facts = replace(facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member)
+        archived = bool(await conn.fetchval(self._q["room_archived"], room_id))
+        facts = replace(
+            facts or Facts(""), company_id=author.company_id, room_id=room_id, member=member, archived=archived
+        )
         enforce(act, facts, repeat=repeat)
         return author
 
@@ -477,7 +487,32 @@ def _same_run(stored: common_pb2.Run, incoming: common_pb2.Run) -> bool:
         ts.nanos -= ts.nanos % 1000  # PostgreSQL keeps microseconds
     if not incoming.HasField("ended_at"):
         candidate.ClearField("ended_at")
+    keep_recorded_writes(stored, candidate)
     current = common_pb2.Run()
     current.CopyFrom(stored)
     current.ClearField("updated_at")
     return candidate == current
+
+
+def keep_recorded_writes(stored: common_pb2.Run, incoming: common_pb2.Run) -> None:
+    """``incoming`` as a write of it leaves the stored row (the SQL fragment kept_run_writes, which the
+    Room's every ledger write applies): the stored posted_message_id when the write names none, each action stored
+    ACTION_OUTCOME_DONE (with its result id) in place of the write's action of that index unless the
+    write records it done itself, and an action
+    only the stored row has. Nothing a committed write recorded is dropped by a later write."""
+    if not incoming.posted_message_id:
+        incoming.posted_message_id = stored.posted_message_id
+    kept = {a.index: a for a in stored.actions}
+    merged: dict[int, common_pb2.DeclaredAction] = {a.index: a for a in incoming.actions}
+    for index, action in kept.items():
+        if index not in merged or (
+            action.outcome == common_pb2.ACTION_OUTCOME_DONE and merged[index].outcome != common_pb2.ACTION_OUTCOME_DONE
+        ):
+            merged[index] = action
+    actions = []
+    for index in sorted(merged):
+        action = common_pb2.DeclaredAction()
+        action.CopyFrom(merged[index])
+        actions.append(action)
+    incoming.ClearField("actions")
+    incoming.actions.extend(actions)

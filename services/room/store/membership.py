@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypeAlias
 
 import asyncpg
 
@@ -17,6 +18,17 @@ from services.room.store.base import (
     _Events,
     _page,
 )
+
+# Where a refusal's details are read: the transaction's connection, or the pool.
+Reader: TypeAlias = asyncpg.Connection | asyncpg.Pool
+# The unique index on each kind's names (compared trimmed, case ignored), and what a taken name answers.
+_NAME_INDEX = {"room": "rooms_creator_name", "agent": "agents_company_name"}
+_NAME_TAKEN = {
+    "room": "your company already created a room named {which}; room names are unique among the rooms a "
+    "company creates (case ignored): choose another name, or rename or use that room",
+    "agent": "your company already has an agent named {which}; agent names are unique within a company "
+    "(case ignored, retired agents included): choose another name, or rename that agent",
+}
 
 
 class Membership(StoreBase):
@@ -36,17 +48,81 @@ class Membership(StoreBase):
 
     async def create_room(self, company_id: str, name: str, dedupe_key: str | None = None) -> Record:
         """A room with ``company_id`` its creator and first member; a repeat of ``dedupe_key`` from the
-        same company answers the first room."""
+        same company answers the first room. ALREADY_EXISTS, naming it, when the company created a room
+        of that name already (rooms_creator_name)."""
         if dedupe_key is not None:
             earlier = await self._pool.fetchrow(self._q["find_room_by_dedupe"], company_id, dedupe_key)
             if earlier is not None:
                 return earlier
-        row = await self._pool.fetchrow(self._q["create_room"], company_id, name, dedupe_key)
+        try:
+            row = await self._pool.fetchrow(self._q["create_room"], company_id, name, dedupe_key)
+        except asyncpg.UniqueViolationError as exc:
+            if exc.constraint_name != _NAME_INDEX["room"]:
+                raise
+            row = None
+            if dedupe_key is not None:  # a concurrent create with the same key and name committed first
+                row = await self._pool.fetchrow(self._q["find_room_by_dedupe"], company_id, dedupe_key)
+            if row is None:
+                raise await self._name_taken(self._pool, "room", company_id, name) from None
         if row is None and dedupe_key is not None:  # a concurrent create with the same key committed first
             row = await self._pool.fetchrow(self._q["find_room_by_dedupe"], company_id, dedupe_key)
         if row is None:
             raise NotFound(f"company {company_id} not found")
         return row
+
+    async def _name_taken(self, conn: Reader, what: str, company_id: str, name: str) -> AlreadyExists:
+        """ALREADY_EXISTS for ``name``, naming the ``what`` ("room" or "agent") of the company that has it."""
+        taken = await conn.fetchrow(self._q[f"find_{what}_by_name"], company_id, name)
+        which = f"{taken['name']!r} ({what} {taken[f'{what}_id']})" if taken is not None else repr(name)
+        return AlreadyExists(_NAME_TAKEN[what].format(which=which))
+
+    async def _rename(self, conn: asyncpg.Connection, what: str, object_id: str, company_id: str, name: str) -> Record:
+        """The ``what`` ("room" or "agent") ``object_id`` of ``company_id`` named ``name``, in the caller's
+        transaction (a savepoint, so a taken name leaves it usable to say which is taken)."""
+        try:
+            async with conn.transaction():
+                return await conn.fetchrow(self._q[f"rename_{what}"], object_id, name)
+        except asyncpg.UniqueViolationError as exc:
+            if exc.constraint_name != _NAME_INDEX[what]:
+                raise
+            raise await self._name_taken(conn, what, company_id, name) from None
+
+    async def rename_room(self, room_id: str, company_id: str, name: str) -> Record:
+        """Room ``room_id`` renamed by ``company_id``, once the room's rules let it (its creator)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._manage_room(conn, room_id, company_id)
+            return await self._rename(conn, "room", room_id, company_id, name)
+
+    async def archive_room(self, room_id: str, company_id: str) -> Record:
+        """Room ``room_id`` archived by ``company_id`` (its creator), its pending invitations withdrawn."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._manage_room(conn, room_id, company_id)
+            return await conn.fetchrow(self._q["archive_room"], room_id)
+
+    async def _manage_room(self, conn: asyncpg.Connection, room_id: str, company_id: str) -> None:
+        """The room's row locked (as invitations lock it), once the rules let ``company_id`` manage it."""
+        room = await conn.fetchrow(self._q["lock_room_for_membership"], room_id)
+        if room is None:
+            raise NotFound(f"room {room_id} not found")
+        member = bool(await conn.fetchval(self._q["is_member"], room_id, company_id))
+        creator = str(room["created_by_company_id"])
+        enforce(Act.MANAGE_ROOM, Facts(company_id, room_id, member=member, creator_id=creator))
+
+    async def rename_agent(self, agent_id: str, company_id: str, name: str) -> Record:
+        """Agent ``agent_id`` renamed by its own company (another company's agent: as an unknown id)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._manage_agent(conn, agent_id, company_id)
+            return await self._rename(conn, "agent", agent_id, company_id, name)
+
+    async def retire_agent(self, agent_id: str, company_id: str) -> Record:
+        """Agent ``agent_id`` retired by its own company: it wakes no more (the statement retire_agent)."""
+        async with self._pool.acquire() as conn, conn.transaction():
+            await self._manage_agent(conn, agent_id, company_id)
+            return await conn.fetchrow(self._q["retire_agent"], agent_id)
+
+    async def _manage_agent(self, conn: asyncpg.Connection, agent_id: str, company_id: str) -> None:
+        owner = await conn.fetchval(self._q["lock_agent"], agent_id)
+        enforce(Act.MANAGE_AGENT, Facts(company_id, object_id=agent_id, owner_id=str(owner or "")))
 
     async def get_room(self, room_id: str, member_company_id: str | None = None) -> Record:
         async with self._pool.acquire() as conn:
@@ -82,7 +158,7 @@ class Membership(StoreBase):
             if room is None:
                 raise NotFound(f"room {room_id} not found")
             member = await conn.fetchval(self._q["is_member"], room_id, inviter)
-            enforce(Act.INVITE, Facts(inviter, room_id, member=member))
+            enforce(Act.INVITE, Facts(inviter, room_id, member=member, archived=room["archived"]))
             if dedupe_key is not None:
                 earlier = await conn.fetchval(self._q["find_invitation_by_dedupe"], inviter, dedupe_key)
                 if earlier is not None:
@@ -269,9 +345,19 @@ class Membership(StoreBase):
             if earlier is not None:
                 return earlier
         encrypted = self._cipher.encrypt(provider_key.encode("utf-8")) if provider_key else None
-        row = await self._pool.fetchrow(
-            self._q["register_agent"], company_id, name, provider, model, base_url, encrypted, system_prompt, dedupe_key
-        )
+        try:
+            row = await self._pool.fetchrow(
+                self._q["register_agent"],
+                *(company_id, name, provider, model, base_url, encrypted, system_prompt, dedupe_key),
+            )
+        except asyncpg.UniqueViolationError as exc:
+            if exc.constraint_name != _NAME_INDEX["agent"]:
+                raise
+            row = None
+            if dedupe_key is not None:  # a concurrent registration with the same key and name committed first
+                row = await self._pool.fetchrow(self._q["find_agent_by_dedupe"], company_id, dedupe_key)
+            if row is None:
+                raise await self._name_taken(self._pool, "agent", company_id, name) from None
         if row is None and dedupe_key is not None:  # a concurrent registration with the same key committed first
             row = await self._pool.fetchrow(self._q["find_agent_by_dedupe"], company_id, dedupe_key)
         if row is None:

@@ -90,10 +90,12 @@ class MemoryAndFiles(StoreBase):
             repeat_of, write_id = earlier["author_company_id"], earlier["memory_id"]
             await self._answer_repeat(Act.WRITE_MEMORY, author, room_id, row, repeat_of, run, write_id)
             return earlier, True
-        enforce(Act.WRITE_MEMORY, Facts(author.company_id, room_id, member=row["member"]))
+        facts = Facts(author.company_id, room_id, member=row["member"], archived=row["archived"])
+        enforce(Act.WRITE_MEMORY, facts)
         if row["line"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
             if ledger is not None:
                 await self._fenced_run(self._pool, row, ledger)
+            await self._archived_since(Act.WRITE_MEMORY, facts)
             raise FailedPrecondition(f"memory line not written in room {room_id}: its ledger row was refused")
         return row["line"], False
 

@@ -116,10 +116,14 @@ class MessagesAndTasks(StoreBase):
         companies = dict(zip(row["mentioned_agent_ids"], row["mentioned_company_ids"], strict=True))
         in_room = {str(a) for a, c in companies.items() if c in row["member_company_ids"]}
         missing = next((a for a in mention_agent_ids if a not in in_room), "")
-        enforce(Act.POST_MESSAGE, Facts(author.company_id, room_id, member=row["member"], mention_not_in_room=missing))
+        facts = Facts(
+            author.company_id, room_id, member=row["member"], mention_not_in_room=missing, archived=row["archived"]
+        )
+        enforce(Act.POST_MESSAGE, facts)
         if row["message"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
             if ledger is not None:
                 await self._fenced_run(self._pool, row, ledger)
+            await self._archived_since(Act.POST_MESSAGE, facts)
             raise FailedPrecondition(f"message not posted in room {room_id}: its ledger row was refused")
         return Posted(row["message"], list(row["wakes"]), False)
 
@@ -213,11 +217,13 @@ class MessagesAndTasks(StoreBase):
             member=row["member"],
             assignee_id=to_agent_id,
             assignee_in_room=row["assignee_in_room"],
+            archived=row["archived"],
         )
         enforce(Act.CREATE_TASK, facts)
         if row["task"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
             if ledger is not None:
                 await self._fenced_run(self._pool, row, ledger)
+            await self._archived_since(Act.CREATE_TASK, facts)
             raise FailedPrecondition(f"task not created in room {room_id}: its ledger row was refused")
         return Posted(row["task"], list(row["wakes"]), False)
 
@@ -300,6 +306,7 @@ class MessagesAndTasks(StoreBase):
             task_id=task_id,
             sender_id=str(task["from_company_id"]),
             assignee_company_id=str(row["assignee_company_id"] or ""),
+            archived=row["archived"],
         )
         enforce(Act.UPDATE_TASK, facts)
         if task["status"] != "open":
@@ -307,6 +314,7 @@ class MessagesAndTasks(StoreBase):
         if row["written"] is None:  # the rules allow it, so the fence refused its ledger row: nothing was written
             if ledger is not None:
                 await self._fenced_run(self._pool, row, ledger)
+            await self._archived_since(Act.UPDATE_TASK, facts)
             raise FailedPrecondition(f"task {task_id} not updated: its ledger row was refused")
         return TaskUpdated(row["written"], row["added"], list(row["updates"]), False)
 

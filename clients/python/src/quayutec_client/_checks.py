@@ -30,6 +30,10 @@ SESSION_TTL_SECONDS = (60, 7 * 86_400)
 # empty; "text": not blank and within the limit; "optional": within the limit.
 FIELDS: Mapping[str, tuple[tuple[str, str, int], ...]] = {
     "CreateRoom": (("name", "text", MAX_NAME_BYTES),),
+    "RenameRoom": (("name", "text", MAX_NAME_BYTES), ("room_id", "id", 0)),
+    "ArchiveRoom": (("room_id", "id", 0),),
+    "RenameAgent": (("agent_id", "id", 0), ("name", "text", MAX_NAME_BYTES)),
+    "RetireAgent": (("agent_id", "id", 0),),
     "InviteCompany": (("company_id", "id", 0), ("room_id", "id", 0)),
     "AcceptInvitation": (("invitation_id", "id", 0),),
     "DeclineInvitation": (("invitation_id", "id", 0),),

@@ -66,6 +66,10 @@ class Safety(enum.Enum):
 SAFETY: Mapping[str, Safety] = {
     "WhoAmI": Safety.READ,
     "CreateRoom": Safety.KEYED_WRITE,
+    "RenameRoom": Safety.IDEMPOTENT_WRITE,
+    "ArchiveRoom": Safety.IDEMPOTENT_WRITE,
+    "RenameAgent": Safety.IDEMPOTENT_WRITE,
+    "RetireAgent": Safety.IDEMPOTENT_WRITE,
     "ListRooms": Safety.READ,
     "InviteCompany": Safety.KEYED_WRITE,
     "ListInvitations": Safety.READ,

@@ -337,6 +337,24 @@ class Client:
         response: gateway_pb2.CreateRoomResponse = await self._unary(timeout, "CreateRoom", request)
         return response.room
 
+    @rpc("RenameRoom")
+    async def rename_room(self, room_id: str, name: str, *, timeout: float | None = None) -> Room:
+        """Rename a room your company created (its creator only). Names are unique among the rooms a
+        company creates, trimmed and case ignored: a taken one raises ``AlreadyExists`` naming the room
+        that has it. Safe to retry: renaming again to the same name changes nothing."""
+        request = gateway_pb2.RenameRoomRequest(room_id=room_id, name=name)
+        response: gateway_pb2.RenameRoomResponse = await self._unary(timeout, "RenameRoom", request)
+        return response.room
+
+    @rpc("ArchiveRoom")
+    async def archive_room(self, room_id: str, *, timeout: float | None = None) -> Room:
+        """Archive a room your company created: read-only from then on (writes raise
+        ``FailedPrecondition`` saying it is archived), its history readable; ``archived_at`` is set.
+        Safe to retry: archiving again changes nothing."""
+        request = gateway_pb2.ArchiveRoomRequest(room_id=room_id)
+        response: gateway_pb2.ArchiveRoomResponse = await self._unary(timeout, "ArchiveRoom", request)
+        return response.room
+
     @rpc("ListRooms")
     def rooms(self, *, page_size: int = 0, page_token: str = "", timeout: float | None = None) -> Pages[Room]:
         """The rooms your company is a member of."""
@@ -443,6 +461,23 @@ class Client:
         )
 
     # Agents.
+
+    @rpc("RenameAgent")
+    async def rename_agent(self, agent_id: str, name: str, *, timeout: float | None = None) -> Agent:
+        """Rename one of your company's agents. Names are unique within a company, trimmed and case
+        ignored (retired agents' too): a taken one raises ``AlreadyExists`` naming the agent that has
+        it. Safe to retry: renaming again to the same name changes nothing."""
+        request = gateway_pb2.RenameAgentRequest(agent_id=agent_id, name=name)
+        response: gateway_pb2.RenameAgentResponse = await self._unary(timeout, "RenameAgent", request)
+        return response.agent
+
+    @rpc("RetireAgent")
+    async def retire_agent(self, agent_id: str, *, timeout: float | None = None) -> Agent:
+        """Retire one of your company's agents: it wakes no more (a mention of it makes no wake); its runs
+        and messages stay, and ``retired_at`` is set. Safe to retry: retiring again changes nothing."""
+        request = gateway_pb2.RetireAgentRequest(agent_id=agent_id)
+        response: gateway_pb2.RetireAgentResponse = await self._unary(timeout, "RetireAgent", request)
+        return response.agent
 
     @rpc("RegisterAgent")
     async def register_agent(

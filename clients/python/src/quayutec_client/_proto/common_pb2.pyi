@@ -494,11 +494,16 @@ class Room(_message.Message):
     NAME_FIELD_NUMBER: _builtins.int
     CREATED_BY_COMPANY_ID_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
+    ARCHIVED_AT_FIELD_NUMBER: _builtins.int
     room_id: _builtins.str
     name: _builtins.str
     created_by_company_id: _builtins.str
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def archived_at(self) -> _timestamp_pb2.Timestamp:
+        """Set when its creator archived it (ArchiveRoom): read-only from then on; unset while open."""
+
     def __init__(
         self,
         *,
@@ -506,10 +511,11 @@ class Room(_message.Message):
         name: _builtins.str = ...,
         created_by_company_id: _builtins.str = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
+        archived_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["archived_at", b"archived_at", "created_at", b"created_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "created_by_company_id", b"created_by_company_id", "name", b"name", "room_id", b"room_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["archived_at", b"archived_at", "created_at", b"created_at", "created_by_company_id", b"created_by_company_id", "name", b"name", "room_id", b"room_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -561,6 +567,7 @@ class Agent(_message.Message):
     HAS_PROVIDER_KEY_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     COMPANY_NAME_FIELD_NUMBER: _builtins.int
+    RETIRED_AT_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     company_id: _builtins.str
     name: _builtins.str
@@ -575,6 +582,10 @@ class Agent(_message.Message):
     """The owning company's name (not in ReadRunContext's room_agents)."""
     @_builtins.property
     def created_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def retired_at(self) -> _timestamp_pb2.Timestamp:
+        """Set when its company retired it (RetireAgent): it wakes no more; unset while active."""
+
     def __init__(
         self,
         *,
@@ -588,10 +599,11 @@ class Agent(_message.Message):
         has_provider_key: _builtins.bool = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         company_name: _builtins.str = ...,
+        retired_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "retired_at", b"retired_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "base_url", b"base_url", "company_id", b"company_id", "company_name", b"company_name", "created_at", b"created_at", "has_provider_key", b"has_provider_key", "model", b"model", "name", b"name", "provider", b"provider", "system_prompt", b"system_prompt"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "base_url", b"base_url", "company_id", b"company_id", "company_name", b"company_name", "created_at", b"created_at", "has_provider_key", b"has_provider_key", "model", b"model", "name", b"name", "provider", b"provider", "retired_at", b"retired_at", "system_prompt", b"system_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

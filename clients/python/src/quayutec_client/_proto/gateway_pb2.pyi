@@ -100,6 +100,87 @@ class CreateRoomResponse(_message.Message):
 Global___CreateRoomResponse: _TypeAlias = CreateRoomResponse  # noqa: Y015
 
 @_typing.final
+class RenameRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenameRoomRequest: _TypeAlias = RenameRoomRequest  # noqa: Y015
+
+@_typing.final
+class RenameRoomResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def room(self) -> _common_pb2.Room: ...
+    def __init__(
+        self,
+        *,
+        room: _common_pb2.Room | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenameRoomResponse: _TypeAlias = RenameRoomResponse  # noqa: Y015
+
+@_typing.final
+class ArchiveRoomRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_ID_FIELD_NUMBER: _builtins.int
+    room_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        room_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["room_id", b"room_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ArchiveRoomRequest: _TypeAlias = ArchiveRoomRequest  # noqa: Y015
+
+@_typing.final
+class ArchiveRoomResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROOM_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def room(self) -> _common_pb2.Room: ...
+    def __init__(
+        self,
+        *,
+        room: _common_pb2.Room | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["room", b"room"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ArchiveRoomResponse: _TypeAlias = ArchiveRoomResponse  # noqa: Y015
+
+@_typing.final
 class ListRoomsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -617,6 +698,87 @@ class RegisterAgentResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RegisterAgentResponse: _TypeAlias = RegisterAgentResponse  # noqa: Y015
+
+@_typing.final
+class RenameAgentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenameAgentRequest: _TypeAlias = RenameAgentRequest  # noqa: Y015
+
+@_typing.final
+class RenameAgentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> _common_pb2.Agent: ...
+    def __init__(
+        self,
+        *,
+        agent: _common_pb2.Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RenameAgentResponse: _TypeAlias = RenameAgentResponse  # noqa: Y015
+
+@_typing.final
+class RetireAgentRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_ID_FIELD_NUMBER: _builtins.int
+    agent_id: _builtins.str
+    def __init__(
+        self,
+        *,
+        agent_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetireAgentRequest: _TypeAlias = RetireAgentRequest  # noqa: Y015
+
+@_typing.final
+class RetireAgentResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    AGENT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def agent(self) -> _common_pb2.Agent: ...
+    def __init__(
+        self,
+        *,
+        agent: _common_pb2.Agent | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent", b"agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetireAgentResponse: _TypeAlias = RetireAgentResponse  # noqa: Y015
 
 @_typing.final
 class ListAgentsRequest(_message.Message):
