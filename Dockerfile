@@ -29,6 +29,8 @@ COPY --from=build /opt/venv /opt/venv
 WORKDIR /tmp
 # Numeric user so Kubernetes' runAsNonRoot can verify it without reading /etc/passwd.
 USER 10001:10001
-EXPOSE 50051 50052 50053 50054
+# Every port a service of ours listens on as deploy/k8s runs it: the four services, the Gateway's console port,
+# the console's HTTP and the plaintext health port (tests/test_deploy.py checks it against the manifests).
+EXPOSE 50051 50052 50053 50054 50055 8080 8081
 # Harmless default: every Deployment/Job sets its own command.
 CMD ["python", "-c", "print('quayutec image: run python -m services.<gateway|room|claims|runtime> or python -m quayutec.migrate')"]

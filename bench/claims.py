@@ -70,7 +70,8 @@ class Variant:
     name: str
     env: dict[str, str] = field(default_factory=dict)
     uvloop: bool = False
-    # Server processes sharing the port (gRPC sets SO_REUSEPORT on Linux), like replicas.
+    # Server processes on the port. Our servers bind a port alone (quayutec/server.py EXCLUSIVE_PORTS):
+    # a second process on it is refused at start, so this stays 1 (the two-process variants are gone).
     processes: int = 1
     # No mutual TLS and no per-RPC authorization (the server as it was before them), to measure their cost.
     plaintext: bool = False
@@ -93,8 +94,6 @@ EXPERIMENT_VARIANTS = (
     Variant("batched, 2 in flight", {"QUAYUTEC_CLAIMS_BATCH_IN_FLIGHT": "2"}),
     Variant("batched, 10 in flight", {"QUAYUTEC_CLAIMS_BATCH_IN_FLIGHT": "10"}),
     Variant("batched, max 16", {"QUAYUTEC_CLAIMS_BATCH_MAX": "16"}),
-    Variant("batched, 2 processes", processes=2),
-    Variant("batch off, 2 processes", {"QUAYUTEC_CLAIMS_BATCH_MAX": "1"}, processes=2),
     Variant("batch off, pool 20", {"QUAYUTEC_CLAIMS_BATCH_MAX": "1", "QUAYUTEC_CLAIMS_DB_POOL_MAX": "20"}),
 )
 

@@ -213,6 +213,7 @@ class ProfiledStack(LocalStack):
         if name not in _profiled():
             super().start(name)
             return
+        self.release_ports(name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
         prof = self.log_dir / f"{name}.prof"

@@ -208,6 +208,9 @@ class ServerConfig:
     mtls: MtlsConfig | None = None
     health_listen: str | None = None
     connections: ConnectionLimits = ConnectionLimits()
+    # The settings that name ``listen`` and ``health_listen``, for an error that says what to change.
+    listen_env: str = "the listen address"
+    health_listen_env: str = "the health listen address"
 
     @classmethod
     def from_env(cls, spec: ServiceSpec, env: Mapping[str, str] | None = None) -> ServerConfig:
@@ -218,6 +221,8 @@ class ServerConfig:
             mtls=MtlsConfig.from_env(env),
             health_listen=env_str(env, setting(spec.health_listen_env)) or None,
             connections=ConnectionLimits.from_env(env),
+            listen_env=spec.listen_env,
+            health_listen_env=spec.health_listen_env,
         )
 
 

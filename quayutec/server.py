@@ -253,7 +253,7 @@ class GrpcServer:
         credentials: grpc.ServerCredentials | None = None,
         identity: Identity | None = None,
         health_watch: HealthWatch | None = None,
-        second_port: tuple[str, grpc.ServerCredentials] | None = None,
+        second_port: tuple[str, grpc.ServerCredentials, str] | None = None,
     ) -> None:
         if identity is not None and credentials is not None:
             raise ValueError("give an internal service its identity or the public port its credentials, not both")
@@ -273,7 +273,8 @@ class GrpcServer:
         self._health = health.aio.HealthServicer()
         self._stopping: asyncio.Task[None] | None = None
         self._health_watch = health_watch
-        # Another port of the same server, with credentials of its own (the Gateway's console port).
+        # Another port of the same server, with credentials of its own and the setting that names it
+        # (the Gateway's console port).
         self._second_port = second_port
         self.second_port = 0
         self.port = 0
@@ -283,6 +284,7 @@ class GrpcServer:
         server = grpc.aio.server(
             interceptors=self._interceptors,
             options=[
+                *EXCLUSIVE_PORTS,
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_concurrent_streams", self._config.connections.streams_per_connection),
@@ -292,17 +294,10 @@ class GrpcServer:
         self._register(server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         add_reflection(server, (*self._service_names, health.SERVICE_NAME))
-        if self._credentials is not None:
-            port = server.add_secure_port(self._config.listen, self._credentials)
-        else:
-            port = server.add_insecure_port(self._config.listen)
-        if port == 0:
-            raise OSError(f"could not listen on {self._config.listen}")
+        port = add_port(server, self._config.listen, self._config.listen_env, self._credentials)
         if self._second_port is not None:
-            listen, credentials = self._second_port
-            self.second_port = int(server.add_secure_port(listen, credentials))
-            if self.second_port == 0:
-                raise OSError(f"could not listen on {listen}")
+            listen, credentials, listen_env = self._second_port
+            self.second_port = add_port(server, listen, listen_env, credentials)
         await server.start()
         self._server = server
         if self._config.health_listen:
@@ -326,15 +321,14 @@ class GrpcServer:
         health_server = grpc.aio.server(
             interceptors=(CallBudgets(limits), self._errors),
             options=[
+                *EXCLUSIVE_PORTS,
                 ("grpc.max_receive_message_length", 4096),
                 ("grpc.max_concurrent_streams", min(limits.open_calls_per_source, limits.streams_per_connection)),
                 *connection_options(limits),
             ],
         )
         health_pb2_grpc.add_HealthServicer_to_server(self._health, health_server)
-        port = health_server.add_insecure_port(listen)
-        if port == 0:
-            raise OSError(f"could not listen on {listen} (health checks)")
+        port = add_port(health_server, listen, self._config.health_listen_env, None)
         await health_server.start()
         self._health_server = health_server
         self.health_port = int(port)
@@ -381,6 +375,40 @@ class GrpcServer:
         await self.stop()
 
 
+# gRPC servers bind with SO_REUSEPORT unless told not to: a second server on a port in use would start
+# without a word and the kernel would split the connections between the two. Ours bind alone.
+EXCLUSIVE_PORTS = (("grpc.so_reuseport", 0),)
+# How a service ends when a port it was told to listen on is taken: the stack that started it may
+# choose another port and start it again (services/stack.py).
+PORT_IN_USE_EXIT = 98
+
+
+class PortInUse(ConfigError):
+    """A port a server was told to listen on cannot be had; the message names it and its setting."""
+
+
+def port_in_use(listen: str, listen_env: str, what: str = "") -> PortInUse:
+    return PortInUse(
+        f"cannot listen on {listen}{what} ({listen_env}): the port is in use by another program (or the "
+        f"address is not one of this machine's). Stop what holds it, or set {listen_env} to another host:port"
+    )
+
+
+def add_port(server: grpc.aio.Server, listen: str, listen_env: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Bind ``listen`` on ``server`` (TLS with ``credentials``, else plaintext), alone (EXCLUSIVE_PORTS);
+    a port in use is refused with PortInUse naming it and ``listen_env``."""
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(listen, credentials)
+        else:
+            port = server.add_insecure_port(listen)
+    except RuntimeError:  # grpcio: "Failed to bind to address ..."
+        port = 0
+    if port == 0:
+        raise port_in_use(listen, listen_env)
+    return int(port)
+
+
 def run_service(main: Callable[[], Coroutine[Any, Any, None]], service: ServiceSpec | str) -> None:
     """The ``python -m services.<name>`` entry: logging, telemetry (before any server, channel or
     pool exists, so the instrumentation sees them), then ``main`` on the configured event loop;
@@ -393,6 +421,9 @@ def run_service(main: Callable[[], Coroutine[Any, Any, None]], service: ServiceS
             uvloop.run(main())
         else:
             asyncio.run(main())
+    except PortInUse as exc:
+        _log.error("%s", exc)
+        raise SystemExit(PORT_IN_USE_EXIT) from None
     except ConfigError as exc:
         # A setting to fix (or a data folder another stack owns): say which, without a traceback.
         _log.error("%s", exc)

@@ -2,8 +2,8 @@
 
 The services' ``Config.from_env`` readers take their names and defaults from here
 (``setting(name)``); ``quayutec config`` prints them with the values in effect, ``python -m
-services.X --help`` lists a service's own, and ``scripts/gen_settings_table.py`` writes the README's
-configuration table from them (a test fails when it is stale, and another when the code reads an
+services.X --help`` lists a service's own, and ``scripts/gen_settings_table.py`` writes the settings
+table of docs/settings.md from them (a test fails when it is stale, and another when the code reads an
 environment variable that is not declared here).
 """
 
@@ -145,6 +145,14 @@ _DECLARED: list[Setting] = [
         ALL,
     ),
     _g("QUAYUTEC_LOG_LEVEL", "INFO", "the services' log level: DEBUG, INFO, WARNING or ERROR", ALL),
+    _g(
+        "CI",
+        "",
+        "true (as CI systems set it): `quayutec demo` stops its stack as soon as the demo is done, as with "
+        "--then-stop; unset: the stack stays up for the console until Ctrl-C",
+        ["cli"],
+        shown="unset",
+    ),
     _g(
         "QUAYUTEC_DB_CONNECTIONS_RESERVED",
         10,
@@ -948,7 +956,7 @@ def in_effect(s: Setting, env: Mapping[str, str]) -> tuple[str, bool]:
 
 
 def markdown_table() -> str:
-    """The README's configuration table."""
+    """The settings table of docs/settings.md."""
     lines = ["| variable | default | read by | meaning |", "|---|---|---|---|"]
     for s in ordered():
         default = (

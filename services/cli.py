@@ -34,6 +34,8 @@ from services.client import (
     CommandError,
     GatewayClient,
     format_run,
+    known_companies,
+    own_rooms,
     resolve_company,
     resolve_mentions,
     resolve_own_agent,
@@ -97,7 +99,7 @@ async def _run_up(stack: Any, with_standin: bool) -> int:
         if standin is not None:
             print(
                 f"  standin  {standin.base_url} (stand-in model provider; scripting its answers: README, "
-                '"See an approval yourself")',
+                '"See an approval yourself", and docs/local.md)',
                 flush=True,
             )
         print(f"logs in {stack.log_dir}; Ctrl-C stops everything", flush=True)
@@ -134,7 +136,7 @@ def _first_steps(*, same_database: bool) -> str:
     where = " (with the same DATABASE_URL as this terminal)" if same_database else ""
     steps = [
         (f"{me} company create Acme", "prints: company <company-id> Acme"),
-        (f"{me} keys create --company <company-id>", "prints the key, once"),
+        (f"{me} keys create --company Acme", "a name or id; prints the key, once"),
         ("export QUAYUTEC_API_KEY=<the key>", "then the client commands, and the console's sign-in"),
         (f"{me} company list", "every company and its id"),
     ]
@@ -210,7 +212,7 @@ async def cmd_config(opts: argparse.Namespace) -> int:
 async def cmd_demo(opts: argparse.Namespace) -> int:
     from services.demo import run_demo
 
-    return await run_demo()
+    return await run_demo(then_stop=opts.then_stop)
 
 
 async def cmd_pki_init(opts: argparse.Namespace) -> int:
@@ -311,11 +313,11 @@ async def cmd_keys_list(opts: argparse.Namespace) -> int:
                 "key_id": k.key_id,
                 "label": k.label,
                 "created_at": k.created_at.isoformat(timespec="seconds"),
-                "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else "",
+                "revoked_at": k.revoked_at.isoformat(timespec="seconds") if k.revoked_at else None,
                 **(
                     {
-                        "session_of": k.parent_key_id or "",
-                        "expires_at": k.expires_at.isoformat(timespec="seconds") if k.expires_at else "",
+                        "session_of": k.parent_key_id or None,
+                        "expires_at": k.expires_at.isoformat(timespec="seconds") if k.expires_at else None,
                     }
                     if opts.sessions
                     else {}
@@ -385,7 +387,8 @@ async def _company_id(pool: Any, company: str) -> str:
 
 
 def _print_rows(rows: Sequence[Mapping[str, Any]], as_json: bool, *, empty: str) -> None:
-    """A list command's output: an aligned table with a header, or JSON (one array) with ``--json``."""
+    """A list command's output: an aligned table with a header, or JSON (one array) with ``--json``. An
+    absent value is None: null in JSON, an empty cell in the table."""
     if as_json:
         print(json.dumps(list(rows), indent=2))
         return
@@ -393,7 +396,7 @@ def _print_rows(rows: Sequence[Mapping[str, Any]], as_json: bool, *, empty: str)
         print(f"({empty})")
         return
     columns = list(rows[0])
-    cells = [[str(row[c]) for c in columns] for row in rows]
+    cells = [["" if row[c] is None else str(row[c]) for c in columns] for row in rows]
     widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
     print("  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True)).rstrip())
     for r in cells:
@@ -417,20 +420,28 @@ async def cmd_post(opts: argparse.Namespace) -> int:
                 room_id=room_id, person=opts.person, body=opts.body, mention_agent_ids=mentions
             )
         )
-    print(f"message {posted.message.message_id} #{posted.message.seq}; wakes {list(posted.wake_ids)}")
+    woke = len(posted.wake_ids)
+    wakes = f"woke {woke} agent{'s' if woke != 1 else ''}" + (f": wakes {', '.join(posted.wake_ids)}" if woke else "")
+    print(f"message {posted.message.message_id} #{posted.message.seq}; {wakes}")
     return 0
 
 
 async def cmd_room_list(opts: argparse.Namespace) -> int:
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        got = await _client(channel).ListRooms(gateway_pb2.ListRoomsRequest(page_size=opts.limit))
+        client = _client(channel)
+        got = await client.ListRooms(gateway_pb2.ListRoomsRequest(page_size=opts.limit))
+        companies: dict[str, str] = {}
+        for r in got.rooms:
+            if r.created_by_company_id not in companies:
+                companies |= await known_companies(client, r.room_id)
     rows = [
         {
             "room_id": r.room_id,
             "name": r.name,
-            "created_by": r.created_by_company_id,
+            "created_by": companies.get(r.created_by_company_id, r.created_by_company_id),
             "created_at": _when(r.created_at),
         }
+        | ({"created_by_company_id": r.created_by_company_id} if opts.json else {})
         for r in got.rooms
     ]
     _print_rows(rows, opts.json, empty="no rooms: `quayutec room create <name>` makes one, or accept an invitation")
@@ -467,15 +478,19 @@ async def cmd_runs(opts: argparse.Namespace) -> int:
         agents = {
             a.agent_id: a.name for a in (await client.ListAgents(gateway_pb2.ListAgentsRequest(page_size=500))).agents
         }
+        rooms = {r.room_id: r.name for r in await own_rooms(client)}
     rows = [
         {
             "run_id": run.run_id,
             "agent": agents.get(run.agent_id, run.agent_id),
+            "room": rooms.get(run.room_id, run.room_id),
+            "started": _when(run.started_at) if run.HasField("started_at") else None,
             "status": STATUS_NAMES[run.status],
             "last_step": STEP_NAMES[run.step],
-            "trace": run.trace_id or NOT_TRACED,
+            # --json carries data: null when the run has no trace; the table says so in words.
+            "trace": run.trace_id or (None if opts.json else NOT_TRACED),
         }
-        | ({"agent_id": run.agent_id} if opts.json else {})
+        | ({"agent_id": run.agent_id, "room_id": run.room_id} if opts.json else {})
         for run in runs.runs
     ]
     _print_rows(rows, opts.json, empty="no runs")
@@ -487,12 +502,17 @@ async def cmd_run(opts: argparse.Namespace) -> int:
     (the UI's base address) is set; refused before any call when that setting is not an http(s) URL."""
     jaeger_url = ui_base_url(os.environ)
     async with grpc.aio.insecure_channel(service_addr(GATEWAY)) as channel:
-        run = (await _client(channel).GetRun(gateway_pb2.GetRunRequest(run_id=opts.run_id))).run
-    if opts.json:
-        record = json_format.MessageToDict(run, preserving_proto_field_name=True)
-        print(json.dumps({**record, "traces": run_traces(run, jaeger_url)}, indent=2))
-    else:
-        print(format_run(run, jaeger_url))
+        client = _client(channel)
+        run = (await client.GetRun(gateway_pb2.GetRunRequest(run_id=opts.run_id))).run
+        if opts.json:
+            record = json_format.MessageToDict(run, preserving_proto_field_name=True)
+            print(json.dumps({**record, "traces": run_traces(run, jaeger_url)}, indent=2))
+            return 0
+        agents = {
+            a.agent_id: a.name for a in (await client.ListAgents(gateway_pb2.ListAgentsRequest(page_size=500))).agents
+        }
+        rooms = {r.room_id: r.name for r in await own_rooms(client)}
+    print(format_run(run, jaeger_url, agent=agents.get(run.agent_id, ""), room=rooms.get(run.room_id, "")))
     return 0
 
 
@@ -1017,6 +1037,17 @@ def _json(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help=AS_JSON)
 
 
+def version() -> str:
+    """This checkout's version, as installed (pyproject.toml's), or "unknown" when not installed."""
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("quayutec-rooms")
+    except PackageNotFoundError:
+        return "unknown (not installed: `make demo` or `pip install -e .` installs it)"
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="quayutec",
@@ -1025,12 +1056,13 @@ def parser() -> argparse.ArgumentParser:
         epilog=f"Client commands authenticate with {API_KEY_ENV}; admin commands use the services' database "
         "(DATABASE_URL, or the embedded PostgreSQL of QUAYUTEC_DATA_DIR). `quayutec config` lists every setting.",
     )
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     up = sub.add_parser("up", help="run the embedded PostgreSQL, the four services and the console here until Ctrl-C")
     up.add_argument(
         "--standin",
         action="store_true",
-        help="point Runtime at a local stand-in model provider (its scripted answers: README)",
+        help="point Runtime at a local stand-in model provider (its scripted answers: docs/local.md)",
     )
     up.add_argument(
         "--base-port",
@@ -1056,9 +1088,17 @@ def parser() -> argparse.ArgumentParser:
     )
     _json(cf)
     cf.set_defaults(handler=cmd_config)
-    sub.add_parser("demo", help="run the two-company demo: a Runtime crash, then an approval").set_defaults(
-        handler=cmd_demo
+    dm = sub.add_parser(
+        "demo",
+        help="run the two-company demo (a Runtime crash, then an approval); the stack then stays up for the "
+        "console until Ctrl-C",
     )
+    dm.add_argument(
+        "--then-stop",
+        action="store_true",
+        help="stop the stack as soon as the demo is done (also when CI=true is in the environment)",
+    )
+    dm.set_defaults(handler=cmd_demo)
     sub.add_parser("migrate", help="apply schema migrations to DATABASE_URL").set_defaults(handler=cmd_migrate)
     pki = sub.add_parser("pki", help="the development certificates of the data folder (admin)").add_subparsers(
         dest="action", required=True, metavar="ACTION"

@@ -41,23 +41,33 @@ OUTCOME_NAMES = {v: k.removeprefix("ACTION_OUTCOME_").lower() for k, v in common
 ACTION_NAMES = {v: k.removeprefix("ACTION_KIND_").lower() for k, v in common_pb2.ActionKind.items()}
 
 
-def format_run(run: common_pb2.Run, jaeger_url: str = "") -> str:
+WAKE_NAMES = {
+    common_pb2.WAKE_KIND_MESSAGE: "a message",
+    common_pb2.WAKE_KIND_TASK: "a task",
+    common_pb2.WAKE_KIND_DECISION: "a decision on a held action",
+}
+TASK_STATUS_NAMES = {v: k.removeprefix("TASK_STATUS_").lower() for k, v in common_pb2.TaskStatus.items()}
+
+
+def format_run(run: common_pb2.Run, jaeger_url: str = "", *, agent: str = "", room: str = "") -> str:
     """A run's ledger row as a person reads it: its traces (each with its Jaeger page when
-    ``jaeger_url``, the UI's base address, is given), what was posted, written, not written, each request."""
+    ``jaeger_url``, the UI's base address, is given), what was posted, written, not written, each
+    request. ``agent`` and ``room`` are their names when the caller knows them (else the ids are shown)."""
+    woken_by = WAKE_NAMES.get(run.wake_kind, "")
     lines = [
         f"run {run.run_id}  status={STATUS_NAMES[run.status]}  last step={STEP_NAMES[run.step]}",
-        f"  agent {run.agent_id}  wake {run.wake_id}  active {run.active_ms} ms",
+        f"  agent {agent or run.agent_id}"
+        + (f"  room {room or run.room_id}" if room or run.room_id else "")
+        + (f"  woken by {woken_by}" if woken_by else "")
+        + f"  active {run.active_ms} ms",
         *format_traces(run, jaeger_url),
-        f"  posted: {run.posted_message_id or 'nothing'}",
+        f"  posted: {'a reply' if run.posted_message_id else 'nothing'}",
     ]
     for action in run.actions:
         detail = f" ({action.detail})" if action.detail else ""
         if action.rule:
             detail += f" [rule {action.rule}]"
-        result = f" -> {action.result_id}" if action.result_id else ""
-        lines.append(
-            f"  action #{action.index} {ACTION_NAMES[action.kind]}: {OUTCOME_NAMES[action.outcome]}{result}{detail}"
-        )
+        lines.append(f"  action #{action.index} {ACTION_NAMES[action.kind]}: {OUTCOME_NAMES[action.outcome]}{detail}")
     for attempt in run.model_attempts:
         wait = f", waited {attempt.wait_seconds:g} s" if attempt.wait_seconds else ""
         lines.append(f"  model request {attempt.number}: {attempt.status_code} {attempt.error_class}{wait}")
@@ -145,7 +155,7 @@ async def resolve_room(client: GatewayClient, room: str) -> str:
     of the caller's company, and must name exactly one of them."""
     if _is_uuid(room):
         return room
-    rooms = await _own_rooms(client)
+    rooms = await own_rooms(client)
     matches = [r for r in rooms if r.name.casefold() == room.strip().casefold()]
     if len(matches) == 1:
         return str(matches[0].room_id)
@@ -183,7 +193,7 @@ async def room_names(client: GatewayClient, room_id: str) -> tuple[dict[str, str
     return companies, agents
 
 
-async def _own_rooms(client: GatewayClient) -> list[common_pb2.Room]:
+async def own_rooms(client: GatewayClient) -> list[common_pb2.Room]:
     rooms: list[common_pb2.Room] = []
     token = ""
     while True:
@@ -201,7 +211,7 @@ async def known_companies(client: GatewayClient, room_id: str = "") -> dict[str,
         members = await client.ListMembers(gateway_pb2.ListMembersRequest(room_id=room_id, page_size=500))
         return {m.company_id: m.company_name for m in members.members}
     known: dict[str, str] = {}
-    for room in await _own_rooms(client):
+    for room in await own_rooms(client):
         members = await client.ListMembers(gateway_pb2.ListMembersRequest(room_id=room.room_id, page_size=500))
         known |= {m.company_id: m.company_name for m in members.members}
     for status in (
@@ -242,4 +252,4 @@ async def resolve_company(client: GatewayClient, company: str, *, member_of: str
 
 async def room_name(client: GatewayClient, room_id: str) -> str:
     """The room's name, or ``room <id>`` when the caller's company cannot see it."""
-    return next((r.name for r in await _own_rooms(client) if r.room_id == room_id), f"room {room_id}")
+    return next((r.name for r in await own_rooms(client) if r.room_id == room_id), f"room {room_id}")

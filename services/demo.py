@@ -1,7 +1,8 @@
 """`quayutec demo`: two companies' agents work in one room; Runtime is killed mid-run and the wake
 is redelivered, and the ledger shows it was not acted on twice. The console serves the same stack:
-the demo prints its address and both companies' API keys (and, run from a terminal, stays up until
-Enter so a person can look).
+the demo prints its address and both companies' API keys, and then stays up, so a person can look,
+until Ctrl-C (or Enter, in a terminal); `quayutec demo --then-stop`, or CI=true in the environment,
+stops it as soon as the demo is done.
 
 Everything runs on this machine: an embedded PostgreSQL, the four services as processes and the
 stand-in model provider (no real provider key is needed or used), on ports of its own. The demo owns
@@ -37,7 +38,7 @@ from quayutec.jaeger import UI_URL_ENV, LocalJaeger
 from quayutec.ledger import run_id_for
 from quayutec.tls import ADMIN, GATEWAY
 from quayutec.v1 import common_pb2, gateway_pb2, room_pb2, room_pb2_grpc
-from services.client import STATUS_NAMES, GatewayClient, format_run
+from services.client import STATUS_NAMES, TASK_STATUS_NAMES, GatewayClient, format_run
 from services.gateway.auth import create_api_key
 from services.runtime.standin import ScriptedReply, StandinProvider
 from services.stack import LocalStack
@@ -158,6 +159,17 @@ async def redeliver(stack: LocalStack, wake_id: str, n: int) -> str:
     return answer
 
 
+async def free_names(pool: Any, wanted: tuple[str, ...]) -> tuple[str, ...]:
+    """``wanted`` as they are when no company has any of them (regardless of case), else each with the
+    first number " 2", " 3", ... that none has: an earlier demo on the same database keeps its own."""
+    taken = {n.casefold() for n in await pool.fetchval("SELECT coalesce(array_agg(name), '{}') FROM companies")}
+    for n in range(1, 1000):  # bounded
+        names = tuple(w if n == 1 else f"{w} {n}" for w in wanted)
+        if not {x.casefold() for x in names} & taken:
+            return names
+    raise RuntimeError("every demo company name up to 999 is taken in this database")
+
+
 # The services' names in traces (quayutec.telemetry: quayutec-<service> unless OTEL_SERVICE_NAME says otherwise).
 TRACED_SERVICES = frozenset({"quayutec-gateway", "quayutec-room", "quayutec-claims", "quayutec-runtime"})
 JAEGER_WAIT_SECONDS = 20.0
@@ -212,23 +224,26 @@ async def show_trace(jaeger: LocalJaeger, run: common_pb2.Run) -> None:
 
 
 async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger | None = None) -> None:
-    tag = uuid.uuid4().hex[:6]
+    tag = uuid.uuid4().hex[:6]  # the stand-in's answers are per model: this run's models are its own
     async with (
         stack.channel("room", ADMIN) as room_channel,
         stack.channel("gateway", GATEWAY) as gw_channel,
     ):
         room = room_pb2_grpc.RoomServiceStub(room_channel)
         say("\n== 1. Two companies, each with an API key (admin commands)")
-        acme = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Acme-{tag}"))).company
-        bolt = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=f"Bolt-{tag}"))).company
         pool = await create_pool(stack.database_url, min_size=1, max_size=2)
         try:
+            acme_name, bolt_name = await free_names(pool, ("Acme", "Bolt"))
+            if (acme_name, bolt_name) != ("Acme", "Bolt"):
+                say(f"   (this database has an Acme or a Bolt of an earlier run: these are {acme_name}, {bolt_name})")
+            acme = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=acme_name))).company
+            bolt = (await room.CreateCompany(room_pb2.RoomServiceCreateCompanyRequest(name=bolt_name))).company
             _, key_a = await create_api_key(pool, acme.company_id, "demo")
             _, key_b = await create_api_key(pool, bolt.company_id, "demo")
         finally:
             await pool.close()
         a, b = GatewayClient(gw_channel, key_a), GatewayClient(gw_channel, key_b)
-        say(f"   {acme.name} = {acme.company_id}\n   {bolt.name} = {bolt.company_id}")
+        say(f"   {acme.name} and {bolt.name}, each with a key of its own")
         if stack.console_listen:
             say(f"   watch it in the console, {stack.console_url}, signed in with either demo key:")
             say(f"     {acme.name}: {key_a}\n     {bolt.name}: {key_b}")
@@ -263,7 +278,11 @@ async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger 
         ).agent
         standin.set_responder(planner.model, planner_script(writer.agent_id))
         standin.set_responder(writer.model, writer_script)
-        say(f"   room {r.room_id}\n   Acme's planner {planner.agent_id}\n   Bolt's writer  {writer.agent_id}")
+        say(f"   room {r.name}: {acme.name}'s agent planner and {bolt.name}'s agent writer")
+        names = {planner.agent_id: "planner", writer.agent_id: "writer"}
+
+        def shown(run: common_pb2.Run) -> str:
+            return format_run(run, agent=names.get(run.agent_id, ""), room=r.name)
 
         say("\n== 3. Ana (Acme) asks the planner; it tasks Bolt's writer, who answers")
         posted = await a.PostMessage(
@@ -276,7 +295,7 @@ async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger 
         )
         first_wake = posted.wake_ids[0]
         run1 = await ended_run(a, run_id_for(planner.agent_id, first_wake))
-        say(format_run(run1))
+        say(shown(run1))
         if jaeger is not None:
             await show_trace(jaeger, run1)
 
@@ -285,10 +304,10 @@ async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger 
             return next((x for x in runs if x.status in ENDED), None)
 
         run2: common_pb2.Run = await wait_for(writer_done, "the writer's run")
-        say(format_run(run2))
+        say(shown(run2))
         tasks = (await a.ListTasks(gateway_pb2.ListTasksRequest(room_id=r.room_id))).tasks
         for t in tasks:
-            say(f"   task '{t.title}': {common_pb2.TaskStatus.Name(t.status)}")
+            say(f"   task '{t.title}': {TASK_STATUS_NAMES[t.status]}")
         seen_a = [m.text for m in (await a.ListMemory(gateway_pb2.ListMemoryRequest(room_id=r.room_id))).lines]
         seen_b = [m.text for m in (await b.ListMemory(gateway_pb2.ListMemoryRequest(room_id=r.room_id))).lines]
         say(f"   memory Acme can read: {seen_a}\n   memory Bolt can read: {seen_b}")
@@ -316,7 +335,7 @@ async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger 
             answer = await redeliver(stack, crash_wake, n)
             say(f"   redelivery {n}: {answer}")
         dead = (await a.GetRun(gateway_pb2.GetRunRequest(run_id=run_id_for(planner.agent_id, crash_wake)))).run
-        say(format_run(dead))
+        say(shown(dead))
         say(f"   -> the killed run stays {STATUS_NAMES[dead.status]} at its last step; nothing posted, not redone")
         say("      (the Gateway's housekeeping ends it as abandoned once it has been still for 10 minutes)")
 
@@ -330,7 +349,7 @@ async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger 
             )
         )
         run3 = await ended_run(a, run_id_for(planner.agent_id, posted.wake_ids[0]))
-        say(format_run(run3))
+        say(shown(run3))
         say("\n== 6. Acme holds its planner's memory writes for a person's decision; Ana approves one")
         hold = gateway_pb2.SetAgentRightsRequest(agent_id=planner.agent_id, remember=common_pb2.ACTION_RIGHT_HOLD)
         hold.update_mask.paths.append("remember")
@@ -356,7 +375,7 @@ async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger 
         say(f"   approved by {who.decided_by} (as stated by Acme's service; in the console, a person signed in")
         say("   through Acme's own provider is recorded as verified by it); the run continues once:")
         run4 = await ended_run(a, run_id_for(planner.agent_id, posted.wake_ids[0]))
-        say(format_run(run4))
+        say(shown(run4))
         seen_a = [m.text for m in (await a.ListMemory(gateway_pb2.ListMemoryRequest(room_id=r.room_id))).lines]
         say(f"   memory Acme can read now: {seen_a}")
 
@@ -372,7 +391,16 @@ async def demo(stack: LocalStack, standin: StandinProvider, jaeger: LocalJaeger 
         say(f"\n   planner replies: {len(planner_replies)} for 4 wakes, one of which died mid-run (never twice)")
 
 
-async def run_demo() -> int:
+def stops_when_done(then_stop: bool) -> str:
+    """Why the demo stops as soon as it is done, or "" when it stays up for a person to look."""
+    if then_stop:
+        return "--then-stop"
+    if os.environ.get("CI", "").strip().lower() in ("true", "1", "yes"):
+        return "CI=true"
+    return ""
+
+
+async def run_demo(*, then_stop: bool = False) -> int:
     started = time.monotonic()
     jaeger = local_jaeger(os.environ)
     folder, temporary = claim_folder(DatabaseConfig.from_env().data_dir)
@@ -389,6 +417,7 @@ async def run_demo() -> int:
                 data_dir=folder.data_dir,
             )
             stack.folder = folder
+            stack.owner_command = "quayutec demo"
             folder.record(stack.owner("quayutec demo"))
             try:
                 say("starting the embedded PostgreSQL and applying migrations ...")
@@ -406,9 +435,17 @@ async def run_demo() -> int:
                     health = LocalJaeger.from_env(os.environ).health
                     say(f"not traced: no Jaeger answers at {health} (`make jaeger` starts one to read the runs in)")
                 await demo(stack, standin, jaeger)
-                if sys.stdin.isatty():
-                    prompt = f"\nthe stack stays up for the console at {stack.console_url}; press Enter to stop it"
-                    await enter_or_interrupt(prompt)
+                why = stops_when_done(then_stop)
+                if why:
+                    say(f"\nstopping the stack ({why}) ...")
+                else:
+                    enter = sys.stdin.isatty()
+                    how = "press Enter or Ctrl-C to stop it" if enter else f"Ctrl-C (or `kill {os.getpid()}`) stops it"
+                    await enter_or_interrupt(
+                        f"\nthe stack stays up: open the console at {stack.console_url} and sign in with a key above;"
+                        f"\n{how}",
+                        enter=enter,
+                    )
                     say("stopping ...")
             finally:
                 stack.stop_all()
@@ -440,11 +477,12 @@ def claim_folder(data_dir: Path) -> tuple[DataDirLock, bool]:
     return own(root / "data", again="quayutec demo"), True
 
 
-async def enter_or_interrupt(prompt: str) -> None:
+async def enter_or_interrupt(prompt: str, *, enter: bool = True) -> None:
     """Say ``prompt``, then wait until Enter on standard input, Ctrl-C or SIGTERM, whichever comes
-    first. The handlers are in place before the prompt is shown, so a Ctrl-C the moment it appears
-    is one of them (not Python's KeyboardInterrupt). Nothing is left waiting on the terminal after
-    (a thread blocked reading it would hold the exit until Enter)."""
+    first (with ``enter`` false, standard input is not read: Ctrl-C or SIGTERM only). The handlers are
+    in place before the prompt is shown, so a Ctrl-C the moment it appears is one of them (not Python's
+    KeyboardInterrupt). Nothing is left waiting on the terminal after (a thread blocked reading it
+    would hold the exit until Enter)."""
     done = asyncio.Event()
     loop = asyncio.get_running_loop()
     fd = sys.stdin.fileno()
@@ -453,13 +491,15 @@ async def enter_or_interrupt(prompt: str) -> None:
         os.read(fd, 4096)  # the line typed (a terminal hands it over at Enter), or end of input
         done.set()
 
-    loop.add_reader(fd, readable)
+    if enter:
+        loop.add_reader(fd, readable)
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
     try:
         say(prompt)
         await done.wait()
     finally:
-        loop.remove_reader(fd)
+        if enter:
+            loop.remove_reader(fd)
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)

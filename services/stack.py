@@ -10,8 +10,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from quayutec.config import CLAIMS, DATA_DIR_ENV, GATEWAY, ROOM, RUNTIME, SERVIC
 from quayutec.datadir import DataDirLock, Owner
 from quayutec.db import create_pool, embedded_ctl, embedded_pgdata, embedded_pid, resolve_database_url
 from quayutec.migrate import migrate
+from quayutec.server import PORT_IN_USE_EXIT
 from quayutec.tls import ADMIN, MtlsConfig, ensure_dev_pki
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,6 +36,9 @@ CONSOLE_DEFAULT_LISTEN = "127.0.0.1:8080"
 # The Gateway's console port (mutual TLS; the console passes on its browsers' addresses there).
 GATEWAY_CONSOLE_LISTEN_ENV = "QUAYUTEC_GATEWAY_CONSOLE_LISTEN"
 GATEWAY_CONSOLE_DEFAULT_PORT = 50055
+# How often a service of an ephemeral stack is started on new ports when another program took one of
+# its ports in the moment between the hold and its bind (``LocalStack.start_services``).
+PORT_ATTEMPTS = 5
 
 
 def port_is_free(port: int) -> bool:
@@ -71,15 +76,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def reserve_port() -> socket.socket:
-    """A loopback port held for a service we start: bound, never listening, with ``SO_REUSEPORT``.
-    No other program can take it meanwhile (binding beside it takes ``SO_REUSEPORT`` and the same
-    user); the service binds it beside the reservation (gRPC servers ask for ``SO_REUSEPORT``, and so
-    does the console) and alone listens, so alone receives connections."""
+def reserve_port(port: int = 0) -> socket.socket:
+    """A loopback port held for a service we start (a free one for ``port`` 0): bound, never
+    listening, without ``SO_REUSEADDR`` or ``SO_REUSEPORT``, so no other program can bind it meanwhile.
+    The stack lets it go just before it starts the service, which binds it alone (our servers never
+    share a port: quayutec/server.py ``EXCLUSIVE_PORTS``); should another program take it in that
+    moment, the service says so and exits ``PORT_IN_USE_EXIT``, and the stack starts it again on
+    another port (``LocalStack.start_services``)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", port))
     except BaseException:
         s.close()
         raise
@@ -145,9 +151,13 @@ class LocalStack:
     # environment's. With ``folder`` this stack owns it (quayutec.datadir) and stops what runs there.
     data_dir: Path | None = None
     folder: DataDirLock | None = None
-    # Ephemeral ports held for the services until ``stop_all`` (``reserve_port``): no race for them,
-    # not even while a service restarts.
-    reserved: list[socket.socket] = field(default_factory=list)
+    # Ephemeral ports held for the services until each starts (``reserve_port``), by port, and held
+    # again while one is down after ``kill``; ``stop_all`` lets them all go.
+    reserved: dict[int, socket.socket] = field(default_factory=dict)
+    # The ports this stack chose itself (ephemeral): it may choose others when one is taken.
+    chosen: set[int] = field(default_factory=set)
+    # The command the data folder's record names (``owner``), to record it again when ports change.
+    owner_command: str = ""
 
     @classmethod
     def with_ports(
@@ -170,11 +180,13 @@ class LocalStack:
         ports: dict[str, int] = {}
         listens: dict[str, str] = {}
         addrs: dict[str, str] = {}
-        reserved: list[socket.socket] = []
+        reserved: dict[int, socket.socket] = {}
 
         def reserved_port() -> int:
-            reserved.append(reserve_port())
-            return int(reserved[-1].getsockname()[1])
+            hold = reserve_port()
+            port = int(hold.getsockname()[1])
+            reserved[port] = hold
+            return port
 
         for s in SERVICES:
             if ephemeral:
@@ -224,6 +236,7 @@ class LocalStack:
             gateway_console_port=gateway_console,
             data_dir=folder,
             reserved=reserved,
+            chosen=set(reserved),
         )
 
     def addr(self, name: str) -> str:
@@ -284,21 +297,25 @@ class LocalStack:
         """Start the console and wait until it answers its sign-in page."""
         import httpx
 
-        self.start("console")
-        proc = self.procs["console"]
-        deadline = time.monotonic() + limit
-        async with httpx.AsyncClient(timeout=1.0) as client:
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"console exited with {proc.returncode} (log: {self.log_dir}/console.log)")
-                try:
-                    if (await client.get(f"{self.console_url}/signin")).status_code == 200:
-                        return
-                except httpx.HTTPError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the console did not answer in {limit:g} s (log: {self.log_dir}/console.log)")
-                await asyncio.sleep(0.1)
+        async def answering() -> None:
+            proc = self.procs["console"]
+            deadline = time.monotonic() + limit
+            async with httpx.AsyncClient(timeout=1.0) as client:
+                while True:
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"console exited with {proc.returncode} (log: {self.log_dir}/console.log)")
+                    try:
+                        if (await client.get(f"{self.console_url}/signin")).status_code == 200:
+                            return
+                    except httpx.HTTPError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"the console did not answer in {limit:g} s (log: {self.log_dir}/console.log)"
+                        )
+                    await asyncio.sleep(0.1)
+
+        await self._start_serving("console", answering)
 
     async def prepare_database(self) -> str:
         """Resolve the database (starting the embedded one when there is no ``DATABASE_URL``) and
@@ -317,7 +334,63 @@ class LocalStack:
             await pool.close()
         return self.database_url
 
+    def ports_of(self, name: str) -> list[int]:
+        """The ports the service ``name`` (or ``console``) listens on."""
+        if name == "console":
+            return [int(str(self.console_listen).rpartition(":")[2])] if self.console_listen else []
+        found = [self.ports[name]]
+        if name == GATEWAY.name and self.console_listen and self.gateway_console_port:
+            found.append(self.gateway_console_port)
+        return found
+
+    def release_ports(self, name: str) -> None:
+        """Let go of the holds on ``name``'s ports, just before it starts and binds them."""
+        for port in self.ports_of(name):
+            hold = self.reserved.pop(port, None)
+            if hold is not None:
+                hold.close()
+
+    def _hold_again(self, name: str) -> None:
+        """Hold the ports of a service that stopped, when they were the stack's own (ephemeral) ports;
+        best effort: right after a crash its connections' TIME_WAIT may keep a plain bind out, and
+        then the hold also allows ``SO_REUSEADDR`` (still refusing a plain bind)."""
+        for port in self.ports_of(name):
+            if port not in self.chosen or port in self.reserved:
+                continue
+            try:
+                self.reserved[port] = reserve_port(port)
+            except OSError:
+                hold = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                try:
+                    hold.bind(("127.0.0.1", port))
+                except OSError:
+                    hold.close()
+                    continue
+                self.reserved[port] = hold
+
+    def _choose_again(self, name: str) -> None:
+        """New ports for ``name`` after another program took one in the moment between the hold and
+        its bind; the data folder's record names them."""
+        for old in self.ports_of(name):
+            if old not in self.chosen:
+                raise RuntimeError(f"{name}: port {old} is in use by another program (log: {self.log_dir}/{name}.log)")
+            hold = reserve_port()
+            port = int(hold.getsockname()[1])
+            self.reserved[port] = hold
+            self.chosen.discard(old)
+            self.chosen.add(port)
+            if name == "console":
+                self.console_listen = f"{str(self.console_listen).rpartition(':')[0]}:{port}"
+            elif old == self.gateway_console_port and name == GATEWAY.name and old != self.ports[name]:
+                self.gateway_console_port = port
+            else:
+                self.ports[name] = port
+        if self.folder is not None and self.owner_command:
+            self.folder.record(self.owner(self.owner_command))
+
     def start(self, name: str) -> None:
+        self.release_ports(name)
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log = (self.log_dir / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
@@ -372,8 +445,22 @@ class LocalStack:
             ensure_dev_pki(mtls.pki_dir)
         for spec in (CLAIMS, ROOM, RUNTIME, GATEWAY):
             if spec.name in names:
-                self.start(spec.name)
-                await self.wait_serving(spec)
+                await self._start_serving(spec.name, partial(self.wait_serving, spec))
+
+    async def _start_serving(self, name: str, serving: Callable[[], Awaitable[None]]) -> None:
+        """Start ``name`` and wait until it serves; when it exits saying a port of ours was taken in the
+        moment between the hold and its bind (``PORT_IN_USE_EXIT``), again on new ports (bounded)."""
+        for attempt in range(1, PORT_ATTEMPTS + 1):
+            self.release_ports(name)
+            self.start(name)
+            try:
+                await serving()
+                return
+            except RuntimeError:
+                proc = self.procs.get(name)
+                if proc is None or proc.poll() != PORT_IN_USE_EXIT or attempt == PORT_ATTEMPTS:
+                    raise
+            self._choose_again(name)
 
     def kill(self, name: str) -> None:
         """SIGKILL, as a crash would."""
@@ -381,6 +468,7 @@ class LocalStack:
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
+        self._hold_again(name)  # until it starts again
 
     def stop_all(self) -> None:
         """SIGTERM to every service, SIGKILL to any still running after ``STOP_SECONDS``, then the ports'
@@ -396,7 +484,7 @@ class LocalStack:
                 proc.kill()
                 proc.wait()
         self.procs.clear()
-        for reservation in self.reserved:
+        for reservation in self.reserved.values():
             reservation.close()
         self.reserved.clear()
 

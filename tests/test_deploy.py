@@ -918,3 +918,20 @@ def test_the_connection_budget_covers_every_replica_kubernetes_may_run(overlay: 
         assert budget.total <= DEV_POSTGRES_ALLOWS, budget.explain()
     operations = (ROOT / "docs" / "operations.md").read_text()
     assert f"| `{overlay}` | {budget.explain()} |" in operations, budget.explain()
+
+
+def test_the_image_exposes_every_port_a_service_of_ours_listens_on() -> None:
+    """Issue 49: the Dockerfile's EXPOSE names every containerPort of a container running our image."""
+    exposed = set()
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("EXPOSE "):
+            exposed |= {int(p) for p in line.split()[1:]}
+    ours = set()
+    for manifest in sorted((ROOT / "deploy" / "k8s" / "base").glob("*.yaml")):
+        for doc in yaml.safe_load_all(manifest.read_text()):
+            spec = ((doc or {}).get("spec") or {}).get("template", {}).get("spec", {})
+            for container in spec.get("containers", []):
+                if container.get("image") == "quayutec":
+                    ours |= {p["containerPort"] for p in container.get("ports", [])}
+    assert {50051, 50052, 50053, 50054, 50055, 8080} <= ours  # the manifests were read
+    assert ours - exposed == set()

@@ -91,7 +91,10 @@ def test_a_port_another_program_holds_is_refused_naming_its_variable(tmp_path: P
 async def test_the_demo_traces_its_first_run_to_jaeger(empty_database_url: str, tmp_path: Path, jaeger: Jaeger) -> None:
     env = {k: v for k, v in jaeger.env().items() if k.startswith("JAEGER_")}
     done = await quayutec(
-        "demo", env={**env, "DATABASE_URL": empty_database_url, "QUAYUTEC_DATA_DIR": str(tmp_path)}, limit=240
+        "demo",
+        "--then-stop",
+        env={**env, "DATABASE_URL": empty_database_url, "QUAYUTEC_DATA_DIR": str(tmp_path)},
+        limit=240,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout

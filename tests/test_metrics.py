@@ -83,3 +83,27 @@ async def test_the_backlog_is_read_from_the_room_at_most_every_interval(database
         assert _points(reader)["quayutec.wakes.pending"] == [({}, 5)]  # not asked again within the interval
         await metrics.refresh_wake_backlog(room, rpc_timeout_seconds=10.0, every_seconds=0)
         assert _points(reader)["quayutec.wakes.pending"] == [({}, 0)]
+
+
+def test_the_operations_guide_lists_exactly_the_metrics_we_export_and_how_to_turn_them_on() -> None:
+    """Issue 49: one list of metrics, true to the code (quayutec/); and since deploy/k8s turns metrics
+    off, the guide says how to turn them on."""
+    import re
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    # Every instrument of ours: made by name in quayutec/ (telemetry.py's Metrics), or named by a constant
+    # (spanqueue.py's span counters).
+    code = "".join(f.read_text() for f in sorted((repo / "quayutec").glob("*.py")))
+    made = set(re.findall(r'create_\w+\(\s*"(quayutec\.[a-z_.]+)"', code))
+    made |= set(re.findall(r'^[A-Z_]+_METRIC = "(quayutec\.[a-z_.]+)"', code, re.M))
+    guide = (repo / "docs" / "operations.md").read_text()
+    section = guide[guide.index("## What to monitor") :]
+    section = section[: section.index("\n## ")]
+    table = [line for line in section.splitlines() if line.startswith("| `quayutec.")]
+    listed = {name for line in table for name in re.findall(r"`(quayutec\.[a-z_.]+)[`{]", line.split(" | ")[0])}
+    assert len(made) >= 8 and listed == made
+    assert not re.search(r"`quayutec\.(runs|claims|wakes)\.", (repo / "README.md").read_text())  # one list only
+    configmap = (repo / "deploy" / "k8s" / "base" / "configmap.yaml").read_text()
+    if re.search(r'OTEL_METRICS_EXPORTER: "none"', configmap):
+        assert "set it to\n`otlp`" in section or "set it to `otlp`" in section

@@ -1,5 +1,5 @@
 """One source of truth for settings: every variable the code reads is declared in
-quayutec/settings.py, the README's table is generated from those declarations, and `quayutec config`
+quayutec/settings.py, docs/settings.md's table is generated from those declarations, and `quayutec config`
 prints them with the values in effect."""
 
 from __future__ import annotations
@@ -63,18 +63,19 @@ def _gen_table(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_readme_table_is_generated_from_the_declarations(tmp_path: Path) -> None:
+def test_the_settings_table_is_generated_from_the_declarations(tmp_path: Path) -> None:
     checked = _gen_table("--check")
     assert checked.returncode == 0, checked.stderr
-    current = (REPO / "README.md").read_text()
+    current = (REPO / "docs" / "settings.md").read_text()
     for name in SETTINGS:
         assert f"| `{name}` |" in current
-    # A README whose table lost a row is stale, and regenerating it puts the row back.
-    stale = tmp_path / "README.md"
+    assert "| `QUAYUTEC_" not in (REPO / "README.md").read_text()  # the table lives in docs/settings.md only
+    # A page whose table lost a row is stale, and regenerating it puts the row back.
+    stale = tmp_path / "settings.md"
     stale.write_text(current.replace("| `QUAYUTEC_RUNTIME_MAX_RUNS` |", "| `QUAYUTEC_RUNTIME_MAX_RUNZ` |"))
-    refused = _gen_table("--check", "--readme", str(stale))
+    refused = _gen_table("--check", "--page", str(stale))
     assert refused.returncode == 1 and "stale" in refused.stderr
-    assert _gen_table("--readme", str(stale)).returncode == 0
+    assert _gen_table("--page", str(stale)).returncode == 0
     assert stale.read_text() == current
 
 

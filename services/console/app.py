@@ -12,6 +12,7 @@ streams, relayed to the page as Server-Sent Events (live.py).
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import logging
 import socket
@@ -36,6 +37,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from quayutec.channels import internal_channel
 from quayutec.config import GATEWAY, ConfigError
 from quayutec.httpserve import HttpLimits, server_config
+from quayutec.server import PORT_IN_USE_EXIT, port_in_use
 from quayutec.throttle import AuthThrottle
 from services.client import ACTION_NAMES, STATUS_NAMES
 from services.console import company, oidc, rooms, runs
@@ -300,20 +302,22 @@ def main() -> int:
     try:
         sock = listening_socket(host, port)
     except OSError as exc:
-        print(f"console: cannot listen on {config.listen}: {exc.strerror}", flush=True)
+        if exc.errno == errno.EADDRINUSE:
+            print(f"console: {port_in_use(config.listen, 'QUAYUTEC_CONSOLE_LISTEN')}", flush=True)
+            return PORT_IN_USE_EXIT
+        print(f"console: cannot listen on {config.listen} (QUAYUTEC_CONSOLE_LISTEN): {exc.strerror}", flush=True)
         return 2
     server.run(sockets=[sock])
     return 0
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """The console's socket, bound with ``SO_REUSEPORT`` as gRPC servers bind theirs: a local stack
-    holds the port for it until then (services/stack.py ``reserve_port``), so nothing else takes it."""
+    """The console's socket, bound alone as our gRPC servers bind theirs (no ``SO_REUSEPORT``): a port
+    in use is refused (EADDRINUSE), never shared."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host.strip("[]"), port))
     except BaseException:
         sock.close()

@@ -184,7 +184,11 @@ async def create_server(config: GatewayConfig, *, pool: asyncpg.Pool | None = No
         health_watch=held.health,
         # The console's port: the same API over mutual TLS as the Gateway's own identity, where a
         # console certificate's forwarded browser address is believed (services/gateway/auth.py).
-        second_port=(config.console_listen, identity.server_credentials()) if config.console_listen else None,
+        second_port=(
+            (config.console_listen, identity.server_credentials(), "QUAYUTEC_GATEWAY_CONSOLE_LISTEN")
+            if config.console_listen
+            else None
+        ),
     )
     return grpc_server
 

@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import uuid
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import grpc
@@ -556,6 +557,88 @@ async def test_the_rest_of_the_surface_against_the_real_gateway(
     assert {m.company_id async for m in a.members(third.room_id)} == {acme.company_id}
     with pytest.raises(ValueError, match="not one of"):
         await a.register_agent("x", provider="nonsense", model="m")
+
+
+async def test_the_edges_an_outside_developer_meets(stack: SdkStack, acme: CompanyKey, connect: ClientFactory) -> None:
+    """Issue 49: bad arguments refused before the wire, each naming its field with the Gateway's own
+    words; a client used from a second event loop says the rule; a list resumes from a page token."""
+    room_id = str(uuid.uuid4())
+    # Before the wire: a client of a Gateway that is not there gets InvalidArgument, attempts 0 ...
+    nowhere = quayutec_client.connect("127.0.0.1:9", acme.secret, plaintext=True, retry=NO_RETRY)
+    try:
+        refused: dict[str, str] = {}
+        calls: dict[str, Callable[[], Awaitable[object]]] = {
+            "CreateSessionKey": lambda: nowhere.create_session_key(5),
+            "UploadFile": lambda: nowhere.upload_file(room_id, "a.txt", b"\xff\xfe", person="ana"),
+        }
+        for name, call in calls.items():
+            with pytest.raises(errors.InvalidArgument) as sdk:
+                await call()
+            assert sdk.value.attempts == 0, sdk.value
+            refused[name] = sdk.value.message
+        with pytest.raises(errors.InvalidArgument) as watched:
+            nowhere.watch_rooms(after={"x": 1})
+        refused["WatchRooms"] = watched.value.message
+        for bad, field in (
+            (lambda: nowhere.post_message(room_id, 123, person="ana"), "body"),  # type: ignore[arg-type]
+            (lambda: nowhere.runs(started_after="2026-01-01"), "started_after"),  # type: ignore[arg-type]
+            (lambda: nowhere.messages(room_id, page_size="7"), "page_size"),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(TypeError, match=rf"\b{field} must be "):
+                await bad()  # type: ignore[misc]
+    finally:
+        await nowhere.close()
+    # ... with the words the Gateway itself answers the same request with.
+    async with grpc.aio.insecure_channel(stack.gateway_addr) as channel:
+        gateway = gateway_pb2_grpc.GatewayServiceStub(channel)
+        auth = (("authorization", f"Bearer {acme.secret}"),)
+        said = {}
+        for name, request in {
+            "CreateSessionKey": gateway.CreateSessionKey(
+                gateway_pb2.CreateSessionKeyRequest(ttl_seconds=5), metadata=auth
+            ),
+            "UploadFile": gateway.UploadFile(
+                gateway_pb2.UploadFileRequest(room_id=room_id, person="ana", name="a.txt", content=b"\xff\xfe"),
+                metadata=auth,
+            ),
+        }.items():
+            with pytest.raises(grpc.aio.AioRpcError) as direct:
+                await request
+            said[name] = direct.value.details()
+        stream = gateway.WatchRooms(
+            gateway_pb2.WatchRoomsRequest(after=[gateway_pb2.RoomCursor(room_id="x", cursor=1)]), metadata=auth
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as direct:
+            await stream.read()
+        said["WatchRooms"] = direct.value.details()
+    assert refused == said
+
+    # One client per event loop: a client made outside any loop, used from two asyncio.run calls.
+    def two_runs() -> tuple[str, str]:
+        client = quayutec_client.connect(stack.gateway_addr, acme.secret, plaintext=True)
+        first = asyncio.run(client.who_am_i())
+        try:
+            asyncio.run(client.who_am_i())
+        except RuntimeError as exc:
+            return first.name, str(exc)
+        return first.name, "the second loop's call went through"
+
+    name, second = await asyncio.to_thread(two_runs)
+    assert name == "Acme"
+    assert "one client per event loop" in second and "(closed)" in second, second
+
+    # A list resumed from a page token, in another client: nothing missed, nothing twice.
+    client = connect(acme)
+    room = await client.create_room("paged")
+    for i in range(7):
+        await client.post_message(room.room_id, f"m{i}", person="ana")
+    pages = client.messages(room.room_id, page_size=3)
+    first_page = [(await anext(pages)).body for _ in range(3)]
+    assert pages.page_token == "" and pages.next_page_token
+    rest = [m.body async for m in connect(acme).messages(room.room_id, page_size=3, page_token=pages.next_page_token)]
+    assert first_page + rest == [f"m{i}" for i in range(7)]
+    again = [m.body async for m in client.messages(room.room_id, page_size=3, page_token=pages.page_token)]
+    assert again == [f"m{i}" for i in range(7)]
 
 
 async def test_names_renames_retirement_and_archiving(

@@ -55,6 +55,37 @@ const FIELDS: Readonly<Record<string, readonly Rule[]>> = {
   WatchRoom: [id("roomId", "room_id")],
 };
 
+const MAX_FILE_BYTES = 10 * 1024 * 1024;
+const SESSION_TTL_SECONDS = [60, 7 * 86_400] as const;
+
+/** The offset of the first byte of `data` that is not well-formed UTF-8 (as Python's decoder reports
+ * it, which the Gateway's message names), or -1 when it all is. */
+function firstInvalidUtf8(data: Uint8Array): number {
+  try {
+    new TextDecoder("utf-8", { fatal: true }).decode(data);
+    return -1;
+  } catch {
+    for (let i = 0; i < data.length; ) {
+      const b = data[i] as number;
+      const need = b < 0x80 ? 0 : b >= 0xc2 && b <= 0xdf ? 1 : b >= 0xe0 && b <= 0xef ? 2 : b >= 0xf0 && b <= 0xf4 ? 3 : -1;
+      if (need < 0) return i;
+      for (let k = 1; k <= need; k++) {
+        const c = data[i + k];
+        const lo = k === 1 && b === 0xe0 ? 0xa0 : k === 1 && b === 0xf0 ? 0x90 : 0x80;
+        const hi = k === 1 && b === 0xed ? 0x9f : k === 1 && b === 0xf4 ? 0x8f : 0xbf;
+        if (c === undefined || c < lo || c > hi) return i;
+      }
+      i += need + 1;
+    }
+    return 0;
+  }
+}
+
+/** Whether `value` is an id as the Gateway reads one: a uuid in its canonical text (any case). */
+export function isUuid(value: string): boolean {
+  return /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i.test(value);
+}
+
 export function invalid(method: string, message: string): InvalidArgument {
   return new InvalidArgument(Code.InvalidArgument, message, method, 0);
 }
@@ -129,6 +160,22 @@ export function checkRequest(method: string, schema: DescMessage, request: Recor
     }
     if (kind !== "id" && bytes(value) > limit) {
       throw invalid(method, `${snake} must be at most ${limit} bytes${method === "PostMessage" && field === "body" ? " (64 KiB)" : ""}`);
+    }
+  }
+  if (method === "CreateSessionKey") {
+    const [low, high] = SESSION_TTL_SECONDS;
+    const ttl = BigInt(request.ttlSeconds as bigint | number);
+    if (ttl < BigInt(low) || ttl > BigInt(high)) {
+      throw invalid(method, `ttl_seconds must be between ${low} and ${high} (7 days), got ${ttl}`);
+    }
+  } else if (method === "UploadFile") {
+    const content = request.content as Uint8Array;
+    if (content.length > MAX_FILE_BYTES) {
+      throw invalid(method, `content must be at most ${MAX_FILE_BYTES} bytes (10 MiB), got ${content.length}`);
+    }
+    const bad = firstInvalidUtf8(content);
+    if (bad >= 0) {
+      throw invalid(method, `content must be UTF-8 text (invalid byte at offset ${bad})`);
     }
   }
   const pageSize = request.pageSize as number | undefined;

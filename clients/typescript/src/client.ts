@@ -38,7 +38,7 @@ import type {
   SendTaskResponse,
   SignInProvider,
 } from "./gen/quayutec/v1/gateway_pb.js";
-import { checkRequest, invalid } from "./checks.js";
+import { checkRequest, invalid, isUuid } from "./checks.js";
 import { Unauthenticated } from "./errors.js";
 import { retryPolicy, type RetryPolicy } from "./retry.js";
 import { Transport, type PerCall, type RequestOf, type ResponseOf, type RpcKey, type TlsOptions, type UnaryKey } from "./transport.js";
@@ -202,12 +202,12 @@ export class Client {
   }
 
   /** The rooms your company is a member of. */
-  rooms(options: { pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<Room, void, undefined> {
+  rooms(options: { pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<Room, void, undefined> {
     return this.paged(call, "listRooms", { ...options }, (p) => p.rooms);
   }
 
   /** The member companies of a room. */
-  members(roomId: string, options: { pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<RoomMember, void, undefined> {
+  members(roomId: string, options: { pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<RoomMember, void, undefined> {
     return this.paged(call, "listMembers", { roomId, ...options }, (p) => p.members);
   }
 
@@ -227,10 +227,10 @@ export class Client {
 
   /** Invitations to your company, oldest first: pending ones unless `status` says otherwise. */
   invitations(
-    options: { status?: EnumInput<typeof InvitationStatus>; sent?: boolean; pageSize?: number } = {},
+    options: { status?: EnumInput<typeof InvitationStatus>; sent?: boolean; pageSize?: number; pageToken?: string } = {},
     call: PerCall = {},
   ): AsyncGenerator<Invitation, void, undefined> {
-    const request = { status: enumValue(InvitationStatus, options.status), sent: options.sent, pageSize: options.pageSize };
+    const request = { status: enumValue(InvitationStatus, options.status), sent: options.sent, pageSize: options.pageSize, pageToken: options.pageToken };
     return this.paged(call, "listInvitations", request, (p) => p.invitations);
   }
 
@@ -247,10 +247,10 @@ export class Client {
   /** Every invitation into a room your company created, oldest first: pending ones unless `status` says otherwise. */
   roomInvitations(
     roomId: string,
-    options: { status?: EnumInput<typeof InvitationStatus>; pageSize?: number } = {},
+    options: { status?: EnumInput<typeof InvitationStatus>; pageSize?: number; pageToken?: string } = {},
     call: PerCall = {},
   ): AsyncGenerator<Invitation, void, undefined> {
-    return this.paged(call, "listRoomInvitations", { roomId, status: enumValue(InvitationStatus, options.status), pageSize: options.pageSize }, (p) => p.invitations);
+    return this.paged(call, "listRoomInvitations", { roomId, status: enumValue(InvitationStatus, options.status), pageSize: options.pageSize, pageToken: options.pageToken }, (p) => p.invitations);
   }
 
   /** Withdraw a pending invitation (the room's creator, or its sender); withdrawing again changes nothing. */
@@ -303,7 +303,7 @@ export class Client {
   }
 
   /** Your company's agents. */
-  agents(options: { roomId?: string; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<Agent, void, undefined> {
+  agents(options: { roomId?: string; pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<Agent, void, undefined> {
     return this.paged(call, "listAgents", { ...options }, (p) => p.agents);
   }
 
@@ -317,23 +317,26 @@ export class Client {
   async postMessage(
     roomId: string,
     body: string,
-    options: { person: string; mentions?: string[]; idempotencyKey?: string },
+    options: { person?: string; mentions?: string[]; idempotencyKey?: string } = {},
     call: PerCall = {},
   ): Promise<PostMessageResponse> {
+    if (options === null || typeof options !== "object") {
+      throw new TypeError(`postMessage's options must be an object such as { person: "ana" }, not ${typeof options}`);
+    }
     if (options.mentions !== undefined && !Array.isArray(options.mentions)) {
       throw new TypeError(`mentions must be an array of agent ids, not ${typeof options.mentions}`);
     }
     return this.unary(call, "postMessage", {
       roomId,
       body,
-      person: options.person,
+      person: options.person ?? "",
       mentionAgentIds: options.mentions ?? [],
       idempotencyKey: options.idempotencyKey ?? newIdempotencyKey(),
     });
   }
 
   /** A room's messages, oldest first unless `newestFirst`. */
-  messages(roomId: string, options: { newestFirst?: boolean; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<Message, void, undefined> {
+  messages(roomId: string, options: { newestFirst?: boolean; pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<Message, void, undefined> {
     return this.paged(call, "listMessages", { roomId, ...options }, (p) => p.messages);
   }
 
@@ -367,10 +370,10 @@ export class Client {
   /** A room's tasks, optionally those of one agent or in one status. */
   tasks(
     roomId: string,
-    options: { toAgentId?: string; status?: EnumInput<typeof TaskStatus>; pageSize?: number } = {},
+    options: { toAgentId?: string; status?: EnumInput<typeof TaskStatus>; pageSize?: number; pageToken?: string } = {},
     call: PerCall = {},
   ): AsyncGenerator<Task, void, undefined> {
-    return this.paged(call, "listTasks", { roomId, toAgentId: options.toAgentId, status: enumValue(TaskStatus, options.status), pageSize: options.pageSize }, (p) => p.tasks);
+    return this.paged(call, "listTasks", { roomId, toAgentId: options.toAgentId, status: enumValue(TaskStatus, options.status), pageSize: options.pageSize, pageToken: options.pageToken }, (p) => p.tasks);
   }
 
   /** One task with its updates. */
@@ -381,7 +384,7 @@ export class Client {
   // Memory and files.
 
   /** Memory lines your company may read (room-wide and its own), optionally searched. */
-  memory(roomId: string, options: { query?: string; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<MemoryLine, void, undefined> {
+  memory(roomId: string, options: { query?: string; pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<MemoryLine, void, undefined> {
     return this.paged(call, "listMemory", { roomId, ...options }, (p) => p.lines);
   }
 
@@ -399,7 +402,7 @@ export class Client {
   }
 
   /** A room's files (without their content). */
-  files(roomId: string, options: { pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<File, void, undefined> {
+  files(roomId: string, options: { pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<File, void, undefined> {
     return this.paged(call, "listFiles", { roomId, ...options }, (p) => p.files);
   }
 
@@ -417,9 +420,10 @@ export class Client {
       agentId?: string;
       roomId?: string;
       status?: EnumInput<typeof RunStatus>;
-      startedAfter?: Date;
-      startedBefore?: Date;
+      startedAfter?: Date | string;
+      startedBefore?: Date | string;
       pageSize?: number;
+      pageToken?: string;
     } = {},
     call: PerCall = {},
   ): AsyncGenerator<Run, void, undefined> {
@@ -430,8 +434,8 @@ export class Client {
       {
         ...rest,
         status: enumValue(RunStatus, status),
-        startedAfter: startedAfter === undefined ? undefined : timestampFromDate(startedAfter),
-        startedBefore: startedBefore === undefined ? undefined : timestampFromDate(startedBefore),
+        startedAfter: startedAfter === undefined ? undefined : timestampFromDate(moment(startedAfter, "startedAfter")),
+        startedBefore: startedBefore === undefined ? undefined : timestampFromDate(moment(startedBefore, "startedBefore")),
       },
       (p) => p.runs,
     );
@@ -453,7 +457,7 @@ export class Client {
   }
 
   /** Your company's keys, oldest first (never a secret); its session keys too when asked. */
-  apiKeys(options: { includeSessions?: boolean; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<ApiKey, void, undefined> {
+  apiKeys(options: { includeSessions?: boolean; pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<ApiKey, void, undefined> {
     return this.paged(call, "listApiKeys", { ...options }, (p) => p.keys);
   }
 
@@ -526,8 +530,8 @@ export class Client {
   }
 
   /** Your parked runs whose held actions await your decision (pending unless `status`). */
-  approvals(options: { status?: EnumInput<typeof WaitpointStatus>; pageSize?: number } = {}, call: PerCall = {}): AsyncGenerator<Waitpoint, void, undefined> {
-    return this.paged(call, "listApprovals", { status: enumValue(WaitpointStatus, options.status), pageSize: options.pageSize }, (p) => p.waitpoints);
+  approvals(options: { status?: EnumInput<typeof WaitpointStatus>; pageSize?: number; pageToken?: string } = {}, call: PerCall = {}): AsyncGenerator<Waitpoint, void, undefined> {
+    return this.paged(call, "listApprovals", { status: enumValue(WaitpointStatus, options.status), pageSize: options.pageSize, pageToken: options.pageToken }, (p) => p.waitpoints);
   }
 
   /** Approve or deny one held action; the decision that completes a waitpoint continues its run once. */
@@ -561,8 +565,8 @@ export class Client {
         throw new TypeError("after must be a Map or an object of room id to cursor");
       }
       [...(after instanceof Map ? after : Object.entries(after))].forEach(([roomId, cursor]: [unknown, unknown], index) => {
-        if (typeof roomId !== "string" || !roomId) {
-          throw invalid("WatchRooms", `after[${index}].room_id must be a room id (uuid), got ${JSON.stringify(roomId)}`);
+        if (typeof roomId !== "string" || !isUuid(roomId)) {
+          throw invalid("WatchRooms", `after[${index}].room_id must be a room id (uuid), got ${pythonRepr(roomId)}`);
         }
         if (cursorOf(cursor, `after[${index}].cursor`) < 0n) {
           throw invalid("WatchRooms", `after[${index}].cursor must be 0 or more, got ${String(cursor)}`);
@@ -612,6 +616,21 @@ export class Client {
 }
 
 /** A cursor as a bigint (from a bigint, a whole number or a string of digits); TypeError otherwise. */
+/** A Date, or an ISO 8601 date or time ("2026-01-01", "2026-01-01T09:00:00Z") as a Date; TypeError naming
+ * `name` otherwise. */
+function moment(value: unknown, name: string): Date {
+  const date = typeof value === "string" && /^\d{4}-\d{2}-\d{2}/.test(value) ? new Date(value) : value;
+  if (!(date instanceof Date) || Number.isNaN(date.getTime())) {
+    throw new TypeError(`${name} must be a Date or an ISO 8601 date or time such as "2026-01-01", not ${JSON.stringify(value) ?? String(value)}`);
+  }
+  return date;
+}
+
+/** A string as Python's repr shows it (the Gateway's messages quote ids so): 'x'. */
+function pythonRepr(value: unknown): string {
+  return typeof value === "string" ? `'${value.slice(0, 64).replace(/\\/g, "\\\\").replace(/'/g, "\\'")}'` : JSON.stringify(value) ?? String(value);
+}
+
 function cursorOf(value: unknown, name: string): bigint {
   if (typeof value === "bigint") {
     return value;

@@ -707,3 +707,41 @@ test("stream refusals are typed errors naming the limit and the advised wait", a
   assert.equal(throttled.attempts, 1, "an advised wait over maxAdvisedWaitMs is not waited");
   assert.ok(throttled.rawMessage.includes("failed authentications"), throttled.rawMessage);
 });
+
+test("the edges an outside developer meets: bad arguments refused before the wire, naming the field", async () => {
+  const acme = await stack.company("Edges");
+  const a = client(acme);
+  const room = await a.createRoom("edges");
+  // A client of a Gateway that is not there: each refusal is InvalidArgument with 0 attempts, in the
+  // Gateway's own words (tests/clients/test_python_sdk.py compares them with the Gateway's answers).
+  const nowhere = connect({ address: "127.0.0.1:9", apiKey: acme.api_key, plaintext: true, retry: NO_RETRY });
+  clients.push(nowhere);
+  const refused = async (call: () => Promise<unknown>, says: string) => {
+    const error = await call().then(
+      () => undefined,
+      (e: unknown) => e,
+    );
+    assert.ok(error instanceof InvalidArgument, String(error));
+    assert.equal(error.attempts, 0);
+    assert.equal(error.rawMessage, says);
+  };
+  await refused(() => nowhere.createSessionKey(5), "ttl_seconds must be between 60 and 604800 (7 days), got 5");
+  await refused(
+    () => nowhere.uploadFile(room.roomId, "a.txt", new Uint8Array([0x61, 0xff, 0xfe]), { person: "ana" }),
+    "content must be UTF-8 text (invalid byte at offset 1)",
+  );
+  await refused(async () => nowhere.watchRooms({ after: { x: 1 } }), "after[0].room_id must be a room id (uuid), got 'x'");
+  // No options: refused for the one it lacks, not a TypeError from inside the SDK.
+  await refused(() => nowhere.postMessage(room.roomId, "hi"), "person is required");
+  await assert.rejects(
+    nowhere.postMessage(room.roomId, 123 as unknown as string, { person: "ana" }),
+    (e: unknown) => e instanceof TypeError && e.message.startsWith("body must be a string"),
+  );
+  // startedAfter: a Date or an ISO 8601 string; anything else a TypeError naming it.
+  await a.postMessage(room.roomId, "hi", { person: "ana" });
+  assert.deepEqual(await collect(a.runs({ startedAfter: "2026-01-01", roomId: room.roomId })), []);
+  assert.deepEqual(await collect(a.runs({ startedAfter: new Date("2026-01-01T00:00:00Z"), roomId: room.roomId })), []);
+  // Refused as the call is made, before any page is asked for.
+  assert.throws(() => a.runs({ startedAfter: "soon" }), (e: unknown) => e instanceof TypeError && e.message.startsWith("startedAfter must be"));
+  assert.throws(() => a.runs({ startedBefore: 5 as unknown as Date }), (e: unknown) => e instanceof TypeError && e.message.startsWith("startedBefore must be"));
+});

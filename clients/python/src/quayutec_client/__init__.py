@@ -10,7 +10,7 @@ async with quayutec_client.connect("gateway.example:50051", api_key) as client:
 """
 
 from quayutec_client import errors, types
-from quayutec_client.client import Client, Tls, connect, new_idempotency_key
+from quayutec_client.client import Client, Pages, Tls, connect, new_idempotency_key
 from quayutec_client.errors import (
     AlreadyExists,
     Closed,
@@ -42,6 +42,7 @@ __all__ = [
     "FailedPrecondition",
     "InvalidArgument",
     "NotFound",
+    "Pages",
     "PermissionDenied",
     "QuayutecError",
     "RateLimited",

@@ -5,6 +5,7 @@ may you) is left to the Gateway. tests/clients compares these messages with the 
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,8 @@ MAX_QUERY_BYTES = 1000
 MAX_IDEMPOTENCY_KEY_BYTES = 200
 MAX_MENTIONS = 50
 MAX_PAGE_SIZE = 500
+MAX_FILE_BYTES = 10 * 1024 * 1024
+SESSION_TTL_SECONDS = (60, 7 * 86_400)
 
 # Per RPC, in the Gateway's order: (field, what it must be, its limit in UTF-8 bytes). "id": not
 # empty; "text": not blank and within the limit; "optional": within the limit.
@@ -108,6 +111,19 @@ def check_request(method: str, request: Message) -> None:
         if _over(value, limit):
             more = " (64 KiB)" if field == "body" and method == "PostMessage" else ""
             raise invalid(method, f"{field} must be at most {limit} bytes{more}")
+    if method == "CreateSessionKey":
+        low, high = SESSION_TTL_SECONDS
+        ttl: int = getattr(request, "ttl_seconds")  # noqa: B009
+        if not low <= ttl <= high:
+            raise invalid(method, f"ttl_seconds must be between {low} and {high} (7 days), got {ttl}")
+    elif method == "UploadFile":
+        content: bytes = getattr(request, "content")  # noqa: B009
+        if len(content) > MAX_FILE_BYTES:
+            raise invalid(method, f"content must be at most {MAX_FILE_BYTES} bytes (10 MiB), got {len(content)}")
+        try:
+            content.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise invalid(method, f"content must be UTF-8 text (invalid byte at offset {exc.start})") from None
     has_page_size, has_key, has_mentions = _shape(request)
     if has_page_size:
         size: int = getattr(request, "page_size")  # noqa: B009 - not every request has it
@@ -136,6 +152,14 @@ def sequence_of_str(value: Any, name: str) -> list[str]:
     return items
 
 
+def _is_uuid(value: str) -> bool:
+    """As the Gateway reads an id: a uuid in its canonical text (any case)."""
+    try:
+        return str(uuid.UUID(value)) == value.lower()
+    except ValueError:
+        return False
+
+
 def watch_cursor(after: Any) -> int | None:
     """WatchRoom's ``after``: None (from now) or a cursor of 0 or more."""
     if after is None:
@@ -157,8 +181,8 @@ def watch_cursors(after: Any) -> dict[str, int] | None:
     for index, (room_id, cursor) in enumerate(after.items()):
         if not isinstance(room_id, str) or isinstance(cursor, bool) or not isinstance(cursor, int):
             raise TypeError(f"after maps room ids (str) to cursors (int), not {room_id!r} to {cursor!r}")
-        if not room_id:
-            raise invalid("WatchRooms", f"after[{index}].room_id must be a room id (uuid), got ''")
+        if not _is_uuid(room_id):
+            raise invalid("WatchRooms", f"after[{index}].room_id must be a room id (uuid), got {room_id[:64]!r}")
         if cursor < 0:
             raise invalid("WatchRooms", f"after[{index}].cursor must be 0 or more, got {cursor}")
         cursors[room_id] = cursor

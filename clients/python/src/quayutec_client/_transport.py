@@ -188,6 +188,7 @@ class Transport:
         # to the loop it is made in): a client made at import time works under a later asyncio.run.
         self._make_channel = channel
         self._channel: grpc.aio.Channel | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the event loop the channel was made in
         self.address = address
         self.sleep = sleep
         self.clock = clock
@@ -202,6 +203,7 @@ class Transport:
     def channel(self) -> grpc.aio.Channel:
         """The channel (made, with a callable per RPC, on first use)."""
         if self._channel is None:
+            self._loop = asyncio.get_running_loop()
             channel = self._channel = self._make_channel()
             for rpc in RPCS.values():
                 make = channel.unary_stream if rpc.server_streaming else channel.unary_unary
@@ -216,6 +218,23 @@ class Transport:
     def _callable(self, name: str) -> Any:
         self.channel  # noqa: B018 - makes the channel and the callables on first use
         return self._streams[name] if RPCS[name].server_streaming else self._unary[name]
+
+    def same_loop(self, method: str) -> None:
+        """RuntimeError naming the rule when this client is used from an event loop other than the one
+        its channel was made in (gRPC binds a channel to one loop): one client per event loop."""
+        if self._loop is None:
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is not self._loop:
+            was = "closed" if self._loop.is_closed() else "another, still open"
+            raise RuntimeError(
+                f"{method}: this client was first used in another event loop ({was}), and gRPC binds a client's "
+                "channel to the loop it was made in: use one client per event loop, e.g. call connect() inside the "
+                "coroutine that asyncio.run() runs (or inside each asyncio.run call), and close it there"
+            )
 
     def metadata(self, request_id: str = "") -> tuple[tuple[str, str], ...]:
         """The API key, the call's request id, and the caller's current trace context when OpenTelemetry
@@ -285,6 +304,7 @@ class Transport:
         if type(request) is not rpc.request:
             raise TypeError(f"{name} takes {rpc.request.__name__}, not {type(request).__name__}")
         check_request(name, request)
+        self.same_loop(name)
         policy = policy.within(timeout)
         call = self._unary.get(name) or self._callable(name)
         request_id = new_request_id()
@@ -323,6 +343,7 @@ class Transport:
         """Open server stream ``name`` (no deadline)."""
         if self.closed:
             raise self.closed_error(name, 0)
+        self.same_loop(name)
         return self._callable(name)(request, metadata=self.metadata(request_id))
 
     def retry_wait(

@@ -8,12 +8,14 @@ calls ``self._unary`` (or ``self._paged`` for a list). tests/clients fails while
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 import grpc
 from google.protobuf.message import Message as _ProtoMessage
@@ -67,13 +69,70 @@ DEFAULT_CHANNEL_OPTIONS: tuple[tuple[str, Any], ...] = (
 
 
 def rpc(name: str) -> Callable[[F], F]:
-    """Marks the method that wraps Gateway RPC ``name`` (what the coverage test reads)."""
+    """Marks the method that wraps Gateway RPC ``name`` (what the coverage test reads), and checks the
+    types of its arguments before anything is built or sent: ``post_message(room, 123)`` is a TypeError
+    naming ``body``, not one from deep inside protobuf."""
 
     def mark(method: F) -> F:
-        method.__quayutec_rpc__ = name  # type: ignore[attr-defined]
-        return method
+        checked = _typed(method)
+        checked.__quayutec_rpc__ = name  # type: ignore[attr-defined]
+        return checked
 
     return mark
+
+
+# The annotations (strings: ``from __future__ import annotations``) whose values are checked, and what
+# a value must be. A bool is never taken for an int.
+_ARG_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "str": ((str,), "a str"),
+    "str | None": ((str, type(None)), "a str or None"),
+    "bytes | str": ((bytes, str), "bytes or a str"),
+    "int": ((int,), "an int"),
+    "int | None": ((int, type(None)), "an int or None"),
+    "bool": ((bool,), "a bool"),
+    "float | None": ((int, float, type(None)), "a number of seconds or None"),
+    "int | str": ((int, str), "an int or a str"),
+    "datetime | None": ((datetime, type(None)), "a datetime or None"),
+}
+
+
+def _typed(method: F) -> F:
+    sig = inspect.signature(method)
+    checks = [
+        (param, *_ARG_TYPES[ann])
+        for param, ann in method.__annotations__.items()
+        if param != "return" and isinstance(ann, str) and ann in _ARG_TYPES
+    ]
+    where = method.__name__
+
+    position = {name: i for i, name in enumerate(sig.parameters)}  # "self" is 0
+
+    def check(args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        for param, types, what in checks:
+            if param in kwargs:
+                value = kwargs[param]
+            elif position[param] < len(args):
+                value = args[position[param]]
+            else:
+                continue  # its default
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+                raise TypeError(f"{where}: {param} must be {what}, not {type(value).__name__} ({value!r:.40})")
+
+    if inspect.iscoroutinefunction(method):
+
+        @functools.wraps(method)
+        async def checked_call(*args: Any, **kwargs: Any) -> Any:
+            check(args, kwargs)
+            return await method(*args, **kwargs)
+
+        return cast("F", checked_call)
+
+    @functools.wraps(method)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        check(args, kwargs)
+        return method(*args, **kwargs)
+
+    return cast("F", checked)
 
 
 def rpc_methods() -> dict[str, str]:
@@ -188,10 +247,15 @@ def connect(
     return Client(Transport(channel, key, address, sleep=asyncio.sleep), retry or RetryPolicy())
 
 
-class _Pages(AsyncIterator[T]):
+class Pages(AsyncIterator[T]):
     """A list call's items, page after page. An iterator object rather than an async generator: one
     left before its end (``break``) has nothing to close, where a generator costs the event loop a
-    task to finalize it, on every such loop."""
+    task to finalize it, on every such loop.
+
+    Resumable: ``page_token`` is the token of the page being read ("" for the first), and
+    ``next_page_token`` that of the page after it ("" when it is the last); pass either as the list
+    method's ``page_token`` later (another process too) to go on from there. Resuming from
+    ``page_token`` reads the current page again, so nothing is missed."""
 
     def __init__(
         self, client: Client, timeout: float | None, name: str, request: Any, items: Callable[[Any], Iterable[T]]
@@ -203,12 +267,16 @@ class _Pages(AsyncIterator[T]):
         self._items = items
         self._page: Iterator[T] = iter(())
         self._more = True  # a next page may hold more
+        self.page_token: str = request.page_token
+        self.next_page_token: str = request.page_token
 
     async def __anext__(self) -> T:
         for item in self._page:
             return item
         while self._more:
             page = await self._client._unary(self._timeout, self._name, self._request)
+            self.page_token = self._request.page_token
+            self.next_page_token = page.next_page_token
             self._more = bool(page.next_page_token)
             self._request.page_token = page.next_page_token
             self._page = iter(self._items(page))
@@ -248,12 +316,10 @@ class Client:
     def _unary(self, timeout: float | None, name: str, request: _ProtoMessage) -> Awaitable[Any]:
         return self._transport.unary(name, request, self.retry_policy, timeout)
 
-    def _paged(
-        self, timeout: float | None, name: str, request: Any, items: Callable[[Any], Iterable[T]]
-    ) -> AsyncIterator[T]:
+    def _paged(self, timeout: float | None, name: str, request: Any, items: Callable[[Any], Iterable[T]]) -> Pages[T]:
         """Every item of every page, each page fetched (and retried, within ``timeout`` each) when the
         previous one is used up."""
-        return _Pages(self, timeout, name, request, items)
+        return Pages(self, timeout, name, request, items)
 
     # Identity and rooms.
 
@@ -290,14 +356,21 @@ class Client:
         return response.room
 
     @rpc("ListRooms")
-    def rooms(self, *, page_size: int = 0, timeout: float | None = None) -> AsyncIterator[Room]:
+    def rooms(self, *, page_size: int = 0, page_token: str = "", timeout: float | None = None) -> Pages[Room]:
         """The rooms your company is a member of."""
-        return self._paged(timeout, "ListRooms", gateway_pb2.ListRoomsRequest(page_size=page_size), lambda p: p.rooms)
+        return self._paged(
+            timeout,
+            "ListRooms",
+            gateway_pb2.ListRoomsRequest(page_size=page_size, page_token=page_token),
+            lambda p: p.rooms,
+        )
 
     @rpc("ListMembers")
-    def members(self, room_id: str, *, page_size: int = 0, timeout: float | None = None) -> AsyncIterator[RoomMember]:
+    def members(
+        self, room_id: str, *, page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> Pages[RoomMember]:
         """The member companies of a room."""
-        request = gateway_pb2.ListMembersRequest(room_id=room_id, page_size=page_size)
+        request = gateway_pb2.ListMembersRequest(room_id=room_id, page_size=page_size, page_token=page_token)
         return self._paged(timeout, "ListMembers", request, lambda p: p.members)
 
     # Invitations and membership.
@@ -316,12 +389,21 @@ class Client:
 
     @rpc("ListInvitations")
     def invitations(
-        self, *, status: int | str = 0, sent: bool = False, page_size: int = 0, timeout: float | None = None
-    ) -> AsyncIterator[Invitation]:
+        self,
+        *,
+        status: int | str = 0,
+        sent: bool = False,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Pages[Invitation]:
         """Invitations to your company (or, ``sent``, those it sent), oldest first: pending ones unless
         ``status`` says otherwise."""
         request = gateway_pb2.ListInvitationsRequest(
-            status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status), sent=sent, page_size=page_size
+            status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status),
+            sent=sent,
+            page_size=page_size,
+            page_token=page_token,
         )
         return self._paged(timeout, "ListInvitations", request, lambda p: p.invitations)
 
@@ -341,14 +423,21 @@ class Client:
 
     @rpc("ListRoomInvitations")
     def room_invitations(
-        self, room_id: str, *, status: int | str = 0, page_size: int = 0, timeout: float | None = None
-    ) -> AsyncIterator[Invitation]:
+        self,
+        room_id: str,
+        *,
+        status: int | str = 0,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Pages[Invitation]:
         """Every invitation into a room your company created, oldest first: pending ones unless ``status``
         says otherwise."""
         request = gateway_pb2.ListRoomInvitationsRequest(
             room_id=room_id,
             status=_enum(common_pb2.InvitationStatus, "INVITATION_STATUS_", status),
             page_size=page_size,
+            page_token=page_token,
         )
         return self._paged(timeout, "ListRoomInvitations", request, lambda p: p.invitations)
 
@@ -419,10 +508,12 @@ class Client:
         return response.agent
 
     @rpc("ListAgents")
-    def agents(self, *, room_id: str = "", page_size: int = 0, timeout: float | None = None) -> AsyncIterator[Agent]:
+    def agents(
+        self, *, room_id: str = "", page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> Pages[Agent]:
         """Your company's agents; with ``room_id``, the agents in that room (every member company's, another
         company's by id, name and company only)."""
-        request = gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=page_size)
+        request = gateway_pb2.ListAgentsRequest(room_id=room_id, page_size=page_size, page_token=page_token)
         return self._paged(timeout, "ListAgents", request, lambda p: p.agents)
 
     # Messages and tasks.
@@ -454,10 +545,18 @@ class Client:
 
     @rpc("ListMessages")
     def messages(
-        self, room_id: str, *, newest_first: bool = False, page_size: int = 0, timeout: float | None = None
-    ) -> AsyncIterator[Message]:
+        self,
+        room_id: str,
+        *,
+        newest_first: bool = False,
+        page_size: int = 0,
+        page_token: str = "",
+        timeout: float | None = None,
+    ) -> Pages[Message]:
         """A room's messages, oldest first unless ``newest_first``."""
-        request = gateway_pb2.ListMessagesRequest(room_id=room_id, newest_first=newest_first, page_size=page_size)
+        request = gateway_pb2.ListMessagesRequest(
+            room_id=room_id, newest_first=newest_first, page_size=page_size, page_token=page_token
+        )
         return self._paged(timeout, "ListMessages", request, lambda p: p.messages)
 
     @rpc("SendTask")
@@ -517,14 +616,16 @@ class Client:
         to_agent_id: str = "",
         status: int | str = 0,
         page_size: int = 0,
+        page_token: str = "",
         timeout: float | None = None,
-    ) -> AsyncIterator[Task]:
+    ) -> Pages[Task]:
         """A room's tasks, optionally those of one agent or in one status."""
         request = gateway_pb2.ListTasksRequest(
             room_id=room_id,
             to_agent_id=to_agent_id,
             status=_enum(common_pb2.TaskStatus, "TASK_STATUS_", status),
             page_size=page_size,
+            page_token=page_token,
         )
         return self._paged(timeout, "ListTasks", request, lambda p: p.tasks)
 
@@ -539,10 +640,12 @@ class Client:
 
     @rpc("ListMemory")
     def memory(
-        self, room_id: str, *, query: str = "", page_size: int = 0, timeout: float | None = None
-    ) -> AsyncIterator[MemoryLine]:
+        self, room_id: str, *, query: str = "", page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> Pages[MemoryLine]:
         """Memory lines your company may read (room-wide and its own), optionally searched."""
-        request = gateway_pb2.ListMemoryRequest(room_id=room_id, query=query, page_size=page_size)
+        request = gateway_pb2.ListMemoryRequest(
+            room_id=room_id, query=query, page_size=page_size, page_token=page_token
+        )
         return self._paged(timeout, "ListMemory", request, lambda p: p.lines)
 
     @rpc("UploadFile")
@@ -565,9 +668,11 @@ class Client:
         return response.file
 
     @rpc("ListFiles")
-    def files(self, room_id: str, *, page_size: int = 0, timeout: float | None = None) -> AsyncIterator[File]:
+    def files(
+        self, room_id: str, *, page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> Pages[File]:
         """A room's files (without their content)."""
-        request = gateway_pb2.ListFilesRequest(room_id=room_id, page_size=page_size)
+        request = gateway_pb2.ListFilesRequest(room_id=room_id, page_size=page_size, page_token=page_token)
         return self._paged(timeout, "ListFiles", request, lambda p: p.files)
 
     @rpc("SearchPassages")
@@ -591,8 +696,9 @@ class Client:
         started_after: datetime | None = None,
         started_before: datetime | None = None,
         page_size: int = 0,
+        page_token: str = "",
         timeout: float | None = None,
-    ) -> AsyncIterator[Run]:
+    ) -> Pages[Run]:
         """Your agents' runs (or one agent's), newest first; optionally in one room, with one status
         ("failed"...), started at or after ``started_after`` and before ``started_before``."""
         request = gateway_pb2.ListRunsRequest(
@@ -600,6 +706,7 @@ class Client:
             room_id=room_id,
             status=_enum(common_pb2.RunStatus, "RUN_STATUS_", status),
             page_size=page_size,
+            page_token=page_token,
         )
         if started_after is not None:
             request.started_after.FromDatetime(started_after)
@@ -637,10 +744,12 @@ class Client:
 
     @rpc("ListApiKeys")
     def api_keys(
-        self, *, include_sessions: bool = False, page_size: int = 0, timeout: float | None = None
-    ) -> AsyncIterator[KeyInfo]:
+        self, *, include_sessions: bool = False, page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> Pages[KeyInfo]:
         """Your company's keys, oldest first (never a secret); its session keys too when asked."""
-        request = gateway_pb2.ListApiKeysRequest(include_sessions=include_sessions, page_size=page_size)
+        request = gateway_pb2.ListApiKeysRequest(
+            include_sessions=include_sessions, page_size=page_size, page_token=page_token
+        )
         return self._paged(timeout, "ListApiKeys", request, lambda p: p.keys)
 
     @rpc("RevokeApiKey")
@@ -730,11 +839,13 @@ class Client:
 
     @rpc("ListApprovals")
     def approvals(
-        self, *, status: int | str = 0, page_size: int = 0, timeout: float | None = None
-    ) -> AsyncIterator[Waitpoint]:
+        self, *, status: int | str = 0, page_size: int = 0, page_token: str = "", timeout: float | None = None
+    ) -> Pages[Waitpoint]:
         """Your parked runs whose held actions await your decision (pending unless ``status``)."""
         request = gateway_pb2.ListApprovalsRequest(
-            status=_enum(common_pb2.WaitpointStatus, "WAITPOINT_STATUS_", status), page_size=page_size
+            status=_enum(common_pb2.WaitpointStatus, "WAITPOINT_STATUS_", status),
+            page_size=page_size,
+            page_token=page_token,
         )
         return self._paged(timeout, "ListApprovals", request, lambda p: p.waitpoints)
 
