@@ -31,6 +31,7 @@ import httpx
 import pytest
 import pytest_asyncio
 from a2a.types import a2a_pb2
+from opentelemetry.instrumentation.utils import suppress_instrumentation
 
 import quayutec_client
 from quayutec.ledger import run_id_for
@@ -200,7 +201,9 @@ async def _flows_on(
     # A bad argument, refused by the Gateway itself, from a caller with a trace context of its own.
     trace_id, span_id, header = traceparent()
     stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-    with pytest.raises(grpc.aio.AioRpcError) as bad:
+    # The caller's own client is not ours: earlier tests of the session may have instrumented this
+    # process's gRPC clients, which would put this process's trace context in place of the caller's.
+    with pytest.raises(grpc.aio.AioRpcError) as bad, suppress_instrumentation():
         await stub.PostMessage(
             gateway_pb2.PostMessageRequest(
                 room_id=world.room_id, person="ana", body="hi", mention_agent_ids=["nobody"]
@@ -248,14 +251,15 @@ async def _flows_on(
     # it, then closed by the watcher.
     trace_id, span_id, header = traceparent()
     seen.watch_caller, seen.watch_request_id = (trace_id, span_id), f"watch-{tag}"
-    call = stub.WatchRoom(
-        gateway_pb2.WatchRoomRequest(room_id=world.room_id, after=0),
-        metadata=(
-            ("authorization", f"Bearer {world.acme_key}"),
-            ("traceparent", header),
-            ("x-request-id", seen.watch_request_id),
-        ),
-    )
+    with suppress_instrumentation():  # as above: the caller's traceparent goes as it is
+        call = stub.WatchRoom(
+            gateway_pb2.WatchRoomRequest(room_id=world.room_id, after=0),
+            metadata=(
+                ("authorization", f"Bearer {world.acme_key}"),
+                ("traceparent", header),
+                ("x-request-id", seen.watch_request_id),
+            ),
+        )
     # The stream is open once it answers (it replays the room's events from cursor 0).
     await asyncio.wait_for(call.read(), BOUND)
     watched = await gw.PostMessage(gateway_pb2.PostMessageRequest(room_id=world.room_id, person="ana", body="watch me"))
