@@ -13,6 +13,7 @@ import asyncpg
 
 from quayutec.crypto import InvalidToken, MultiFernet
 from quayutec.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from quayutec.jaeger import trace_ids as unique_trace_ids
 from quayutec.sql import Queries
 from quayutec.v1 import common_pb2
 from services.room import convert
@@ -439,7 +440,7 @@ def _action_of(run: common_pb2.Run, index: int) -> common_pb2.DeclaredAction:
 
 def trace_ids_of(run: common_pb2.Run) -> list[str]:
     """Every trace id ``run`` names, its first (trace_id) first, each once."""
-    return list(dict.fromkeys(t for t in (run.trace_id, *run.trace_ids) if t))
+    return unique_trace_ids(run.trace_id, run.trace_ids)
 
 
 def _run_args(run: common_pb2.Run) -> tuple[Any, ...]:
